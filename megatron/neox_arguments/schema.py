@@ -1,0 +1,144 @@
+"""The one schema of every setting: name, type, default, allowed values and a one-line doc.
+
+A setting is defined here and nowhere else. Names follow GPT-NeoX wherever GPT-NeoX has the
+setting, written with underscores (YAML may use dashes; loading normalises them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    type: type | tuple[type, ...]
+    default: Any
+    doc: str
+    group: str
+    choices: tuple[Any, ...] | None = None
+    derived: bool = False  # computed from other settings; a YAML may not set it
+
+
+def _s(group: str):
+    def make(name, type_, default, doc, choices=None, derived=False):
+        return Setting(name, type_, default, doc, group, choices, derived)
+
+    return make
+
+
+_model = _s("model")
+_train = _s("training")
+_ckpt = _s("checkpointing")
+_data = _s("data")
+_launch = _s("launcher")
+_log = _s("logging")
+_derived = _s("derived")
+
+OPT_INT = (int, type(None))
+OPT_FLOAT = (float, int, type(None))
+OPT_STR = (str, type(None))
+FLOAT = (float, int)
+
+SETTINGS_LIST: list[Setting] = [
+    # --- model architecture -------------------------------------------------------------
+    _model("num_layers", int, None, "number of transformer layers"),
+    _model("hidden_size", int, None, "width of the residual stream"),
+    _model("num_attention_heads", int, None, "number of query attention heads"),
+    _model("num_kv_heads", OPT_INT, None, "key/value heads for grouped-query attention; unset means one per query head"),
+    _model("intermediate_size", OPT_INT, None, "MLP inner width; unset means 4 x hidden (gelu) or Llama's 8/3 x hidden rounded to mlp_multiple_of (swiglu)"),
+    _model("mlp_multiple_of", int, 256, "round the swiglu inner width up to a multiple of this when intermediate_size is unset"),
+    _model("seq_length", int, None, "tokens per training sample"),
+    _model("max_position_embeddings", OPT_INT, None, "longest sequence the position embedding supports; unset means seq_length"),
+    _model("pos_emb", str, "learned", "position embedding", choices=("learned", "rotary", "none")),
+    _model("rotary_pct", FLOAT, 1.0, "fraction of each head's dimensions that rotary embedding rotates"),
+    _model("rotary_emb_base", int, 10000, "rotary embedding base (Llama's rope_theta)"),
+    _model("no_weight_tying", bool, False, "untie the input embedding and the output layer"),
+    _model("gpt_j_residual", bool, False, "parallel residual: attention and MLP both read the layer input (GPT-NeoX/Pythia)"),
+    _model("norm", str, "layernorm", "normalisation layer", choices=("layernorm", "rmsnorm")),
+    _model("layernorm_epsilon", float, 1.0e-5, "LayerNorm epsilon"),
+    _model("rms_norm_epsilon", float, 1.0e-8, "RMSNorm epsilon"),
+    _model("activation", str, "gelu", "MLP activation; swiglu is Llama's gated SiLU MLP", choices=("gelu", "relu", "silu", "swiglu")),
+    _model("use_bias_in_norms", bool, True, "LayerNorm has a bias"),
+    _model("use_bias_in_attn_linear", bool, True, "attention projections have biases"),
+    _model("use_bias_in_mlp", bool, True, "MLP projections have biases"),
+    _model("hidden_dropout", FLOAT, 0.1, "dropout on the residual branches"),
+    _model("attention_dropout", FLOAT, 0.1, "dropout on the attention probabilities"),
+    _model("init_method", str, "normal", "initialisation of input-side weights", choices=("normal", "small_init", "wang_init", "scaled_normal")),
+    _model("output_layer_init_method", str, "scaled_normal", "initialisation of output-side weights (attention dense, MLP linear2)", choices=("normal", "small_init", "wang_init", "scaled_normal")),
+    _model("init_method_std", float, 0.02, "standard deviation of the normal initialisers"),
+    _model("checkpoint_activations", bool, False, "recompute each layer's activations in the backward pass to save memory"),
+    _model("make_vocab_size_divisible_by", int, 128, "pad the vocabulary to a multiple of this"),
+    _model("model_parallel_size", int, 1, "tensor-parallel size (only 1 is supported for now)"),
+    _model("pipe_parallel_size", int, 0, "pipeline-parallel size (0 or 1: no pipeline)"),
+    # --- optimisation ---------------------------------------------------------------------
+    _train("optimizer", (dict, type(None)), None, "optimizer as {type: Adam|AdamW|SGD, params: {lr, betas, eps, ...}}"),
+    _train("lr", OPT_FLOAT, None, "peak learning rate; normally given as optimizer.params.lr"),
+    _train("min_lr", FLOAT, 0.0, "learning rate at the end of the decay"),
+    _train("lr_decay_style", str, "cosine", "decay after warmup", choices=("constant", "linear", "cosine")),
+    _train("lr_decay_iters", OPT_INT, None, "iterations over which the LR decays; unset means train_iters"),
+    _train("warmup", FLOAT, 0.01, "warmup length: a fraction of lr_decay_iters when < 1, else a number of iterations"),
+    _train("weight_decay", FLOAT, 0.01, "weight decay (not applied to biases and norm weights)"),
+    _train("gradient_clipping", FLOAT, 1.0, "clip the global gradient norm to this (0 disables)"),
+    _train("train_iters", OPT_INT, None, "number of training iterations"),
+    _train("train_micro_batch_size_per_gpu", OPT_INT, None, "samples per rank per forward pass"),
+    _train("gradient_accumulation_steps", OPT_INT, None, "micro batches per optimizer step"),
+    _train("train_batch_size", OPT_INT, None, "samples per optimizer step across all ranks"),
+    _train("zero_optimization", (dict, type(None)), None, "DeepSpeed ZeRO settings, e.g. {stage: 2}"),
+    _train("fp16", (dict, type(None)), None, "DeepSpeed fp16 settings, e.g. {enabled: true, loss_scale: 0}"),
+    _train("bf16", (dict, type(None)), None, "DeepSpeed bf16 settings, e.g. {enabled: true}"),
+    _train("precision", OPT_STR, None, "training dtype; derived from fp16/bf16 when unset", choices=("fp32", "fp16", "bf16", None)),
+    _train("seed", int, 1234, "random seed (weights, data order, dropout)"),
+    _train("deepspeed_extra_args", (dict, type(None)), None, "DeepSpeed config keys passed through unchanged"),
+    # --- evaluation and logging -----------------------------------------------------------
+    _log("eval_interval", int, 1000, "evaluate on the validation split every this many iterations"),
+    _log("eval_iters", int, 10, "validation batches per evaluation"),
+    _log("log_interval", int, 100, "print a training line every this many iterations"),
+    _log("steps_per_print", int, 10, "DeepSpeed's own print interval"),
+    _log("tensorboard_dir", OPT_STR, None, "write TensorBoard scalars here"),
+    _log("log_dir", OPT_STR, None, "write text logs here"),
+    _log("use_wandb", bool, False, "log to Weights & Biases (when installed)"),
+    _log("wandb_project", OPT_STR, None, "W&B project"),
+    _log("wandb_group", OPT_STR, None, "W&B group"),
+    # --- checkpointing -------------------------------------------------------------------
+    _ckpt("save", OPT_STR, None, "directory to save checkpoints to"),
+    _ckpt("load", OPT_STR, None, "checkpoint directory to load from"),
+    _ckpt("checkpoint_factor", OPT_INT, None, "save every this many iterations (GPT-NeoX name)"),
+    _ckpt("save_interval", OPT_INT, None, "alias of checkpoint_factor"),
+    _ckpt("keep_last_n_checkpoints", OPT_INT, None, "delete older checkpoint tags, keeping this many"),
+    _ckpt("finetune", bool, False, "load weights only; fresh optimizer, iteration 0, no RNG restore"),
+    _ckpt("no_load_optim", bool, False, "load weights, iteration and RNG; fresh optimizer and LR schedule"),
+    _ckpt("no_load_rng", bool, False, "do not restore RNG states"),
+    _ckpt("iteration", OPT_INT, None, "load tag global_step<iteration> instead of the one in `latest`"),
+    _ckpt("load_module_strict", bool, True, "every checkpoint key must match the model exactly"),
+    _ckpt("checkpoint_validation_with_forward_pass", bool, False, "store logits of a fixed batch at save and compare after load"),
+    # --- data ----------------------------------------------------------------------------
+    _data("data_path", OPT_STR, None, "prefix of one .bin/.idx dataset, split by `split`"),
+    _data("train_data_paths", (list, type(None)), None, "prefixes of training datasets"),
+    _data("valid_data_paths", (list, type(None)), None, "prefixes of validation datasets"),
+    _data("test_data_paths", (list, type(None)), None, "prefixes of test datasets"),
+    _data("train_data_weights", (list, type(None)), None, "blending weights of train_data_paths"),
+    _data("valid_data_weights", (list, type(None)), None, "blending weights of valid_data_paths"),
+    _data("test_data_weights", (list, type(None)), None, "blending weights of test_data_paths"),
+    _data("split", str, "969, 30, 1", "train, valid, test proportions of data_path"),
+    _data("data_impl", str, "mmap", "dataset format", choices=("mmap",)),
+    _data("tokenizer_type", str, "HFTokenizer", "tokenizer", choices=("HFTokenizer", "ByteLevelTokenizer", "CharLevelTokenizer")),
+    _data("vocab_file", OPT_STR, None, "tokenizer file (a `tokenizers` JSON for HFTokenizer)"),
+    _data("embedded_corpus", bool, False, "build (once, cached) and use the embedded corpus that needs no download"),
+    _data("num_workers", int, 0, "data-loader worker processes"),
+    # --- launcher ------------------------------------------------------------------------
+    _launch("num_gpus", OPT_INT, None, "ranks per node (CPU ranks when there is no GPU; default 1 then)"),
+    _launch("num_nodes", OPT_INT, None, "number of nodes"),
+    _launch("hostfile", OPT_STR, None, "DeepSpeed hostfile"),
+    _launch("include", OPT_STR, None, "DeepSpeed --include host/slot filter"),
+    _launch("exclude", OPT_STR, None, "DeepSpeed --exclude host/slot filter"),
+    _launch("master_port", int, 29500, "rendezvous port"),
+    _launch("master_addr", OPT_STR, None, "rendezvous address"),
+    _launch("launcher", str, "pdsh", "multi-node launcher", choices=("pdsh", "openmpi", "mvapich", "slurm", "jsrun", "mpich", "impi")),
+    # --- derived (set by the loader, never by a YAML) -------------------------------------
+    _derived("padded_vocab_size", OPT_INT, None, "vocabulary size padded to make_vocab_size_divisible_by", derived=True),
+    _derived("config_files", (dict, type(None)), None, "the YAML files the run was started with: name -> text", derived=True),
+]
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in SETTINGS_LIST}
