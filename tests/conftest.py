@@ -1,0 +1,56 @@
+"""Shared test fixtures: a one-process distributed world and a fp16-capable CPU accelerator."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def single_rank_world():
+    """torch.distributed (gloo) with world size 1 plus megatron-core's process groups.
+
+    Real DeepSpeed engines need an initialised process group; one per test session suffices.
+    """
+    import deepspeed
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    yield
+    # Process groups live until the interpreter exits; destroying them mid-session breaks
+    # later tests that share this fixture.
+
+
+@pytest.fixture
+def fp16_capable_cpu(monkeypatch):
+    """DeepSpeed's CPU accelerator refuses fp16 although torch runs it on CPU (DESIGN §6).
+
+    Tests only: declare it fp16-capable so fp16 engines can be built.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: True)
+    yield
