@@ -1,0 +1,139 @@
+"""One rank-aware logger: rank 0 speaks, other ranks only report warnings and errors."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+LOGGER_NAME = "neox"
+
+
+def current_rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+class _RankFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return current_rank() == 0 or record.levelno >= logging.WARNING
+
+
+def get_logger() -> logging.Logger:
+    logger = logging.getLogger(LOGGER_NAME)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.addFilter(_RankFilter())
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger
+
+
+def quiet_deepspeed() -> None:
+    """DeepSpeed logs every engine detail at INFO; keep its warnings, drop the chatter."""
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.setLevel(logging.WARNING)
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+
+
+def format_train_line(iteration: int, train_iters: int, scalars: dict, elapsed: float, left: float) -> str:
+    parts = [f"iteration {iteration:>{len(str(train_iters))}}/{train_iters}", f"loss {scalars['train/loss']:.4f}",
+             f"lr {scalars['train/lr']:.3e}"]
+    if scalars.get("train/grad_norm") is not None:
+        parts.append(f"grad norm {scalars['train/grad_norm']:.3f}")
+    if scalars.get("train/loss_scale") is not None:
+        parts.append(f"loss scale {scalars['train/loss_scale']:g}")
+    parts += [f"tokens/s {scalars['train/tokens_per_second']:,.0f}", f"elapsed {format_duration(elapsed)}",
+              f"left {format_duration(left)}"]
+    return " | ".join(parts)
+
+
+class ProgressReporter:
+    """Rank 0's view of training: a line every ``log_interval`` steps, and a bar on a terminal."""
+
+    def __init__(self, args, first_iteration: int):
+        self.train_iters = args.train_iters
+        self.log_interval = max(args.log_interval, 1)
+        self.first_iteration = first_iteration
+        self.started = time.perf_counter()
+        self.logger = get_logger()
+        self.bar = None
+        if current_rank() == 0 and sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=args.train_iters, initial=first_iteration, dynamic_ncols=True, leave=False)
+
+    def step(self, iteration: int, scalars: dict) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{scalars['train/loss']:.4f}", lr=f"{scalars['train/lr']:.2e}")
+        if iteration % self.log_interval == 0 or iteration == self.train_iters:
+            elapsed = time.perf_counter() - self.started
+            per_step = elapsed / max(iteration - self.first_iteration, 1)
+            line = format_train_line(iteration, self.train_iters, scalars, elapsed,
+                                     per_step * (self.train_iters - iteration))
+            self.message(line)
+
+    def message(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            self.logger.info(line)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class MetricsWriter:
+    """TensorBoard scalars when ``tensorboard_dir`` is set, W&B when ``use_wandb`` is; rank 0 only."""
+
+    def __init__(self, args):
+        self.tensorboard = None
+        self.wandb_run = None
+        if current_rank() != 0:
+            return
+        if args.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as error:
+                raise RuntimeError(
+                    f"tensorboard_dir is set ({args.tensorboard_dir}) but TensorBoard is not installed: "
+                    "pip install tensorboard, or unset tensorboard_dir"
+                ) from error
+            self.tensorboard = SummaryWriter(log_dir=args.tensorboard_dir)
+        if args.use_wandb:
+            try:
+                import wandb
+            except ImportError:
+                get_logger().warning("use_wandb is set but wandb is not installed; W&B logging is off")
+            else:
+                self.wandb_run = wandb.init(project=args.wandb_project, group=args.wandb_group,
+                                            config=args.to_dict())
+
+    def write(self, scalars: dict, step: int) -> None:
+        present = {k: v for k, v in scalars.items() if v is not None}
+        if self.tensorboard is not None:
+            for key, value in present.items():
+                self.tensorboard.add_scalar(key, value, step)
+        if self.wandb_run is not None:
+            self.wandb_run.log(present, step=step)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()

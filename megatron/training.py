@@ -1,0 +1,207 @@
+"""Set-up (tokenizer, data, model, optimizer, engine, checkpoint) and the train/eval loop."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.initialize import data_parallel_rank_and_size, initialize_distributed, set_seeds
+from megatron.learning_rates import learning_rate_for_args, set_learning_rate
+from megatron.logging import MetricsWriter, ProgressReporter, get_logger, quiet_deepspeed
+from megatron.optimizers import build_param_groups
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+
+
+@dataclass
+class RunResult:
+    """What a finished run reports (the last losses), for callers and tests."""
+
+    iteration: int
+    last_train_loss: float | None
+    last_valid_loss: float | None
+    test_loss: float | None
+
+
+def apply_embedded_corpus(args) -> None:
+    """`embedded_corpus: true`: build (once, cached) the corpus that needs no download and use it."""
+    from megatron.data.embedded_corpus import ensure_embedded_corpus
+
+    corpus = ensure_embedded_corpus()
+    args.data_path = corpus.data_prefix
+    args.vocab_file = corpus.vocab_file
+    args.tokenizer_type = "HFTokenizer"
+
+
+def samples_per_split(args) -> tuple[int, int, int]:
+    """Samples each split must provide: every train step, every evaluation, the final test eval."""
+    evaluations = args.train_iters // args.eval_interval + 1
+    return (
+        args.train_iters * args.train_batch_size,
+        evaluations * args.eval_iters * args.train_batch_size,
+        args.eval_iters * args.train_batch_size,
+    )
+
+
+def _device() -> torch.device:
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
+def forward_loss(engine, batch) -> torch.Tensor:
+    from megatron.data import get_batch
+    from megatron.model import causal_lm_loss
+
+    tokens, labels, loss_mask = (t.to(_device()) for t in get_batch(batch))
+    logits = engine(tokens)
+    return causal_lm_loss(logits, labels, loss_mask)
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.detach().float().clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return value.item()
+
+
+def train_step(engine, train_iterator) -> float:
+    """One optimizer step: ``gradient_accumulation_steps`` micro batches, then DeepSpeed steps."""
+    losses = []
+    for _ in range(engine.gradient_accumulation_steps()):
+        loss = forward_loss(engine, next(train_iterator))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().float())
+    return _mean_over_ranks(torch.stack(losses).mean())
+
+
+@torch.no_grad()
+def evaluate(engine, iterator, eval_iters: int) -> float:
+    engine.eval()
+    losses = [forward_loss(engine, next(iterator)).float() for _ in range(eval_iters)]
+    engine.train()
+    return _mean_over_ranks(torch.stack(losses).mean())
+
+
+def _loss_scale(engine) -> float | None:
+    if not engine.fp16_enabled():
+        return None
+    return float(getattr(engine.optimizer, "cur_scale", getattr(engine.optimizer, "loss_scale", 0.0)))
+
+
+def _grad_norm(engine) -> float | None:
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    return float(norm.item() if torch.is_tensor(norm) else norm)
+
+
+def _should_save(args, iteration: int) -> bool:
+    return bool(args.save) and bool(args.checkpoint_factor) and iteration % args.checkpoint_factor == 0
+
+
+def setup(args):
+    """Everything before the first step; returns (engine, state, iterators)."""
+    import deepspeed
+
+    from megatron.checkpointing import load_checkpoint, plan_load
+    from megatron.data import build_data_iterators
+    from megatron.model import build_model
+    from megatron.neox_arguments import padded_vocab_size
+    from megatron.tokenizer import build_tokenizer
+
+    log = get_logger()
+    quiet_deepspeed()
+    initialize_distributed(args)
+    dp_rank, dp_size = data_parallel_rank_and_size()
+    if args.embedded_corpus:
+        apply_embedded_corpus(args)
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = padded_vocab_size(
+        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.model_parallel_size
+    )
+    plan = plan_load(args, dp_size)
+
+    set_seeds(args.seed)
+    model = build_model(args)
+    log.info(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, precision {args.precision}, "
+             f"ZeRO stage {args.zero_stage}, {dp_size} data-parallel rank(s)")
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=build_param_groups(model, args.weight_decay),
+        config=args.deepspeed_config(),
+    )
+    state = TrainState()
+    restored_rng = False
+    if plan is not None:
+        outcome = load_checkpoint(args, engine, plan)
+        if outcome is not None:
+            state = TrainState(outcome.iteration, outcome.consumed_train_samples)
+            restored_rng = outcome.restored_rng
+    if not restored_rng:
+        # Same weights on every rank came from the shared seed above; dropout differs per rank.
+        set_seeds(args.seed + 1 + dp_rank)
+    iterators = build_data_iterators(
+        args, samples_per_split(args), dp_rank, dp_size, state.consumed_train_samples
+    )
+    return engine, state, iterators
+
+
+def train(args, engine, state: TrainState, iterators) -> RunResult:
+    from megatron.checkpointing import save_checkpoint
+
+    train_iterator, valid_iterator, test_iterator = iterators
+    metrics = MetricsWriter(args)
+    progress = ProgressReporter(args, first_iteration=state.iteration)
+    tokens_per_step = args.train_batch_size * args.seq_length
+    last_train_loss = last_valid_loss = None
+    engine.train()
+    while state.iteration < args.train_iters:
+        step = state.iteration + 1
+        lr = learning_rate_for_args(args, step)
+        set_learning_rate(engine.optimizer, lr)
+        started = time.perf_counter()
+        last_train_loss = train_step(engine, train_iterator)
+        state.iteration = step
+        state.consumed_train_samples += args.train_batch_size
+        step_seconds = time.perf_counter() - started
+        scalars = {"train/loss": last_train_loss, "train/lr": lr, "train/grad_norm": _grad_norm(engine),
+                   "train/loss_scale": _loss_scale(engine), "train/tokens_per_second": tokens_per_step / step_seconds}
+        metrics.write(scalars, step)
+        progress.step(step, scalars)
+        if valid_iterator is not None and args.eval_interval and step % args.eval_interval == 0:
+            last_valid_loss = evaluate(engine, valid_iterator, args.eval_iters)
+            metrics.write({"valid/loss": last_valid_loss, "valid/ppl": _perplexity(last_valid_loss)}, step)
+            progress.message(f"validation at iteration {step}: loss {last_valid_loss:.4f} | "
+                             f"perplexity {_perplexity(last_valid_loss):.2f}")
+        if _should_save(args, step) and step != args.train_iters:
+            save_checkpoint(args, engine, step, state.consumed_train_samples)
+    progress.close()
+    if args.save and state.iteration > 0:
+        save_checkpoint(args, engine, state.iteration, state.consumed_train_samples)
+    test_loss = None
+    if test_iterator is not None and args.eval_iters > 0:
+        test_loss = evaluate(engine, test_iterator, args.eval_iters)
+        metrics.write({"test/loss": test_loss, "test/ppl": _perplexity(test_loss)}, state.iteration)
+        get_logger().info(f"test: loss {test_loss:.4f} | perplexity {_perplexity(test_loss):.2f}")
+    metrics.close()
+    return RunResult(state.iteration, last_train_loss, last_valid_loss, test_loss)
+
+
+def _perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))
+
+
+def pretrain(args) -> RunResult:
+    engine, state, iterators = setup(args)
+    return train(args, engine, state, iterators)
