@@ -1,0 +1,64 @@
+"""End to end: ``python deepy.py train.py configs/tiny.yml <overrides>`` as a user runs it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from megatron.learning_rates import learning_rate_at
+from tests.e2e import checkpoint_files, run_deepy, train_lines, write_overrides
+
+pytestmark = pytest.mark.e2e
+
+
+def test_single_rank_run_trains_evaluates_and_saves(tmp_path):
+    save = tmp_path / "ckpt"
+    overrides = write_overrides(tmp_path, save=str(save), train_iters=40, checkpoint_factor=20, eval_interval=20)
+    result = run_deepy(["configs/tiny.yml", overrides])
+    lines = train_lines(result.stdout)
+    assert [line.iteration for line in lines][-1] == 40
+    first, last = lines[0].loss, lines[-1].loss
+    assert last < first - 0.5, f"loss did not fall: {first:.3f} -> {last:.3f}"
+    assert re.search(r"validation at iteration 20: loss [\d.]+ \| perplexity [\d.]+", result.stdout)
+    assert re.search(r"test: loss [\d.]+ \| perplexity", result.stdout)
+    assert (save / "latest").read_text().strip() == "global_step40"
+    files = checkpoint_files(save / "global_step40")
+    assert "mp_rank_00_model_states.pt" in files
+    assert any(f.endswith("zero_pp_rank_0_mp_rank_00_optim_states.pt") for f in files)
+    assert {"tiny.yml", overrides.name} <= set(checkpoint_files(save / "global_step40" / "configs"))
+
+
+@pytest.mark.distributed
+def test_two_ranks_zero1_bf16_trains_and_saves_per_rank_optimizer_shards(tmp_path):
+    save = tmp_path / "ckpt"
+    overrides = write_overrides(
+        tmp_path, save=str(save), train_iters=30, checkpoint_factor=30, eval_interval=30, num_gpus=2,
+        precision="bf16", bf16={"enabled": True}, zero_optimization={"stage": 1},
+    )
+    result = run_deepy(["configs/tiny.yml", overrides])
+    lines = train_lines(result.stdout)
+    assert lines[-1].iteration == 30
+    assert lines[-1].loss < lines[0].loss - 0.5
+    files = checkpoint_files(save / "global_step30")
+    for rank in (0, 1):
+        assert any(f.endswith(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt") for f in files), files
+
+
+def test_resume_continues_at_the_next_iteration_with_the_scheduled_lr(tmp_path):
+    save = tmp_path / "ckpt"
+    schedule = {"train_iters": 30, "lr_decay_iters": 30, "warmup": 5}
+    first = write_overrides(tmp_path, name="first.yml", save=str(save), checkpoint_factor=10,
+                            eval_interval=100, **{**schedule, "train_iters": 20})
+    run_deepy(["configs/tiny.yml", first])
+    assert (save / "latest").read_text().strip() == "global_step20"
+
+    resumed = write_overrides(tmp_path, name="resume.yml", save=str(save), load=str(save),
+                              checkpoint_factor=10, eval_interval=100, **schedule)
+    result = run_deepy(["configs/tiny.yml", resumed])
+    lines = train_lines(result.stdout)
+    assert lines[0].iteration == 21
+    expected = learning_rate_at(21, peak_lr=0.002, min_lr=0.0002, warmup_iters=5, decay_iters=30,
+                                decay_style="cosine")
+    assert lines[0].lr == pytest.approx(expected, rel=1e-3)
+    assert (save / "latest").read_text().strip() == "global_step30"
