@@ -1,0 +1,128 @@
+"""From settings to datasets and data-loader iterators: what the training loop calls."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from megatron.data.blendable_dataset import BlendableDataset, normalize_weights, samples_per_dataset
+from megatron.data.errors import DataError
+from megatron.data.gpt_dataset import GPTDataset
+from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.data.samplers import DistributedBatchSampler
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def parse_split(split: str) -> np.ndarray:
+    """"969, 30, 1" -> normalised train/valid/test proportions (missing ones are 0)."""
+    try:
+        parts = [float(p) for p in split.replace("/", ",").split(",") if p.strip()]
+    except ValueError as err:
+        raise DataError(f"split {split!r} must be comma-separated numbers such as '969, 30, 1'") from err
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise DataError(f"split {split!r} must give 1 to 3 non-negative proportions with a positive sum")
+    parts += [0.0] * (3 - len(parts))
+    return np.asarray(parts) / sum(parts)
+
+
+def split_document_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) document ranges of train, valid and test."""
+    bounds = np.concatenate([[0], np.round(np.cumsum(parse_split(split)) * num_documents)]).astype(np.int64)
+    bounds[-1] = num_documents
+    return [(int(bounds[i]), int(bounds[i + 1])) for i in range(3)]
+
+
+def _gpt_dataset(args, name: str, data: MMapIndexedDataset, documents: np.ndarray, num_samples: int) -> GPTDataset:
+    return GPTDataset(name, data, documents, num_samples, args.seq_length, args.seed)
+
+
+def _blended_dataset(args, name: str, paths: Sequence[str], weights, num_samples: int):
+    setting = f"{name}_data_paths"
+    if weights is None:
+        weights = [1.0] * len(paths)
+    normalised = normalize_weights(weights, paths, f"{name}_data_weights")
+    counts = samples_per_dataset(normalised, num_samples)
+    datasets = []
+    for i, (path, count) in enumerate(zip(paths, counts, strict=True)):
+        data = MMapIndexedDataset(path, setting=f"{setting}[{i}]")
+        datasets.append(_gpt_dataset(args, name, data, np.arange(len(data)), int(count)))
+    if len(datasets) == 1:
+        return datasets[0]
+    return BlendableDataset(datasets, normalised, num_samples)
+
+
+def build_train_valid_test_datasets(args, train_valid_test_num_samples: tuple[int, int, int]):
+    """(train, valid, test) datasets of {"text": int64[seq_length + 1]} items; a split without data or
+    without requested samples is None."""
+    if args.seq_length is None or args.seq_length < 1:
+        raise DataError("seq_length must be set to a positive number of tokens to build GPT samples")
+    if args.train_data_paths:
+        paths = {"train": args.train_data_paths, "valid": args.valid_data_paths, "test": args.test_data_paths}
+        weights = {"train": args.train_data_weights, "valid": args.valid_data_weights,
+                   "test": args.test_data_weights}
+        return tuple(
+            _blended_dataset(args, name, paths[name], weights[name], int(num_samples))
+            if paths[name] and num_samples > 0 else None
+            for name, num_samples in zip(SPLIT_NAMES, train_valid_test_num_samples, strict=True)
+        )
+    if args.data_path:
+        data = MMapIndexedDataset(args.data_path, setting="data_path")
+        ranges = split_document_ranges(args.split, len(data))
+        return tuple(
+            _gpt_dataset(args, name, data, np.arange(start, end), int(num_samples))
+            if end > start and num_samples > 0 else None
+            for name, (start, end), num_samples in zip(SPLIT_NAMES, ranges, train_valid_test_num_samples, strict=True)
+        )
+    raise DataError("no training data: set data_path (one dataset split by `split`), train_data_paths "
+                    "(with valid_data_paths/test_data_paths), or embedded_corpus: true")
+
+
+def _loader(dataset, sampler: DistributedBatchSampler, num_workers: int):
+    return iter(DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers))
+
+
+def build_data_iterators(
+    args,
+    train_valid_test_num_samples: tuple[int, int, int],
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    consumed_train_samples: int = 0,
+):
+    """(train, valid, test) iterators of {"text": LongTensor[micro_batch, seq_length + 1]} batches, or None.
+
+    The train iterator starts at global sample consumed_train_samples and ends with the dataset;
+    valid and test iterators start at 0 and cycle forever."""
+    datasets = build_train_valid_test_datasets(args, train_valid_test_num_samples)
+    micro = args.train_micro_batch_size_per_gpu
+    if not micro:
+        raise DataError("train_micro_batch_size_per_gpu must be set to build data iterators")
+    iterators = []
+    for name, dataset in zip(SPLIT_NAMES, datasets, strict=True):
+        if dataset is None:
+            iterators.append(None)
+            continue
+        is_train = name == "train"
+        sampler = DistributedBatchSampler(
+            len(dataset),
+            consumed_train_samples if is_train else 0,
+            micro,
+            data_parallel_rank,
+            data_parallel_size,
+            cycle=not is_train,
+        )
+        iterators.append(_loader(dataset, sampler, args.num_workers))
+    return tuple(iterators)
+
+
+def get_batch(batch: dict[str, torch.Tensor], eod_token: int | None = None):
+    """(tokens, labels, loss_mask): inputs, next-token targets and a loss mask of ones (GPT-NeoX's default;
+    eod_token is accepted for its signature, masking the loss at eod is not offered)."""
+    text = batch["text"].long()
+    tokens = text[:, :-1].contiguous()
+    labels = text[:, 1:].contiguous()
+    loss_mask = torch.ones(tokens.shape, dtype=torch.float, device=tokens.device)
+    return tokens, labels, loss_mask

@@ -1,0 +1,55 @@
+"""Raw documents from local files: jsonl (chosen fields of each line) or plain text (one document per file)."""
+
+from __future__ import annotations
+
+import glob
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from megatron.data.errors import DataError
+
+
+def expand_input_paths(spec: str) -> list[Path]:
+    """Comma-separated files or globs -> the matching files, in the given order (each glob sorted)."""
+    paths: list[Path] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        matches = sorted(glob.glob(part, recursive=True)) if glob.has_magic(part) else [part]
+        if not matches:
+            raise DataError(f"input glob {part!r} matches no file")
+        for match in matches:
+            path = Path(match)
+            if not path.is_file():
+                raise DataError(f"input {match!r} is not a file")
+            paths.append(path)
+    if not paths:
+        raise DataError(f"input {spec!r} names no file")
+    return paths
+
+
+def is_jsonl(path: Path) -> bool:
+    return path.suffix in (".jsonl", ".json")
+
+
+def iter_documents(paths: list[Path], jsonl_keys: list[str]) -> Iterator[dict[str, str]]:
+    """Yield {key: text} per document; a plain-text file is one document under every key."""
+    for path in paths:
+        if not is_jsonl(path):
+            text = path.read_text(encoding="utf-8", errors="replace")
+            yield {key: text for key in jsonl_keys}
+            continue
+        with path.open(encoding="utf-8") as stream:
+            for line_number, line in enumerate(stream, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{path}:{line_number} is not valid JSON ({err})") from err
+                missing = [key for key in jsonl_keys if key not in record]
+                if missing:
+                    raise DataError(f"{path}:{line_number} has no field {missing[0]!r}; "
+                                    f"choose the fields with --jsonl-keys (found {sorted(record)})")
+                yield {key: str(record[key]) for key in jsonl_keys}

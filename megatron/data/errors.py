@@ -1,0 +1,5 @@
+"""The one exception class of the data area."""
+
+
+class DataError(RuntimeError):
+    """A dataset cannot be read, written or sampled as asked; the message says what, where and what to do."""

@@ -1,0 +1,59 @@
+"""Tokenize jsonl or plain-text files into GPT-NeoX mmap indexed datasets (.bin/.idx).
+
+    python tools/datasets/preprocess_data.py --input 'data/*.jsonl' --output-prefix data/mydata \\
+        --tokenizer-type HFTokenizer --vocab-file tokenizer.json --append-eod --workers 4
+
+writes data/mydata_text_document.bin/.idx (one pair per --jsonl-keys field); train with
+data_path: data/mydata_text_document. A plain-text file is one document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from megatron.data.document_sources import expand_input_paths, iter_documents  # noqa: E402
+from megatron.data.preprocessing import TokenizerSpec, tokenize_to_indexed_datasets  # noqa: E402
+from megatron.tokenizer.tokenizer import TOKENIZER_TYPES  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", required=True, help="comma-separated files or globs (.jsonl/.json or text)")
+    parser.add_argument("--output-prefix", required=True, help="outputs are <prefix>_<key>_document.bin/.idx")
+    parser.add_argument("--jsonl-keys", nargs="+", default=["text"], help="jsonl fields to tokenize")
+    parser.add_argument("--tokenizer-type", default="HFTokenizer", choices=TOKENIZER_TYPES)
+    parser.add_argument("--vocab-file", default=None, help="tokenizer.json for HFTokenizer")
+    parser.add_argument("--append-eod", action="store_true", help="end every document with the eod token")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    parser.add_argument("--log-interval", type=int, default=100, help="refresh the rates every N documents")
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    documents = iter_documents(expand_input_paths(args.input), args.jsonl_keys)
+    result = tokenize_to_indexed_datasets(
+        documents,
+        args.output_prefix,
+        args.jsonl_keys,
+        TokenizerSpec(args.tokenizer_type, args.vocab_file),
+        append_eod=args.append_eod,
+        workers=args.workers,
+        progress=True,
+        log_interval=args.log_interval,
+    )
+    rate = result.tokens / max(result.seconds, 1e-9)
+    print(f"{result.documents} documents, {result.tokens} tokens in {result.seconds:.1f} s ({rate:.0f} tokens/s)")
+    for key, prefix in result.prefixes.items():
+        print(f"{key}: {prefix}")
+
+
+if __name__ == "__main__":
+    main()
