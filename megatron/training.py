@@ -110,11 +110,20 @@ def _should_save(args, iteration: int) -> bool:
     return bool(args.save) and bool(args.checkpoint_factor) and iteration % args.checkpoint_factor == 0
 
 
+def _save(args, engine, state: TrainState) -> None:
+    from megatron.checkpointing import forward_validation, save_checkpoint
+
+    extra = None
+    if args.checkpoint_validation_with_forward_pass:
+        extra = {forward_validation.CLIENT_STATE_KEY: forward_validation.capture(engine, args)}
+    save_checkpoint(args, engine, state.iteration, state.consumed_train_samples, extra_client_state=extra)
+
+
 def setup(args):
     """Everything before the first step; returns (engine, state, iterators)."""
     import deepspeed
 
-    from megatron.checkpointing import load_checkpoint, plan_load
+    from megatron.checkpointing import forward_validation, load_checkpoint, plan_load
     from megatron.data import build_data_iterators
     from megatron.model import build_model
     from megatron.neox_arguments import padded_vocab_size
@@ -148,6 +157,10 @@ def setup(args):
         if outcome is not None:
             state = TrainState(outcome.iteration, outcome.consumed_train_samples)
             restored_rng = outcome.restored_rng
+            if args.checkpoint_validation_with_forward_pass:
+                stored = outcome.client_state.get(forward_validation.CLIENT_STATE_KEY)
+                difference = forward_validation.check(engine, args, stored, f"{args.load} ({outcome.tag})")
+                log.info(f"forward-pass validation of the loaded weights passed (relative difference {difference:.2e})")
     if not restored_rng:
         # Same weights on every rank came from the shared seed above; dropout differs per rank.
         set_seeds(args.seed + 1 + dp_rank)
@@ -158,8 +171,6 @@ def setup(args):
 
 
 def train(args, engine, state: TrainState, iterators) -> RunResult:
-    from megatron.checkpointing import save_checkpoint
-
     train_iterator, valid_iterator, test_iterator = iterators
     metrics = MetricsWriter(args)
     progress = ProgressReporter(args, first_iteration=state.iteration)
@@ -185,10 +196,10 @@ def train(args, engine, state: TrainState, iterators) -> RunResult:
             progress.message(f"validation at iteration {step}: loss {last_valid_loss:.4f} | "
                              f"perplexity {_perplexity(last_valid_loss):.2f}")
         if _should_save(args, step) and step != args.train_iters:
-            save_checkpoint(args, engine, step, state.consumed_train_samples)
+            _save(args, engine, state)
     progress.close()
     if args.save and state.iteration > 0:
-        save_checkpoint(args, engine, state.iteration, state.consumed_train_samples)
+        _save(args, engine, state)
     test_loss = None
     if test_iterator is not None and args.eval_iters > 0:
         test_loss = evaluate(engine, test_iterator, args.eval_iters)
