@@ -176,6 +176,7 @@ def train(args, engine, state: TrainState, iterators) -> RunResult:
     progress = ProgressReporter(args, first_iteration=state.iteration)
     tokens_per_step = args.train_batch_size * args.seq_length
     last_train_loss = last_valid_loss = None
+    start_iteration = state.iteration
     engine.train()
     while state.iteration < args.train_iters:
         step = state.iteration + 1
@@ -198,7 +199,7 @@ def train(args, engine, state: TrainState, iterators) -> RunResult:
         if _should_save(args, step) and step != args.train_iters:
             _save(args, engine, state)
     progress.close()
-    if args.save and state.iteration > 0:
+    if args.save and state.iteration > start_iteration:
         _save(args, engine, state)
     test_loss = None
     if test_iterator is not None and args.eval_iters > 0:
