@@ -1,0 +1,86 @@
+"""Causal self-attention with a fused query/key/value projection laid out as GPT-NeoX lays it out.
+
+Layout of ``query_key_value``'s output (per tensor-parallel partition):
+- num_kv_heads == num_attention_heads: per head [q, k, v], i.e. viewed as heads x 3 x head_dim;
+- num_kv_heads < num_attention_heads (grouped-query attention): all query heads, then all key
+  heads, then all value heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron.model.architecture import Architecture
+from megatron.model.parallel_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    model_parallel_config,
+    tensor_parallel_size,
+)
+from megatron.model.rotary import apply_rotary
+
+
+class SelfAttention(torch.nn.Module):
+    def __init__(self, arch: Architecture, init_method, output_init_method):
+        super().__init__()
+        tp = tensor_parallel_size()
+        config = model_parallel_config()
+        self.head_dim = arch.head_dim
+        self.heads = arch.num_attention_heads // tp
+        self.kv_heads = arch.num_kv_heads // tp
+        self.grouped_layout = arch.num_kv_heads < arch.num_attention_heads
+        self.dropout = arch.attention_dropout
+        fused_width = (arch.num_attention_heads + 2 * arch.num_kv_heads) * arch.head_dim
+        self.query_key_value = ColumnParallelLinear(
+            arch.hidden_size,
+            fused_width,
+            config=config,
+            init_method=init_method,
+            bias=arch.bias_in_attn_linear,
+            gather_output=False,
+        )
+        self.dense = RowParallelLinear(
+            arch.num_attention_heads * arch.head_dim,
+            arch.hidden_size,
+            config=config,
+            init_method=output_init_method,
+            bias=arch.bias_in_attn_linear,
+            input_is_parallel=True,
+            skip_bias_add=False,
+        )
+
+    def split_heads(self, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[b, s, fused] -> q [b, heads, s, d], k and v [b, kv_heads, s, d]."""
+        b, s, _ = fused.shape
+        d = self.head_dim
+        if self.grouped_layout:
+            q, k, v = fused.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+            q = q.view(b, s, self.heads, d)
+            k = k.view(b, s, self.kv_heads, d)
+            v = v.view(b, s, self.kv_heads, d)
+        else:
+            q, k, v = fused.view(b, s, self.heads, 3 * d).chunk(3, dim=-1)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(
+        self, hidden: torch.Tensor, rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
+        fused, _ = self.query_key_value(hidden)
+        q, k, v = self.split_heads(fused)
+        if rotary_cos_sin is not None:
+            cos, sin = rotary_cos_sin
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        context = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=True,
+            scale=self.head_dim**-0.5,
+            enable_gqa=self.kv_heads != self.heads,
+        )
+        b, _, s, _ = context.shape
+        context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        out, _ = self.dense(context)
+        return out

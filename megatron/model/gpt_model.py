@@ -1,0 +1,127 @@
+"""GPTModel: one decoder-only transformer covering the GPT-NeoX/Pythia and Llama families.
+
+Submodules sit at GPT-NeoX's pipeline positions so that parameter names match GPT-NeoX
+checkpoints one to one:
+
+    sequential.0                 embedding (word_embeddings, position_embeddings)
+    sequential.<i + 2>           transformer layer i
+    sequential.<num_layers + 3>  final norm (``norm``)
+    sequential.<num_layers + 4>  output layer (``final_linear``), absent with tied embeddings
+
+(GPT-NeoX's positions 1 and num_layers + 2 hold parameterless functions; they have no module here.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from deepspeed.accelerator import get_accelerator
+
+from megatron.model.architecture import Architecture, architecture_from_args
+from megatron.model.embedding import Embedding
+from megatron.model.errors import ModelConfigError
+from megatron.model.init_methods import init_std, normal_init
+from megatron.model.norms import build_norm
+from megatron.model.parallel_layers import ColumnParallelLinear, model_parallel_config
+from megatron.model.rotary import RotaryEmbedding
+from megatron.model.transformer_layer import TransformerLayer
+
+
+class FinalNorm(torch.nn.Module):
+    def __init__(self, arch: Architecture):
+        super().__init__()
+        self.norm = build_norm(arch.norm, arch.hidden_size, arch.norm_epsilon, arch.bias_in_norms)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
+
+
+class OutputLayer(torch.nn.Module):
+    def __init__(self, arch: Architecture, init_method):
+        super().__init__()
+        self.final_linear = ColumnParallelLinear(
+            arch.hidden_size,
+            arch.vocab_size,
+            config=model_parallel_config(),
+            init_method=init_method,
+            bias=False,
+            gather_output=True,
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits, _ = self.final_linear(hidden)
+        return logits
+
+
+def layer_key(index: int) -> str:
+    """Key in ``sequential`` of transformer layer ``index`` (0-based)."""
+    return str(index + 2)
+
+
+class GPTModel(torch.nn.Module):
+    def __init__(self, args: Any):
+        super().__init__()
+        arch = architecture_from_args(args)
+        self.arch = arch
+        init_method = normal_init(
+            init_std(arch.init_method, arch.init_method_std, arch.num_layers, arch.hidden_size)
+        )
+        output_init_method = normal_init(
+            init_std(arch.output_layer_init_method, arch.init_method_std, arch.num_layers, arch.hidden_size)
+        )
+        modules: dict[str, torch.nn.Module] = {"0": Embedding(arch, init_method)}
+        for i in range(arch.num_layers):
+            modules[layer_key(i)] = TransformerLayer(arch, init_method, output_init_method)
+        modules[str(arch.num_layers + 3)] = FinalNorm(arch)
+        if not arch.tied_embeddings:
+            modules[str(arch.num_layers + 4)] = OutputLayer(arch, init_method)
+        self.sequential = torch.nn.ModuleDict(modules)
+        self.rotary = (
+            RotaryEmbedding(arch.rotary_ndims, arch.rotary_emb_base) if arch.pos_emb == "rotary" else None
+        )
+
+    @property
+    def embedding(self) -> Embedding:
+        return self.sequential["0"]
+
+    @property
+    def layers(self) -> list[TransformerLayer]:
+        return [self.sequential[layer_key(i)] for i in range(self.arch.num_layers)]
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [b, s] -> logits [b, s, padded_vocab_size] in the parameter dtype."""
+        seq_len = input_ids.shape[1]
+        if position_ids is None:
+            max_positions = self.arch.max_position_embeddings
+            if self.arch.pos_emb == "learned" and seq_len > max_positions:
+                raise ModelConfigError(
+                    f"sequence of {seq_len} tokens is longer than max_position_embeddings={max_positions} "
+                    "of the learned position embedding; shorten the input or raise max_position_embeddings"
+                )
+            position_ids = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)
+        hidden = self.embedding(input_ids, position_ids)
+        rotary_cos_sin = None if self.rotary is None else self.rotary.cos_sin(position_ids, hidden.dtype)
+        recompute = self.arch.checkpoint_activations and self.training and torch.is_grad_enabled()
+        for layer in self.layers:
+            if recompute:
+                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, rotary_cos_sin, use_reentrant=False)
+            else:
+                hidden = layer(hidden, rotary_cos_sin)
+        hidden = self.sequential[str(self.arch.num_layers + 3)](hidden)
+        if self.arch.tied_embeddings:
+            return F.linear(hidden, self.embedding.word_embeddings.weight)
+        return self.sequential[str(self.arch.num_layers + 4)](hidden)
+
+
+def build_model(args: Any) -> GPTModel:
+    """GPTModel with weights drawn from ``args.seed`` (same seed, same weights), on the accelerator.
+
+    The global RNG state is left as it was.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(args.seed)
+        model = GPTModel(args)
+    return model.to(get_accelerator().current_device_name())

@@ -1,0 +1,42 @@
+"""One pre-norm decoder layer, with GPT-NeoX's sequential or parallel (GPT-J) residual."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron.model.architecture import Architecture
+from megatron.model.attention import SelfAttention
+from megatron.model.mlp import MLP
+from megatron.model.norms import build_norm
+
+
+class TransformerLayer(torch.nn.Module):
+    """sequential: h = x + attn(ln1(x)); out = h + mlp(ln2(h)).
+    parallel (gpt_j_residual): out = x + attn(ln1(x)) + mlp(ln2(x)).
+    Dropout (hidden_dropout) applies to each branch output before it is added.
+    """
+
+    def __init__(self, arch: Architecture, init_method, output_init_method):
+        super().__init__()
+        self.parallel_residual = arch.parallel_residual
+        self.hidden_dropout = arch.hidden_dropout
+        self.input_layernorm = build_norm(arch.norm, arch.hidden_size, arch.norm_epsilon, arch.bias_in_norms)
+        self.attention = SelfAttention(arch, init_method, output_init_method)
+        self.post_attention_layernorm = build_norm(
+            arch.norm, arch.hidden_size, arch.norm_epsilon, arch.bias_in_norms
+        )
+        self.mlp = MLP(arch, init_method, output_init_method)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, p=self.hidden_dropout, training=self.training)
+
+    def forward(
+        self, x: torch.Tensor, rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
+        attn_out = self._dropout(self.attention(self.input_layernorm(x), rotary_cos_sin))
+        if self.parallel_residual:
+            mlp_out = self._dropout(self.mlp(self.post_attention_layernorm(x)))
+            return x + attn_out + mlp_out
+        hidden = x + attn_out
+        return hidden + self._dropout(self.mlp(self.post_attention_layernorm(hidden)))
