@@ -1,0 +1,191 @@
+"""Checkpoint save and load: the entry points the training loop calls.
+
+    plan = plan_load(args, dp_size)          # before deepspeed.initialize: inspect files, fail fast
+    engine = deepspeed.initialize(...)
+    outcome = load_checkpoint(args, engine, plan)
+    ...
+    save_checkpoint(args, engine, iteration, consumed_train_samples)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron.checkpointing import layout
+from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.inventory import inventory_checkpoint
+from megatron.checkpointing.plan import RNG_STATES_KEY, LoadMode, LoadPlan, build_load_plan
+from megatron.checkpointing.rng import collect_rng_states, restore_rng_states
+
+__all__ = [
+    "CheckpointError", "LoadMode", "LoadOutcome", "LoadPlan", "load_checkpoint", "plan_load", "save_checkpoint",
+]
+
+FORMAT_VERSION = 1
+FORMAT_VERSION_KEY = "checkpoint_format_version"
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    iteration: int
+    consumed_train_samples: int
+    loaded_optimizer: bool
+    restored_rng: bool
+    tag: str | None
+    client_state: dict[str, Any] = field(repr=False)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _gather_rng_states() -> list[dict[str, Any]]:
+    """Every rank's generator states, indexed by global rank (dropout differs per rank)."""
+    import torch.distributed as dist
+
+    mine = collect_rng_states()
+    _, world = _rank_and_world()
+    if world == 1:
+        return [mine]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
+def _logger():
+    from megatron.logging import get_logger
+
+    return get_logger()
+
+
+def save_checkpoint(
+    args, engine, iteration: int, consumed_train_samples: int, extra_client_state: dict | None = None
+) -> Path:
+    """Save tag global_step<iteration> under `args.save`; all ranks call it (DeepSpeed's save is collective).
+
+    `latest` is written only after the tag is complete (engine files and configs), then old tags
+    are pruned per `keep_last_n_checkpoints`.
+    """
+    from megatron.checkpointing import forward_validation
+    from megatron.checkpointing.engine_save import save_engine_checkpoint
+
+    if not args.save:
+        raise CheckpointError("save_checkpoint was called but `save` is not set; set `save: <directory>`.")
+    save_dir = Path(args.save).expanduser()
+    tag = layout.tag_for_iteration(iteration)
+    client_state: dict[str, Any] = {
+        FORMAT_VERSION_KEY: FORMAT_VERSION,
+        "iteration": int(iteration),
+        "consumed_train_samples": int(consumed_train_samples),
+        "args": args.to_dict(),
+        RNG_STATES_KEY: _gather_rng_states(),
+    }
+    if args.checkpoint_validation_with_forward_pass:
+        client_state[forward_validation.CLIENT_STATE_KEY] = forward_validation.capture(engine, args)
+    client_state.update(extra_client_state or {})
+
+    tag_dir = Path(save_engine_checkpoint(engine, save_dir, tag, client_state))
+    rank, _ = _rank_and_world()
+    if rank == 0:
+        layout.copy_configs(args.config_files, tag_dir)
+        layout.write_latest(save_dir, tag)
+        deleted = layout.prune_checkpoints(save_dir, args.keep_last_n_checkpoints)
+        message = f"saved checkpoint {tag_dir}"
+        if deleted:
+            message += f" (deleted older tags {', '.join(deleted)}: keep_last_n_checkpoints is {args.keep_last_n_checkpoints})"
+        _logger().info(message)
+    _barrier()
+    return tag_dir
+
+
+def plan_load(args, data_parallel_size: int) -> LoadPlan | None:
+    """Inspect `args.load` and decide what to load; call before deepspeed.initialize so bad loads fail fast.
+
+    None when `load` is unset. Raises CheckpointError when the plan cannot be carried out.
+    """
+    if not args.load:
+        return None
+    plan = build_load_plan(args, inventory_checkpoint(args.load), data_parallel_size)
+    _logger().info(plan.describe())
+    return plan
+
+
+def _module_weights(plan: LoadPlan, args):
+    if plan.source_format == "hf":
+        try:
+            from megatron.hf import load_hf_module_weights
+        except ImportError as error:
+            raise CheckpointError(
+                f"`load: {plan.load_dir}` is a Hugging Face model folder, but this installation cannot read "
+                f"one (megatron.hf.load_hf_module_weights is missing: {error}). Convert it with tools/ckpts first."
+            ) from error
+        return load_hf_module_weights(plan.load_dir, args)
+    from megatron.checkpointing.module_weights import read_module_weights
+
+    return read_module_weights(plan.tag_dir)
+
+
+def _saved_progress(plan: LoadPlan, client_state: dict, args) -> tuple[int, int]:
+    if not plan.iteration_from_checkpoint:
+        return 0, 0
+    iteration = client_state.get("iteration", plan.saved_iteration)
+    if iteration is None:
+        raise CheckpointError(
+            f"{plan.tag_dir} records no iteration (no 'iteration' in its client state, tag not named "
+            "global_step<N>); set `finetune: true` to start at iteration 0 from its weights."
+        )
+    consumed = client_state.get("consumed_train_samples")
+    if consumed is None:
+        consumed = int(iteration) * int(args.train_batch_size or 0)
+        _logger().info(f"{plan.tag_dir} records no consumed_train_samples; assuming iteration x train_batch_size = {consumed}")
+    return int(iteration), int(consumed)
+
+
+def load_checkpoint(args, engine, plan: LoadPlan) -> LoadOutcome | None:
+    """Carry out `plan` on `engine`; None when the plan has nothing to load (auto-resume first run)."""
+    from megatron.checkpointing import forward_validation
+
+    if plan.nothing_to_load:
+        return None
+    if plan.load_optimizer:
+        load_path, client_state = engine.load_checkpoint(
+            str(plan.load_dir),
+            tag=plan.tag,
+            load_module_strict=args.load_module_strict,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,  # the LR is a function of the iteration
+        )
+        if load_path is None:
+            raise CheckpointError(
+                f"DeepSpeed did not load {plan.tag_dir} (engine.load_checkpoint returned no path); "
+                f"the files it reads are {[p.name for p in plan.files]}. Check they are readable."
+            )
+    else:
+        from megatron.checkpointing.module_load import load_module_only
+
+        load_module_only(engine, _module_weights(plan, args), strict=args.load_module_strict)
+        client_state = plan.client_state
+    if args.checkpoint_validation_with_forward_pass and plan.source_format != "hf":
+        forward_validation.check(engine, args, client_state.get(forward_validation.CLIENT_STATE_KEY),
+                                 source=str(plan.tag_dir))
+    if plan.restore_rng:
+        rank, _ = _rank_and_world()
+        restore_rng_states(client_state[RNG_STATES_KEY][rank])
+    iteration, consumed = _saved_progress(plan, client_state, args)
+    _logger().info(f"loaded {plan.tag_dir or plan.load_dir} ({plan.mode.value}): starting at iteration {iteration}, "
+                   f"{consumed} samples consumed")
+    return LoadOutcome(iteration=iteration, consumed_train_samples=consumed, loaded_optimizer=plan.load_optimizer,
+                       restored_rng=plan.restore_rng, tag=plan.tag, client_state=client_state)

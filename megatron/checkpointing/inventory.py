@@ -1,0 +1,263 @@
+"""What a checkpoint directory holds, found by looking at file names and small metadata only.
+
+No engine is touched. The metadata of a tag (ZeRO stage, precision, saved settings, client state)
+comes from its model-states file, opened with ``mmap=True`` so the weights inside are mapped, not
+read, and read once per file.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from megatron.checkpointing import layout
+from megatron.checkpointing.errors import CheckpointError
+
+FORMAT_DEEPSPEED = "deepspeed"  # mp_rank_XX_model_states.pt holds the module
+FORMAT_PIPELINE = "pipeline"  # GPT-NeoX layer_XX-model_YY-model_states.pt files hold it
+FORMAT_ZERO3 = "zero3"  # only ZeRO-3 partitions: zero_pp_rank_X_mp_rank_YY_model_states.pt
+FORMAT_HF = "hf"  # a Hugging Face model folder: config.json + weights
+FORMAT_INCOMPLETE = "incomplete"  # a tag folder without any module file
+
+# Keys DeepSpeed itself writes into a model-states file; every other key is client state.
+DEEPSPEED_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps",
+    "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+    "checkpoint_parallel_dimensions",
+})
+
+HF_WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+
+
+@dataclass(frozen=True)
+class SavedMetadata:
+    """The small facts a model-states file holds about the run that wrote it."""
+
+    source: Path
+    zero_stage: int
+    precision: str
+    dp_world_size: int | None
+    mp_world_size: int | None
+    global_steps: int | None
+    has_module_weights: bool  # False for ZeRO-3 placeholders and GPT-NeoX pipeline metadata files
+    has_optimizer_in_file: bool  # without ZeRO the optimizer state lives in this file
+    client_state: dict[str, Any] = field(repr=False)
+
+    @property
+    def saved_args(self) -> dict[str, Any] | None:
+        args = self.client_state.get("args")
+        return args if isinstance(args, dict) else None
+
+
+def _precision_from_ds_config(ds_config: dict) -> str:
+    if (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled"):
+        return "bf16"
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        return "fp16"
+    return "fp32"
+
+
+def _holds_weights(module: Any) -> bool:
+    if not isinstance(module, dict):
+        return False
+    return any(getattr(value, "numel", lambda: 0)() > 0 for value in module.values())
+
+
+@functools.lru_cache(maxsize=32)
+def _read_metadata_cached(path: str, _mtime_ns: int, _size: int) -> SavedMetadata:
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as error:  # torch raises several types for truncated or foreign files
+        raise CheckpointError(
+            f"cannot read checkpoint file {path}: {type(error).__name__}: {error}. The file is "
+            "truncated, corrupt or not a torch checkpoint; restore it, or load another tag with `iteration: N`."
+        ) from error
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"checkpoint file {path} holds a {type(state).__name__}, not a DeepSpeed model-states dict."
+        )
+    ds_config = state.get("ds_config") if isinstance(state.get("ds_config"), dict) else {}
+    client_state = {key: value for key, value in state.items() if key not in DEEPSPEED_KEYS}
+    saved_args = client_state.get("args") if isinstance(client_state.get("args"), dict) else {}
+    zero_stage = (ds_config.get("zero_optimization") or {}).get("stage", saved_args.get("zero_stage", 0))
+    precision = saved_args.get("precision") or _precision_from_ds_config(ds_config)
+    return SavedMetadata(
+        source=Path(path),
+        zero_stage=int(zero_stage),
+        precision=precision,
+        dp_world_size=state.get("dp_world_size"),
+        mp_world_size=state.get("mp_world_size"),
+        global_steps=state.get("global_steps"),
+        has_module_weights=_holds_weights(state.get("module")),
+        has_optimizer_in_file=state.get("optimizer") is not None,
+        client_state=client_state,
+    )
+
+
+def read_saved_metadata(path: Path) -> SavedMetadata:
+    """Metadata of one model-states file, cached per (path, mtime, size)."""
+    stat = Path(path).stat()
+    return _read_metadata_cached(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@dataclass(frozen=True)
+class TagInventory:
+    """The files of one tag folder, by kind and rank."""
+
+    tag: str
+    path: Path
+    iteration: int | None  # from the tag name
+    model_states_files: dict[int, Path]  # mp rank -> mp_rank_XX_model_states.pt
+    zero3_model_states_files: dict[tuple[int, int], Path]  # (dp, mp) -> ZeRO-3 model-states file
+    optimizer_files: dict[tuple[int, int], Path]  # (dp, mp) -> *zero_pp_rank_X_mp_rank_YY_optim_states.pt
+    layer_files: tuple[Path, ...]
+    universal: bool  # ds_to_universal output present: loadable at another DP size
+
+    @property
+    def exists(self) -> bool:
+        return self.path.is_dir()
+
+    @property
+    def format(self) -> str:
+        if self.layer_files:
+            return FORMAT_PIPELINE
+        if self.model_states_files:
+            return FORMAT_DEEPSPEED
+        if self.zero3_model_states_files:
+            return FORMAT_ZERO3
+        return FORMAT_INCOMPLETE
+
+    @property
+    def metadata_file(self) -> Path | None:
+        """The file the tag's metadata (client state, DeepSpeed config) is read from."""
+        if self.model_states_files:
+            return self.model_states_files[min(self.model_states_files)]
+        if self.zero3_model_states_files:
+            return self.zero3_model_states_files[min(self.zero3_model_states_files)]
+        return None
+
+    @cached_property
+    def metadata(self) -> SavedMetadata | None:
+        return read_saved_metadata(self.metadata_file) if self.metadata_file else None
+
+    @property
+    def mp_ranks(self) -> tuple[int, ...]:
+        ranks = set(self.model_states_files)
+        ranks.update(mp for _, mp in self.zero3_model_states_files)
+        ranks.update(mp for _, mp in self.optimizer_files)
+        ranks.update(int(layout.LAYER_FILE_RE.match(p.name).group(2)) for p in self.layer_files)
+        return tuple(sorted(ranks))
+
+    @property
+    def saved_tp_size(self) -> int:
+        """Tensor-parallel size the tag was saved with: its mp_rank files, else the saved settings."""
+        if self.mp_ranks:
+            return max(self.mp_ranks) + 1
+        args = self.metadata.saved_args if self.metadata else None
+        return int((args or {}).get("model_parallel_size") or 1)
+
+    @property
+    def optimizer_dp_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({dp for dp, _ in self.optimizer_files}))
+
+    @property
+    def saved_dp_size(self) -> int | None:
+        """Distinct DP ranks in the optimizer file names (None without ZeRO optimizer files)."""
+        return len(self.optimizer_dp_ranks) or None
+
+    @property
+    def has_optimizer_states(self) -> bool:
+        if self.optimizer_files:
+            return True
+        return bool(self.metadata and self.metadata.has_optimizer_in_file)
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        """Every checkpoint file of the tag."""
+        return tuple(sorted({
+            *self.model_states_files.values(), *self.zero3_model_states_files.values(),
+            *self.optimizer_files.values(), *self.layer_files,
+        }))
+
+
+@dataclass(frozen=True)
+class CheckpointInventory:
+    """What `load_dir` holds: tags and their iterations, the `latest` tag, or a Hugging Face model."""
+
+    root: Path
+    exists: bool
+    latest: str | None
+    tags: dict[str, TagInventory]  # oldest first
+    hf_weight_files: tuple[Path, ...] = ()
+
+    @property
+    def is_hf(self) -> bool:
+        return bool(self.hf_weight_files)
+
+    @property
+    def format(self) -> str | None:
+        if self.is_hf:
+            return FORMAT_HF
+        if self.latest in self.tags:
+            return self.tags[self.latest].format
+        return None
+
+    @property
+    def iterations(self) -> list[int]:
+        return [t.iteration for t in self.tags.values() if t.iteration is not None]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.tags and self.latest is None and not self.is_hf
+
+
+def inventory_tag(root: Path, tag: str) -> TagInventory:
+    path = Path(root) / tag
+    model_states, zero3_states, optimizer, layers = {}, {}, {}, []
+    if path.is_dir():
+        for child in path.iterdir():
+            name = child.name
+            if match := layout.MODEL_STATES_RE.match(name):
+                model_states[int(match.group(1))] = child
+            elif match := layout.ZERO3_MODEL_STATES_RE.match(name):
+                zero3_states[(int(match.group(1)), int(match.group(2)))] = child
+            elif match := layout.OPTIM_STATES_RE.match(name):
+                optimizer[(int(match.group(2)), int(match.group(3)))] = child
+            elif layout.LAYER_FILE_RE.match(name):
+                layers.append(child)
+    return TagInventory(
+        tag=tag,
+        path=path,
+        iteration=layout.iteration_of_tag(tag),
+        model_states_files=dict(sorted(model_states.items())),
+        zero3_model_states_files=dict(sorted(zero3_states.items())),
+        optimizer_files=dict(sorted(optimizer.items())),
+        layer_files=tuple(sorted(layers)),
+        universal=(path / layout.UNIVERSAL_DIR).is_dir(),
+    )
+
+
+def _hf_weight_files(root: Path) -> tuple[Path, ...]:
+    if not (root / "config.json").is_file():
+        return ()
+    return tuple(sorted(p for pattern in HF_WEIGHT_GLOBS for p in root.glob(pattern)))
+
+
+def inventory_checkpoint(load_dir: str | Path) -> CheckpointInventory:
+    """Describe `load_dir` without touching any engine; weights are never read."""
+    root = Path(load_dir).expanduser()
+    if not root.is_dir():
+        return CheckpointInventory(root=root, exists=False, latest=None, tags={})
+    latest = layout.read_latest(root)
+    names = list(layout.list_tags(root))
+    if latest is not None and latest not in names and (root / latest).is_dir():
+        names.append(latest)  # a tag named otherwise than global_step<N>
+    tags = {name: inventory_tag(root, name) for name in names}
+    return CheckpointInventory(root=root, exists=True, latest=latest, tags=tags,
+                               hf_weight_files=_hf_weight_files(root))

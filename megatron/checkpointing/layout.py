@@ -1,0 +1,133 @@
+"""The on-disk layout of a checkpoint directory (DESIGN §4): tag names, `latest`, file-name patterns.
+
+Every file name of a checkpoint is spelled here and nowhere else. The patterns follow DeepSpeed and
+GPT-NeoX so their tools can read what we write and we can read what they wrote::
+
+    <root>/latest                                              text: the newest complete tag
+    <root>/global_step<N>/mp_rank_<MP:02d>_model_states.pt     module + client state
+    <root>/global_step<N>/zero_pp_rank_<DP>_mp_rank_<MP:02d>_model_states.pt   (ZeRO-3, per DP rank)
+    <root>/global_step<N>/[bf16_]zero_pp_rank_<DP>_mp_rank_<MP:02d>_optim_states.pt   ZeRO shards
+    <root>/global_step<N>/layer_<II>-model_<MP:02d>-model_states.pt   GPT-NeoX pipeline layers
+    <root>/global_step<N>/configs/*.yml                        the run's YAML files
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from megatron.checkpointing.errors import CheckpointError
+
+LATEST_FILE = "latest"
+CONFIGS_DIR = "configs"
+TAG_PREFIX = "global_step"
+
+TAG_RE = re.compile(rf"^{TAG_PREFIX}(\d+)$")
+MODEL_STATES_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+ZERO3_MODEL_STATES_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+# DeepSpeed prefixes the optimizer shards by mode, e.g. "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt".
+OPTIM_STATES_RE = re.compile(r"^(?:([a-z0-9]+)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+LAYER_FILE_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+# Written by ds_to_universal: a tag holding this folder can be loaded at another DP size.
+UNIVERSAL_DIR = "zero"
+
+
+def tag_for_iteration(iteration: int) -> str:
+    return f"{TAG_PREFIX}{int(iteration)}"
+
+
+def iteration_of_tag(tag: str) -> int | None:
+    """The iteration a `global_step<N>` tag names; None for tags named otherwise."""
+    match = TAG_RE.match(tag)
+    return int(match.group(1)) if match else None
+
+
+def model_states_name(mp_rank: int) -> str:
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def zero3_model_states_name(dp_rank: int, mp_rank: int) -> str:
+    return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def optim_states_name(dp_rank: int, mp_rank: int, prefix: str | None = None) -> str:
+    lead = f"{prefix}_" if prefix else ""
+    return f"{lead}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def layer_file_name(layer: int, mp_rank: int) -> str:
+    return f"layer_{layer:02d}-model_{mp_rank:02d}-model_states.pt"
+
+
+def read_latest(root: Path) -> str | None:
+    """The tag named in `<root>/latest`, or None when there is no such file."""
+    path = Path(root) / LATEST_FILE
+    if not path.is_file():
+        return None
+    tag = path.read_text().strip()
+    if not tag:
+        raise CheckpointError(
+            f"{path} is empty; it should name the newest complete checkpoint tag. Write the tag "
+            f"(e.g. '{TAG_PREFIX}1000') into it, or set `iteration: N` to pick a tag."
+        )
+    return tag
+
+
+def write_latest(root: Path, tag: str) -> None:
+    """Point `latest` at `tag`, atomically: a reader sees the old tag or the new one, never half."""
+    root = Path(root)
+    tmp = root / f".{LATEST_FILE}.tmp"
+    tmp.write_text(tag)
+    os.replace(tmp, root / LATEST_FILE)
+
+
+def list_tags(root: Path) -> dict[str, int]:
+    """`global_step<N>` folders under `root` -> N, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return {}
+    found = {}
+    for child in root.iterdir():
+        iteration = iteration_of_tag(child.name)
+        if iteration is not None and child.is_dir():
+            found[child.name] = iteration
+    return dict(sorted(found.items(), key=lambda item: item[1]))
+
+
+def copy_configs(config_files: dict[str, str] | None, tag_dir: Path) -> list[Path]:
+    """Write the run's YAML files ({basename: text}) into `<tag_dir>/configs/`."""
+    if not config_files:
+        return []
+    target = Path(tag_dir) / CONFIGS_DIR
+    target.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in config_files.items():
+        path = target / Path(name).name
+        path.write_text(text)
+        written.append(path)
+    return written
+
+
+def prune_checkpoints(root: Path, keep_last_n: int | None) -> list[str]:
+    """Delete all but the newest `keep_last_n` `global_step<N>` tags; never the tag `latest` names.
+
+    Call on one rank only. Returns the deleted tags.
+    """
+    if keep_last_n is None:
+        return []
+    if keep_last_n < 1:
+        raise CheckpointError(
+            f"keep_last_n_checkpoints is {keep_last_n}; it must be at least 1 (or unset to keep every tag)."
+        )
+    root = Path(root)
+    protected = read_latest(root)
+    tags = list(list_tags(root))
+    deleted = []
+    for tag in tags[: max(len(tags) - keep_last_n, 0)]:
+        if tag == protected:
+            continue
+        shutil.rmtree(root / tag)
+        deleted.append(tag)
+    return deleted

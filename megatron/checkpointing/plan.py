@@ -1,0 +1,237 @@
+"""The load plan: what a run will load and what starts fresh, decided before any engine exists.
+
+| setting                 | weights | optimizer | iteration       | RNG states           | data position  |
+| `load` only (resume)    | yes     | yes       | from checkpoint | yes, unless no_load_rng | from iteration |
+| `load` + `no_load_optim`| yes     | fresh     | from checkpoint | yes, unless no_load_rng | from iteration |
+| `load` + `finetune`     | yes     | fresh     | 0               | no                   | start          |
+
+`iteration: N` picks tag `global_step<N>`; otherwise the tag in `latest`. The learning rate is a
+function of the iteration (megatron/learning_rates.py), so it follows the iteration column.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron.checkpointing import layout, preflight
+from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.inventory import (
+    FORMAT_HF,
+    FORMAT_INCOMPLETE,
+    FORMAT_PIPELINE,
+    FORMAT_ZERO3,
+    CheckpointInventory,
+    TagInventory,
+)
+
+RNG_STATES_KEY = "rng_states"  # client state: one collect_rng_states() dict per global rank
+
+
+class LoadMode(str, enum.Enum):
+    RESUME = "resume"
+    NO_LOAD_OPTIM = "no_load_optim"
+    FINETUNE = "finetune"
+    FIRST_RUN = "auto_resume_first_run"  # load == save and nothing saved yet: start from scratch
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    mode: LoadMode
+    load_dir: Path
+    tag: str | None = None
+    tag_dir: Path | None = None
+    source_format: str | None = None
+    saved_iteration: int | None = None
+    load_optimizer: bool = False
+    iteration_from_checkpoint: bool = False
+    restore_rng: bool = False
+    files: tuple[Path, ...] = ()
+    notes: tuple[str, ...] = ()
+    tag_inventory: TagInventory | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def nothing_to_load(self) -> bool:
+        return self.mode is LoadMode.FIRST_RUN
+
+    @property
+    def module_only(self) -> bool:
+        return not self.nothing_to_load and not self.load_optimizer
+
+    @property
+    def client_state(self) -> dict[str, Any]:
+        """The saved client state (iteration, args, RNG states) of the chosen tag; empty for HF dirs."""
+        if self.tag_inventory is None or self.tag_inventory.metadata is None:
+            return {}
+        return self.tag_inventory.metadata.client_state
+
+    def describe(self) -> str:
+        if self.nothing_to_load:
+            return (f"checkpoint: {self.load_dir} holds no checkpoint yet and is also the save directory; "
+                    "first run of an auto-resuming job, training starts from scratch")
+        source = self.tag_dir if self.tag_dir is not None else self.load_dir
+        saved_at = f", saved at iteration {self.saved_iteration}" if self.saved_iteration is not None else ""
+        loaded, fresh = ["weights"], []
+        (loaded if self.load_optimizer else fresh).append("optimizer states")
+        if self.iteration_from_checkpoint:
+            loaded += [f"iteration {self.saved_iteration} (LR schedule follows it)",
+                       f"data position (after iteration {self.saved_iteration})"]
+        else:
+            fresh += ["iteration 0 (LR schedule from its start)", "data position (first sample)"]
+        (loaded if self.restore_rng else fresh).append("RNG states")
+        root = self.tag_dir if self.tag_dir is not None else self.load_dir
+        files = ", ".join(_relative(p, root) for p in self.files)
+        lines = [
+            f"checkpoint load plan: {self.mode.value} from {source} (format {self.source_format}{saved_at})",
+            f"  loaded: {', '.join(loaded)}",
+            f"  fresh:  {', '.join(fresh) or 'nothing'}",
+            f"  reads:  {files}",
+        ]
+        lines += [f"  note:   {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+def _relative(path: Path, root: Path) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def requested_mode(args) -> LoadMode:
+    if args.finetune:
+        return LoadMode.FINETUNE
+    if args.no_load_optim:
+        return LoadMode.NO_LOAD_OPTIM
+    return LoadMode.RESUME
+
+
+def _same_dir(a: str | Path | None, b: str | Path | None) -> bool:
+    if not a or not b:
+        return False
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def _available(inventory: CheckpointInventory) -> str:
+    iterations = inventory.iterations
+    return f"available iterations: {iterations}" if iterations else "it holds no global_step<N> tags"
+
+
+def _choose_tag(args, inventory: CheckpointInventory) -> str:
+    root = inventory.root
+    if args.iteration is not None:
+        tag = layout.tag_for_iteration(args.iteration)
+        if tag not in inventory.tags:
+            raise CheckpointError(
+                f"`iteration: {args.iteration}` asks for {root / tag}, which does not exist; "
+                f"{_available(inventory)} in {root}. Set `iteration` to one of them, or unset it to load "
+                f"the tag named in {root / layout.LATEST_FILE}."
+            )
+        return tag
+    if inventory.latest is None:
+        raise CheckpointError(
+            f"{root} has no `{layout.LATEST_FILE}` file naming the tag to load; {_available(inventory)}. "
+            f"Set `iteration: N` to pick one."
+        )
+    if inventory.latest not in inventory.tags:
+        raise CheckpointError(
+            f"{root / layout.LATEST_FILE} names tag '{inventory.latest}', but {root / inventory.latest} "
+            f"does not exist; {_available(inventory)}. Set `iteration: N` to pick one, or fix the "
+            f"`{layout.LATEST_FILE}` file."
+        )
+    return inventory.latest
+
+
+def _module_files(tag: TagInventory) -> tuple[Path, ...]:
+    """The files the module-only path reads for this tag (module_weights.read_module_weights)."""
+    if tag.format == FORMAT_PIPELINE:
+        return tag.layer_files
+    if tag.metadata is not None and tag.metadata.has_module_weights and tag.model_states_files:
+        return (tag.model_states_files[min(tag.model_states_files)],)
+    if tag.zero3_model_states_files and tag.optimizer_files:
+        # No full module file: the weights are rebuilt from the ZeRO-3 fp32 partitions.
+        return tuple(tag.zero3_model_states_files.values()) + tuple(tag.optimizer_files.values())
+    raise CheckpointError(
+        f"{tag.path} holds no module weights: no model-states file with a 'module' entry, no pipeline layer "
+        f"files, and no complete ZeRO-3 shards (its files: {[p.name for p in tag.files] or 'none'}). "
+        "The tag is incomplete; load another tag with `iteration: N`."
+    )
+
+
+def _rng_decision(args, mode: LoadMode, tag: TagInventory, world_size: int) -> tuple[bool, list[str]]:
+    if mode is LoadMode.FINETUNE:
+        return False, []
+    if args.no_load_rng:
+        return False, ["RNG states not restored: no_load_rng is set"]
+    saved = tag.metadata.client_state.get(RNG_STATES_KEY) if tag.metadata else None
+    if not saved:
+        return False, [f"RNG states not restored: {tag.path} holds none (saved by another program)"]
+    if len(saved) != world_size:
+        return False, [f"RNG states not restored: saved by {len(saved)} ranks, this run has {world_size}"]
+    return True, []
+
+
+def _hf_plan(args, inventory: CheckpointInventory, mode: LoadMode) -> LoadPlan:
+    root = inventory.root
+    if mode is not LoadMode.FINETUNE or args.iteration is not None:
+        raise CheckpointError(
+            f"`load: {root}` is a Hugging Face model folder: it holds weights only, no optimizer states, "
+            "iteration or RNG states. Set `finetune: true` (and leave `iteration` unset) to start from its weights."
+        )
+    return LoadPlan(mode=mode, load_dir=root, source_format=FORMAT_HF,
+                    files=(root / "config.json", *inventory.hf_weight_files))
+
+
+def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: int) -> LoadPlan:
+    """Decide what to load from `inventory` for these settings; CheckpointError when it cannot be done."""
+    mode = requested_mode(args)
+    root = inventory.root
+    if inventory.is_hf:
+        return _hf_plan(args, inventory, mode)
+    if not inventory.exists or inventory.is_empty:
+        if _same_dir(args.load, args.save) and mode is LoadMode.RESUME and args.iteration is None:
+            return LoadPlan(mode=LoadMode.FIRST_RUN, load_dir=root)
+        where = f"{root} does not exist" if not inventory.exists else (
+            f"{root} holds no checkpoint (no global_step<N> folders, no `{layout.LATEST_FILE}` file)")
+        raise CheckpointError(
+            f"`load: {args.load}` is set but {where}. Fix the path; unset `load` to train from scratch; "
+            "or set `load` and `save` to the same directory to resume automatically when a checkpoint exists."
+        )
+
+    tag_name = _choose_tag(args, inventory)
+    tag = inventory.tags[tag_name]
+    if tag.format == FORMAT_INCOMPLETE:
+        raise CheckpointError(
+            f"{tag.path} is incomplete: it holds no model-states file ({layout.model_states_name(0)}, "
+            f"{layout.zero3_model_states_name(0, 0)}) and no pipeline layer files (an interrupted save?). "
+            f"{_available(inventory)}; pick another with `iteration: N`."
+        )
+    load_optimizer = mode is LoadMode.RESUME
+    if load_optimizer:
+        files = tag.files
+    else:
+        files = tuple(dict.fromkeys((*filter(None, [tag.metadata_file]), *_module_files(tag))))
+    world_size = data_parallel_size * max(args.model_parallel_size or 1, 1) * max(args.pipe_parallel_size or 1, 1)
+    restore_rng, notes = _rng_decision(args, mode, tag, world_size)
+    client = tag.metadata.client_state if tag.metadata else {}
+    saved_iteration = client.get("iteration", tag.iteration)
+    if tag.format == FORMAT_ZERO3 and not load_optimizer:
+        notes.append("no full module file: weights are rebuilt from the ZeRO-3 fp32 partitions")
+    plan = LoadPlan(
+        mode=mode,
+        load_dir=root,
+        tag=tag_name,
+        tag_dir=tag.path,
+        source_format=tag.format,
+        saved_iteration=saved_iteration,
+        load_optimizer=load_optimizer,
+        iteration_from_checkpoint=mode is not LoadMode.FINETUNE,
+        restore_rng=restore_rng,
+        files=files,
+        notes=tuple(notes),
+        tag_inventory=tag,
+    )
+    preflight.check_plan(plan, tag, args, data_parallel_size)
+    return plan

@@ -1,0 +1,154 @@
+"""Checks that a load plan can be carried out with this run's settings, before any engine exists.
+
+Weight-level key/shape mismatches are caught again by strict loading in the engine path; these
+checks name the cause in terms of settings, and catch what the engine would miss or load silently
+(another data-parallel size, ZeRO stage or precision of the optimizer shards).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from megatron.checkpointing import layout
+from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.inventory import FORMAT_PIPELINE, TagInventory
+
+if TYPE_CHECKING:
+    from megatron.checkpointing.plan import LoadPlan
+
+# Settings that decide the names and shapes of the weights (or what they compute).
+ARCHITECTURE_SETTINGS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "intermediate_size",
+    "padded_vocab_size", "norm", "activation", "pos_emb", "rotary_pct", "no_weight_tying",
+    "gpt_j_residual", "use_bias_in_norms", "use_bias_in_attn_linear", "use_bias_in_mlp",
+    "max_position_embeddings",
+)
+_SHOWN_MISMATCHES = 3
+_MODULE_ONLY_HINT = ("set `no_load_optim: true` (keep iteration and data position, fresh optimizer) "
+                     "or `finetune: true` (weights only, start at iteration 0)")
+
+
+def current_zero_stage(args) -> int:
+    stage = (args.zero_optimization or {}).get("stage")
+    return int(stage if stage is not None else getattr(args, "zero_stage", 0) or 0)
+
+
+def current_precision(args) -> str:
+    if args.precision:
+        return args.precision
+    if (args.bf16 or {}).get("enabled"):
+        return "bf16"
+    if (args.fp16 or {}).get("enabled"):
+        return "fp16"
+    return "fp32"
+
+
+def _architecture(values: dict[str, Any]) -> dict[str, Any]:
+    arch = {name: values.get(name) for name in ARCHITECTURE_SETTINGS}
+    if arch["num_kv_heads"] is None:
+        arch["num_kv_heads"] = arch["num_attention_heads"]
+    if arch["pos_emb"] != "learned":
+        arch["max_position_embeddings"] = None  # no weight depends on it
+    return arch
+
+
+def architecture_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(setting, saved value, current value) for each architecture setting both sides know and differ on."""
+    theirs, ours = _architecture(saved), _architecture(current)
+    return [(name, theirs[name], ours[name]) for name in ARCHITECTURE_SETTINGS
+            if theirs[name] is not None and ours[name] is not None and theirs[name] != ours[name]]
+
+
+def _check_tensor_parallel(tag: TagInventory, args) -> None:
+    wanted = args.model_parallel_size or 1
+    saved_args = (tag.metadata.saved_args if tag.metadata else None) or {}
+    saved = saved_args.get("model_parallel_size") or tag.saved_tp_size
+    if tag.saved_tp_size != wanted or saved != wanted:
+        raise CheckpointError(
+            f"{tag.path} was saved with tensor-parallel size {max(saved, tag.saved_tp_size)} "
+            f"(mp_rank files for ranks {list(tag.mp_ranks)}), this run has model_parallel_size {wanted}. "
+            f"Set `model_parallel_size: {saved}`, or convert the checkpoint first."
+        )
+
+
+def _check_architecture(tag: TagInventory, args) -> None:
+    saved_args = tag.metadata.saved_args if tag.metadata else None
+    if not saved_args or not args.load_module_strict:
+        return
+    mismatches = architecture_mismatches(saved_args, args.to_dict())
+    if mismatches:
+        shown = "; ".join(f"{name}: saved {old!r}, now {new!r}" for name, old, new in mismatches[:_SHOWN_MISMATCHES])
+        more = f" (and {len(mismatches) - _SHOWN_MISMATCHES} more)" if len(mismatches) > _SHOWN_MISMATCHES else ""
+        raise CheckpointError(
+            f"the model does not match the checkpoint {tag.path}: {shown}{more}. Use the architecture "
+            "settings the checkpoint was saved with (its configs/ folder holds the YAML files), or set "
+            "`load_module_strict: false` to load the weights that still fit."
+        )
+
+
+def _expected_optimizer_files(tag: TagInventory, saved_dp: int) -> dict[tuple[int, int], str]:
+    prefixes = {layout.OPTIM_STATES_RE.match(p.name).group(1) for p in tag.optimizer_files.values()}
+    prefix = next(iter(prefixes)) if len(prefixes) == 1 else None
+    return {(dp, mp): layout.optim_states_name(dp, mp, prefix)
+            for mp in (tag.mp_ranks or (0,)) for dp in range(saved_dp)}
+
+
+def _check_resume(tag: TagInventory, args, data_parallel_size: int) -> None:
+    if tag.format == FORMAT_PIPELINE:
+        raise CheckpointError(
+            f"{tag.path} is a GPT-NeoX pipeline checkpoint (layer_<II>-model_<MP>-model_states.pt); its "
+            f"optimizer states cannot be resumed here. To load its weights, {_MODULE_ONLY_HINT}."
+        )
+    if not tag.has_optimizer_states:
+        raise CheckpointError(
+            f"full resume asks for optimizer states, but {tag.path} holds none (no "
+            f"*zero_pp_rank_<DP>_mp_rank_<MP>_optim_states.pt files, no optimizer in "
+            f"{layout.model_states_name(0)}). To start from its weights, {_MODULE_ONLY_HINT}."
+        )
+    meta = tag.metadata
+    universal = tag.universal and bool(((args.deepspeed_extra_args or {}).get("checkpoint") or {}).get("load_universal"))
+    saved_stage, saved_precision = meta.zero_stage, meta.precision
+    stage, precision = current_zero_stage(args), current_precision(args)
+    if not universal:
+        if saved_stage != stage:
+            raise CheckpointError(
+                f"{tag.path} was saved with ZeRO stage {saved_stage}, this run uses stage {stage}; optimizer "
+                f"shards of one stage do not load into another. Set zero_optimization.stage to {saved_stage}, "
+                f"or {_MODULE_ONLY_HINT}."
+            )
+        if saved_precision != precision:
+            raise CheckpointError(
+                f"{tag.path} was saved in {saved_precision}, this run trains in {precision}; the optimizer "
+                f"states do not carry over. Train in {saved_precision}, or {_MODULE_ONLY_HINT}."
+            )
+    if saved_stage == 0:
+        return  # the whole optimizer state sits in the model-states file, independent of DP size
+    saved_dp = meta.dp_world_size or (max(tag.optimizer_dp_ranks) + 1)
+    expected = _expected_optimizer_files(tag, saved_dp)
+    missing = [name for key, name in expected.items() if key not in tag.optimizer_files]
+    if saved_stage == 3:
+        missing += [layout.zero3_model_states_name(dp, mp) for dp, mp in expected
+                    if (dp, mp) not in tag.zero3_model_states_files]
+    if missing:
+        raise CheckpointError(
+            f"{tag.path} is incomplete: saved by {saved_dp} data-parallel ranks, but "
+            f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} "
+            f"({len(missing)} file(s)) are missing. Restore them, load another tag with `iteration: N`, "
+            f"or {_MODULE_ONLY_HINT}."
+        )
+    if saved_dp != data_parallel_size and not universal:
+        hint = (" The tag holds a universal checkpoint: set `deepspeed_extra_args: {checkpoint: "
+                "{load_universal: true}}` to load it at another size." if tag.universal else "")
+        raise CheckpointError(
+            f"{tag.path} holds ZeRO stage {saved_stage} optimizer shards for {saved_dp} data-parallel ranks, "
+            f"this run has {data_parallel_size}; the shards cannot be re-partitioned here. Run with "
+            f"{saved_dp} data-parallel ranks, or {_MODULE_ONLY_HINT}.{hint}"
+        )
+
+
+def check_plan(plan: LoadPlan, tag: TagInventory, args, data_parallel_size: int) -> None:
+    """Raise CheckpointError when `plan` cannot be carried out with these settings."""
+    _check_tensor_parallel(tag, args)
+    _check_architecture(tag, args)
+    if plan.load_optimizer:
+        _check_resume(tag, args, data_parallel_size)
