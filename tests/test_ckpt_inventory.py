@@ -1,0 +1,147 @@
+"""Inventory of real checkpoints: DeepSpeed engines at several ZeRO stages, GPT-NeoX pipeline files, HF dirs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.inventory import (
+    FORMAT_DEEPSPEED,
+    FORMAT_HF,
+    FORMAT_INCOMPLETE,
+    FORMAT_PIPELINE,
+    FORMAT_ZERO3,
+    inventory_checkpoint,
+)
+from tests.ckpt_engines import make_args, saved_checkpoint
+
+
+@pytest.mark.parametrize(
+    "stage, precision, optimizer_file, model_file, fmt",
+    [
+        (0, "fp32", None, "mp_rank_00_model_states.pt", FORMAT_DEEPSPEED),
+        (1, "bf16", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt", FORMAT_DEEPSPEED),
+        (2, "fp32", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt", FORMAT_DEEPSPEED),
+        (3, "bf16", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt",
+         FORMAT_ZERO3),
+    ],
+)
+def test_inventory_of_deepspeed_checkpoints(single_rank_world, tmp_path, stage, precision, optimizer_file,
+                                            model_file, fmt):
+    args = make_args(stage=stage, precision=precision)
+    saved_checkpoint(tmp_path, args, iterations=(1, 2))
+    inventory = inventory_checkpoint(tmp_path)
+
+    assert inventory.exists and inventory.latest == "global_step2"
+    assert list(inventory.tags) == ["global_step1", "global_step2"]
+    assert inventory.iterations == [1, 2]
+    tag = inventory.tags["global_step2"]
+    assert tag.format == fmt == inventory.format
+    assert [p.name for p in tag.files if "model_states" in p.name] == [model_file]
+    if optimizer_file is None:  # without ZeRO the optimizer state sits in the model-states file
+        assert tag.optimizer_files == {} and tag.saved_dp_size is None
+    else:
+        assert {k: p.name for k, p in tag.optimizer_files.items()} == {(0, 0): optimizer_file}
+        assert tag.saved_dp_size == 1
+    assert tag.has_optimizer_states
+    assert tag.saved_tp_size == 1 and tag.mp_ranks == (0,)
+    meta = tag.metadata
+    assert (meta.zero_stage, meta.precision, meta.dp_world_size) == (stage, precision, 1)
+    assert meta.has_module_weights == (stage != 3)  # ZeRO-3 module entries are empty placeholders
+    assert meta.client_state["iteration"] == 2 and meta.client_state["consumed_train_samples"] == 4
+    assert meta.saved_args["hidden_size"] == args.hidden_size
+    assert "module" not in meta.client_state and "optimizer" not in meta.client_state
+
+
+def test_precision_and_stage_come_from_deepspeed_config_without_saved_args(single_rank_world, tmp_path):
+    saved_checkpoint(tmp_path, make_args(stage=2, precision="bf16"), client_state={"args": None})
+    meta = inventory_checkpoint(tmp_path).tags["global_step1"].metadata  # as if saved by another program
+    assert meta.saved_args is None
+    assert (meta.zero_stage, meta.precision) == (2, "bf16")
+
+
+def test_optimizer_files_per_dp_and_mp_rank_and_missing_ones(single_rank_world, tmp_path):
+    saved_checkpoint(tmp_path, make_args(stage=1))
+    tag_dir = tmp_path / "global_step1"
+    optim = tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    (tag_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(optim.read_bytes())
+    (tag_dir / "zero_pp_rank_3_mp_rank_00_optim_states.pt").write_bytes(optim.read_bytes())
+    tag = inventory_checkpoint(tmp_path).tags["global_step1"]
+    assert tag.optimizer_dp_ranks == (0, 1, 3)
+    assert tag.saved_dp_size == 3
+
+
+def test_pipeline_layer_files(tmp_path):
+    tag_dir = tmp_path / "global_step30"
+    tag_dir.mkdir(parents=True)
+    # GPT-NeoX pipeline checkpoints: client state in mp_rank_00 (module None), weights in layer files
+    torch.save({"module": None, "iteration": 30, "args": {"hidden_size": 8}, "dp_world_size": 1,
+                "ds_config": {"zero_optimization": {"stage": 1}}}, tag_dir / "mp_rank_00_model_states.pt")
+    for layer in (0, 2, 3):
+        torch.save({"weight": torch.ones(2)}, tag_dir / f"layer_{layer:02d}-model_00-model_states.pt")
+    (tmp_path / "latest").write_text("global_step30")
+
+    tag = inventory_checkpoint(tmp_path).tags["global_step30"]
+    assert tag.format == FORMAT_PIPELINE
+    assert [p.name for p in tag.layer_files] == [
+        "layer_00-model_00-model_states.pt", "layer_02-model_00-model_states.pt", "layer_03-model_00-model_states.pt"]
+    assert not tag.metadata.has_module_weights
+    assert tag.metadata.client_state["iteration"] == 30
+    assert not tag.has_optimizer_states
+
+
+def test_tensor_parallel_size_from_mp_rank_files(tmp_path):
+    tag_dir = tmp_path / "global_step1"
+    tag_dir.mkdir(parents=True)
+    for mp in (0, 1):
+        torch.save({"module": {"w": torch.ones(1)}}, tag_dir / f"mp_rank_{mp:02d}_model_states.pt")
+    tag = inventory_checkpoint(tmp_path).tags["global_step1"]
+    assert tag.mp_ranks == (0, 1) and tag.saved_tp_size == 2
+
+
+def test_hf_model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 8}))
+    save_file({"gpt_neox.embed_in.weight": torch.zeros(4, 8)}, str(tmp_path / "model.safetensors"))
+    inventory = inventory_checkpoint(tmp_path)
+    assert inventory.is_hf and inventory.format == FORMAT_HF
+    assert [p.name for p in inventory.hf_weight_files] == ["model.safetensors"]
+    assert inventory.tags == {}
+
+
+def test_safetensors_without_config_is_not_hf(tmp_path):
+    save_file({"w": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    inventory = inventory_checkpoint(tmp_path)
+    assert not inventory.is_hf and inventory.is_empty
+
+
+def test_missing_dir_and_incomplete_tag(tmp_path):
+    missing = inventory_checkpoint(tmp_path / "nope")
+    assert not missing.exists and missing.is_empty
+    (tmp_path / "global_step4").mkdir()
+    (tmp_path / "latest").write_text("global_step4")
+    inventory = inventory_checkpoint(tmp_path)
+    assert inventory.tags["global_step4"].format == FORMAT_INCOMPLETE
+    assert inventory.tags["global_step4"].metadata is None
+
+
+def test_latest_naming_a_custom_tag_is_listed(single_rank_world, tmp_path):
+    saved_checkpoint(tmp_path, make_args(stage=0))
+    (tmp_path / "global_step1").rename(tmp_path / "best")
+    (tmp_path / "latest").write_text("best")
+    inventory = inventory_checkpoint(tmp_path)
+    assert list(inventory.tags) == ["best"]
+    assert inventory.tags["best"].iteration is None
+    assert inventory.tags["best"].metadata.client_state["iteration"] == 1
+
+
+def test_truncated_model_states_file_is_named(single_rank_world, tmp_path):
+    saved_checkpoint(tmp_path, make_args(stage=1))
+    path = tmp_path / "global_step1" / "mp_rank_00_model_states.pt"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    tag = inventory_checkpoint(tmp_path).tags["global_step1"]
+    with pytest.raises(CheckpointError, match=f"cannot read checkpoint file {path}"):
+        _ = tag.metadata
