@@ -1,7 +1,8 @@
 """megatron-core's tensor-parallel layers, configured once for this model.
 
-The subclasses drop megatron-core's always-empty ``_extra_state`` entries from state dicts, so a
-state dict holds exactly GPT-NeoX's parameter names and nothing else.
+The subclasses leave megatron-core's always-empty ``_extra_state`` entries out of the state dicts
+they save, so a state dict holds exactly GPT-NeoX's parameter names; loading still accepts a state
+dict with or without them (megatron-core fills in and ignores the entry).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ def tensor_parallel_size() -> int:
 
 class _WithoutExtraState:
     get_extra_state = torch.nn.Module.get_extra_state
-    set_extra_state = torch.nn.Module.set_extra_state
 
 
 class ColumnParallelLinear(_WithoutExtraState, tensor_parallel.ColumnParallelLinear):

@@ -1,0 +1,538 @@
+"""GPTModel: shapes, causality, parameter names, fused layouts, residual modes, rotary, init, training."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.model import (
+    GPTModel,
+    ModelConfigError,
+    build_model,
+    causal_lm_loss,
+    derive_size_defaults,
+    no_weight_decay_param_names,
+    translate_legacy_key,
+)
+from megatron.model.rotary import RotaryEmbedding, apply_rotary
+from megatron.neox_arguments import NeoXArgs
+
+pytestmark = pytest.mark.usefixtures("single_rank_world")
+
+VOCAB = 128
+HIDDEN = 64
+HEADS = 4
+HEAD_DIM = HIDDEN // HEADS
+SEQ = 12
+
+NEOX = dict(
+    pos_emb="rotary",
+    rotary_pct=0.25,
+    gpt_j_residual=True,
+    no_weight_tying=True,
+    norm="layernorm",
+    activation="gelu",
+)
+LLAMA = dict(
+    pos_emb="rotary",
+    rotary_pct=1.0,
+    rotary_emb_base=500000,
+    gpt_j_residual=False,
+    norm="rmsnorm",
+    rms_norm_epsilon=1e-6,
+    activation="swiglu",
+    intermediate_size=96,
+    num_kv_heads=2,
+    use_bias_in_norms=False,
+    use_bias_in_attn_linear=False,
+    use_bias_in_mlp=False,
+)
+
+
+def tiny_args(family: dict | None = None, **overrides) -> NeoXArgs:
+    values = dict(
+        num_layers=2,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        seq_length=SEQ,
+        padded_vocab_size=VOCAB,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        seed=1234,
+    )
+    values.update(family or {})
+    values.update(overrides)
+    # The constructor takes values as given (no run-level validation): the model must cope on its own.
+    return NeoXArgs(values)
+
+
+def tokens(batch: int = 2, seq: int = SEQ, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def randomize_(model: torch.nn.Module, seed: int = 7) -> None:
+    """Give every parameter (biases and norm weights included) random values, so no term can hide."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if p.dim() == 1 else 0.0) * 0.5)
+
+
+# ---------------------------------------------------------------- hand-written references
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [s, heads, d], k/v [s, kv_heads, d] -> [s, heads * d]; explicit loops, causal, 1/sqrt(d)."""
+    s, heads, d = q.shape
+    group = heads // k.shape[1]
+    out = torch.zeros(s, heads, d, dtype=torch.float64)
+    for h in range(heads):
+        kv = h // group
+        for i in range(s):
+            scores = torch.stack([q[i, h].double() @ k[j, kv].double() for j in range(i + 1)]) / math.sqrt(d)
+            probs = torch.softmax(scores, dim=0)
+            out[i, h] = sum(probs[j] * v[j, kv].double() for j in range(i + 1))
+    return out.reshape(s, heads * d)
+
+
+def reference_rotary(x: torch.Tensor, ndims: int, base: float) -> torch.Tensor:
+    """x [s, heads, d]: rotate pairs (j, j + ndims/2) of the first ndims dims by angle pos / base^(2j/ndims)."""
+    out = x.clone().double()
+    half = ndims // 2
+    for pos in range(x.shape[0]):
+        for j in range(half):
+            angle = pos / base ** (2 * j / ndims)
+            a, b = x[pos, :, j].double(), x[pos, :, j + half].double()
+            out[pos, :, j] = a * math.cos(angle) - b * math.sin(angle)
+            out[pos, :, j + half] = b * math.cos(angle) + a * math.sin(angle)
+    return out
+
+
+def reference_qkv(layer, x: torch.Tensor, heads: int, kv_heads: int):
+    """Separate q, k, v [s, heads, d] sliced from the fused weight by the documented layout."""
+    w = layer.attention.query_key_value.weight
+    b = layer.attention.query_key_value.bias
+    d = HEAD_DIM
+    if kv_heads == heads:  # per head [q, k, v]
+        w_heads = w.view(heads, 3, d, -1)
+        wq, wk, wv = (w_heads[:, i].reshape(heads * d, -1) for i in range(3))
+        bq, bk, bv = (None,) * 3 if b is None else (b.view(heads, 3, d)[:, i].reshape(-1) for i in range(3))
+    else:  # all q heads, all k heads, all v heads
+        wq, wk, wv = w.split([heads * d, kv_heads * d, kv_heads * d])
+        bq, bk, bv = (None,) * 3 if b is None else b.split([heads * d, kv_heads * d, kv_heads * d])
+    q = F.linear(x, wq, bq).view(-1, heads, d)
+    k = F.linear(x, wk, bk).view(-1, kv_heads, d)
+    v = F.linear(x, wv, bv).view(-1, kv_heads, d)
+    return q, k, v
+
+
+def reference_mlp(layer, x: torch.Tensor, activation: str) -> torch.Tensor:
+    w1, b1 = layer.mlp.linear1.weight, layer.mlp.linear1.bias
+    if activation == "swiglu":
+        inner = w1.shape[0] // 2
+        up = F.linear(x, w1[:inner], None if b1 is None else b1[:inner])
+        gate = F.linear(x, w1[inner:], None if b1 is None else b1[inner:])
+        act = gate * torch.sigmoid(gate) * up
+    else:
+        pre = F.linear(x, w1, b1)
+        act = 0.5 * pre * (1.0 + torch.erf(pre / math.sqrt(2.0)))
+    return F.linear(act, layer.mlp.linear2.weight, layer.mlp.linear2.bias)
+
+
+# ---------------------------------------------------------------- shapes, causality, names
+
+
+@pytest.mark.parametrize("family", [NEOX, LLAMA], ids=["neox", "llama"])
+def test_forward_gives_logits_of_padded_vocab_in_param_dtype(family):
+    model = build_model(tiny_args(family))
+    logits = model(tokens())
+    assert logits.shape == (2, SEQ, VOCAB)
+    assert logits.dtype == torch.float32
+    assert torch.isfinite(logits).all()
+    assert model.to(torch.bfloat16)(tokens()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "family", [NEOX, LLAMA, dict(NEOX, pos_emb="learned")], ids=["neox", "llama", "learned"]
+)
+def test_changing_a_later_token_never_changes_an_earlier_logit(family):
+    model = build_model(tiny_args(family)).eval()
+    randomize_(model)
+    ids = tokens(batch=1)
+    changed = ids.clone()
+    changed[0, 7] = (changed[0, 7] + 1) % VOCAB
+    with torch.no_grad():
+        a, b = model(ids), model(changed)
+    assert torch.equal(a[:, :7], b[:, :7])
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+def expected_names(num_layers: int, llama: bool, tied: bool, learned: bool = False) -> set[str]:
+    names = {"sequential.0.word_embeddings.weight"}
+    if learned:
+        names.add("sequential.0.position_embeddings.weight")
+    norm_params = ("scale",) if llama else ("weight", "bias")
+    linear_params = ("weight",) if llama else ("weight", "bias")
+    for i in range(num_layers):
+        prefix = f"sequential.{i + 2}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            names |= {f"{prefix}{norm}.{p}" for p in norm_params}
+        for linear in ("attention.query_key_value", "attention.dense", "mlp.linear1", "mlp.linear2"):
+            names |= {f"{prefix}{linear}.{p}" for p in linear_params}
+    names |= {f"sequential.{num_layers + 3}.norm.{p}" for p in norm_params}
+    if not tied:
+        names.add(f"sequential.{num_layers + 4}.final_linear.weight")
+    return names
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("llama", [False, True], ids=["neox", "llama"])
+def test_state_dict_holds_exactly_gpt_neox_parameter_names(llama, tied):
+    family = LLAMA if llama else NEOX
+    model = GPTModel(tiny_args(family, num_layers=3, no_weight_tying=not tied))
+    assert set(model.state_dict()) == expected_names(3, llama, tied)
+    assert {name for name, _ in model.named_parameters()} == expected_names(3, llama, tied)
+    model.load_state_dict(model.state_dict(), strict=True)
+
+
+def test_learned_position_embedding_is_named_like_gpt_neox_and_sized_by_max_positions():
+    model = GPTModel(tiny_args(NEOX, pos_emb="learned", max_position_embeddings=20))
+    assert set(model.state_dict()) == expected_names(2, llama=False, tied=False, learned=True)
+    assert model.state_dict()["sequential.0.position_embeddings.weight"].shape == (20, HIDDEN)
+    with pytest.raises(ModelConfigError, match="max_position_embeddings=20"):
+        model(tokens(seq=21))
+
+
+def test_tied_logits_use_the_word_embedding():
+    model = build_model(tiny_args(LLAMA, no_weight_tying=False)).eval()
+    randomize_(model)
+    with torch.no_grad():
+        hidden = model.embedding(tokens(), torch.arange(SEQ).unsqueeze(0))
+        cos_sin = model.rotary.cos_sin(torch.arange(SEQ).unsqueeze(0), hidden.dtype)
+        for layer in model.layers:
+            hidden = layer(hidden, cos_sin)
+        hidden = model.sequential["5"](hidden)
+        expected = hidden @ model.sequential["0"].word_embeddings.weight.T
+        assert torch.allclose(model(tokens()), expected, atol=1e-5)
+
+
+# ---------------------------------------------------------------- fused layouts against references
+
+
+@pytest.mark.parametrize("kv_heads", [HEADS, 2, 1], ids=["mha", "gqa2", "mqa"])
+def test_fused_qkv_layout_matches_reference_attention_from_separate_slices(kv_heads):
+    args = tiny_args(NEOX, pos_emb="none", num_kv_heads=kv_heads, use_bias_in_attn_linear=True)
+    layer = GPTModel(args).layers[0]
+    randomize_(layer)
+    x = torch.randn(1, 6, HIDDEN, generator=torch.Generator().manual_seed(3))
+    q, k, v = reference_qkv(layer, x[0], HEADS, kv_heads)
+    attended = reference_attention(q, k, v).float()
+    expected = F.linear(attended, layer.attention.dense.weight, layer.attention.dense.bias)
+    with torch.no_grad():
+        actual = layer.attention(x, None)[0]
+    assert torch.allclose(actual, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [HEADS, 2], ids=["mha", "gqa"])
+def test_rotary_attention_matches_reference_rotation(kv_heads):
+    args = tiny_args(NEOX, rotary_pct=0.5, rotary_emb_base=100, num_kv_heads=kv_heads)
+    model = GPTModel(args)
+    layer = model.layers[0]
+    randomize_(layer)
+    x = torch.randn(1, 5, HIDDEN, generator=torch.Generator().manual_seed(4))
+    q, k, v = reference_qkv(layer, x[0], HEADS, kv_heads)
+    ndims = HEAD_DIM // 2
+    q, k = reference_rotary(q, ndims, 100), reference_rotary(k, ndims, 100)
+    expected = F.linear(
+        reference_attention(q, k, v).float(), layer.attention.dense.weight, layer.attention.dense.bias
+    )
+    with torch.no_grad():
+        actual = layer.attention(x, model.rotary.cos_sin(torch.arange(5), x.dtype))[0]
+    assert torch.allclose(actual, expected, atol=1e-5)
+
+
+def test_rotary_pct_below_one_rotates_only_the_first_dims():
+    ndims = 4
+    rotary = RotaryEmbedding(ndims, base=10000)
+    x = torch.randn(1, 2, 6, HEAD_DIM, generator=torch.Generator().manual_seed(5))
+    cos, sin = rotary.cos_sin(torch.arange(6), x.dtype)
+    out = apply_rotary(x, cos, sin)
+    assert torch.equal(out[..., ndims:], x[..., ndims:])
+    assert torch.equal(out[:, :, 0], x[:, :, 0])  # position 0 is the identity
+    assert not torch.allclose(out[:, :, 1:, :ndims], x[:, :, 1:, :ndims])
+    expected = reference_rotary(x[0].transpose(0, 1), ndims, 10000).transpose(0, 1).float()
+    assert torch.allclose(out[0], expected, atol=1e-6)
+
+
+def test_swiglu_linear1_holds_up_then_gate():
+    layer = GPTModel(tiny_args(LLAMA)).layers[0]
+    randomize_(layer)
+    assert layer.mlp.linear1.weight.shape == (2 * 96, HIDDEN)
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        actual = layer.mlp(x)
+        assert torch.allclose(actual, reference_mlp(layer, x, "swiglu"), atol=1e-5)
+        # The opposite order (gate then up) would give something else, so the check can fail.
+        swapped = torch.cat(layer.mlp.linear1.weight.chunk(2)[::-1])
+        layer.mlp.linear1.weight.copy_(swapped)
+        assert not torch.allclose(layer.mlp(x), actual, atol=1e-3)
+
+
+def test_grouped_query_attention_equals_full_attention_with_repeated_key_value_heads():
+    """A GQA model (2 kv heads) and a full-attention model whose k/v heads repeat each group's: same logits."""
+    gqa = build_model(tiny_args(LLAMA, num_kv_heads=2)).eval()
+    randomize_(gqa)
+    full = build_model(tiny_args(LLAMA, num_kv_heads=HEADS)).eval()
+    state = gqa.state_dict()
+    d, group = HEAD_DIM, HEADS // 2
+    for i in range(2):
+        key = f"sequential.{i + 2}.attention.query_key_value.weight"
+        q, k, v = state[key].split([HEADS * d, 2 * d, 2 * d])
+        k_full = k.view(2, d, HIDDEN).repeat_interleave(group, dim=0)
+        v_full = v.view(2, d, HIDDEN).repeat_interleave(group, dim=0)
+        state[key] = torch.stack([q.view(HEADS, d, HIDDEN), k_full, v_full], dim=1).reshape(
+            3 * HIDDEN, HIDDEN
+        )
+    full.load_state_dict(state)
+    with torch.no_grad():
+        assert torch.allclose(gqa(tokens()), full(tokens()), atol=1e-5)
+
+
+def test_grouped_layout_with_as_many_kv_heads_as_heads_equals_the_per_head_layout():
+    model = build_model(tiny_args(NEOX)).eval()
+    randomize_(model)
+    with torch.no_grad():
+        expected = model(tokens())
+        for layer in model.layers:
+            attention = layer.attention
+            assert not attention.grouped_layout
+            for p in (attention.query_key_value.weight, attention.query_key_value.bias):
+                per_head = p.view(HEADS, 3, HEAD_DIM, *p.shape[1:])
+                p.copy_(per_head.transpose(0, 1).reshape(p.shape))  # -> all q, all k, all v
+            attention.grouped_layout = True
+        assert torch.allclose(model(tokens()), expected, atol=1e-5)
+
+
+# ---------------------------------------------------------------- residual modes
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "sequential"])
+def test_layer_output_matches_hand_computation_from_its_weights(parallel):
+    args = tiny_args(NEOX, pos_emb="none", gpt_j_residual=parallel)
+    layer = GPTModel(args).layers[0]
+    randomize_(layer)
+    x = torch.randn(1, 5, HIDDEN, generator=torch.Generator().manual_seed(8))
+
+    def ln(t, norm):
+        return F.layer_norm(t, (HIDDEN,), norm.weight, norm.bias, 1e-5)
+
+    def attn(t):
+        q, k, v = reference_qkv(layer, t[0], HEADS, HEADS)
+        out = F.linear(
+            reference_attention(q, k, v).float(), layer.attention.dense.weight, layer.attention.dense.bias
+        )
+        return out.unsqueeze(0)
+
+    with torch.no_grad():
+        a = attn(ln(x, layer.input_layernorm))
+        if parallel:
+            expected = x + a + reference_mlp(layer, ln(x, layer.post_attention_layernorm), "gelu")
+        else:
+            h = x + a
+            expected = h + reference_mlp(layer, ln(h, layer.post_attention_layernorm), "gelu")
+        actual = layer(x, None)
+        assert torch.allclose(actual, expected, atol=1e-4)
+        layer.parallel_residual = not parallel
+        assert not torch.allclose(layer(x, None), expected, atol=1e-2)
+
+
+def test_rmsnorm_layer_matches_hand_computation():
+    layer = GPTModel(tiny_args(LLAMA, pos_emb="none")).layers[0]
+    randomize_(layer)
+    x = torch.randn(1, 4, HIDDEN, generator=torch.Generator().manual_seed(9))
+
+    def rms(t, norm):
+        return norm.scale * t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    with torch.no_grad():
+        q, k, v = reference_qkv(layer, rms(x, layer.input_layernorm)[0], HEADS, 2)
+        h = x + F.linear(reference_attention(q, k, v).float(), layer.attention.dense.weight).unsqueeze(0)
+        expected = h + reference_mlp(layer, rms(h, layer.post_attention_layernorm), "swiglu")
+        assert torch.allclose(layer(x, None), expected, atol=1e-4)
+
+
+# ---------------------------------------------------------------- training behaviour
+
+
+def test_loss_falls_on_a_repeated_batch():
+    model = build_model(tiny_args(LLAMA))
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    batch = tokens(seed=11)
+    inputs, labels = batch[:, :-1], batch[:, 1:]
+    losses = []
+    for _ in range(8):
+        loss = causal_lm_loss(model(inputs), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(math.log(VOCAB), rel=0.1)
+    assert losses[-1] < 0.6 * losses[0]
+
+
+@pytest.mark.parametrize("family", [NEOX, LLAMA], ids=["neox", "llama"])
+def test_activation_checkpointing_gives_the_same_gradients(family):
+    def grads(checkpoint: bool) -> dict[str, torch.Tensor]:
+        model = build_model(
+            tiny_args(family, checkpoint_activations=checkpoint, hidden_dropout=0.1, attention_dropout=0.1)
+        )
+        model.train()
+        torch.manual_seed(99)  # same dropout masks in both runs
+        batch = tokens(seed=12)
+        causal_lm_loss(model(batch[:, :-1]), batch[:, 1:]).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain, recomputed = grads(False), grads(True)
+    assert plain.keys() == recomputed.keys()
+    for name in plain:
+        assert torch.allclose(plain[name], recomputed[name], atol=1e-6), name
+
+
+def test_dropout_is_active_in_training_and_off_in_eval():
+    model = build_model(tiny_args(NEOX, hidden_dropout=0.3, attention_dropout=0.3))
+    batch = tokens()
+    with torch.no_grad():
+        model.train()
+        assert not torch.allclose(model(batch), model(batch))
+        model.eval()
+        assert torch.equal(model(batch), model(batch))
+
+
+def test_causal_lm_loss_is_mean_token_cross_entropy_over_the_mask():
+    logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    labels = torch.tensor([[0, 1, 2], [3, 4, 0]])
+    mask = torch.tensor([[1, 0, 1], [0, 0, 1]])
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    picked = [-log_probs[b, s, labels[b, s]] for b in range(2) for s in range(3)]
+    assert causal_lm_loss(logits, labels).dtype == torch.float32
+    assert causal_lm_loss(logits, labels).item() == pytest.approx(sum(picked).item() / 6, rel=1e-5)
+    masked = (picked[0] + picked[2] + picked[5]) / 3
+    assert causal_lm_loss(logits, labels, mask).item() == pytest.approx(masked.item(), rel=1e-5)
+
+
+# ---------------------------------------------------------------- init, seeding, helpers
+
+
+@pytest.mark.parametrize(
+    "method,expected_std",
+    [
+        ("normal", 0.02),
+        ("scaled_normal", 0.02 / math.sqrt(2 * 4)),
+        ("small_init", math.sqrt(2 / (5 * 128))),
+        ("wang_init", 2 / (4 * math.sqrt(128))),
+    ],
+)
+def test_init_methods_draw_with_gpt_neox_standard_deviations(method, expected_std):
+    args = tiny_args(
+        NEOX,
+        num_layers=4,
+        hidden_size=128,
+        init_method=method,
+        output_layer_init_method=method,
+        intermediate_size=512,
+    )
+    model = build_model(args)
+    params = dict(model.named_parameters())
+    for name in (
+        "sequential.0.word_embeddings.weight",
+        "sequential.2.attention.query_key_value.weight",
+        "sequential.2.attention.dense.weight",
+        "sequential.3.mlp.linear1.weight",
+        "sequential.5.mlp.linear2.weight",
+        "sequential.8.final_linear.weight",
+    ):
+        assert params[name].std().item() == pytest.approx(expected_std, rel=0.1), name
+    assert torch.equal(params["sequential.2.attention.dense.bias"], torch.zeros(128))
+    assert torch.equal(params["sequential.7.norm.weight"], torch.ones(128))
+
+
+def test_output_layer_init_method_applies_to_attention_dense_and_mlp_linear2_only():
+    args = tiny_args(NEOX, num_layers=8, init_method="normal", output_layer_init_method="scaled_normal")
+    params = dict(build_model(args).named_parameters())
+    scaled = 0.02 / math.sqrt(16)
+    for name in ("attention.dense", "mlp.linear2"):
+        assert params[f"sequential.2.{name}.weight"].std().item() == pytest.approx(scaled, rel=0.15)
+    for name in ("attention.query_key_value", "mlp.linear1"):
+        assert params[f"sequential.2.{name}.weight"].std().item() == pytest.approx(0.02, rel=0.15)
+
+
+def test_build_model_is_seeded_and_leaves_the_global_rng_alone():
+    torch.manual_seed(5)
+    before = torch.rand(1)
+    torch.manual_seed(5)
+    a = build_model(tiny_args(LLAMA, seed=1))
+    assert torch.equal(torch.rand(1), before)
+    b = build_model(tiny_args(LLAMA, seed=1))
+    c = build_model(tiny_args(LLAMA, seed=2))
+    for (name, pa), pb, pc in zip(
+        a.state_dict().items(), b.state_dict().values(), c.state_dict().values(), strict=True
+    ):
+        assert torch.equal(pa, pb), name
+        if name.endswith("weight") and "norm" not in name:
+            assert not torch.equal(pa, pc), name
+
+
+@pytest.mark.parametrize("family", [NEOX, LLAMA], ids=["neox", "llama"])
+def test_no_weight_decay_names_are_the_biases_and_norm_weights(family):
+    model = GPTModel(tiny_args(family))
+    expected = {
+        name
+        for name, _ in model.named_parameters()
+        if name.endswith(".bias") or "layernorm" in name or ".norm." in name
+    }
+    assert no_weight_decay_param_names(model) == expected
+    assert all("word_embeddings" not in n and "final_linear" not in n for n in expected)
+
+
+def test_translate_legacy_key_renames_the_old_mlp_names_only():
+    assert translate_legacy_key("sequential.2.mlp.dense_h_to_4h.weight") == "sequential.2.mlp.linear1.weight"
+    assert translate_legacy_key("sequential.9.mlp.dense_4h_to_h.bias") == "sequential.9.mlp.linear2.bias"
+    assert (
+        translate_legacy_key("sequential.2.attention.dense.weight") == "sequential.2.attention.dense.weight"
+    )
+
+
+def test_unset_sizes_get_gpt_neox_defaults():
+    def sizes(**kw):
+        return derive_size_defaults(tiny_args(**kw))
+
+    assert sizes() == {"num_kv_heads": HEADS, "intermediate_size": 4 * HIDDEN, "max_position_embeddings": SEQ}
+    # swiglu: int(2 * 4 * 64 / 3) = 170, rounded up to a multiple of 256 / of 32
+    assert sizes(activation="swiglu")["intermediate_size"] == 256
+    assert sizes(activation="swiglu", mlp_multiple_of=32)["intermediate_size"] == 192
+    assert sizes(intermediate_size=100, num_kv_heads=2, max_position_embeddings=50) == {
+        "num_kv_heads": 2,
+        "intermediate_size": 100,
+        "max_position_embeddings": 50,
+    }
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(padded_vocab_size=None), "padded_vocab_size"),
+        (dict(num_kv_heads=3), "num_kv_heads=3 must divide"),
+        (dict(hidden_size=66), "not divisible by num_attention_heads"),
+        (dict(pos_emb="rotary", rotary_pct=0.1), "rotary"),
+        (dict(norm="scalenorm"), "norm='scalenorm'"),
+    ],
+)
+def test_impossible_settings_are_refused_with_the_setting_named(overrides, message):
+    args = tiny_args()
+    for name, value in overrides.items():  # past the settings layer's own checks: the model checks too
+        setattr(args, name, value)
+    with pytest.raises(ModelConfigError, match=message):
+        GPTModel(args)
