@@ -139,6 +139,10 @@ SETTINGS_LIST: list[Setting] = [
     # --- derived (set by the loader, never by a YAML) -------------------------------------
     _derived("padded_vocab_size", OPT_INT, None, "vocabulary size padded to make_vocab_size_divisible_by", derived=True),
     _derived("config_files", (dict, type(None)), None, "the YAML files the run was started with: name -> text", derived=True),
+    _derived("zero_stage", int, 0, "ZeRO stage, from zero_optimization.stage", derived=True),
+    _derived("global_num_gpus", OPT_INT, None, "ranks in the whole run (num_gpus x num_nodes, or from hostfile/include/exclude)", derived=True),
+    _derived("data_parallel_size", OPT_INT, None, "data-parallel ranks: global_num_gpus / (model_parallel_size x pipeline stages)", derived=True),
+    _derived("warmup_iters", OPT_INT, None, "warmup length in iterations, from warmup and lr_decay_iters", derived=True),
 ]
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in SETTINGS_LIST}

@@ -1,0 +1,53 @@
+#!/usr/bin/env python
+"""Validate GPT-NeoX style YAML configs, then start every rank through DeepSpeed's launcher.
+
+    python deepy.py TRAIN_SCRIPT CONFIG [CONFIG ...] [--dry-run]
+
+Config paths are taken as given, else under configs/. Later files override earlier ones key by
+key. --dry-run prints the resolved settings and the DeepSpeed config and starts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron.launcher import launch_command
+from megatron.neox_arguments import ConfigError, NeoXArgs
+from megatron.neox_arguments.dry_run import render_dry_run
+from megatron.neox_arguments.handover import HANDOVER_FLAG, handover_argv
+from megatron.neox_arguments.world import accelerator_is_cpu
+
+
+def parse_command_line(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("train_script", help="the script every rank runs, e.g. train.py")
+    parser.add_argument("configs", nargs="+", help="YAML config files; later ones override earlier ones")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved settings and exit")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    command_line = parse_command_line(argv)
+    try:
+        args = NeoXArgs.from_yaml_files(command_line.configs)
+        for notice in args.notices:
+            print(notice, file=sys.stderr)
+        if command_line.dry_run:
+            sys.stdout.write(render_dry_run(args))
+            return 0
+        if not Path(command_line.train_script).is_file():
+            raise ConfigError(f"train script {command_line.train_script!r} not found")
+        command = launch_command(args, command_line.train_script, handover_argv(args), cpu_only=accelerator_is_cpu())
+    except ConfigError as err:
+        print(f"deepy.py: config error: {err}", file=sys.stderr)
+        return 2
+    shown = [part if not part.startswith(HANDOVER_FLAG) else f"{HANDOVER_FLAG}=<settings>" for part in command]
+    print("deepy.py: " + " ".join(shown), file=sys.stderr, flush=True)
+    return subprocess.call(command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The DeepSpeed config, built from the same validated settings the trainer reads.
+
+No DeepSpeed scheduler: the trainer steps the learning rate itself. `deepspeed_extra_args` is
+deep-merged on top; it may add keys but not change one the settings already decide.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from megatron.neox_arguments.errors import ConfigError
+
+# DeepSpeed keys decided by our settings; changing them through deepspeed_extra_args would let the
+# trainer and DeepSpeed disagree.
+OWNED_KEYS = {
+    "train_batch_size": "train_batch_size",
+    "train_micro_batch_size_per_gpu": "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "optimizer": "optimizer",
+    "scheduler": "lr_decay_style / warmup / min_lr (the trainer steps the LR itself)",
+    "fp16": "fp16 / precision",
+    "bf16": "bf16 / precision",
+    "zero_optimization": "zero_optimization",
+    "gradient_clipping": "gradient_clipping",
+}
+
+
+def build_deepspeed_config(settings: dict[str, Any]) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "train_batch_size": settings["train_batch_size"],
+        "train_micro_batch_size_per_gpu": settings["train_micro_batch_size_per_gpu"],
+        "gradient_accumulation_steps": settings["gradient_accumulation_steps"],
+        "optimizer": copy.deepcopy(settings["optimizer"]),
+        "zero_optimization": copy.deepcopy(settings["zero_optimization"]),
+        "gradient_clipping": settings["gradient_clipping"],
+        "steps_per_print": settings["steps_per_print"],
+        "wall_clock_breakdown": False,
+    }
+    for precision in ("fp16", "bf16"):
+        if settings["precision"] == precision:
+            config[precision] = copy.deepcopy(settings[precision])
+    _merge_extra(config, settings["deepspeed_extra_args"] or {}, path=())
+    return config
+
+
+def _merge_extra(config: dict[str, Any], extra: dict[str, Any], path: tuple[str, ...]) -> None:
+    for key, value in extra.items():
+        here = (*path, key)
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            _merge_extra(config[key], value, here)
+            continue
+        owner = OWNED_KEYS.get(here[0])
+        adds_owned_section = not path and key not in config
+        changes_value = key in config and config[key] != value
+        if owner is not None and (adds_owned_section or changes_value):
+            raise ConfigError(
+                f"deepspeed_extra_args: {'.'.join(here)} = {value!r} would override what the settings decide "
+                f"({config.get(key)!r}); set it through {owner} instead"
+            )
+        config[key] = copy.deepcopy(value)

@@ -1,0 +1,293 @@
+"""Settings computed from others, and the checks that need several settings at once.
+
+Works on a plain dict holding every setting (defaults filled in) and the file each key came
+from, so every error can name the file and key to fix.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from megatron.neox_arguments.errors import ConfigError, where
+from megatron.neox_arguments.world import count_ranks
+
+MODEL_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+RUN_REQUIRED = ("train_iters",)
+OPTIMIZER_TYPES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
+# the GPT-NeoX fp16 dict carries its own on-switch, which DeepSpeed's fp16 section does not know
+NEOX_ONLY_FP16_KEYS = ("fp16", "type")
+
+
+def padded_vocab_size(orig_vocab_size: int, divisible_by: int, model_parallel_size: int) -> int:
+    """The vocabulary padded so each tensor-parallel shard holds a multiple of `divisible_by` rows."""
+    multiple = divisible_by * model_parallel_size
+    return int(math.ceil(orig_vocab_size / multiple) * multiple)
+
+
+def derive_all(v: dict[str, Any], sources: dict[str, str], require_run_settings: bool) -> None:
+    """Fill in derived settings of `v` in place; raise ConfigError on impossible combinations.
+
+    Without `require_run_settings` (a model-only dict: library code, tests) the settings only a
+    training run needs (train_iters, lr, batch sizes, data) may be missing; what is given is
+    still checked and derived by the same rules.
+    """
+    for name in MODEL_REQUIRED + (RUN_REQUIRED if require_run_settings else ()):
+        if v[name] is None:
+            raise ConfigError(f"{name}: required but not set in any config file; add `{name}: <value>`")
+    _check_ranges(v, sources)
+    _derive_precision(v, sources)
+    _derive_zero_stage(v, sources)
+    _derive_optimizer(v, sources, require_run_settings)
+    _derive_world(v, sources)
+    _derive_batch(v, sources, require_run_settings)
+    _derive_model_shape(v, sources)
+    _derive_schedule(v, sources)
+    _derive_checkpointing(v, sources)
+    if require_run_settings:
+        _check_data(v, sources)
+
+
+def _fail(sources: dict[str, str], name: str, message: str) -> ConfigError:
+    return ConfigError(f"{where(sources, name)}: {message}")
+
+
+def _check_ranges(v: dict[str, Any], sources: dict[str, str]) -> None:
+    positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters",
+                "make_vocab_size_divisible_by", "mlp_multiple_of", "log_interval", "steps_per_print")
+    for name in positive:
+        if v[name] is not None and v[name] < 1:
+            raise _fail(sources, name, f"must be at least 1, got {v[name]}")
+    for name in ("num_kv_heads", "intermediate_size", "max_position_embeddings", "lr_decay_iters",
+                 "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+                 "checkpoint_factor", "save_interval", "keep_last_n_checkpoints", "num_gpus"):
+        if v[name] is not None and v[name] < 1:
+            raise _fail(sources, name, f"must be at least 1 when set, got {v[name]}")
+    if v["num_nodes"] is not None and v["num_nodes"] < 1 and v["num_nodes"] != -1:
+        raise _fail(sources, "num_nodes", f"must be at least 1 (or -1: every host of the hostfile), got {v['num_nodes']}")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0 <= v[name] < 1:
+            raise _fail(sources, name, f"must be in [0, 1), got {v[name]}")
+    if not 0 < v["rotary_pct"] <= 1:
+        raise _fail(sources, "rotary_pct", f"must be in (0, 1], got {v['rotary_pct']}")
+    for name in ("warmup", "min_lr", "weight_decay", "gradient_clipping"):
+        if v[name] < 0:
+            raise _fail(sources, name, f"must not be negative, got {v[name]}")
+    if v["model_parallel_size"] != 1:
+        raise _fail(sources, "model_parallel_size", "tensor parallelism is not supported; use 1")
+    if v["pipe_parallel_size"] > 1 or v["pipe_parallel_size"] < 0:
+        raise _fail(sources, "pipe_parallel_size", "pipeline parallelism is not supported; use 0 or 1")
+    if v["eval_interval"] < 1 or v["eval_iters"] < 0:
+        raise _fail(sources, "eval_interval", "eval_interval must be at least 1 and eval_iters not negative")
+
+
+def _enabled(section: dict | None) -> bool:
+    return bool(section) and bool(section.get("enabled", False))
+
+
+def _derive_precision(v: dict[str, Any], sources: dict[str, str]) -> None:
+    fp16_on, bf16_on = _enabled(v["fp16"]), _enabled(v["bf16"])
+    if fp16_on and bf16_on:
+        raise ConfigError(
+            f"{where(sources, 'fp16')} and {where(sources, 'bf16')}: both enabled; enable at most one"
+        )
+    from_sections = "fp16" if fp16_on else "bf16" if bf16_on else "fp32"
+    precision = v["precision"]
+    if precision is None:
+        precision = from_sections
+    elif precision != from_sections and (fp16_on or bf16_on or _explicitly_off(v, precision)):
+        raise ConfigError(
+            f"{where(sources, 'precision')}: {precision!r} contradicts the fp16/bf16 sections, which say "
+            f"{from_sections!r}; make them agree or drop one"
+        )
+    v["precision"] = precision
+    for name in ("fp16", "bf16"):
+        section = {key: val for key, val in (v[name] or {}).items() if key not in NEOX_ONLY_FP16_KEYS}
+        v[name] = {**section, "enabled": True} if precision == name else None
+
+
+def _explicitly_off(v: dict[str, Any], precision: str) -> bool:
+    """precision: fp16 with `fp16: {enabled: false}` given is a contradiction; with no fp16 section it is not."""
+    section = v.get(precision)
+    return isinstance(section, dict) and "enabled" in section and not section["enabled"]
+
+
+def _derive_zero_stage(v: dict[str, Any], sources: dict[str, str]) -> None:
+    zero = dict(v["zero_optimization"] or {})
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise _fail(sources, "zero_optimization", f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    zero["stage"] = stage
+    _check_with_deepspeed_model("zero_optimization", zero, sources)
+    v["zero_optimization"] = zero
+    v["zero_stage"] = stage
+
+
+def _check_with_deepspeed_model(name: str, section: dict[str, Any], sources: dict[str, str]) -> None:
+    """Let DeepSpeed's own config model reject unknown or ill-typed keys now, not at engine start."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    try:
+        DeepSpeedZeroConfig(**section)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise _fail(sources, name, f"DeepSpeed rejects it: {problems}") from None
+
+
+def _derive_optimizer(v: dict[str, Any], sources: dict[str, str], require_run_settings: bool) -> None:
+    optimizer = v["optimizer"]
+    if optimizer is None:
+        optimizer = {"type": "Adam", "params": {}}
+    if not isinstance(optimizer.get("params", {}), dict) or set(optimizer) - {"type", "params"}:
+        raise _fail(sources, "optimizer", "expected {type: Adam|AdamW|SGD, params: {lr: ..., ...}}")
+    kind = str(optimizer.get("type", "Adam"))
+    if kind.lower() not in OPTIMIZER_TYPES:
+        raise _fail(sources, "optimizer", f"type {kind!r} is not supported; use one of Adam, AdamW, SGD")
+    params = dict(optimizer.get("params") or {})
+    if params.get("lr") is not None and "lr" not in sources and "optimizer" in sources:
+        sources["lr"] = sources["optimizer"]
+    v["lr"] = _agree(v, sources, "lr", params.get("lr"), "optimizer.params.lr")
+    if v["lr"] is None and require_run_settings:
+        raise ConfigError("lr: no learning rate; set optimizer.params.lr (or lr)")
+    if v["lr"] is not None and v["lr"] <= 0:
+        raise _fail(sources, "lr", f"must be positive, got {v['lr']}")
+    given_decay = params.get("weight_decay")
+    if given_decay is not None and "weight_decay" in sources and given_decay != v["weight_decay"]:
+        raise ConfigError(
+            f"{where(sources, 'weight_decay')} ({v['weight_decay']}) and {where(sources, 'optimizer')}.params."
+            f"weight_decay ({given_decay}) disagree; set it once"
+        )
+    if given_decay is not None:
+        v["weight_decay"] = given_decay
+    params["weight_decay"] = v["weight_decay"]
+    if v["lr"] is not None:
+        params["lr"] = v["lr"]
+    v["optimizer"] = {"type": OPTIMIZER_TYPES[kind.lower()], "params": params}
+
+
+def _agree(v: dict[str, Any], sources: dict[str, str], name: str, other: Any, other_name: str) -> Any:
+    if other is None:
+        return v[name]
+    if v[name] is not None and v[name] != other:
+        raise ConfigError(f"{where(sources, name)} is {v[name]} but {other_name} is {other}; set it once")
+    return other
+
+
+def _derive_world(v: dict[str, Any], sources: dict[str, str]) -> None:
+    num_nodes = None if v["num_nodes"] == -1 else v["num_nodes"]
+    ranks = count_ranks(v["num_gpus"], num_nodes, v["hostfile"], v["include"], v["exclude"])
+    v["global_num_gpus"] = ranks
+    v["data_parallel_size"] = ranks // (v["model_parallel_size"] * max(v["pipe_parallel_size"], 1))
+
+
+def _derive_batch(v: dict[str, Any], sources: dict[str, str], require_run_settings: bool) -> None:
+    """train_batch_size = micro x gradient_accumulation_steps x data_parallel_size; any two give the third."""
+    micro, accum, total = (v["train_micro_batch_size_per_gpu"], v["gradient_accumulation_steps"],
+                           v["train_batch_size"])
+    dp = v["data_parallel_size"]
+    names = "train_batch_size / train_micro_batch_size_per_gpu / gradient_accumulation_steps"
+    if micro is None and total is None:
+        if not require_run_settings and accum is None:
+            return
+        raise ConfigError(f"{names}: none set; set train_micro_batch_size_per_gpu (and optionally the others)")
+    if micro is not None and total is not None and accum is None:
+        accum, remainder = divmod(total, micro * dp)
+        if remainder or accum == 0:
+            raise ConfigError(
+                f"{where(sources, 'train_batch_size')} ({total}) is not a multiple of "
+                f"{where(sources, 'train_micro_batch_size_per_gpu')} ({micro}) x data_parallel_size ({dp})"
+            )
+    accum = accum or 1
+    if micro is None:
+        micro, remainder = divmod(total, accum * dp)
+        if remainder or micro == 0:
+            raise ConfigError(
+                f"{where(sources, 'train_batch_size')} ({total}) is not a multiple of "
+                f"{where(sources, 'gradient_accumulation_steps')} ({accum}) x data_parallel_size ({dp})"
+            )
+    if total is None:
+        total = micro * accum * dp
+    if micro * accum * dp != total:
+        raise ConfigError(
+            f"{where(sources, 'train_batch_size')} ({total}) != {where(sources, 'train_micro_batch_size_per_gpu')} "
+            f"({micro}) x {where(sources, 'gradient_accumulation_steps')} ({accum}) x data_parallel_size ({dp}); "
+            "set two of them and let the third follow"
+        )
+    v["train_micro_batch_size_per_gpu"], v["gradient_accumulation_steps"], v["train_batch_size"] = micro, accum, total
+
+
+def _derive_model_shape(v: dict[str, Any], sources: dict[str, str]) -> None:
+    hidden, heads = v["hidden_size"], v["num_attention_heads"]
+    if hidden % heads:
+        raise ConfigError(
+            f"{where(sources, 'hidden_size')} ({hidden}) is not divisible by "
+            f"{where(sources, 'num_attention_heads')} ({heads})"
+        )
+    v["num_kv_heads"] = v["num_kv_heads"] or heads
+    if heads % v["num_kv_heads"]:
+        raise ConfigError(
+            f"{where(sources, 'num_attention_heads')} ({heads}) is not divisible by "
+            f"{where(sources, 'num_kv_heads')} ({v['num_kv_heads']})"
+        )
+    if v["pos_emb"] == "rotary":
+        rotary_dims = int(hidden // heads * v["rotary_pct"])
+        if rotary_dims < 2 or rotary_dims % 2:
+            raise _fail(sources, "rotary_pct", f"rotates {rotary_dims} of {hidden // heads} head dims; needs an even number >= 2")
+    if v["intermediate_size"] is None:
+        if v["activation"] == "swiglu":
+            multiple = v["mlp_multiple_of"]
+            v["intermediate_size"] = -(-int(2 * 4 * hidden / 3) // multiple) * multiple
+        else:
+            v["intermediate_size"] = 4 * hidden
+    v["max_position_embeddings"] = v["max_position_embeddings"] or v["seq_length"]
+    if v["max_position_embeddings"] < v["seq_length"]:
+        raise ConfigError(
+            f"{where(sources, 'max_position_embeddings')} ({v['max_position_embeddings']}) is shorter than "
+            f"{where(sources, 'seq_length')} ({v['seq_length']})"
+        )
+
+
+def _derive_schedule(v: dict[str, Any], sources: dict[str, str]) -> None:
+    v["lr_decay_iters"] = v["lr_decay_iters"] or v["train_iters"]
+    warmup = v["warmup"]
+    if warmup < 1 and v["lr_decay_iters"] is None:
+        v["warmup_iters"] = None  # a fraction of an unknown length: only a model-only dict gets here
+    elif warmup < 1:
+        v["warmup_iters"] = int(warmup * v["lr_decay_iters"])
+    elif float(warmup).is_integer():
+        v["warmup_iters"] = int(warmup)
+    else:
+        raise _fail(sources, "warmup", f"{warmup}: a fraction (< 1) of lr_decay_iters or a whole number of iterations")
+    if v["lr"] is not None and v["min_lr"] > v["lr"]:
+        raise ConfigError(f"{where(sources, 'min_lr')} ({v['min_lr']}) is above the peak lr ({v['lr']})")
+
+
+def _derive_checkpointing(v: dict[str, Any], sources: dict[str, str]) -> None:
+    factor, interval = v["checkpoint_factor"], v["save_interval"]
+    if factor is not None and interval is not None and factor != interval:
+        raise ConfigError(
+            f"{where(sources, 'checkpoint_factor')} ({factor}) and {where(sources, 'save_interval')} ({interval}) "
+            "are the same setting with different values; set one"
+        )
+    v["checkpoint_factor"] = v["save_interval"] = factor if factor is not None else interval
+    for flag in ("finetune", "no_load_optim"):
+        if v[flag] and not v["load"]:
+            raise ConfigError(f"{where(sources, flag)}: set but `load` is not; say which checkpoint to load")
+
+
+def _check_data(v: dict[str, Any], sources: dict[str, str]) -> None:
+    given = [name for name in ("data_path", "train_data_paths", "embedded_corpus") if v[name]]
+    if not given:
+        raise ConfigError(
+            "data_path / train_data_paths / embedded_corpus: no training data; set data_path (a .bin/.idx "
+            "prefix), train_data_paths, or `embedded_corpus: true`"
+        )
+    if len(given) > 1:
+        raise ConfigError(" and ".join(where(sources, name) for name in given) + ": set only one data source")
+    for split in ("train", "valid", "test"):
+        paths, weights = v[f"{split}_data_paths"], v[f"{split}_data_weights"]
+        if weights is not None and (paths is None or len(weights) != len(paths)):
+            raise _fail(sources, f"{split}_data_weights", f"needs one weight per entry of {split}_data_paths")
+    if v["tokenizer_type"] == "HFTokenizer" and not v["vocab_file"] and not v["embedded_corpus"]:
+        raise _fail(sources, "vocab_file", "HFTokenizer needs vocab_file (a tokenizers JSON file)")
