@@ -1,0 +1,7 @@
+"""Hugging Face interop: GPTNeoXForCausalLM and LlamaForCausalLM <-> our parameter names and settings."""
+
+from megatron.hf.errors import HFConversionError
+from megatron.hf.io import is_hf_model_dir
+from megatron.hf.load import load_hf_module_weights
+
+__all__ = ["HFConversionError", "is_hf_model_dir", "load_hf_module_weights"]

@@ -1,0 +1,258 @@
+"""Translation between a Hugging Face config.json and our settings.
+
+Two families are supported: GPTNeoXForCausalLM (``model_type: gpt_neox``, Pythia) and
+LlamaForCausalLM (``model_type: llama``). Anything either side cannot represent exactly is refused,
+because a conversion that silently changes the architecture produces a model that loads but is wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megatron.hf.errors import HFConversionError
+from megatron.model.architecture import Architecture, architecture_from_args
+from megatron.neox_arguments.arguments import NeoXArgs
+
+FAMILIES = ("gpt_neox", "llama")
+HF_CLASS_NAMES = {"gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM"}
+GPT_NEOX_ACTIVATIONS = ("gelu", "relu", "silu")  # HF hidden_act values with an identical activation of ours
+DEFAULT_ROPE_THETA = 10000.0
+DEFAULT_PARTIAL_ROTARY = {"gpt_neox": 0.25, "llama": 1.0}  # transformers' defaults when the key is absent
+
+
+@dataclass(frozen=True)
+class HFModelSpec:
+    """What a config.json describes, in our terms."""
+
+    family: str
+    settings: dict[str, Any]  # settings a YAML may set (no derived ones)
+    vocab_size: int  # our padded_vocab_size
+
+    def architecture(self) -> Architecture:
+        return architecture_of({**self.settings, "padded_vocab_size": self.vocab_size})
+
+
+def architecture_of(values: dict[str, Any]) -> Architecture:
+    """Our Architecture for a dict of settings (missing ones take their schema defaults).
+
+    Built with the plain NeoXArgs constructor: an architecture alone is no complete run configuration.
+    """
+    return architecture_from_args(NeoXArgs(values))
+
+
+def _rope(hf: dict[str, Any], family: str, source: str) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) from transformers-5 ``rope_parameters`` or the older top-level keys."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    for name, block in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(block, dict) or any(isinstance(v, dict) for v in block.values()):
+            raise HFConversionError(f"{source}: per-layer-type {name} are not supported; only one global rotary")
+        rope_type = block.get("rope_type", block.get("type", "default"))
+        if rope_type != "default":
+            raise HFConversionError(
+                f"{source}: {name} has rope_type {rope_type!r}; only plain rotary embedding (rope_type 'default') "
+                "is supported, RoPE scaling is not"
+            )
+    theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", DEFAULT_ROPE_THETA)))
+    factor = params.get(
+        "partial_rotary_factor",
+        hf.get("partial_rotary_factor", hf.get("rotary_pct", DEFAULT_PARTIAL_ROTARY[family])),
+    )
+    return float(theta), float(factor)
+
+
+def _require(hf: dict[str, Any], key: str, source: str) -> Any:
+    if hf.get(key) is None:
+        raise HFConversionError(f"{source}: the key {key!r} is missing; cannot tell the model's shape without it")
+    return hf[key]
+
+
+def _integral_theta(theta: float, source: str) -> int:
+    if theta != int(theta):
+        raise HFConversionError(f"{source}: rope_theta={theta} is not a whole number; our rotary_emb_base is an integer")
+    return int(theta)
+
+
+def spec_from_hf_config(hf: dict[str, Any], source: str = "config.json") -> HFModelSpec:
+    """Our settings for the model a config.json describes; HFConversionError if we cannot represent it."""
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise HFConversionError(
+            f"{source}: model_type {family!r} is not supported; convertible are {', '.join(FAMILIES)} "
+            f"({', '.join(HF_CLASS_NAMES.values())})"
+        )
+    heads = _require(hf, "num_attention_heads", source)
+    hidden = _require(hf, "hidden_size", source)
+    theta, rotary_pct = _rope(hf, family, source)
+    max_positions = _require(hf, "max_position_embeddings", source)
+    settings: dict[str, Any] = {
+        "num_layers": _require(hf, "num_hidden_layers", source),
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "intermediate_size": _require(hf, "intermediate_size", source),
+        "seq_length": max_positions,
+        "max_position_embeddings": max_positions,
+        "pos_emb": "rotary",
+        "rotary_pct": rotary_pct,
+        "rotary_emb_base": _integral_theta(theta, source),
+        "no_weight_tying": not hf.get("tie_word_embeddings", False),
+        "attention_dropout": float(hf.get("attention_dropout") or 0.0),
+    }
+    act = hf.get("hidden_act", "gelu" if family == "gpt_neox" else "silu")
+    if family == "gpt_neox":
+        if act not in GPT_NEOX_ACTIVATIONS:
+            raise HFConversionError(
+                f"{source}: hidden_act {act!r} is not supported for gpt_neox; supported are "
+                f"{', '.join(GPT_NEOX_ACTIVATIONS)} (an approximate GELU would change the model)"
+            )
+        settings.update(
+            num_kv_heads=None,
+            gpt_j_residual=bool(hf.get("use_parallel_residual", True)),
+            norm="layernorm",
+            layernorm_epsilon=float(hf.get("layer_norm_eps", 1e-5)),
+            activation=act,
+            use_bias_in_norms=True,
+            use_bias_in_attn_linear=bool(hf.get("attention_bias", True)),
+            use_bias_in_mlp=True,
+            hidden_dropout=float(hf.get("hidden_dropout") or 0.0),
+        )
+    else:
+        if act != "silu":
+            raise HFConversionError(f"{source}: hidden_act {act!r} is not supported for llama; only 'silu' (SwiGLU)")
+        head_dim = hf.get("head_dim") or hidden // heads
+        if head_dim * heads != hidden:
+            raise HFConversionError(
+                f"{source}: head_dim={head_dim} x num_attention_heads={heads} != hidden_size={hidden}; "
+                "a head width independent of hidden_size is not supported"
+            )
+        if rotary_pct != 1.0:
+            raise HFConversionError(f"{source}: partial_rotary_factor={rotary_pct} is not supported for llama")
+        settings.update(
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            gpt_j_residual=False,
+            norm="rmsnorm",
+            rms_norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+            activation="swiglu",
+            use_bias_in_norms=False,
+            use_bias_in_attn_linear=bool(hf.get("attention_bias", False)),
+            use_bias_in_mlp=bool(hf.get("mlp_bias", False)),
+            hidden_dropout=0.0,
+        )
+    spec = HFModelSpec(family, settings, _require(hf, "vocab_size", source))
+    try:
+        spec.architecture()
+    except ValueError as err:
+        raise HFConversionError(f"{source}: the model it describes is not valid for us: {err}") from None
+    return spec
+
+
+def family_of(arch: Architecture) -> str:
+    """The HF family that represents ``arch``: llama for RMSNorm + SwiGLU, else gpt_neox."""
+    return "llama" if arch.norm == "rmsnorm" and arch.activation == "swiglu" else "gpt_neox"
+
+
+def unrepresentable(arch: Architecture, family: str) -> list[str]:
+    """Why ``arch`` cannot be written as ``family``; empty when it can."""
+    problems = []
+    if arch.pos_emb != "rotary":
+        problems.append(f"pos_emb={arch.pos_emb!r} (both families use rotary)")
+    if family == "gpt_neox":
+        wanted = {"norm": "layernorm", "bias_in_norms": True, "bias_in_mlp": True}
+        if arch.activation not in GPT_NEOX_ACTIVATIONS:
+            problems.append(f"activation={arch.activation!r} (gpt_neox has {', '.join(GPT_NEOX_ACTIVATIONS)})")
+        if arch.num_kv_heads != arch.num_attention_heads:
+            problems.append(f"num_kv_heads={arch.num_kv_heads} (gpt_neox has no grouped-query attention)")
+    elif family == "llama":
+        wanted = {"norm": "rmsnorm", "activation": "swiglu", "parallel_residual": False, "rotary_pct": 1.0}
+    else:
+        return [f"architecture {family!r} (supported: {', '.join(FAMILIES)})"]
+    problems += [
+        f"{field}={getattr(arch, field)!r} ({family} needs {value!r})"
+        for field, value in wanted.items()
+        if getattr(arch, field) != value
+    ]
+    return problems
+
+
+def hf_config_from_architecture(arch: Architecture, family: str, dtype: str) -> dict[str, Any]:
+    """config.json for ``arch`` as ``family``; the caller has checked ``unrepresentable`` is empty."""
+    rope = {"rope_type": "default", "rope_theta": arch.rotary_emb_base}
+    common = {
+        "architectures": [HF_CLASS_NAMES[family]],
+        "model_type": family,
+        "vocab_size": arch.vocab_size,
+        "hidden_size": arch.hidden_size,
+        "num_hidden_layers": arch.num_layers,
+        "num_attention_heads": arch.num_attention_heads,
+        "intermediate_size": arch.intermediate_size,
+        "max_position_embeddings": arch.max_position_embeddings,
+        "tie_word_embeddings": arch.tied_embeddings,
+        "attention_bias": arch.bias_in_attn_linear,
+        "attention_dropout": arch.attention_dropout,
+        "initializer_range": arch.init_method_std,
+        "dtype": dtype,
+        "use_cache": True,
+    }
+    if family == "gpt_neox":
+        rope["partial_rotary_factor"] = arch.rotary_pct
+        return {
+            **common,
+            "hidden_act": arch.activation,
+            "layer_norm_eps": arch.norm_epsilon,
+            "use_parallel_residual": arch.parallel_residual,
+            "hidden_dropout": arch.hidden_dropout,
+            "rope_parameters": rope,
+            # the same values under the names transformers 4 reads
+            "rotary_pct": arch.rotary_pct,
+            "rotary_emb_base": arch.rotary_emb_base,
+        }
+    return {
+        **common,
+        "num_key_value_heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": arch.norm_epsilon,
+        "mlp_bias": arch.bias_in_mlp,
+        "rope_parameters": rope,
+        "rope_theta": arch.rotary_emb_base,  # transformers 4's name
+    }
+
+
+# Architecture field -> (our setting name, how the setting shows the field's value)
+_COMPARED_FIELDS: dict[str, tuple[str, Any]] = {
+    "num_layers": ("num_layers", None),
+    "hidden_size": ("hidden_size", None),
+    "num_attention_heads": ("num_attention_heads", None),
+    "num_kv_heads": ("num_kv_heads", None),
+    "intermediate_size": ("intermediate_size", None),
+    "vocab_size": ("padded_vocab_size", None),
+    "pos_emb": ("pos_emb", None),
+    "rotary_pct": ("rotary_pct", None),
+    "rotary_emb_base": ("rotary_emb_base", None),
+    "tied_embeddings": ("no_weight_tying", lambda tied: not tied),
+    "parallel_residual": ("gpt_j_residual", None),
+    "norm": ("norm", None),
+    "norm_epsilon": ("layernorm_epsilon", None),
+    "activation": ("activation", None),
+    "bias_in_norms": ("use_bias_in_norms", None),
+    "bias_in_attn_linear": ("use_bias_in_attn_linear", None),
+    "bias_in_mlp": ("use_bias_in_mlp", None),
+}
+
+
+def architecture_mismatches(ours: Architecture, theirs: Architecture, source: str) -> list[str]:
+    """One line per architecture setting on which our settings and a config.json disagree."""
+    lines = []
+    for field, (setting, shown) in _COMPARED_FIELDS.items():
+        if field == "bias_in_norms" and ours.norm == theirs.norm == "rmsnorm":
+            continue  # RMSNorm has no bias either way
+        mine, other = getattr(ours, field), getattr(theirs, field)
+        if mine == other:
+            continue
+        if field == "norm_epsilon" and ours.norm == "rmsnorm":
+            setting = "rms_norm_epsilon"
+        if shown is not None:
+            mine, other = shown(mine), shown(other)
+        lines.append(f"{setting}: config says {mine!r}, HF {source} says {other!r}")
+    return lines

@@ -1,0 +1,34 @@
+"""Loading a Hugging Face model directory straight into our parameter names (``load:`` pointing at one)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron.hf.config import architecture_mismatches, spec_from_hf_config
+from megatron.hf.errors import HFConversionError
+from megatron.hf.io import CONFIG_NAME, iter_hf_tensors, read_hf_config
+from megatron.hf.mapping import convert_tensors, hf_to_ours
+from megatron.model.architecture import architecture_from_args
+
+
+def load_hf_module_weights(hf_dir: Path, args: Any) -> dict[str, torch.Tensor]:
+    """Our-named fp32 tensors of the HF model in ``hf_dir``, after checking ``args`` describes that model.
+
+    A setting that disagrees with config.json is an error naming both values.
+    """
+    hf_dir = Path(hf_dir)
+    source = str(hf_dir / CONFIG_NAME)
+    spec = spec_from_hf_config(read_hf_config(hf_dir), source)
+    theirs = spec.architecture()
+    ours = architecture_from_args(args)
+    mismatches = architecture_mismatches(ours, theirs, source)
+    if mismatches:
+        raise HFConversionError(
+            f"the model settings do not describe the Hugging Face model in {hf_dir}:\n  "
+            + "\n  ".join(mismatches)
+            + "\nUse the settings that convert_hf_to_neox.py --config-out writes for this model."
+        )
+    return convert_tensors(iter_hf_tensors(hf_dir), hf_to_ours(spec.family, theirs), str(hf_dir), torch.float32)

@@ -1,0 +1,243 @@
+"""The one mapping between Hugging Face parameter names and ours, in both directions.
+
+Ours are GPT-NeoX's sequential names (see megatron/model/gpt_model.py). Each ``Correspondence``
+pairs a tuple of HF tensors with a tuple of ours and knows how to turn one side into the other:
+Llama's separate q/k/v projections become our fused ``query_key_value`` and its gate/up
+projections our ``mlp.linear1`` (up first, then gate); GPT-NeoX's names differ only in the prefix.
+
+Conversion streams: tensors may arrive in any order, one shard at a time, and a correspondence
+is converted as soon as all of its source tensors have arrived.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from megatron.hf.errors import HFConversionError
+from megatron.model.architecture import Architecture
+from megatron.model.gpt_model import layer_key
+
+Convert = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+def _same(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return tensors
+
+
+@dataclass(frozen=True)
+class Correspondence:
+    hf: tuple[str, ...]
+    ours: tuple[str, ...]
+    to_ours: Convert = _same
+    to_hf: Convert = _same
+
+
+@dataclass(frozen=True)
+class Direction:
+    """Which side is read: the rules, and the names the source side may carry that are not parameters."""
+
+    name: str  # "hf_to_ours" or "ours_to_hf"
+    rules: tuple[tuple[tuple[str, ...], tuple[str, ...], Convert], ...]  # (sources, targets, convert)
+    ignored: tuple[re.Pattern[str], ...]
+    aliases: tuple[tuple[re.Pattern[str], str], ...]  # old source names -> current ones
+
+
+def _qkv_converters(arch: Architecture) -> tuple[Convert, Convert]:
+    """fuse(q, k, v) -> [qkv] and split([qkv]) -> [q, k, v] in our layout (weights and biases alike)."""
+    heads, kv_heads, head_dim = arch.num_attention_heads, arch.num_kv_heads, arch.head_dim
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    if kv_heads < heads:  # grouped: all q heads, all k heads, all v heads
+
+        def fuse(parts):
+            return [torch.cat(parts, dim=0)]
+
+        def split(fused):
+            return [part.clone() for part in fused[0].split(sizes, dim=0)]
+
+        return fuse, split
+
+    def fuse(parts):  # per head [q, k, v]
+        rest = parts[0].shape[1:]
+        per_head = [p.reshape(heads, head_dim, *rest) for p in parts]
+        return [torch.stack(per_head, dim=1).reshape(3 * heads * head_dim, *rest)]
+
+    def split(fused):
+        rest = fused[0].shape[1:]
+        per_head = fused[0].reshape(heads, 3, head_dim, *rest)
+        return [per_head[:, i].reshape(heads * head_dim, *rest).clone() for i in range(3)]
+
+    return fuse, split
+
+
+def _cat_up_gate(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.cat(parts, dim=0)]
+
+
+def _split_up_gate(fused: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [part.clone() for part in fused[0].chunk(2, dim=0)]
+
+
+def _ours(arch: Architecture) -> dict[str, str]:
+    return {
+        "embedding": "sequential.0.word_embeddings.weight",
+        "final_norm": f"sequential.{arch.num_layers + 3}.norm.",
+        "output": f"sequential.{arch.num_layers + 4}.final_linear.weight",
+    }
+
+
+def _gpt_neox_correspondences(arch: Architecture) -> list[Correspondence]:
+    names = _ours(arch)
+    pairs = [("gpt_neox.embed_in.weight", names["embedding"])]
+    attn_params = ("weight", "bias") if arch.bias_in_attn_linear else ("weight",)
+    for i in range(arch.num_layers):
+        hf, ours = f"gpt_neox.layers.{i}.", f"sequential.{layer_key(i)}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            pairs += [(f"{hf}{norm}.{p}", f"{ours}{norm}.{p}") for p in ("weight", "bias")]
+        for linear in ("query_key_value", "dense"):
+            pairs += [(f"{hf}attention.{linear}.{p}", f"{ours}attention.{linear}.{p}") for p in attn_params]
+        for theirs, mine in (("dense_h_to_4h", "linear1"), ("dense_4h_to_h", "linear2")):
+            pairs += [(f"{hf}mlp.{theirs}.{p}", f"{ours}mlp.{mine}.{p}") for p in ("weight", "bias")]
+    pairs += [(f"gpt_neox.final_layer_norm.{p}", names["final_norm"] + p) for p in ("weight", "bias")]
+    if not arch.tied_embeddings:
+        pairs.append(("embed_out.weight", names["output"]))
+    return [Correspondence((hf,), (ours,)) for hf, ours in pairs]
+
+
+def _llama_correspondences(arch: Architecture) -> list[Correspondence]:
+    names = _ours(arch)
+    fuse_qkv, split_qkv = _qkv_converters(arch)
+    rules = [Correspondence(("model.embed_tokens.weight",), (names["embedding"],))]
+    attn_params = ("weight", "bias") if arch.bias_in_attn_linear else ("weight",)
+    mlp_params = ("weight", "bias") if arch.bias_in_mlp else ("weight",)
+    for i in range(arch.num_layers):
+        hf, ours = f"model.layers.{i}.", f"sequential.{layer_key(i)}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            rules.append(Correspondence((f"{hf}{norm}.weight",), (f"{ours}{norm}.scale",)))
+        for p in attn_params:
+            qkv = tuple(f"{hf}self_attn.{x}_proj.{p}" for x in "qkv")
+            rules.append(Correspondence(qkv, (f"{ours}attention.query_key_value.{p}",), fuse_qkv, split_qkv))
+            rules.append(Correspondence((f"{hf}self_attn.o_proj.{p}",), (f"{ours}attention.dense.{p}",)))
+        for p in mlp_params:
+            up_gate = (f"{hf}mlp.up_proj.{p}", f"{hf}mlp.gate_proj.{p}")
+            rules.append(Correspondence(up_gate, (f"{ours}mlp.linear1.{p}",), _cat_up_gate, _split_up_gate))
+            rules.append(Correspondence((f"{hf}mlp.down_proj.{p}",), (f"{ours}mlp.linear2.{p}",)))
+    rules.append(Correspondence(("model.norm.weight",), (names["final_norm"] + "scale",)))
+    if not arch.tied_embeddings:
+        rules.append(Correspondence(("lm_head.weight",), (names["output"],)))
+    return rules
+
+
+def correspondences(family: str, arch: Architecture) -> list[Correspondence]:
+    if family == "gpt_neox":
+        return _gpt_neox_correspondences(arch)
+    if family == "llama":
+        return _llama_correspondences(arch)
+    raise HFConversionError(f"architecture {family!r} is not supported; use gpt_neox or llama")
+
+
+# Buffers that some checkpoints carry but that are no parameters (recomputed from the config).
+_HF_BUFFERS = (r"\.rotary_emb\.inv_freq$", r"\.attention\.bias$", r"\.attention\.masked_bias$")
+_OUR_BUFFERS = (r"\.rotary_emb\.inv_freq$",)
+_HF_OUTPUT_NAMES = {"gpt_neox": ("embed_out.weight", "lm_head.weight"), "llama": ("lm_head.weight",)}
+
+
+def hf_to_ours(family: str, arch: Architecture) -> Direction:
+    ignored = list(_HF_BUFFERS)
+    if arch.tied_embeddings:  # a tied output layer may still be stored; it is the embedding
+        ignored += [f"^{re.escape(name)}$" for name in _HF_OUTPUT_NAMES[family]]
+    aliases = [(re.compile(r"^lm_head\.weight$"), "embed_out.weight")] if family == "gpt_neox" else []
+    return Direction(
+        "hf_to_ours",
+        tuple((c.hf, c.ours, c.to_ours) for c in correspondences(family, arch)),
+        tuple(re.compile(p) for p in ignored),
+        tuple(aliases),
+    )
+
+
+def ours_to_hf(family: str, arch: Architecture) -> Direction:
+    aliases = [  # older GPT-NeoX checkpoints name the MLP like Hugging Face does
+        (re.compile(r"\.mlp\.dense_h_to_4h\."), ".mlp.linear1."),
+        (re.compile(r"\.mlp\.dense_4h_to_h\."), ".mlp.linear2."),
+    ]
+    return Direction(
+        "ours_to_hf",
+        tuple((c.ours, c.hf, c.to_hf) for c in correspondences(family, arch)),
+        tuple(re.compile(p) for p in _OUR_BUFFERS),
+        tuple(aliases),
+    )
+
+
+class StreamingConverter:
+    """Feed source tensors in any order; converted tensors come out as soon as their sources are complete."""
+
+    def __init__(self, direction: Direction, source: str):
+        self.direction = direction
+        self.source = source
+        self.rule_of = {name: index for index, rule in enumerate(direction.rules) for name in rule[0]}
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}
+        self.completed: set[int] = set()
+        self.unexpected: list[str] = []
+
+    def canonical(self, name: str) -> str:
+        for pattern, replacement in self.direction.aliases:
+            name = pattern.sub(replacement, name)
+        return name
+
+    def add(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        if any(p.search(name) for p in self.direction.ignored):
+            return []
+        name = self.canonical(name)
+        index = self.rule_of.get(name)
+        if index is None:
+            self.unexpected.append(name)
+            return []
+        sources, targets, convert = self.direction.rules[index]
+        parts = self.pending.setdefault(index, {})
+        if name in parts or index in self.completed:
+            raise HFConversionError(f"{self.source}: tensor {name!r} appears twice")
+        parts[name] = tensor
+        if len(parts) < len(sources):
+            return []
+        del self.pending[index]
+        self.completed.add(index)
+        return list(zip(targets, convert([parts[s] for s in sources]), strict=True))
+
+    def finish(self) -> None:
+        """Raise when a source tensor was unexpected or an expected one never came."""
+        missing = [
+            name for index, rule in enumerate(self.direction.rules) if index not in self.completed for name in rule[0]
+        ]
+        missing = [name for name in missing if name not in self.pending.get(self.rule_of[name], {})]
+        if self.unexpected or missing:
+            raise HFConversionError(
+                f"{self.source}: the tensors do not match the architecture in the config; "
+                f"missing {_first(missing)}, unexpected {_first(self.unexpected)}. "
+                "Check that the config (num_layers, biases, weight tying, family) describes these weights"
+            )
+
+
+def _first(names: list[str], count: int = 5) -> str:
+    if not names:
+        return "none"
+    more = f" and {len(names) - count} more" if len(names) > count else ""
+    return ", ".join(names[:count]) + more
+
+
+def convert_tensors(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    direction: Direction,
+    source: str,
+    dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
+    """All target tensors converted from ``tensors`` (cast to ``dtype`` when given), checked complete."""
+    converter = StreamingConverter(direction, source)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors:
+        for target, value in converter.add(name, tensor):
+            out[target] = value.to(dtype) if dtype is not None else value
+    converter.finish()
+    return out
