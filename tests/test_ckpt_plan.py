@@ -1,0 +1,292 @@
+"""The load plan: the DESIGN §3 table row by row, tag selection, and every refusal with its message."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from megatron.checkpointing import plan_load
+from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.inventory import inventory_checkpoint
+from megatron.checkpointing.plan import RNG_STATES_KEY, LoadMode, build_load_plan
+from megatron.checkpointing.rng import collect_rng_states
+from tests.ckpt_engines import make_args, saved_checkpoint
+
+
+def with_rng(world_size=1):
+    return {RNG_STATES_KEY: [collect_rng_states() for _ in range(world_size)]}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(single_rank_world, tmp_path_factory):
+    """Real checkpoints saved by DeepSpeed: ZeRO-1 fp32 (tags 1, 2), ZeRO-0 bf16, ZeRO-3 fp32."""
+    base = tmp_path_factory.mktemp("ckpts")
+    return {
+        "zero1": saved_checkpoint(base / "zero1", make_args(stage=1), iterations=(1, 2), client_state=with_rng()),
+        "zero0": saved_checkpoint(base / "zero0", make_args(stage=0, precision="bf16"), client_state=with_rng()),
+        "zero3": saved_checkpoint(base / "zero3", make_args(stage=3), client_state=with_rng()),
+    }
+
+
+@pytest.fixture
+def zero1_copy(checkpoints, tmp_path):
+    target = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["zero1"], target)
+    return target
+
+
+def plan_for(load, dp=1, **settings):
+    stage = settings.pop("stage", 1)
+    precision = settings.pop("precision", "fp32")
+    args = make_args(stage=stage, precision=precision, load=str(load), **settings)
+    return build_load_plan(args, inventory_checkpoint(load), dp)
+
+
+# --- the table, row by row ---------------------------------------------------------------
+
+def test_resume_loads_everything_from_latest(checkpoints):
+    root = checkpoints["zero1"]
+    plan = plan_for(root)
+    assert plan.mode is LoadMode.RESUME
+    assert (plan.tag, plan.tag_dir, plan.saved_iteration) == ("global_step2", root / "global_step2", 2)
+    assert plan.load_optimizer and plan.iteration_from_checkpoint and plan.restore_rng
+    assert sorted(p.name for p in plan.files) == ["mp_rank_00_model_states.pt",
+                                                 "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+
+
+def test_no_load_optim_keeps_iteration_and_rng_but_never_reads_optimizer_files(checkpoints):
+    plan = plan_for(checkpoints["zero1"], no_load_optim=True)
+    assert plan.mode is LoadMode.NO_LOAD_OPTIM
+    assert not plan.load_optimizer and plan.module_only
+    assert plan.iteration_from_checkpoint and plan.restore_rng and plan.saved_iteration == 2
+    assert [p.name for p in plan.files] == ["mp_rank_00_model_states.pt"]
+
+
+def test_no_load_optim_with_no_load_rng_leaves_rng_fresh(checkpoints):
+    plan = plan_for(checkpoints["zero1"], no_load_optim=True, no_load_rng=True)
+    assert plan.iteration_from_checkpoint and not plan.restore_rng
+    assert "no_load_rng" in plan.describe()
+
+
+def test_finetune_starts_at_zero_without_rng(checkpoints):
+    plan = plan_for(checkpoints["zero1"], finetune=True)
+    assert plan.mode is LoadMode.FINETUNE
+    assert not plan.load_optimizer and not plan.iteration_from_checkpoint and not plan.restore_rng
+    text = plan.describe()
+    assert "iteration 0" in text and "RNG states" in text.split("fresh:")[1]
+
+
+def test_finetune_wins_over_no_load_optim(checkpoints):
+    assert plan_for(checkpoints["zero1"], finetune=True, no_load_optim=True).mode is LoadMode.FINETUNE
+
+
+def test_describe_names_mode_tag_and_files(checkpoints):
+    root = checkpoints["zero1"]
+    text = plan_for(root).describe()
+    assert f"resume from {root / 'global_step2'}" in text
+    assert "optimizer states" in text.split("loaded:")[1].split("\n")[0]
+    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in text
+    fresh_line = plan_for(root, no_load_optim=True).describe().split("fresh:")[1].split("\n")[0]
+    assert "optimizer states" in fresh_line
+
+
+def test_rng_not_restored_when_saved_by_another_world_size(checkpoints, tmp_path):
+    root = tmp_path / "ckpt"
+    saved_checkpoint(root, make_args(stage=0), client_state=with_rng(world_size=4))
+    plan = plan_for(root, stage=0)
+    assert not plan.restore_rng
+    assert "saved by 4 ranks" in plan.describe()
+
+
+def test_zero_stage_0_resume_with_another_dp_size_is_fine(checkpoints):
+    plan = plan_for(checkpoints["zero0"], dp=4, stage=0, precision="bf16")
+    assert plan.load_optimizer  # the whole optimizer state sits in the model-states file
+
+
+def test_zero3_module_only_reads_shards_when_no_full_module_file(checkpoints):
+    plan = plan_for(checkpoints["zero3"], stage=3, finetune=True)
+    assert plan.source_format == "zero3"
+    assert sorted(p.name for p in plan.files) == ["zero_pp_rank_0_mp_rank_00_model_states.pt",
+                                                 "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    assert "ZeRO-3" in plan.describe()
+
+
+# --- tag selection ---------------------------------------------------------------------
+
+def test_iteration_picks_its_tag_over_latest(checkpoints):
+    plan = plan_for(checkpoints["zero1"], iteration=1)
+    assert plan.tag == "global_step1" and plan.saved_iteration == 1
+
+
+def test_missing_iteration_lists_available_ones(checkpoints):
+    root = checkpoints["zero1"]
+    with pytest.raises(CheckpointError) as error:
+        plan_for(root, iteration=7)
+    message = str(error.value)
+    assert str(root / "global_step7") in message and "available iterations: [1, 2]" in message
+
+
+def test_latest_naming_a_missing_tag(zero1_copy):
+    (zero1_copy / "latest").write_text("global_step9")
+    with pytest.raises(CheckpointError, match=r"names tag 'global_step9'.*available iterations: \[1, 2\]"):
+        plan_for(zero1_copy)
+
+
+def test_no_latest_file_asks_for_iteration(zero1_copy):
+    (zero1_copy / "latest").unlink()
+    with pytest.raises(CheckpointError, match=r"no `latest` file.*\[1, 2\].*iteration: N"):
+        plan_for(zero1_copy)
+    assert plan_for(zero1_copy, iteration=1).tag == "global_step1"
+
+
+def test_incomplete_tag_is_refused(zero1_copy):
+    for path in (zero1_copy / "global_step2").iterdir():
+        path.unlink()
+    with pytest.raises(CheckpointError, match=f"{zero1_copy / 'global_step2'} is incomplete"):
+        plan_for(zero1_copy)
+
+
+# --- nothing there ----------------------------------------------------------------------
+
+def test_missing_load_dir_is_an_error(tmp_path):
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'nope'} does not exist"):
+        plan_for(tmp_path / "nope")
+
+
+def test_empty_load_dir_is_an_error(tmp_path):
+    with pytest.raises(CheckpointError, match=f"{tmp_path} holds no checkpoint"):
+        plan_for(tmp_path, save=str(tmp_path / "elsewhere"))
+
+
+@pytest.fixture
+def neox_log():
+    from megatron.logging import get_logger
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = get_logger()
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+def test_auto_resume_first_run_proceeds_with_one_log_line(tmp_path, neox_log):
+    run_dir = tmp_path / "run"  # may not exist yet either
+    args = make_args(load=str(run_dir), save=str(run_dir))
+    plan = plan_load(args, 1)
+    assert plan.mode is LoadMode.FIRST_RUN and plan.nothing_to_load
+    messages = [r.getMessage() for r in neox_log]
+    assert len(messages) == 1 and "first run" in messages[0] and str(run_dir) in messages[0]
+    assert "\n" not in messages[0]
+
+
+def test_auto_resume_does_not_excuse_finetune_or_an_iteration(tmp_path):
+    for settings in ({"finetune": True}, {"iteration": 3}):
+        with pytest.raises(CheckpointError):
+            plan_load(make_args(load=str(tmp_path), save=str(tmp_path), **settings), 1)
+
+
+def test_plan_load_without_load_is_none():
+    assert plan_load(make_args(), 1) is None
+
+
+# --- what cannot be carried out --------------------------------------------------------
+
+def test_resume_without_optimizer_states_says_which_setting(zero1_copy):
+    for tag in ("global_step1", "global_step2"):
+        (zero1_copy / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(CheckpointError) as error:
+        plan_for(zero1_copy)
+    message = str(error.value)
+    assert "holds none" in message and "no_load_optim: true" in message and "finetune: true" in message
+    assert plan_for(zero1_copy, no_load_optim=True).module_only  # the weights are still usable
+
+
+def test_missing_optimizer_shard_is_named(zero1_copy):
+    tag_dir = zero1_copy / "global_step2"
+    (tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt").rename(tag_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointError, match="zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        plan_for(zero1_copy, dp=2)
+
+
+def test_resume_with_another_dp_size_is_refused(checkpoints):
+    with pytest.raises(CheckpointError, match=r"for 1 data-parallel ranks, this run has 2.*no_load_optim"):
+        plan_for(checkpoints["zero1"], dp=2)
+    assert plan_for(checkpoints["zero1"], dp=2, finetune=True).module_only
+
+
+def test_resume_with_another_zero_stage_is_refused(checkpoints):
+    with pytest.raises(CheckpointError, match="saved with ZeRO stage 1, this run uses stage 2"):
+        plan_for(checkpoints["zero1"], stage=2)
+
+
+def test_resume_with_another_precision_is_refused(checkpoints):
+    with pytest.raises(CheckpointError, match="saved in fp32, this run trains in bf16"):
+        plan_for(checkpoints["zero1"], precision="bf16")
+    assert plan_for(checkpoints["zero1"], precision="bf16", finetune=True).module_only
+
+
+def test_another_tensor_parallel_size_is_refused(checkpoints):
+    with pytest.raises(CheckpointError, match="tensor-parallel size 1.*model_parallel_size 2"):
+        plan_for(checkpoints["zero1"], model_parallel_size=2, finetune=True)
+
+
+def test_architecture_mismatch_names_settings_and_values(checkpoints):
+    with pytest.raises(CheckpointError) as error:
+        plan_for(checkpoints["zero1"], finetune=True, hidden_size=16, norm="rmsnorm")
+    message = str(error.value)
+    assert "hidden_size: saved 8, now 16" in message and "norm: saved 'layernorm', now 'rmsnorm'" in message
+    assert str(checkpoints["zero1"] / "global_step2") in message
+
+
+def test_kv_heads_unset_equals_one_per_query_head(checkpoints):
+    plan = plan_for(checkpoints["zero1"], num_kv_heads=2)  # saved with num_kv_heads unset and 2 heads
+    assert plan.load_optimizer
+    with pytest.raises(CheckpointError, match="num_kv_heads: saved 2, now 1"):
+        plan_for(checkpoints["zero1"], num_kv_heads=1)
+
+
+def test_architecture_check_follows_load_module_strict(checkpoints):
+    plan = plan_for(checkpoints["zero1"], finetune=True, num_layers=3, load_module_strict=False)
+    assert plan.module_only
+
+
+def test_pipeline_checkpoint_loads_module_only(tmp_path):
+    tag_dir = tmp_path / "global_step30"
+    tag_dir.mkdir(parents=True)
+    torch.save({"module": None, "iteration": 30, "args": {"num_layers": 2},
+                "ds_config": {"zero_optimization": {"stage": 1}}}, tag_dir / "mp_rank_00_model_states.pt")
+    torch.save({"w": torch.ones(2)}, tag_dir / "layer_00-model_00-model_states.pt")
+    torch.save({"zero": "shard"}, tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    (tmp_path / "latest").write_text("global_step30")
+    with pytest.raises(CheckpointError, match="GPT-NeoX pipeline checkpoint"):
+        plan_for(tmp_path)
+    plan = plan_for(tmp_path, no_load_optim=True)
+    assert plan.saved_iteration == 30 and plan.source_format == "pipeline"
+    assert [p.name for p in plan.files] == ["mp_rank_00_model_states.pt", "layer_00-model_00-model_states.pt"]
+    assert "RNG states not restored" in plan.describe()  # none saved
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
+    save_file({"gpt_neox.embed_in.weight": torch.zeros(4, 8)}, str(tmp_path / "model.safetensors"))
+    return tmp_path
+
+
+def test_hf_dir_finetunes(hf_dir):
+    plan = plan_for(hf_dir, finetune=True)
+    assert plan.source_format == "hf" and plan.module_only and not plan.iteration_from_checkpoint
+    assert [p.name for p in plan.files] == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("settings", [{}, {"no_load_optim": True}, {"finetune": True, "iteration": 5}])
+def test_hf_dir_refuses_what_it_cannot_hold(hf_dir, settings):
+    with pytest.raises(CheckpointError, match=f"{hf_dir}.*Hugging Face.*finetune: true"):
+        plan_for(hf_dir, **settings)
