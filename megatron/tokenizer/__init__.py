@@ -9,7 +9,6 @@ from megatron.tokenizer.tokenizer import (
     HFTokenizer,
     Tokenizer,
     build_tokenizer,
-    pad_vocab_size,
 )
 from megatron.tokenizer.train import train_bpe_tokenizer
 
@@ -22,6 +21,5 @@ __all__ = [
     "Tokenizer",
     "TokenizerError",
     "build_tokenizer",
-    "pad_vocab_size",
     "train_bpe_tokenizer",
 ]

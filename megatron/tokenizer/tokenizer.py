@@ -118,8 +118,3 @@ def build_tokenizer(args) -> Tokenizer:
         return CharLevelTokenizer()
     raise TokenizerError(f"tokenizer_type {kind!r} is unknown; use one of {', '.join(TOKENIZER_TYPES)}")
 
-
-def pad_vocab_size(vocab_size: int, divisible_by: int, model_parallel_size: int = 1) -> int:
-    """GPT-NeoX's padded vocabulary: round up to a multiple of divisible_by x model_parallel_size."""
-    multiple = divisible_by * model_parallel_size
-    return -(-vocab_size // multiple) * multiple
