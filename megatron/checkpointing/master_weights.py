@@ -1,0 +1,243 @@
+"""The optimizer's fp32 master weights: where each DeepSpeed optimizer keeps them, refresh, verify.
+
+Why this exists: a module-only load writes the model's (16-bit) parameters, but the optimizer steps
+its own fp32 master copy and then copies that back into the model. A master left at the random init
+silently undoes the load at the first step. DeepSpeed's ``refresh_fp32_params`` copies the 16-bit
+values, losing the low bits a full-precision checkpoint has, so the master is written here from the
+checkpoint's own values.
+
+Master layouts, detected by what the engine's optimizer holds (DeepSpeed 0.19.8 names):
+
+* no optimizer (ZeRO-3 without one holds a ``DeepSpeedZeRoOffload``), or a bare torch optimizer
+  over the module's own parameters (fp32 without ZeRO): the parameters are the master.
+* ``FP16_Optimizer`` (fp16/bf16 without ZeRO, fused Adam): ``fp16_groups`` + flat ``fp32_groups_flat``.
+* ``FP16_UnfusedOptimizer``: ``fp16_groups`` + per-parameter ``fp32_groups``.
+* ZeRO-1/2 (``DeepSpeedZeroOptimizer``) and ``BF16_Optimizer``: each parameter's ``_hp_mapping``
+  links the fragment of it this rank owns to its slice of the rank's fp32 partition.
+* ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): each parameter's local partition ``ds_tensor`` and its
+  fp32 slice ``fp32_partitioned_groups_flat[g][offset:offset + n]`` at ``grad_position``.
+
+Anything else raises CheckpointError: an unknown layout must not be skipped silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+from megatron.checkpointing.errors import CheckpointError
+
+
+@dataclass
+class MasterFragment:
+    """The elements ``[start, start + n)`` of a flattened parameter: its master and its training copy."""
+
+    name: str
+    start: int
+    master: torch.Tensor  # flat fp32 view into the optimizer's master storage (writable)
+    trained: torch.Tensor  # flat view of the same elements in the training dtype
+
+
+def master_layout(engine) -> str:
+    """The name of the master-weight layout of ``engine``'s optimizer; raises CheckpointError if unknown."""
+    optimizer = engine.optimizer
+    if optimizer is None or isinstance(optimizer, DeepSpeedZeRoOffload):
+        return "no-separate-master"
+    if hasattr(optimizer, "fp32_partitioned_groups_flat") and hasattr(optimizer, "grad_position"):
+        return "zero3-partitions"
+    if _all_have_hp_mapping(_low_precision_groups(optimizer)):
+        return "hp-mapping"
+    if hasattr(optimizer, "fp16_groups") and hasattr(optimizer, "fp32_groups_flat"):
+        return "flat-fp32-groups"
+    if hasattr(optimizer, "fp16_groups") and hasattr(optimizer, "fp32_groups"):
+        return "fp32-groups"
+    if _optimizes_module_params_directly(engine):
+        return "no-separate-master"
+    raise CheckpointError(
+        f"unknown optimizer {type(optimizer).__module__}.{type(optimizer).__name__}: cannot find its fp32 "
+        "master weights, so a module-only load could not refresh them. Supported: DeepSpeed's "
+        "FP16_Optimizer, FP16_UnfusedOptimizer, BF16_Optimizer, ZeRO stages 1-3, or a torch optimizer over "
+        "the module's own parameters"
+    )
+
+
+def master_fragments(engine) -> Iterator[MasterFragment]:
+    """This rank's master fragments, every trainable parameter the optimizer holds."""
+    layout = master_layout(engine)
+    if layout == "no-separate-master":
+        return iter(())
+    names = {id(param): name for name, param in engine.module.named_parameters()}
+    return _FRAGMENTS_BY_LAYOUT[layout](engine.optimizer, names)
+
+
+def refresh_master_weights(engine, full_precision: Mapping[str, torch.Tensor]) -> None:
+    """Write the master elements of every parameter named in ``full_precision`` from those values.
+
+    ``full_precision`` maps state-dict names to full (unpartitioned) fp32 tensors.
+    """
+    with torch.no_grad():
+        for fragment in master_fragments(engine):
+            value = full_precision.get(fragment.name)
+            if value is None:
+                continue
+            source = value.reshape(-1).narrow(0, fragment.start, fragment.master.numel())
+            fragment.master.copy_(source)
+
+
+def verify_master_weights(engine) -> None:
+    """Every fp32 master element, cast to the training dtype, equals its training-dtype element.
+
+    Checked on local partitions only (no gathers); the mismatch counts of all ranks are summed so
+    every rank raises when any rank found one.
+    """
+    first_mismatch = None
+    mismatches = 0
+    with torch.no_grad():
+        for fragment in master_fragments(engine):
+            cast = fragment.master.to(device=fragment.trained.device, dtype=fragment.trained.dtype)
+            differing = int((_bits(cast) != _bits(fragment.trained)).sum())
+            if differing and first_mismatch is None:
+                first_mismatch = (fragment.name, differing, fragment.master.numel())
+            mismatches += differing
+    per_rank = _mismatches_per_rank(mismatches)
+    if not any(per_rank):
+        return
+    bad_ranks = [rank for rank, count in enumerate(per_rank) if count]
+    here = ""
+    if first_mismatch is not None:
+        name, differing, total = first_mismatch
+        here = f"; on this rank first in '{name}' ({differing} of {total} local elements)"
+    raise CheckpointError(
+        f"the optimizer's fp32 master weights differ from the model's parameters on rank(s) {bad_ranks}{here}. "
+        "The next optimizer step would overwrite the loaded weights with the stale master copy; the master "
+        "refresh after the module-only load did not reach this optimizer's layout"
+    )
+
+
+def _optimizes_module_params_directly(engine) -> bool:
+    module_params = {id(param) for param in engine.module.parameters()}
+    groups = getattr(engine.optimizer, "param_groups", None)
+    if not groups:
+        return False
+    return all(id(param) in module_params for group in groups for param in group["params"])
+
+
+def _low_precision_groups(optimizer) -> list[list[torch.nn.Parameter]] | None:
+    for attribute in ("bit16_groups", "bf16_groups"):
+        groups = getattr(optimizer, attribute, None)
+        if groups is not None:
+            return groups
+    return None
+
+
+def _all_have_hp_mapping(groups) -> bool:
+    if groups is None:
+        return False
+    params = [param for group in groups for param in group]
+    return bool(params) and all(hasattr(param, "_hp_mapping") for param in params)
+
+
+def _name_of(param, names: dict[int, str]) -> str:
+    try:
+        return names[id(param)]
+    except KeyError:
+        raise CheckpointError(
+            f"the optimizer holds a parameter of shape {tuple(param.shape)} that is not a parameter of the "
+            "engine's module; cannot tell which checkpoint tensor its master weights belong to"
+        ) from None
+
+
+def _hp_mapping_fragments(optimizer, names) -> Iterator[MasterFragment]:
+    for group in _low_precision_groups(optimizer):
+        for param in group:
+            mapping = param._hp_mapping
+            if mapping is None:  # this rank owns no element of the parameter
+                continue
+            address = mapping.lp_fragment_address
+            yield MasterFragment(
+                name=_name_of(param, names),
+                start=address.start,
+                master=mapping.hp_fragment.view(-1),
+                trained=param.data.view(-1).narrow(0, address.start, address.numel),
+            )
+
+
+def _flat_fp32_group_fragments(optimizer, names) -> Iterator[MasterFragment]:
+    for params, flat_master in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat, strict=True):
+        total = sum(param.numel() for param in params)
+        if total != flat_master.numel():
+            raise CheckpointError(
+                f"{type(optimizer).__name__}: a flat fp32 master group holds {flat_master.numel()} elements "
+                f"but its parameters {total}; unknown layout, cannot refresh the master weights"
+            )
+        offset = 0
+        for param in params:
+            yield MasterFragment(
+                name=_name_of(param, names),
+                start=0,
+                master=flat_master.data.narrow(0, offset, param.numel()),
+                trained=param.data.view(-1),
+            )
+            offset += param.numel()
+
+
+def _fp32_group_fragments(optimizer, names) -> Iterator[MasterFragment]:
+    for params, masters in zip(optimizer.fp16_groups, optimizer.fp32_groups, strict=True):
+        for param, master in zip(params, masters, strict=True):
+            yield MasterFragment(
+                name=_name_of(param, names), start=0, master=master.data.view(-1), trained=param.data.view(-1)
+            )
+
+
+def _zero3_fragments(optimizer, names) -> Iterator[MasterFragment]:
+    for params in optimizer.fp16_groups:
+        for param in params:
+            group_index, offset, numel = optimizer.grad_position[optimizer.get_param_id(param)]
+            swappable = getattr(optimizer, "_swappable_optimizer_subgroup", lambda _: False)
+            if swappable(group_index):
+                raise CheckpointError(
+                    "ZeRO-3 optimizer states swapped to NVMe: module-only loads cannot reach the fp32 master "
+                    "weights there; disable offload_optimizer to nvme for the load"
+                )
+            partition_rank = dist.get_rank(
+                group=getattr(param, "ds_process_group", optimizer.dp_process_group)
+            )
+            start = partition_rank * numel
+            owned = max(0, min(numel, param.ds_numel - start))  # the last partition may be padding
+            master = optimizer.fp32_partitioned_groups_flat[group_index].data.narrow(0, offset, numel)
+            yield MasterFragment(
+                name=_name_of(param, names),
+                start=start,
+                master=master.narrow(0, 0, owned),
+                trained=param.ds_tensor.data.view(-1).narrow(0, 0, owned),
+            )
+
+
+_FRAGMENTS_BY_LAYOUT = {
+    "zero3-partitions": _zero3_fragments,
+    "hp-mapping": _hp_mapping_fragments,
+    "flat-fp32-groups": _flat_fp32_group_fragments,
+    "fp32-groups": _fp32_group_fragments,
+}
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bits, so equality is exact (NaN equals an identical NaN, -0.0 differs from 0.0)."""
+    integer = {2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    return tensor.contiguous().view(integer)
+
+
+def _mismatches_per_rank(local_mismatches: int) -> list[int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [local_mismatches]
+    counts = torch.zeros(
+        dist.get_world_size(), dtype=torch.int64, device=get_accelerator().current_device_name()
+    )
+    counts[dist.get_rank()] = local_mismatches
+    dist.all_reduce(counts)
+    return counts.tolist()

@@ -1,0 +1,203 @@
+"""Read the module weights of exactly one checkpoint tag directory.
+
+Sources, the first one present wins:
+
+1. ``mp_rank_<MP>_model_states.pt`` whose ``module`` entry holds the weights (DeepSpeed ZeRO 0-2
+   writes it; under ZeRO-3 ``save_engine_checkpoint`` adds it with the full fp32 values).
+2. GPT-NeoX pipeline layer files ``layer_<II>-model_<MP>-model_states.pt``: each holds one layer's
+   state dict; its keys become ``sequential.<int(II)>.<name>`` (``nn.Sequential`` naming).
+3. The ZeRO-3 shards of the tag: fp32 flat partitions from ``*zero_pp_rank_<DP>_mp_rank_<MP>_optim_states.pt``
+   plus names and shapes from ``zero_pp_rank_<DP>_mp_rank_<MP>_model_states.pt``.
+
+The ``latest`` file is never read, and no optimizer file is opened while a module source exists.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import re
+from pathlib import Path
+
+import torch
+
+from megatron.checkpointing.errors import CheckpointError
+
+_LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+_ZERO_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_ZERO_OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+
+def module_file_name(mp_rank: int = 0) -> str:
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def load_checkpoint_file(path: Path) -> dict:
+    """torch.load one checkpoint file on CPU, memory-mapped, weights-only where the file allows it.
+
+    DeepSpeed pickles python objects next to the tensors (its loss scaler in optimizer files;
+    client state such as an args object in model-states files), which the weights-only unpickler
+    refuses. Only then is the file read again with the full unpickler, so plain weight files never
+    execute pickled code.
+    """
+    try:
+        try:
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except pickle.UnpicklingError:
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as err:
+        raise CheckpointError(
+            f"cannot read checkpoint file {path}: {type(err).__name__}: {err}. The file is truncated or "
+            "corrupt (an interrupted save?); load another checkpoint tag or re-create this one."
+        ) from err
+
+
+def read_module_weights(tag_dir: str | Path, mp_rank: int = 0) -> dict[str, torch.Tensor]:
+    """The module state dict stored in ``tag_dir`` (exactly that directory), keys as in ``state_dict()``."""
+    tag_dir = Path(tag_dir)
+    if not tag_dir.is_dir():
+        raise CheckpointError(f"checkpoint tag directory {tag_dir} does not exist")
+
+    module = _module_from_model_states_file(tag_dir / module_file_name(mp_rank))
+    if module is not None:
+        return module
+    layer_files = _layer_files(tag_dir, mp_rank)
+    if layer_files:
+        return _module_from_layer_files(layer_files)
+    model_files, optim_files = _zero_shard_files(tag_dir, mp_rank)
+    if model_files and optim_files:
+        return _module_from_zero3_shards(tag_dir, model_files, optim_files)
+
+    contents = sorted(p.name for p in tag_dir.iterdir())
+    raise CheckpointError(
+        f"no module weights in {tag_dir}: expected {module_file_name(mp_rank)} with a 'module' entry, "
+        f"GPT-NeoX layer files layer_<II>-model_{mp_rank:02d}-model_states.pt, or ZeRO-3 shards "
+        f"(zero_pp_rank_<DP>_mp_rank_{mp_rank:02d}_model_states.pt together with "
+        f"*zero_pp_rank_<DP>_mp_rank_{mp_rank:02d}_optim_states.pt); the directory holds {contents or 'nothing'}"
+    )
+
+
+def read_client_state(tag_dir: str | Path, mp_rank: int = 0) -> dict:
+    """Everything in the tag's model-states file except the module weights (iteration, args, rng, ...).
+
+    A ZeRO-3 tag saved by DeepSpeed alone has no ``mp_rank_<MP>`` file; its rank-0 model-states file
+    carries the same client state.
+    """
+    tag_dir = Path(tag_dir)
+    candidates = [
+        tag_dir / module_file_name(mp_rank),
+        tag_dir / f"zero_pp_rank_0_mp_rank_{mp_rank:02d}_model_states.pt",
+    ]
+    for path in candidates:
+        if path.is_file():
+            state = load_checkpoint_file(path)
+            return {key: value for key, value in state.items() if key != "module"}
+    raise CheckpointError(
+        f"no model-states file in {tag_dir}: expected {candidates[0].name} or {candidates[1].name}"
+    )
+
+
+def _module_from_model_states_file(path: Path) -> dict[str, torch.Tensor] | None:
+    if not path.is_file():
+        return None
+    module = load_checkpoint_file(path).get("module")
+    # GPT-NeoX pipeline checkpoints keep this file for client state only (module is None).
+    if not module:
+        return None
+    return dict(module)
+
+
+def _layer_files(tag_dir: Path, mp_rank: int) -> dict[int, Path]:
+    layers = {}
+    for path in tag_dir.iterdir():
+        match = _LAYER_FILE.match(path.name)
+        if match and int(match.group(2)) == mp_rank:
+            layers[int(match.group(1))] = path
+    return dict(sorted(layers.items()))
+
+
+def _module_from_layer_files(layer_files: dict[int, Path]) -> dict[str, torch.Tensor]:
+    module = {}
+    for index, path in layer_files.items():
+        layer_state = load_checkpoint_file(path)
+        if not isinstance(layer_state, dict):
+            raise CheckpointError(f"{path} holds a {type(layer_state).__name__}, expected a layer state dict")
+        for name, tensor in layer_state.items():
+            module[f"sequential.{index}.{name}"] = tensor
+    return module
+
+
+def _zero_shard_files(tag_dir: Path, mp_rank: int) -> tuple[dict[int, Path], dict[int, Path]]:
+    model_files, optim_files = {}, {}
+    for path in tag_dir.iterdir():
+        for pattern, found in ((_ZERO_MODEL_FILE, model_files), (_ZERO_OPTIM_FILE, optim_files)):
+            match = pattern.match(path.name)
+            if match and int(match.group(2)) == mp_rank:
+                found[int(match.group(1))] = path
+    return dict(sorted(model_files.items())), dict(sorted(optim_files.items()))
+
+
+def _module_from_zero3_shards(
+    tag_dir: Path, model_files: dict[int, Path], optim_files: dict[int, Path]
+) -> dict[str, torch.Tensor]:
+    """Reassemble full fp32 tensors from the per-rank ZeRO-3 flat partitions.
+
+    Layout (DeepSpeed ZeRO-3): every rank's fp32 sub-groups, laid end to end, hold one partition of
+    each trainable parameter in ``param_shapes`` order; a parameter of n elements takes ceil(n / DP)
+    elements on every rank, and its full value is the ranks' partitions concatenated, cut to n.
+    Frozen parameters are stored the same way, one fragment per rank in the model-states files.
+    """
+    first_optim = load_checkpoint_file(optim_files[min(optim_files)])["optimizer_state_dict"]
+    stage = first_optim.get("zero_stage")
+    if int(stage) != 3:
+        raise CheckpointError(
+            f"{tag_dir} has ZeRO stage {stage} optimizer shards but no {module_file_name()} with the "
+            "module weights; only ZeRO-3 shards can stand in for a missing module file"
+        )
+    dp_size = int(first_optim["partition_count"])
+    expected = set(range(dp_size))
+    for kind, files in (("model-states", model_files), ("optimizer", optim_files)):
+        if set(files) != expected:
+            raise CheckpointError(
+                f"{tag_dir}: the ZeRO-3 checkpoint was saved by {dp_size} data-parallel ranks but the "
+                f"{kind} files present are for ranks {sorted(files)}; the checkpoint is incomplete"
+            )
+
+    rank_streams = []
+    for rank in range(dp_size):
+        state = (
+            first_optim
+            if rank == min(optim_files)
+            else load_checkpoint_file(optim_files[rank])["optimizer_state_dict"]
+        )
+        rank_streams.append(torch.cat([group.reshape(-1) for group in state["fp32_flat_groups"]]))
+    model_states = [load_checkpoint_file(model_files[rank]) for rank in range(dp_size)]
+    first_model = model_states[0]
+
+    module: dict[str, torch.Tensor] = {}
+    buffer_names = set(first_model.get("buffer_names") or [])
+    module.update({name: t for name, t in (first_model.get("module") or {}).items() if name in buffer_names})
+
+    offset = 0
+    for group_shapes in first_model["param_shapes"]:
+        for name, shape in group_shapes.items():
+            numel = math.prod(shape)
+            partition = math.ceil(numel / dp_size)
+            pieces = [stream.narrow(0, offset, partition) for stream in rank_streams]
+            module[name] = torch.cat(pieces)[:numel].view(tuple(shape)).clone()
+            offset += partition
+    for rank, stream in enumerate(rank_streams):
+        if stream.numel() != offset:
+            raise CheckpointError(
+                f"{optim_files[rank]}: holds {stream.numel()} fp32 elements but the parameter shapes in "
+                f"{model_files[0].name} account for {offset}; the shards do not belong together"
+            )
+
+    for name, shape in (first_model.get("frozen_param_shapes") or {}).items():
+        fragments = [state["frozen_param_fragments"][name].reshape(-1) for state in model_states]
+        module[name] = torch.cat(fragments)[: math.prod(shape)].view(tuple(shape)).clone()
+
+    for alias, owner in (first_model.get("shared_params") or {}).items():
+        if owner in module:
+            module[alias] = module[owner]
+    return module

@@ -1,0 +1,306 @@
+"""Module-only loads through real DeepSpeed engines: every precision and ZeRO stage, one rank on CPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megatron.checkpointing import master_weights as master_weights_module
+from megatron.checkpointing.engine_save import save_engine_checkpoint
+from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.module_load import load_module_only
+from megatron.checkpointing.module_weights import read_client_state, read_module_weights
+from tests.ckpt_engine_common import (
+    DTYPES,
+    batch,
+    bits_equal,
+    build_engine,
+    ds_config,
+    eval_loss,
+    master_weights,
+    set_lr,
+    train_step,
+    training_weights,
+)
+
+pytestmark = pytest.mark.usefixtures("single_rank_world", "fp16_capable_cpu")
+
+# (precision, stage, extra config, optimizer class DeepSpeed 0.19.8 builds for it)
+_PLAIN_OPTIMIZER = {
+    0: "FP16_Optimizer",
+    1: "DeepSpeedZeroOptimizer",
+    2: "DeepSpeedZeroOptimizer",
+    3: "DeepSpeedZeroOptimizer_Stage3",
+}
+MATRIX = [
+    (precision, stage, {}, "FusedAdam" if (precision, stage) == ("fp32", 0) else _PLAIN_OPTIMIZER[stage])
+    for precision in DTYPES
+    for stage in (0, 1, 2, 3)
+] + [
+    ("bf16", 1, {"data_types": {"grad_accum_dtype": "fp32"}}, "BF16_Optimizer"),
+    ("fp16", 0, {"optimizer_params": {"torch_adam": True}}, "FP16_UnfusedOptimizer"),
+    ("bf16", 3, {"zero": {"stage3_param_persistence_threshold": 0}}, "DeepSpeedZeroOptimizer_Stage3"),
+]
+
+
+def _ids(case):
+    precision, stage, extra, _ = case
+    return f"{precision}-zero{stage}" + ("-" + "-".join(extra) if extra else "")
+
+
+def _config(precision, stage, extra):
+    return ds_config(precision, stage, **copy.deepcopy(extra))
+
+
+def _save_trained(tmp_path, config, tag="global_step1", seed=1):
+    """Engine A trained one step and saved; returns (engine, tag_dir, checkpoint values in fp32)."""
+    engine = build_engine(config, seed=seed)
+    train_step(engine, batch(0))
+    tag_dir = save_engine_checkpoint(engine, tmp_path, tag, {"iteration": 1})
+    return engine, tag_dir, _checkpoint_values(engine)
+
+
+def _checkpoint_values(engine):
+    """What the saved module file must hold: the fp32 master under ZeRO-3, else the training-dtype weights."""
+    if engine.zero_optimization_stage() == 3:
+        return master_weights(engine)
+    return {name: value.float() for name, value in training_weights(engine).items()}
+
+
+def _assert_engine_holds(engine, expected_fp32):
+    dtype = next(engine.module.parameters()).dtype
+    weights, masters = training_weights(engine), master_weights(engine)
+    for name, value in expected_fp32.items():
+        if name not in weights:
+            continue
+        assert bits_equal(weights[name], value.to(dtype)), (
+            f"training weights of {name} differ from the checkpoint"
+        )
+        assert bits_equal(masters[name], value), f"fp32 master of {name} differs from the checkpoint"
+
+
+@pytest.mark.parametrize("precision,stage,extra,optimizer_class", MATRIX, ids=[_ids(c) for c in MATRIX])
+def test_module_only_load_survives_a_step(tmp_path, precision, stage, extra, optimizer_class):
+    config = _config(precision, stage, extra)
+    engine_a, tag_dir, saved = _save_trained(tmp_path, config)
+    fixed = batch(7)
+    loss_a = eval_loss(engine_a, fixed)
+    # A module-only load never opens optimizer files: delete them.
+    for optimizer_file in tag_dir.glob("*optim_states.pt"):
+        optimizer_file.unlink()
+
+    engine_b = build_engine(config, seed=2)
+    assert type(engine_b.optimizer).__name__ == optimizer_class
+    before = training_weights(engine_b)
+    assert not all(torch.equal(before[n], saved[n].to(before[n].dtype)) for n in before), (
+        "B must start elsewhere"
+    )
+
+    report = load_module_only(engine_b, read_module_weights(tag_dir))
+    assert not report.missing and not report.unexpected and not report.mismatched
+    set_lr(engine_b, 0.0)
+    train_step(engine_b, batch(0))
+
+    _assert_engine_holds(engine_b, saved)
+    assert torch.equal(eval_loss(engine_b, fixed), loss_a)
+
+
+@pytest.mark.parametrize(
+    "precision,stage,extra",
+    [
+        ("bf16", 1, {}),
+        ("bf16", 2, {}),
+        ("fp16", 0, {}),
+        ("bf16", 3, {}),
+        ("bf16", 1, {"data_types": {"grad_accum_dtype": "fp32"}}),
+    ],
+    ids=["bf16-zero1", "bf16-zero2", "fp16-zero0", "bf16-zero3", "bf16-zero1-BF16_Optimizer"],
+)
+def test_verification_fails_without_master_refresh(tmp_path, monkeypatch, precision, stage, extra):
+    config = _config(precision, stage, extra)
+    _, tag_dir, _ = _save_trained(tmp_path, config)
+    engine_b = build_engine(config, seed=2)
+    monkeypatch.setattr(master_weights_module, "refresh_master_weights", lambda engine, values: None)
+    with pytest.raises(CheckpointError, match="master weights differ"):
+        load_module_only(engine_b, read_module_weights(tag_dir))
+
+
+def test_stale_master_really_undoes_the_load(tmp_path, monkeypatch):
+    """The failure the guard exists for: without refresh and check, one lr-0 step restores the random init."""
+    config = ds_config("bf16", 2)
+    _, tag_dir, saved = _save_trained(tmp_path, config)
+    engine_b = build_engine(config, seed=2)
+    init = training_weights(engine_b)
+    monkeypatch.setattr(master_weights_module, "refresh_master_weights", lambda engine, values: None)
+    monkeypatch.setattr(master_weights_module, "verify_master_weights", lambda engine: None)
+    load_module_only(engine_b, read_module_weights(tag_dir))
+    assert bits_equal(training_weights(engine_b)["head.weight"], saved["head.weight"].bfloat16())
+    set_lr(engine_b, 0.0)
+    train_step(engine_b, batch(0))
+    assert bits_equal(training_weights(engine_b)["head.weight"], init["head.weight"])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_fp32_checkpoint_keeps_full_precision_in_bf16_master(tmp_path, stage):
+    _, tag_dir, saved = _save_trained(tmp_path, ds_config("fp32", 0))
+    engine_b = build_engine(ds_config("bf16", stage), seed=2)
+    load_module_only(engine_b, read_module_weights(tag_dir))
+    masters = master_weights(engine_b)
+    for name, value in saved.items():
+        assert bits_equal(masters[name], value), name
+    rounded = saved["head.weight"].bfloat16().float()
+    assert not torch.equal(rounded, saved["head.weight"]), "the checkpoint must have bits bf16 cannot hold"
+    set_lr(engine_b, 0.0)
+    train_step(engine_b, batch(0))
+    _assert_engine_holds(engine_b, saved)
+
+
+def test_zero3_reads_the_requested_tag_not_latest(tmp_path):
+    config = ds_config("bf16", 3)
+    engine_a = build_engine(config, seed=1)
+    train_step(engine_a, batch(0))
+    old_dir = save_engine_checkpoint(engine_a, tmp_path, "global_step1", {"iteration": 1})
+    old = master_weights(engine_a)
+    train_step(engine_a, batch(1))
+    save_engine_checkpoint(engine_a, tmp_path, "global_step2", {"iteration": 2})
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    assert not torch.equal(master_weights(engine_a)["head.weight"], old["head.weight"])
+
+    engine_b = build_engine(config, seed=2)
+    load_module_only(engine_b, read_module_weights(old_dir))
+    _assert_engine_holds(engine_b, old)
+    assert read_client_state(old_dir)["iteration"] == 1
+
+
+def test_zero3_tag_without_module_file_or_shards_is_an_error(tmp_path):
+    _, tag_dir, _ = _save_trained(tmp_path, ds_config("bf16", 3))
+    (tag_dir / "mp_rank_00_model_states.pt").unlink()
+    for optimizer_file in tag_dir.glob("*optim_states.pt"):
+        optimizer_file.unlink()
+    with pytest.raises(
+        CheckpointError, match="no module weights in .*zero_pp_rank_0_mp_rank_00_model_states.pt"
+    ):
+        read_module_weights(tag_dir)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_zero3_shards_alone_give_the_master_weights(tmp_path, precision):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    _, tag_dir, saved = _save_trained(tmp_path, ds_config(precision, 3))
+    (tag_dir / "mp_rank_00_model_states.pt").unlink()
+    rebuilt = read_module_weights(tag_dir)
+    reference = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag=tag_dir.name)
+    assert set(rebuilt) == set(reference) == set(saved) | {"logit_scale"}
+    for name, value in saved.items():
+        assert bits_equal(rebuilt[name], value), name
+        assert bits_equal(reference[name], value), name
+    assert torch.equal(rebuilt["logit_scale"], torch.tensor([0.5]))
+
+
+def test_zero3_extra_module_file_keeps_deepspeed_resume_and_tools_working(tmp_path):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    config = ds_config("bf16", 3)
+    engine_a, tag_dir, saved = _save_trained(tmp_path, config)
+    assert (tag_dir / "mp_rank_00_model_states.pt").is_file()
+    engine_c = build_engine(config, seed=3)
+    load_path, client_state = engine_c.load_checkpoint(str(tmp_path), tag=tag_dir.name)
+    assert load_path is not None and client_state["iteration"] == 1
+    _assert_engine_holds(engine_c, saved)
+    reference = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag=tag_dir.name)
+    assert all(bits_equal(reference[name], value) for name, value in saved.items())
+
+
+def test_module_file_keys_are_the_state_dict_names(tmp_path):
+    engine_a, tag_dir, _ = _save_trained(tmp_path, ds_config("bf16", 3))
+    weights = read_module_weights(tag_dir)
+    assert list(weights) == list(engine_a.module.state_dict())
+    assert all(value.dtype == torch.float32 for value in weights.values())
+    client = read_client_state(tag_dir)
+    assert "module" not in client and client["iteration"] == 1 and client["ds_version"]
+
+
+def test_pipeline_layer_files_are_read(tmp_path):
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Embedding(11, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 11))
+    wrapper = torch.nn.Module()
+    wrapper.sequential = layers
+    full = wrapper.state_dict()
+    tag_dir = tmp_path / "global_step3"
+    tag_dir.mkdir()
+    for index in range(len(layers)):
+        prefix = f"sequential.{index}."
+        layer_state = {key[len(prefix) :]: value for key, value in full.items() if key.startswith(prefix)}
+        torch.save(layer_state, tag_dir / f"layer_{index:02d}-model_00-model_states.pt")
+    # GPT-NeoX keeps client state in an mp_rank file whose module is None.
+    torch.save({"module": None, "iteration": 3}, tag_dir / "mp_rank_00_model_states.pt")
+    read = read_module_weights(tag_dir)
+    assert list(read) == list(full)
+    assert all(torch.equal(read[key], full[key]) for key in full)
+    assert read_client_state(tag_dir)["iteration"] == 3
+
+
+def test_truncated_file_is_named(tmp_path):
+    _, tag_dir, _ = _save_trained(tmp_path, ds_config("bf16", 1))
+    module_file = tag_dir / "mp_rank_00_model_states.pt"
+    data = module_file.read_bytes()
+    module_file.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states\.pt.*truncated or corrupt"):
+        read_module_weights(tag_dir)
+
+
+def test_empty_tag_lists_what_it_holds(tmp_path):
+    (tmp_path / "global_step5").mkdir()
+    (tmp_path / "global_step5" / "notes.txt").write_text("x")
+    with pytest.raises(
+        CheckpointError, match=r"no module weights .*expected mp_rank_00_model_states\.pt.*notes\.txt"
+    ):
+        read_module_weights(tmp_path / "global_step5")
+
+
+def test_strict_load_names_the_mismatch(tmp_path):
+    _, tag_dir, _ = _save_trained(tmp_path, ds_config("bf16", 2))
+    weights = read_module_weights(tag_dir)
+    engine_b = build_engine(ds_config("bf16", 2), seed=2)
+    missing = {k: v for k, v in weights.items() if k != "blocks.1.up.bias"}
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint: \['blocks.1.up.bias'\]"):
+        load_module_only(engine_b, missing)
+    extra = {**weights, "blocks.2.up.weight": torch.zeros(3)}
+    with pytest.raises(CheckpointError, match=r"the model does not have: \['blocks.2.up.weight'\]"):
+        load_module_only(engine_b, extra)
+    reshaped = {**weights, "head.weight": torch.zeros(5, 24)}
+    with pytest.raises(CheckpointError, match=r"head.weight: checkpoint \(5, 24\) vs model \(37, 24\)"):
+        load_module_only(engine_b, reshaped)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_non_strict_load_reports_and_loads_the_rest(tmp_path, stage):
+    config = ds_config("bf16", stage)
+    _, tag_dir, saved = _save_trained(tmp_path, config)
+    weights = read_module_weights(tag_dir)
+    weights.pop("blocks.1.up.bias")
+    weights["head.weight"] = torch.zeros(5, 24)
+    weights["extra.weight"] = torch.zeros(2)
+    engine_b = build_engine(config, seed=2)
+    untouched = training_weights(engine_b)
+    report = load_module_only(engine_b, weights, strict=False)
+    assert report.missing == ["blocks.1.up.bias"]
+    assert report.unexpected == ["extra.weight"]
+    assert report.mismatched == [("head.weight", (5, 24), (37, 24))]
+    loaded = {n: v for n, v in saved.items() if n not in ("blocks.1.up.bias", "head.weight")}
+    _assert_engine_holds(engine_b, loaded)
+    after = training_weights(engine_b)
+    assert bits_equal(after["head.weight"], untouched["head.weight"])
+    assert bits_equal(after["blocks.1.up.bias"], untouched["blocks.1.up.bias"])
+
+
+def test_unknown_optimizer_layout_is_an_error(tmp_path):
+    _, tag_dir, _ = _save_trained(tmp_path, ds_config("fp32", 0))
+    engine_b = build_engine(ds_config("fp32", 0), seed=2)
+    # An optimizer stepping tensors that are not the module's: its master copy is out of reach.
+    engine_b.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    with pytest.raises(CheckpointError, match="unknown optimizer torch.optim.sgd.SGD"):
+        load_module_only(engine_b, read_module_weights(tag_dir))
