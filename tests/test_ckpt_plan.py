@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from megatron.checkpointing import plan_load
 from megatron.checkpointing.errors import CheckpointError
@@ -273,20 +271,53 @@ def test_pipeline_checkpoint_loads_module_only(tmp_path):
     assert "RNG states not restored" in plan.describe()  # none saved
 
 
-@pytest.fixture
-def hf_dir(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
-    save_file({"gpt_neox.embed_in.weight": torch.zeros(4, 8)}, str(tmp_path / "model.safetensors"))
-    return tmp_path
+def tiny_hf_model(path):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=32)
+    torch.manual_seed(0)
+    GPTNeoXForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def hf_settings(hf_dir):
+    from megatron.hf.config import spec_from_hf_config
+    from megatron.hf.io import read_hf_config
+
+    spec = spec_from_hf_config(read_hf_config(hf_dir))
+    return dict(spec.settings, padded_vocab_size=spec.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return tiny_hf_model(tmp_path_factory.mktemp("hf"))
 
 
 def test_hf_dir_finetunes(hf_dir):
-    plan = plan_for(hf_dir, finetune=True)
+    plan = plan_for(hf_dir, finetune=True, **hf_settings(hf_dir))
     assert plan.source_format == "hf" and plan.module_only and not plan.iteration_from_checkpoint
     assert [p.name for p in plan.files] == ["config.json", "model.safetensors"]
+    assert not plan.restore_rng and plan.client_state == {}
+
+
+def test_hf_dir_with_other_architecture_fails_before_any_engine(hf_dir):
+    with pytest.raises(CheckpointError, match=f"{hf_dir}.*num_layers"):
+        plan_for(hf_dir, finetune=True, **dict(hf_settings(hf_dir), num_layers=3))
 
 
 @pytest.mark.parametrize("settings", [{}, {"no_load_optim": True}, {"finetune": True, "iteration": 5}])
 def test_hf_dir_refuses_what_it_cannot_hold(hf_dir, settings):
     with pytest.raises(CheckpointError, match=f"{hf_dir}.*Hugging Face.*finetune: true"):
-        plan_for(hf_dir, **settings)
+        plan_for(hf_dir, **settings, **hf_settings(hf_dir))
+
+
+def test_checkpoint_converted_from_hf_loads_module_only(hf_dir, tmp_path):
+    from megatron.hf.convert import convert_hf_to_neox
+
+    convert_hf_to_neox(hf_dir, tmp_path / "converted")
+    settings = hf_settings(hf_dir)
+    with pytest.raises(CheckpointError, match="holds none.*no_load_optim: true"):
+        plan_for(tmp_path / "converted", **settings)
+    plan = plan_for(tmp_path / "converted", finetune=True, **settings)
+    assert [p.name for p in plan.files] == ["mp_rank_00_model_states.pt"]

@@ -76,8 +76,8 @@ def save_checkpoint(
 ) -> Path:
     """Save tag global_step<iteration> under `args.save`; all ranks call it (DeepSpeed's save is collective).
 
-    `latest` is written only after the tag is complete (engine files and configs), then old tags
-    are pruned per `keep_last_n_checkpoints`.
+    The run's YAML files go into `<tag>/configs/` first, `latest` names the tag once every file is
+    written, then old tags are pruned per `keep_last_n_checkpoints`.
     """
     from megatron.checkpointing import forward_validation
     from megatron.checkpointing.engine_save import save_engine_checkpoint
@@ -97,10 +97,11 @@ def save_checkpoint(
         client_state[forward_validation.CLIENT_STATE_KEY] = forward_validation.capture(engine, args)
     client_state.update(extra_client_state or {})
 
-    tag_dir = Path(save_engine_checkpoint(engine, save_dir, tag, client_state))
     rank, _ = _rank_and_world()
+    if rank == 0:  # before the engine files, so the tag is complete whenever `latest` names it
+        layout.copy_configs(args.config_files, save_dir / tag)
+    tag_dir = Path(save_engine_checkpoint(engine, save_dir, tag, client_state))
     if rank == 0:
-        layout.copy_configs(args.config_files, tag_dir)
         layout.write_latest(save_dir, tag)
         deleted = layout.prune_checkpoints(save_dir, args.keep_last_n_checkpoints)
         message = f"saved checkpoint {tag_dir}"

@@ -30,9 +30,6 @@ DEEPSPEED_KEYS = frozenset({
     "checkpoint_parallel_dimensions",
 })
 
-HF_WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
-
-
 @dataclass(frozen=True)
 class SavedMetadata:
     """The small facts a model-states file holds about the run that wrote it."""
@@ -244,9 +241,10 @@ def inventory_tag(root: Path, tag: str) -> TagInventory:
 
 
 def _hf_weight_files(root: Path) -> tuple[Path, ...]:
-    if not (root / "config.json").is_file():
-        return ()
-    return tuple(sorted(p for pattern in HF_WEIGHT_GLOBS for p in root.glob(pattern)))
+    # Imported here: megatron.hf imports this package's errors module.
+    from megatron.hf.io import is_hf_model_dir, weight_files
+
+    return tuple(weight_files(root)) if is_hf_model_dir(root) else ()
 
 
 def inventory_checkpoint(load_dir: str | Path) -> CheckpointInventory:

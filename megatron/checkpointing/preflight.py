@@ -7,6 +7,8 @@ checks name the cause in terms of settings, and catch what the engine would miss
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from megatron.checkpointing import layout
@@ -44,9 +46,13 @@ def current_precision(args) -> str:
 
 
 def _architecture(values: dict[str, Any]) -> dict[str, Any]:
+    from megatron.model.architecture import derive_size_defaults
+
     arch = {name: values.get(name) for name in ARCHITECTURE_SETTINGS}
-    if arch["num_kv_heads"] is None:
-        arch["num_kv_heads"] = arch["num_attention_heads"]
+    try:  # unset sizes mean their defaults (num_kv_heads: one per query head, ...)
+        arch.update(derive_size_defaults(SimpleNamespace(**values)))
+    except (AttributeError, TypeError):
+        pass  # settings saved by another program: compare what is there
     if arch["pos_emb"] != "learned":
         arch["max_position_embeddings"] = None  # no weight depends on it
     return arch
@@ -143,6 +149,24 @@ def _check_resume(tag: TagInventory, args, data_parallel_size: int) -> None:
             f"{tag.path} holds ZeRO stage {saved_stage} optimizer shards for {saved_dp} data-parallel ranks, "
             f"this run has {data_parallel_size}; the shards cannot be re-partitioned here. Run with "
             f"{saved_dp} data-parallel ranks, or {_MODULE_ONLY_HINT}.{hint}"
+        )
+
+
+def check_hf_model(hf_dir: Path, args) -> None:
+    """The settings describe the Hugging Face model in `hf_dir` (same check as its loader, done early)."""
+    from megatron.hf.config import architecture_mismatches as hf_mismatches
+    from megatron.hf.config import spec_from_hf_config
+    from megatron.hf.io import CONFIG_NAME, read_hf_config
+    from megatron.model.architecture import architecture_from_args
+
+    source = str(hf_dir / CONFIG_NAME)
+    theirs = spec_from_hf_config(read_hf_config(hf_dir), source).architecture()
+    mismatches = hf_mismatches(architecture_from_args(args), theirs, source)
+    if mismatches:
+        raise CheckpointError(
+            f"the model settings do not describe the Hugging Face model in {hf_dir}: "
+            + "; ".join(mismatches[:_SHOWN_MISMATCHES])
+            + ". Use the settings tools/ckpts/convert_hf_to_neox.py --config-out writes for this model."
         )
 
 
