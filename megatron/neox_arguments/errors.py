@@ -6,5 +6,5 @@ class ConfigError(Exception):
 
 
 def where(sources: dict[str, str], name: str) -> str:
-    """`file: key` for an error message; settings nobody set are marked as defaults."""
-    return f"{sources.get(name, 'default')}: {name}"
+    """`file: key` for an error message; a setting no file set is marked as its default."""
+    return f"{sources[name]}: {name}" if name in sources else f"{name} (default)"

@@ -1,0 +1,292 @@
+"""Loading, merging, validating and deriving settings (megatron.neox_arguments)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from megatron.neox_arguments import ConfigError, NeoXArgs, load_args_on_rank, padded_vocab_size
+from megatron.neox_arguments.handover import handover_argv
+from tests.neox_args_helpers import TINY_RUN, write_yaml
+
+
+def run_args(tmp_path, **overrides) -> NeoXArgs:
+    path = write_yaml(tmp_path, "run.yml", {**TINY_RUN, **overrides})
+    return NeoXArgs.from_yaml_files([path])
+
+
+def config_error(tmp_path, **overrides) -> str:
+    with pytest.raises(ConfigError) as caught:
+        run_args(tmp_path, **overrides)
+    return str(caught.value)
+
+
+# --- loading and merging -------------------------------------------------------------------
+
+def test_gpt_neox_dialect_braces_comments_and_dashes(tmp_path):
+    text = """
+    # a GPT-NeoX style file
+    {
+      "num-layers": 3,   # dashes
+      "hidden_size": 64,
+      "num-attention-heads": 4,
+      "seq-length": 16,
+      "train-iters": 10,
+      "optimizer": {"type": "Adam", "params": {"lr": 1.0e-3}},
+      "train-micro-batch-size-per-gpu": 1,
+      "embedded-corpus": true,
+      "layernorm-epsilon": 1e-6,
+    }
+    """
+    args = NeoXArgs.from_yaml_files([write_yaml(tmp_path, "neox.yml", text)])
+    assert args.num_layers == 3 and args.seq_length == 16 and args.embedded_corpus is True
+    assert args.layernorm_epsilon == pytest.approx(1e-6)  # "1e-6" is a string to YAML 1.1; read as float
+
+
+def test_later_files_override_key_by_key_and_sources_are_recorded(tmp_path):
+    base = write_yaml(tmp_path, "base.yml", {**TINY_RUN, "zero_optimization": {"stage": 2, "overlap_comm": True}})
+    overlay = write_yaml(tmp_path, "overlay.yml", {"num-layers": 5, "zero_optimization": {"stage": 1}})
+    args = NeoXArgs.from_yaml_files([base, overlay])
+    assert args.num_layers == 5
+    assert args.hidden_size == 64
+    # nested dicts are replaced as a whole, as in GPT-NeoX
+    assert args.zero_optimization == {"stage": 1}
+    assert args.source_of("num_layers") == str(overlay)
+    assert args.source_of("hidden_size") == str(base)
+    assert args.source_of("seed") == "default"
+    assert args.source_of("zero_stage") == "derived"
+    assert set(args.config_files) == {"base.yml", "overlay.yml"}
+    assert args.config_files["overlay.yml"] == overlay.read_text()
+
+
+def test_later_data_source_replaces_earlier_one(tmp_path):
+    model = write_yaml(tmp_path, "model.yml", TINY_RUN)  # embedded_corpus: true
+    local = write_yaml(tmp_path, "local.yml", {"data_path": "data/mine_text_document", "vocab_file": "tok.json"})
+    args = NeoXArgs.from_yaml_files([model, local])
+    assert args.data_path == "data/mine_text_document" and args.embedded_corpus is False
+
+
+def test_two_data_sources_in_one_file_is_an_error(tmp_path):
+    message = config_error(tmp_path, data_path="data/x_text_document", vocab_file="t.json")
+    assert "run.yml: data_path" in message and "run.yml: embedded_corpus" in message
+
+
+def test_same_key_with_dash_and_underscore_in_one_file_is_an_error(tmp_path):
+    path = write_yaml(tmp_path, "twice.yml", {**TINY_RUN, "seq-length": 64})
+    with pytest.raises(ConfigError, match=r"twice.yml: key 'seq_length' is set twice"):
+        NeoXArgs.from_yaml_files([path])
+
+
+def test_config_path_falls_back_to_configs_directory():
+    args = NeoXArgs.from_yaml_files(["pythia/160M.yml"])
+    assert args.hidden_size == 768
+
+
+def test_missing_config_file_names_both_places(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yml.*not found"):
+        NeoXArgs.from_yaml_files([tmp_path / "nope.yml"])
+
+
+def test_from_dict_validates_with_the_same_rules():
+    args = NeoXArgs.from_dict({**TINY_RUN, "seq-length": 48}, source="unit-test", require_run_settings=True)
+    assert args.seq_length == 48 and args.source_of("seq_length") == "unit-test"
+    with pytest.raises(ConfigError, match="unit-test: hiden_size: unknown setting; did you mean 'hidden_size'"):
+        NeoXArgs.from_dict({**TINY_RUN, "hiden_size": 64}, source="unit-test")
+
+
+def test_from_dict_accepts_a_model_only_dict_but_a_run_needs_more():
+    model_only = {key: TINY_RUN[key] for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")}
+    args = NeoXArgs.from_dict({**model_only, "padded_vocab_size": 256})
+    assert args.padded_vocab_size == 256 and args.intermediate_size == 4 * 64
+    with pytest.raises(ConfigError, match="train_iters: required"):
+        NeoXArgs.from_dict(model_only, require_run_settings=True)
+    with pytest.raises(ConfigError, match="no DeepSpeed config without train_batch_size and lr"):
+        args.deepspeed_config()
+
+
+def test_settings_stay_settable_attributes(tmp_path):
+    args = run_args(tmp_path)
+    args.padded_vocab_size = padded_vocab_size(50277, 128, 1)
+    assert args.to_dict()["padded_vocab_size"] == 50304
+
+
+# --- validation errors name the file and the key ----------------------------------------------
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"num_layerz": 2}, r"run.yml: num_layerz: unknown setting; did you mean 'num_layers'\?"),
+        ({"hidden_size": "wide"}, r"run.yml: hidden_size: expected int, got 'wide'"),
+        ({"num_layers": True}, r"run.yml: num_layers: expected int, got True"),
+        ({"train_iters": 10.5}, r"run.yml: train_iters: expected int or null, got 10.5"),
+        ({"norm": "scalenorm"}, r"run.yml: norm: 'scalenorm' is not one of 'layernorm', 'rmsnorm'"),
+        ({"pos_emb": "alibi"}, r"run.yml: pos_emb: 'alibi' is not one of"),
+        ({"hidden_size": 66}, r"run.yml: hidden_size \(66\) is not divisible by run.yml: num_attention_heads \(4\)"),
+        ({"num_kv_heads": 3}, r"run.yml: num_attention_heads \(4\) is not divisible by run.yml: num_kv_heads \(3\)"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, r"run.yml: fp16 and run.yml: bf16: both enabled"),
+        ({"precision": "fp32", "bf16": {"enabled": True}}, r"run.yml: precision: 'fp32' contradicts"),
+        ({"train_batch_size": 5, "gradient_accumulation_steps": 2},
+         r"run.yml: train_batch_size \(5\) != run.yml: train_micro_batch_size_per_gpu \(2\) x "
+         r"run.yml: gradient_accumulation_steps \(2\) x data_parallel_size \(1\)"),
+        ({"train_batch_size": 7}, r"run.yml: train_batch_size \(7\) is not a multiple of run.yml: "
+                                  r"train_micro_batch_size_per_gpu \(2\)"),
+        ({"embedded_corpus": False}, r"no training data; set data_path"),
+        ({"zero_stage": 2}, r"run.yml: zero_stage: is derived .* remove it"),
+        ({"padded_vocab_size": 512}, r"run.yml: padded_vocab_size: is derived"),
+        ({"config_files": {}}, r"run.yml: config_files: is derived"),
+        ({"optimizer": {"type": "Adam", "params": {}}}, r"lr: no learning rate; set optimizer.params.lr"),
+        ({"lr": 0.01}, r"run.yml: lr is 0.01 but optimizer.params.lr is 0.001"),
+        ({"optimizer": {"type": "Lion", "params": {"lr": 1}}}, r"run.yml: optimizer: type 'Lion' is not supported"),
+        ({"zero_optimization": {"stage": 4}}, r"run.yml: zero_optimization: stage must be 0, 1, 2 or 3"),
+        ({"zero_optimization": {"stage": 1, "overlap_com": True}},
+         r"run.yml: zero_optimization: DeepSpeed rejects it: overlap_com"),
+        ({"model_parallel_size": 2}, r"run.yml: model_parallel_size: tensor parallelism is not supported"),
+        ({"pipe_parallel_size": 2}, r"run.yml: pipe_parallel_size: pipeline parallelism is not supported"),
+        ({"hidden_dropout": 1.5}, r"run.yml: hidden_dropout: must be in \[0, 1\)"),
+        ({"warmup": 2.5}, r"run.yml: warmup: 2.5: a fraction"),
+        ({"checkpoint_factor": 10, "save_interval": 20}, r"run.yml: checkpoint_factor \(10\) and run.yml: save_interval"),
+        ({"finetune": True}, r"run.yml: finetune: set but `load` is not"),
+        ({"embedded_corpus": False, "data_path": "d", "tokenizer_type": "HFTokenizer"},
+         r"vocab_file \(default\): HFTokenizer needs vocab_file"),
+        ({"max_position_embeddings": 16}, r"run.yml: max_position_embeddings \(16\) is shorter than"),
+        ({"deepspeed_extra_args": {"train_batch_size": 64}},
+         r"deepspeed_extra_args: train_batch_size = 64 would override"),
+        ({"deepspeed_extra_args": {"scheduler": {"type": "WarmupLR"}}}, r"deepspeed_extra_args: scheduler"),
+        ({"attention_config": [[["sparse_fixed"], 2]]}, r"run.yml: attention_config: attention types \['sparse_fixed'\]"),
+        ({"sparsity_config": {"block": 16}}, r"run.yml: sparsity_config: .*sparse attention is not supported"),
+        ({"moe_num_experts": 8}, r"run.yml: moe_num_experts: 8: mixture-of-experts is not supported"),
+        ({"mlp_type": "llama"}, r"run.yml: mlp_type: 'llama': .*activation: swiglu"),
+        ({"num_gpus": 2, "include": "localhost:0"}, r"include/exclude cannot be combined with num_gpus"),
+        ({"hostfile": "/nonexistent/hostfile"}, r"hostfile: '/nonexistent/hostfile' does not exist"),
+        ({"num_nodes": 2}, r"num_nodes: 2 nodes need a hostfile"),
+    ],
+)
+def test_validation_errors(tmp_path, overrides, expected):
+    with pytest.raises(ConfigError, match=expected.replace("run.yml", r"\S*run\.yml")):
+        run_args(tmp_path, **overrides)
+
+
+def test_error_names_the_file_that_set_the_key(tmp_path):
+    base = write_yaml(tmp_path, "base.yml", TINY_RUN)
+    bad = write_yaml(tmp_path, "bad.yml", {"num_attention_heads": 5})
+    with pytest.raises(ConfigError, match=r"base.yml: hidden_size \(64\) is not divisible by \S*bad.yml: num_attention_heads"):
+        NeoXArgs.from_yaml_files([base, bad])
+
+
+# --- GPT-NeoX settings without an effect here ------------------------------------------------
+
+def test_inert_gpt_neox_settings_are_accepted_with_one_notice_each(tmp_path):
+    inert = {
+        "scaled_upper_triang_masked_softmax_fusion": True,
+        "bias_gelu_fusion": True,
+        "bias_dropout_fusion": True,
+        "rope_fusion": False,
+        "partition_activations": True,
+        "synchronize_each_layer": True,
+        "checkpoint_num_layers": 1,
+        "attention_config": [[["global"], 2]],
+        "output_layer_parallelism": "column",
+        "distributed_backend": "nccl",
+        "moe_num_experts": 1,
+        "sparsity_config": {},
+    }
+    args = run_args(tmp_path, **inert)
+    assert len(args.notices) == len(inert)
+    for name in inert:
+        assert sum(f"run.yml: {name} has no effect" in notice for notice in args.notices) == 1
+    assert all("\n" not in notice for notice in args.notices)
+    assert args.data_impl == "mmap"
+
+
+def test_gpt_neox_aliases(tmp_path):
+    args = run_args(tmp_path, gas=3, clip_grad=0.5, precision="bfloat16")
+    assert args.gradient_accumulation_steps == 3 and args.train_batch_size == 2 * 3
+    assert args.gradient_clipping == 0.5
+    assert args.precision == "bf16" and args.bf16 == {"enabled": True}
+
+
+# --- derived values -------------------------------------------------------------------------
+
+def test_precision_from_sections_and_from_the_precision_key(tmp_path):
+    assert run_args(tmp_path).precision == "fp32"
+    fp16 = run_args(tmp_path, fp16={"fp16": True, "enabled": True, "loss_scale": 0})
+    assert fp16.precision == "fp16" and fp16.fp16 == {"enabled": True, "loss_scale": 0} and fp16.bf16 is None
+    assert run_args(tmp_path, fp16={"enabled": False}).precision == "fp32"
+    by_key = run_args(tmp_path, precision="fp16")
+    assert by_key.fp16 == {"enabled": True}
+
+
+@pytest.mark.parametrize(
+    ("batch", "expected"),  # (micro, grad accumulation, total) with one data-parallel rank
+    [
+        ({"train_micro_batch_size_per_gpu": 4}, (4, 1, 4)),
+        ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, (4, 3, 12)),
+        ({"train_micro_batch_size_per_gpu": 4, "train_batch_size": 16}, (4, 4, 16)),
+        ({"train_micro_batch_size_per_gpu": None, "gradient_accumulation_steps": 2, "train_batch_size": 16}, (8, 2, 16)),
+        ({"train_micro_batch_size_per_gpu": None, "train_batch_size": 6}, (6, 1, 6)),
+        ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "train_batch_size": 8}, (2, 4, 8)),
+    ],
+)
+def test_batch_arithmetic(tmp_path, batch, expected):
+    args = run_args(tmp_path, **batch)
+    got = (args.train_micro_batch_size_per_gpu, args.gradient_accumulation_steps, args.train_batch_size)
+    assert got == expected
+
+
+def test_batch_arithmetic_uses_data_parallel_ranks(tmp_path):
+    args = run_args(tmp_path, num_gpus=4, train_batch_size=32)
+    assert args.global_num_gpus == 4 and args.data_parallel_size == 4
+    assert args.gradient_accumulation_steps == 32 // (2 * 4)
+
+
+def test_schedule_defaults(tmp_path):
+    args = run_args(tmp_path, warmup=0.05)
+    assert args.lr_decay_iters == 100 and args.warmup_iters == 5
+    args = run_args(tmp_path, warmup=7, lr_decay_iters=80)
+    assert args.lr_decay_iters == 80 and args.warmup_iters == 7
+    assert args.lr == 0.001 and args.zero_stage == 0
+    assert args.max_position_embeddings == 32
+
+
+def test_checkpoint_factor_and_save_interval_are_one_setting(tmp_path):
+    assert run_args(tmp_path, save_interval=25).checkpoint_factor == 25
+    assert run_args(tmp_path, checkpoint_factor=30).save_interval == 30
+
+
+def test_intermediate_size_follows_known_models(tmp_path):
+    # facts from the published Hugging Face configs of these models
+    pythia = run_args(tmp_path, hidden_size=768, num_attention_heads=12)
+    assert pythia.intermediate_size == 3072
+    llama_7b = run_args(tmp_path, hidden_size=4096, num_attention_heads=32, activation="swiglu")
+    assert llama_7b.intermediate_size == 11008 and llama_7b.num_kv_heads == 32
+    tiny_llama = run_args(tmp_path, hidden_size=2048, num_attention_heads=32, num_kv_heads=4, activation="swiglu")
+    assert tiny_llama.intermediate_size == 5632 and tiny_llama.num_kv_heads == 4
+    assert run_args(tmp_path, activation="swiglu", intermediate_size=100).intermediate_size == 100
+
+
+@pytest.mark.parametrize(("vocab", "divisible_by", "mp"), [(50277, 128, 1), (32000, 128, 1), (50277, 128, 2), (5, 1, 1)])
+def test_padded_vocab_size(vocab, divisible_by, mp):
+    padded = padded_vocab_size(vocab, divisible_by, mp)
+    assert padded >= vocab and padded % (divisible_by * mp) == 0
+    assert padded - vocab < divisible_by * mp
+    assert padded_vocab_size(50277, 128, 1) == 50304  # Pythia's published vocab_size
+    assert math.isclose(padded_vocab_size(32000, 128, 1), 32000)
+
+
+# --- handing the settings to ranks ----------------------------------------------------------
+
+def test_ranks_get_exactly_the_validated_settings(tmp_path):
+    args = run_args(tmp_path, bias_gelu_fusion=True)
+    argv = ["--local_rank=1", *handover_argv(args), "--something-else"]
+    on_rank = load_args_on_rank(argv)
+    assert on_rank.to_dict() == args.to_dict()
+    assert on_rank.sources == args.sources and on_rank.notices == args.notices
+    assert on_rank.deepspeed_config() == args.deepspeed_config()
+    flag, payload = handover_argv(args)[0].split("=", 1)
+    assert load_args_on_rank([flag, payload]).to_dict() == args.to_dict()
+
+
+def test_rank_without_handover_says_to_use_deepy():
+    with pytest.raises(ConfigError, match="start this script through deepy.py"):
+        load_args_on_rank(["--local_rank=0"])
