@@ -1,8 +1,31 @@
-"""Mmap indexed datasets (.bin/.idx), GPT sample indexing, blending, resumable samplers, the embedded corpus."""
+"""Mmap indexed datasets (.bin/.idx), GPT sample indexing, blending, resumable samplers, the embedded corpus.
 
-from megatron.data.builders import build_data_iterators, build_train_valid_test_datasets, get_batch
-from megatron.data.errors import DataError
-from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder, best_fitting_dtype
+Exports load on first use, so tools that only tokenize (preprocess_data.py and its workers) never import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "build_data_iterators": "megatron.data.builders",
+    "build_train_valid_test_datasets": "megatron.data.builders",
+    "get_batch": "megatron.data.builders",
+    "DataError": "megatron.data.errors",
+    "MMapIndexedDataset": "megatron.data.indexed_dataset",
+    "MMapIndexedDatasetBuilder": "megatron.data.indexed_dataset",
+    "best_fitting_dtype": "megatron.data.indexed_dataset",
+}
+
+if TYPE_CHECKING:
+    from megatron.data.builders import build_data_iterators, build_train_valid_test_datasets, get_batch
+    from megatron.data.errors import DataError
+    from megatron.data.indexed_dataset import (
+        MMapIndexedDataset,
+        MMapIndexedDatasetBuilder,
+        best_fitting_dtype,
+    )
 
 __all__ = [
     "DataError",
@@ -13,3 +36,9 @@ __all__ = [
     "build_train_valid_test_datasets",
     "get_batch",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'megatron.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -16,7 +16,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron.data.document_sources import expand_input_paths, iter_documents  # noqa: E402
+from megatron.data.errors import DataError  # noqa: E402
 from megatron.data.preprocessing import TokenizerSpec, tokenize_to_indexed_datasets  # noqa: E402
+from megatron.tokenizer import TokenizerError  # noqa: E402
 from megatron.tokenizer.tokenizer import TOKENIZER_TYPES  # noqa: E402
 
 
@@ -38,6 +40,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    try:
+        run(args)
+    except (DataError, TokenizerError) as err:
+        sys.exit(f"preprocess_data.py: error: {err}")
+
+
+def run(args: argparse.Namespace) -> None:
     documents = iter_documents(expand_input_paths(args.input), args.jsonl_keys)
     result = tokenize_to_indexed_datasets(
         documents,
