@@ -1,0 +1,154 @@
+"""save_checkpoint -> plan_load -> load_checkpoint with real DeepSpeed engines, per row of the load table."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from deepspeed import zero
+
+from megatron.checkpointing import CheckpointError, LoadMode, load_checkpoint, plan_load, save_checkpoint
+from megatron.checkpointing.rng import collect_rng_states, restore_rng_states
+from tests.ckpt_engines import build_engine, make_args, train_step
+
+CONFIGS = {"tiny.yml": "num_layers: 2\nhidden_size: 8\n", "local_setup.yml": "save: checkpoints\n"}
+
+
+def full_weights(engine) -> dict[str, torch.Tensor]:
+    params = list(engine.module.parameters())
+    with zero.GatheredParameters(params):
+        return {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+
+
+def run_args(tmp_path, stage=1, precision="fp32", **settings):
+    directory = str(tmp_path / "checkpoints")
+    return make_args(stage=stage, precision=precision, save=directory, load=directory, config_files=CONFIGS,
+                     **settings)
+
+
+def trained_and_saved(args, steps=2):
+    """An engine trained `steps` steps and saved at the last one; returns it to continue training."""
+    engine = build_engine(args, seed=0)
+    for step in range(1, steps + 1):
+        train_step(engine, args, step)
+    save_checkpoint(args, engine, steps, consumed_train_samples=2 * steps)
+    return engine
+
+
+@pytest.mark.parametrize("stage, precision", [(0, "bf16"), (1, "fp32"), (2, "bf16"), (3, "fp32")])
+def test_resume_continues_exactly_like_the_uninterrupted_run(single_rank_world, tmp_path, stage, precision):
+    args = run_args(tmp_path, stage, precision)
+    original = trained_and_saved(args)
+    train_step(original, args, 3)  # dropout draws from the RNG state saved at iteration 2
+    expected = full_weights(original)
+
+    plan = plan_load(args, data_parallel_size=1)
+    assert plan.mode is LoadMode.RESUME and plan.tag == "global_step2"
+    resumed = build_engine(args, seed=1)  # other initial weights: only the checkpoint can make them equal
+    torch.manual_seed(999)  # and another RNG state: only the restore can give the same dropout mask
+    outcome = load_checkpoint(args, resumed, plan)
+    assert (outcome.iteration, outcome.consumed_train_samples) == (2, 4)
+    assert outcome.loaded_optimizer and outcome.restored_rng and outcome.tag == "global_step2"
+    train_step(resumed, args, 3)
+    for name, value in full_weights(resumed).items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_resume_without_rng_restore_differs(single_rank_world, tmp_path):
+    """The check above can fail: with no_load_rng the dropout mask, hence the step, differs."""
+    args = run_args(tmp_path, no_load_rng=True)
+    original = trained_and_saved(args)
+    train_step(original, args, 3)
+    expected = full_weights(original)
+    resumed = build_engine(args, seed=1)
+    torch.manual_seed(999)
+    outcome = load_checkpoint(args, resumed, plan_load(args, 1))
+    assert outcome.loaded_optimizer and not outcome.restored_rng
+    train_step(resumed, args, 3)
+    assert any(not torch.equal(v, expected[k]) for k, v in full_weights(resumed).items())
+
+
+@pytest.mark.parametrize("mode", ["no_load_optim", "finetune"])
+def test_module_only_modes(single_rank_world, tmp_path, mode):
+    args = run_args(tmp_path, stage=2, precision="bf16", **{mode: True})
+    original = trained_and_saved(args)
+    saved = full_weights(original)
+    torch.manual_seed(7)
+    rng_after_save_elsewhere = torch.rand(1)
+
+    fresh = build_engine(args, seed=1)
+    plan = plan_load(args, 1)
+    assert all("optim_states" not in p.name for p in plan.files)
+    torch.manual_seed(999)
+    outcome = load_checkpoint(args, fresh, plan)
+    for name, value in full_weights(fresh).items():
+        torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=name)
+    assert not outcome.loaded_optimizer
+    assert not fresh.optimizer.state_dict()["base_optimizer_state"]["state"]  # Adam has taken no step
+    if mode == "no_load_optim":
+        assert (outcome.iteration, outcome.consumed_train_samples, outcome.restored_rng) == (2, 4, True)
+    else:
+        assert (outcome.iteration, outcome.consumed_train_samples, outcome.restored_rng) == (0, 0, False)
+        torch.manual_seed(7)
+        assert torch.equal(torch.rand(1), rng_after_save_elsewhere)  # generators left alone
+
+
+def test_save_writes_configs_latest_and_prunes(single_rank_world, tmp_path):
+    args = run_args(tmp_path, keep_last_n_checkpoints=2)
+    engine = build_engine(args)
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        train_step(engine, args, step)
+        tag_dir = save_checkpoint(args, engine, step, 2 * step)
+        assert tag_dir == root / f"global_step{step}"
+        assert (root / "latest").read_text() == f"global_step{step}"
+    kept = sorted(p.name for p in root.iterdir() if p.is_dir())  # DeepSpeed adds zero_to_fp32.py etc.
+    assert kept == ["global_step2", "global_step3"]
+    for name, text in CONFIGS.items():
+        assert (root / "global_step3" / "configs" / name).read_text() == text
+    client = torch.load(root / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert (client["iteration"], client["consumed_train_samples"]) == (3, 6)
+    assert client["args"]["hidden_size"] == args.hidden_size and len(client["rng_states"]) == 1
+
+
+def test_auto_resume_first_run_loads_nothing(single_rank_world, tmp_path):
+    args = run_args(tmp_path)
+    plan = plan_load(args, 1)
+    assert plan.nothing_to_load
+    assert load_checkpoint(args, build_engine(args), plan) is None
+
+
+def test_silently_not_loaded_is_an_error(single_rank_world, tmp_path):
+    args = run_args(tmp_path, stage=0)
+    trained_and_saved(args)
+    plan = plan_load(args, 1)
+    engine = build_engine(args, seed=1)
+    # DeepSpeed reports "nothing loaded" as (None, None) rather than raising; stand in for a tag
+    # that vanished between the plan and the load.
+    engine.load_checkpoint = lambda *a, **k: (None, None)
+    with pytest.raises(CheckpointError, match="did not load .*global_step2"):
+        load_checkpoint(args, engine, plan)
+
+
+def test_rng_states_round_trip():
+    states = collect_rng_states()
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.random(), np.random.rand(), torch.rand(5)  # move every generator on
+    restore_rng_states(states)
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+def test_rng_states_survive_weights_only_load(tmp_path):
+    torch.save(collect_rng_states(), tmp_path / "rng.pt")
+    states = torch.load(tmp_path / "rng.pt", weights_only=True)
+    expected = torch.rand(2), np.random.rand()
+    restore_rng_states(states)
+    assert torch.equal(torch.rand(2), expected[0]) and np.random.rand() == expected[1]
+
+
+def test_incomplete_rng_states_are_refused():
+    with pytest.raises(CheckpointError, match="numpy.*no_load_rng"):
+        restore_rng_states({"python": random.getstate(), "torch_cpu": torch.get_rng_state()})
