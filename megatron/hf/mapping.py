@@ -20,6 +20,7 @@ import torch
 from megatron.hf.errors import HFConversionError
 from megatron.model.architecture import Architecture
 from megatron.model.gpt_model import layer_key
+from megatron.model.legacy_names import is_legacy_buffer_key, translate_legacy_key
 
 Convert = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
@@ -38,12 +39,12 @@ class Correspondence:
 
 @dataclass(frozen=True)
 class Direction:
-    """Which side is read: the rules, and the names the source side may carry that are not parameters."""
+    """Which side is read: the rules, and how to treat source names that are no current parameter names."""
 
     name: str  # "hf_to_ours" or "ours_to_hf"
     rules: tuple[tuple[tuple[str, ...], tuple[str, ...], Convert], ...]  # (sources, targets, convert)
-    ignored: tuple[re.Pattern[str], ...]
-    aliases: tuple[tuple[re.Pattern[str], str], ...]  # old source names -> current ones
+    is_ignored: Callable[[str], bool]  # computed buffers some checkpoints store
+    canonical: Callable[[str], str]  # an older name of a source tensor -> its current name
 
 
 def _qkv_converters(arch: Architecture) -> tuple[Convert, Convert]:
@@ -139,36 +140,28 @@ def correspondences(family: str, arch: Architecture) -> list[Correspondence]:
     raise HFConversionError(f"architecture {family!r} is not supported; use gpt_neox or llama")
 
 
-# Buffers that some checkpoints carry but that are no parameters (recomputed from the config).
-_HF_BUFFERS = (r"\.rotary_emb\.inv_freq$", r"\.attention\.bias$", r"\.attention\.masked_bias$")
-_OUR_BUFFERS = (r"\.rotary_emb\.inv_freq$",)
+# Buffers that some HF checkpoints carry but that are no parameters (recomputed from the config).
+_HF_BUFFERS = re.compile(r"(\.rotary_emb\.inv_freq|\.attention\.bias|\.attention\.masked_bias)$")
 _HF_OUTPUT_NAMES = {"gpt_neox": ("embed_out.weight", "lm_head.weight"), "llama": ("lm_head.weight",)}
 
 
 def hf_to_ours(family: str, arch: Architecture) -> Direction:
-    ignored = list(_HF_BUFFERS)
-    if arch.tied_embeddings:  # a tied output layer may still be stored; it is the embedding
-        ignored += [f"^{re.escape(name)}$" for name in _HF_OUTPUT_NAMES[family]]
-    aliases = [(re.compile(r"^lm_head\.weight$"), "embed_out.weight")] if family == "gpt_neox" else []
-    return Direction(
-        "hf_to_ours",
-        tuple((c.hf, c.ours, c.to_ours) for c in correspondences(family, arch)),
-        tuple(re.compile(p) for p in ignored),
-        tuple(aliases),
-    )
+    # with tied embeddings a stored output layer is the embedding again: skip it
+    skipped = set(_HF_OUTPUT_NAMES[family]) if arch.tied_embeddings else set()
+
+    def is_ignored(name: str) -> bool:
+        return name in skipped or _HF_BUFFERS.search(name) is not None
+
+    def canonical(name: str) -> str:  # transformers 5 calls GPTNeoX's embed_out lm_head
+        return "embed_out.weight" if family == "gpt_neox" and name == "lm_head.weight" else name
+
+    rules = tuple((c.hf, c.ours, c.to_ours) for c in correspondences(family, arch))
+    return Direction("hf_to_ours", rules, is_ignored, canonical)
 
 
 def ours_to_hf(family: str, arch: Architecture) -> Direction:
-    aliases = [  # older GPT-NeoX checkpoints name the MLP like Hugging Face does
-        (re.compile(r"\.mlp\.dense_h_to_4h\."), ".mlp.linear1."),
-        (re.compile(r"\.mlp\.dense_4h_to_h\."), ".mlp.linear2."),
-    ]
-    return Direction(
-        "ours_to_hf",
-        tuple((c.ours, c.hf, c.to_hf) for c in correspondences(family, arch)),
-        tuple(re.compile(p) for p in _OUR_BUFFERS),
-        tuple(aliases),
-    )
+    rules = tuple((c.ours, c.hf, c.to_hf) for c in correspondences(family, arch))
+    return Direction("ours_to_hf", rules, is_legacy_buffer_key, translate_legacy_key)
 
 
 class StreamingConverter:
@@ -182,15 +175,10 @@ class StreamingConverter:
         self.completed: set[int] = set()
         self.unexpected: list[str] = []
 
-    def canonical(self, name: str) -> str:
-        for pattern, replacement in self.direction.aliases:
-            name = pattern.sub(replacement, name)
-        return name
-
     def add(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        if any(p.search(name) for p in self.direction.ignored):
+        if self.direction.is_ignored(name):
             return []
-        name = self.canonical(name)
+        name = self.direction.canonical(name)
         index = self.rule_of.get(name)
         if index is None:
             self.unexpected.append(name)

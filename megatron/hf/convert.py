@@ -1,0 +1,157 @@
+"""Whole-directory conversions: an HF model folder -> a module-only checkpoint of ours, and back."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import yaml
+
+from megatron.checkpointing import FORMAT_VERSION, FORMAT_VERSION_KEY, layout
+from megatron.checkpointing.module_weights import read_client_state, read_module_weights
+from megatron.hf.config import (
+    FAMILIES,
+    architecture_of,
+    family_of,
+    hf_config_from_architecture,
+    spec_from_hf_config,
+    unrepresentable,
+)
+from megatron.hf.errors import HFConversionError
+from megatron.hf.io import CONFIG_NAME, TOKENIZER_NAME, iter_hf_tensors, read_hf_config, write_hf_dir
+from megatron.hf.mapping import convert_tensors, hf_to_ours, ours_to_hf
+from megatron.neox_arguments.yaml_files import merge_config_files
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+CONVERTED_TAG = layout.tag_for_iteration(0)
+
+
+@dataclass(frozen=True)
+class ConvertedCheckpoint:
+    tag_dir: Path
+    settings: dict[str, Any]  # architecture (and tokenizer) settings that reproduce the model
+    config_path: Path | None
+
+
+def _yaml_settings(spec_settings: dict[str, Any], vocab_size: int, tokenizer: Path | None) -> dict[str, Any]:
+    settings = {k: v for k, v in spec_settings.items() if v is not None}
+    # padded_vocab_size is derived from the tokenizer, padded to a multiple of this: padding to
+    # exactly the HF vocab_size keeps the embedding shape for any tokenizer of at most that many tokens.
+    settings["make_vocab_size_divisible_by"] = vocab_size
+    if tokenizer is not None:
+        settings.update(tokenizer_type="HFTokenizer", vocab_file=str(tokenizer.resolve()))
+    return settings
+
+
+def convert_hf_to_neox(
+    hf_dir: Path, out_dir: Path, dtype: str = "fp32", config_out: Path | None = None, progress: bool = False
+) -> ConvertedCheckpoint:
+    """Write ``out_dir/latest`` and ``out_dir/global_step0/mp_rank_00_model_states.pt`` (module only)."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if dtype not in DTYPES:
+        raise HFConversionError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    spec = spec_from_hf_config(read_hf_config(hf_dir), str(hf_dir / CONFIG_NAME))
+    arch = spec.architecture()
+    module = convert_tensors(
+        iter_hf_tensors(hf_dir, progress=progress), hf_to_ours(spec.family, arch), str(hf_dir), DTYPES[dtype]
+    )
+    tag_dir = out_dir / CONVERTED_TAG
+    tag_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = None
+    if (hf_dir / TOKENIZER_NAME).is_file():
+        tokenizer = out_dir / TOKENIZER_NAME
+        shutil.copyfile(hf_dir / TOKENIZER_NAME, tokenizer)
+    settings = _yaml_settings(spec.settings, spec.vocab_size, tokenizer)
+    state = {
+        "module": module,
+        "buffer_names": [],
+        "optimizer": None,
+        "lr_scheduler": None,
+        "global_steps": 0,
+        "global_samples": 0,
+        "skipped_steps": 0,
+        "dp_world_size": 1,
+        "mp_world_size": 1,
+        "ds_version": deepspeed.__version__,
+        FORMAT_VERSION_KEY: FORMAT_VERSION,
+        "iteration": 0,
+        "consumed_train_samples": 0,
+        "args": {**settings, "padded_vocab_size": spec.vocab_size},
+        "converted_from": str(hf_dir.resolve()),
+    }
+    partial = tag_dir / (layout.model_states_name(0) + ".partial")
+    torch.save(state, partial)
+    partial.replace(tag_dir / layout.model_states_name(0))
+    layout.write_latest(out_dir, CONVERTED_TAG)
+    if config_out is not None:
+        config_out = Path(config_out)
+        header = (
+            f"# Architecture of {hf_dir.resolve()} ({spec.family}), written by convert_hf_to_neox.py.\n"
+            f"# Fine-tune from it with `load: {out_dir.resolve()}` and `finetune: true`.\n"
+        )
+        config_out.write_text(header + yaml.safe_dump(settings, sort_keys=False))
+    return ConvertedCheckpoint(tag_dir, settings, config_out)
+
+
+def _settings_of_checkpoint(tag_dir: Path, config_files: list[Path] | None) -> dict[str, Any]:
+    if config_files:
+        return dict(merge_config_files(list(config_files)).values)
+    args = read_client_state(tag_dir).get("args")
+    if hasattr(args, "to_dict"):
+        args = args.to_dict()
+    if not isinstance(args, dict):
+        raise HFConversionError(
+            f"{tag_dir} holds no saved settings (client state `args`); pass the run's YAML files with --config"
+        )
+    return args
+
+
+def convert_neox_to_hf(
+    ckpt_dir: Path,
+    out_dir: Path,
+    tag: str | None = None,
+    architecture: str | None = None,
+    config_files: list[Path] | None = None,
+    dtype: str | None = None,
+    progress: bool = False,
+) -> Path:
+    """Write an HF model folder for tag ``tag`` (default: the one in ``latest``) of our checkpoint."""
+    ckpt_dir = Path(ckpt_dir)
+    tag = tag or layout.read_latest(ckpt_dir)
+    if tag is None:
+        raise HFConversionError(f"{ckpt_dir} has no `latest` file; name the tag to convert with --tag")
+    tag_dir = ckpt_dir / tag
+    module = read_module_weights(tag_dir)
+    settings = _settings_of_checkpoint(tag_dir, config_files)
+    embedding = module.get("sequential.0.word_embeddings.weight")
+    if embedding is None:
+        raise HFConversionError(f"{tag_dir}: no sequential.0.word_embeddings.weight; not a checkpoint of this model")
+    if settings.get("padded_vocab_size") is None:
+        settings["padded_vocab_size"] = embedding.shape[0]
+    try:
+        arch = architecture_of(settings)
+    except ValueError as err:  # the model's own check of the settings
+        raise HFConversionError(f"{tag_dir}: the saved settings do not describe a valid model: {err}") from None
+    family = architecture or family_of(arch)
+    problems = unrepresentable(arch, family)
+    if problems:
+        raise HFConversionError(
+            f"{tag_dir} cannot be written as Hugging Face {family}: " + "; ".join(problems)
+            + f". Supported architectures: {', '.join(FAMILIES)}"
+        )
+    target = DTYPES[dtype] if dtype else embedding.dtype
+    if target not in HF_DTYPE_NAMES:
+        raise HFConversionError(f"{tag_dir}: weights in {target}; pass --dtype fp32, bf16 or fp16")
+    tensors = convert_tensors(module.items(), ours_to_hf(family, arch), str(tag_dir), target)
+    config = hf_config_from_architecture(arch, family, HF_DTYPE_NAMES[target])
+    vocab_file = settings.get("vocab_file")
+    tokenizer = None
+    if settings.get("tokenizer_type", "HFTokenizer") == "HFTokenizer" and vocab_file and Path(vocab_file).is_file():
+        tokenizer = Path(vocab_file)
+    write_hf_dir(Path(out_dir), config, tensors, tokenizer_file=tokenizer, progress=progress)
+    return Path(out_dir)

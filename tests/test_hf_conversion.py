@@ -1,0 +1,300 @@
+"""Hugging Face interop: HF <-> ours is bit-exact, logits agree with transformers, the CLIs work on real folders.
+
+transformers is the independent oracle: tiny randomly initialised GPTNeoXForCausalLM and
+LlamaForCausalLM models are built here (no download) and saved in each on-disk format HF uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron.checkpointing.module_weights import read_client_state, read_module_weights
+from megatron.hf import HFConversionError, is_hf_model_dir, load_hf_module_weights
+from megatron.hf.config import spec_from_hf_config
+from megatron.hf.convert import convert_hf_to_neox, convert_neox_to_hf
+from megatron.hf.io import iter_hf_tensors
+from megatron.hf.mapping import convert_tensors, hf_to_ours, ours_to_hf
+from megatron.model import build_model
+from megatron.neox_arguments import NeoXArgs, padded_vocab_size
+from megatron.tokenizer import build_tokenizer, train_bpe_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+VOCAB = 320  # > 258: room for a real byte-level BPE tokenizer
+TEXT = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine", "hello world"] * 20
+
+FAMILIES = {
+    "neox_parallel": ("gpt_neox", dict(rotary_pct=0.25, use_parallel_residual=True)),
+    "neox_sequential_tied": ("gpt_neox", dict(rotary_pct=0.5, use_parallel_residual=False, tie_word_embeddings=True)),
+    "llama_gqa": ("llama", dict(num_key_value_heads=2, rope_theta=500000.0)),
+    "llama_tied_biases": ("llama", dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
+}
+
+
+def make_hf_model(kind: str, seed: int = 0):
+    """A tiny transformers model of `kind` with every parameter random (norms and biases too)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    family, options = FAMILIES[kind]
+    torch.manual_seed(seed)
+    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
+                  max_position_embeddings=64)
+    if family == "gpt_neox":
+        model = GPTNeoXForCausalLM(GPTNeoXConfig(intermediate_size=256, **common, **options))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(intermediate_size=96, **common, **options))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("layernorm.weight") or "norm.weight" in name:
+                param.copy_(1 + 0.2 * torch.randn_like(param))
+            else:
+                param.normal_(0, 0.2)
+    return model.eval()
+
+
+def save_hf(model, path: Path, fmt: str = "safetensors", tokenizer: bool = False) -> Path:
+    """Save as HF does: one safetensors file, sharded safetensors + index, or pytorch_model.bin (+ index)."""
+    if fmt == "safetensors":
+        model.save_pretrained(path)
+    elif fmt == "sharded":
+        model.save_pretrained(path, max_shard_size="60KB")
+        assert (path / "model.safetensors.index.json").is_file()
+    else:  # transformers 5 writes no .bin any more; write the format older releases wrote
+        path.mkdir(parents=True)
+        model.config.save_pretrained(path)
+        state = {k: v.clone() for k, v in hf_reference(model).items()}
+        if fmt == "bin":
+            torch.save(state, path / "pytorch_model.bin")
+        else:
+            names = sorted(state)
+            shards = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+            for shard, keys in shards.items():
+                torch.save({k: state[k] for k in keys}, path / shard)
+            index = {"metadata": {}, "weight_map": {k: s for s, keys in shards.items() for k in keys}}
+            (path / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    if tokenizer:
+        train_bpe_tokenizer(TEXT, path / "tokenizer.json", vocab_size=300, min_frequency=1)
+    return path
+
+
+def hf_reference(model) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint of `model` holds (a tied output layer is not stored; embed_out is its file name)."""
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    elif model.config.model_type == "gpt_neox":
+        state["embed_out.weight"] = state.pop("lm_head.weight")
+    return state
+
+
+def our_args(hf_dir: Path, **overrides) -> NeoXArgs:
+    spec = spec_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
+    args = NeoXArgs.from_dict({**spec.settings, "train_iters": 1, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+                               **overrides})
+    args.padded_vocab_size = spec.vocab_size  # derived from the tokenizer by the training setup
+    return args
+
+
+def tokens(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def run_tool(script: str, *arguments: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, str(REPO / "tools" / "ckpts" / script), *arguments],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_hf_to_ours_to_hf_is_bit_exact(kind):
+    model = make_hf_model(kind)
+    spec = spec_from_hf_config(model.config.to_dict())
+    arch = spec.architecture()
+    reference = hf_reference(model)
+    ours = convert_tensors(reference.items(), hf_to_ours(spec.family, arch), "test")
+    back = convert_tensors(ours.items(), ours_to_hf(spec.family, arch), "test")
+    assert sorted(back) == sorted(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(back[name], tensor), name
+
+
+@pytest.mark.usefixtures("single_rank_world")
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_our_logits_equal_hf_logits_after_direct_load(kind, tmp_path):
+    model = make_hf_model(kind)
+    hf_dir = save_hf(model, tmp_path / "hf")
+    args = our_args(hf_dir)
+    ours = build_model(args).eval()
+    ours.load_state_dict(load_hf_module_weights(hf_dir, args), strict=True)
+    with torch.no_grad():
+        expected = model(tokens()).logits
+        actual = ours(tokens())
+    assert expected.abs().max() > 1  # random weights of this size give logits far from zero
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_fused_qkv_layout_is_what_the_logits_check_catches(tmp_path):
+    """Feed Llama-GQA weights through the per-head layout rule instead: the logits must then differ."""
+    model = make_hf_model("llama_gqa")
+    hf_dir = save_hf(model, tmp_path / "hf")
+    args = our_args(hf_dir)
+    weights = load_hf_module_weights(hf_dir, args)
+    key = "sequential.2.attention.query_key_value.weight"
+    q, k, v = weights[key].split([64, 32, 32])
+    weights[key] = torch.cat([q, v, k])
+    ours = build_model(args).eval()
+    ours.load_state_dict(weights)
+    with torch.no_grad():
+        assert not torch.allclose(ours(tokens()), model(tokens()).logits, atol=1e-3)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "sharded", "bin", "bin_sharded"])
+def test_every_hf_weight_format_reads_the_same_tensors(fmt, tmp_path):
+    model = make_hf_model("neox_parallel")
+    hf_dir = save_hf(model, tmp_path / fmt, fmt)
+    assert is_hf_model_dir(hf_dir)
+    read = dict(iter_hf_tensors(hf_dir))
+    reference = hf_reference(model)
+    assert sorted(read) == sorted(reference)
+    assert all(torch.equal(read[k], reference[k]) for k in reference)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "sharded", "bin"])
+def test_convert_hf_to_neox_cli_writes_a_module_only_checkpoint(fmt, tmp_path):
+    model = make_hf_model("llama_gqa")
+    hf_dir = save_hf(model, tmp_path / "hf", fmt, tokenizer=True)
+    out, yml = tmp_path / "ckpt", tmp_path / "model.yml"
+    result = run_tool("convert_hf_to_neox.py", "--input", str(hf_dir), "--output", str(out),
+                      "--config-out", str(yml))
+    assert result.returncode == 0, result.stderr
+    assert (out / "latest").read_text() == "global_step0"
+    tag_dir = out / "global_step0"
+    assert sorted(p.name for p in tag_dir.iterdir()) == ["mp_rank_00_model_states.pt"]  # no optimizer files
+    client = read_client_state(tag_dir)
+    assert client["iteration"] == 0 and client["args"]["padded_vocab_size"] == VOCAB
+    spec = spec_from_hf_config(model.config.to_dict())
+    expected = convert_tensors(hf_reference(model).items(), hf_to_ours(spec.family, spec.architecture()), "test")
+    weights = read_module_weights(tag_dir)
+    assert sorted(weights) == sorted(expected)
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_config_out_is_a_config_fragment_that_reproduces_the_model(tmp_path):
+    """The YAML plus a training fragment loads, its tokenizer pads to HF's vocab_size, and the HF check passes."""
+    model = make_hf_model("neox_parallel")
+    hf_dir = save_hf(model, tmp_path / "hf", tokenizer=True)
+    yml = tmp_path / "model.yml"
+    convert_hf_to_neox(hf_dir, tmp_path / "ckpt", "fp32", yml)
+    training = tmp_path / "train.yml"
+    training.write_text("train_iters: 10\ntrain_micro_batch_size_per_gpu: 1\nseq_length: 16\nlr: 0.001\ndata_path: corpus/text_document\n")
+    args = NeoXArgs.from_yaml_files([yml, training])
+    tokenizer = build_tokenizer(args)
+    assert tokenizer.vocab_size < VOCAB
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
+    assert args.padded_vocab_size == VOCAB
+    weights = load_hf_module_weights(hf_dir, args)  # raises on any setting that disagrees with config.json
+    assert weights["sequential.0.word_embeddings.weight"].shape == (VOCAB, 64)
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_settings_that_disagree_with_config_json_are_an_error_naming_both_values(tmp_path):
+    hf_dir = save_hf(make_hf_model("llama_gqa"), tmp_path / "hf")
+    args = our_args(hf_dir, num_kv_heads=4, rms_norm_epsilon=1e-5)
+    with pytest.raises(HFConversionError) as caught:
+        load_hf_module_weights(hf_dir, args)
+    message = str(caught.value)
+    assert "num_kv_heads: config says 4, HF" in message and "says 2" in message
+    assert "rms_norm_epsilon: config says 1e-05" in message
+    args = our_args(hf_dir)
+    args.padded_vocab_size = 512
+    with pytest.raises(HFConversionError, match="padded_vocab_size: config says 512.*says 320"):
+        load_hf_module_weights(hf_dir, args)
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (dict(model_type="gpt2"), "model_type 'gpt2' is not supported"),
+        (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "rope_type 'linear'"),
+        (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_type 'dynamic'"),
+        (dict(hidden_act="gelu_new"), "hidden_act 'gelu_new'"),
+    ],
+)
+def test_unsupported_architectures_are_refused(change, expected, tmp_path):
+    hf_dir = save_hf(make_hf_model("neox_parallel"), tmp_path / "hf")
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(HFConversionError, match=expected):
+        convert_hf_to_neox(hf_dir, tmp_path / "out")
+    result = run_tool("convert_hf_to_neox.py", "--input", str(hf_dir), "--output", str(tmp_path / "cli")) \
+        if change.get("model_type") else None
+    if result is not None:
+        assert result.returncode == 1 and "not supported" in result.stderr
+
+
+def test_llama_options_we_cannot_represent_are_refused():
+    model = make_hf_model("llama_gqa")
+    for change, expected in ((dict(hidden_act="gelu"), "hidden_act 'gelu'"), (dict(head_dim=32), "head_dim=32")):
+        with pytest.raises(HFConversionError, match=expected):
+            spec_from_hf_config({**model.config.to_dict(), **change})
+
+
+def test_weights_that_do_not_fit_the_config_are_refused(tmp_path):
+    model = make_hf_model("neox_parallel")
+    hf_dir = save_hf(model, tmp_path / "hf", "bin")
+    state = torch.load(hf_dir / "pytorch_model.bin")
+    del state["gpt_neox.layers.1.mlp.dense_4h_to_h.bias"]
+    state["gpt_neox.layers.2.mlp.dense_4h_to_h.bias"] = torch.zeros(64)
+    torch.save(state, hf_dir / "pytorch_model.bin")
+    with pytest.raises(HFConversionError, match=r"missing gpt_neox\.layers\.1\.mlp\.dense_4h_to_h\.bias, "
+                                                r"unexpected gpt_neox\.layers\.2\.mlp\.dense_4h_to_h\.bias"):
+        convert_hf_to_neox(hf_dir, tmp_path / "out")
+
+
+@pytest.mark.parametrize("kind", ["neox_parallel", "llama_gqa", "llama_tied_biases"])
+def test_hf_to_ours_to_hf_folders_are_bit_exact_and_load_in_transformers(kind, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = make_hf_model(kind)
+    hf_dir = save_hf(model, tmp_path / "hf", tokenizer=True)
+    convert_hf_to_neox(hf_dir, tmp_path / "ckpt")
+    convert_neox_to_hf(tmp_path / "ckpt", tmp_path / "back")
+    original, back = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(back[k], original[k]) for k in original)
+    assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(reloaded) is type(model)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens()).logits, model(tokens()).logits, rtol=0, atol=0)
+
+
+def test_convert_neox_to_hf_cli_in_bf16_with_sharding(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = make_hf_model("neox_sequential_tied")
+    hf_dir = save_hf(model, tmp_path / "hf")
+    convert_hf_to_neox(hf_dir, tmp_path / "ckpt")
+    result = run_tool("convert_neox_to_hf.py", "--input", str(tmp_path / "ckpt"), "--tag", "global_step0",
+                      "--output", str(tmp_path / "back"), "--dtype", "bf16")
+    assert result.returncode == 0, result.stderr
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    assert reloaded.config.tie_word_embeddings and reloaded.dtype == torch.bfloat16
+    for name, tensor in hf_reference(model).items():
+        assert torch.equal(reloaded.state_dict()[name], tensor.to(torch.bfloat16)), name
+
+
+def test_writing_a_model_as_the_wrong_family_is_refused(tmp_path):
+    hf_dir = save_hf(make_hf_model("llama_gqa"), tmp_path / "hf")
+    convert_hf_to_neox(hf_dir, tmp_path / "ckpt")
+    with pytest.raises(HFConversionError, match="cannot be written as Hugging Face gpt_neox: .*num_kv_heads=2"):
+        convert_neox_to_hf(tmp_path / "ckpt", tmp_path / "back", architecture="gpt_neox")

@@ -1,0 +1,40 @@
+"""Convert a Hugging Face GPTNeoXForCausalLM / LlamaForCausalLM folder into a module-only checkpoint of ours.
+
+    python tools/ckpts/convert_hf_to_neox.py --input HF_DIR --output OUT_DIR [--dtype fp32|bf16|fp16]
+                                             [--config-out FILE.yml]
+
+Writes OUT_DIR/latest, OUT_DIR/global_step0/mp_rank_00_model_states.pt (no optimizer states) and,
+with --config-out, a YAML of the settings that reproduce the model (fine-tune with `load: OUT_DIR`
+and `finetune: true`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from megatron.hf.convert import DTYPES, convert_hf_to_neox  # noqa: E402
+from megatron.hf.errors import HFConversionError  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", required=True, type=Path, help="Hugging Face model folder (config.json + weights)")
+    parser.add_argument("--output", required=True, type=Path, help="checkpoint folder to write")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="dtype of the saved weights")
+    parser.add_argument("--config-out", type=Path, help="write the model's settings as YAML here")
+    options = parser.parse_args(argv)
+    try:
+        result = convert_hf_to_neox(options.input, options.output, options.dtype, options.config_out, progress=True)
+    except HFConversionError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {result.tag_dir}" + (f" and {result.config_path}" if result.config_path else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
