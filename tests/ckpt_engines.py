@@ -84,3 +84,23 @@ def saved_checkpoint(root: Path, args: NeoXArgs, iterations=(1,), client_state: 
             state.update(client_state or {})
             engine.save_checkpoint(str(root), tag=f"global_step{step}", client_state=state)
     return root
+
+
+def tiny_hf_model(path: Path) -> Path:
+    """A random-init GPTNeoXForCausalLM saved by transformers (config.json + model.safetensors)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=32)
+    torch.manual_seed(0)
+    GPTNeoXForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def hf_settings(hf_dir: Path) -> dict:
+    """Our settings for that model, as megatron.hf derives them from its config.json."""
+    from megatron.hf.config import spec_from_hf_config
+    from megatron.hf.io import read_hf_config
+
+    spec = spec_from_hf_config(read_hf_config(hf_dir))
+    return dict(spec.settings, padded_vocab_size=spec.vocab_size)

@@ -11,7 +11,14 @@ from deepspeed import zero
 
 from megatron.checkpointing import CheckpointError, LoadMode, load_checkpoint, plan_load, save_checkpoint
 from megatron.checkpointing.rng import collect_rng_states, restore_rng_states
-from tests.ckpt_engines import build_engine, make_args, train_step
+from tests.ckpt_engines import (
+    build_engine,
+    deepspeed_config,
+    hf_settings,
+    make_args,
+    tiny_hf_model,
+    train_step,
+)
 
 CONFIGS = {"tiny.yml": "num_layers: 2\nhidden_size: 8\n", "local_setup.yml": "save: checkpoints\n"}
 
@@ -70,9 +77,10 @@ def test_resume_without_rng_restore_differs(single_rank_world, tmp_path):
     assert any(not torch.equal(v, expected[k]) for k, v in full_weights(resumed).items())
 
 
-@pytest.mark.parametrize("mode", ["no_load_optim", "finetune"])
-def test_module_only_modes(single_rank_world, tmp_path, mode):
-    args = run_args(tmp_path, stage=2, precision="bf16", **{mode: True})
+@pytest.mark.parametrize("mode, stage, precision",
+                         [("no_load_optim", 2, "bf16"), ("finetune", 2, "bf16"), ("finetune", 3, "fp32")])
+def test_module_only_modes(single_rank_world, tmp_path, mode, stage, precision):
+    args = run_args(tmp_path, stage=stage, precision=precision, **{mode: True})
     original = trained_and_saved(args)
     saved = full_weights(original)
     torch.manual_seed(7)
@@ -86,13 +94,53 @@ def test_module_only_modes(single_rank_world, tmp_path, mode):
     for name, value in full_weights(fresh).items():
         torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=name)
     assert not outcome.loaded_optimizer
-    assert not fresh.optimizer.state_dict()["base_optimizer_state"]["state"]  # Adam has taken no step
+    assert not fresh.optimizer.optimizer.state  # the wrapped Adam has taken no step
     if mode == "no_load_optim":
         assert (outcome.iteration, outcome.consumed_train_samples, outcome.restored_rng) == (2, 4, True)
     else:
         assert (outcome.iteration, outcome.consumed_train_samples, outcome.restored_rng) == (0, 0, False)
         torch.manual_seed(7)
         assert torch.equal(torch.rand(1), rng_after_save_elsewhere)  # generators left alone
+
+
+def test_zero3_shards_without_module_file_finetune(single_rank_world, tmp_path):
+    """A ZeRO-3 tag saved by DeepSpeed alone: the weights are rebuilt from its fp32 partitions."""
+    args = run_args(tmp_path, stage=3, finetune=True)
+    original = build_engine(args, seed=0)
+    train_step(original, args, 1)
+    original.save_checkpoint(args.save, tag="global_step1")
+    saved = full_weights(original)
+    plan = plan_load(args, 1)
+    assert plan.source_format == "zero3"
+    fresh = build_engine(args, seed=1)
+    outcome = load_checkpoint(args, fresh, plan)
+    assert outcome.iteration == 0
+    for name, value in full_weights(fresh).items():
+        torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=name)
+
+
+def test_finetune_from_hugging_face_dir_gives_the_same_logits(single_rank_world, tmp_path):
+    import deepspeed
+
+    from megatron.model import build_model
+
+    hf_dir = tiny_hf_model(tmp_path / "hf")
+    args = make_args(stage=1, finetune=True, load=str(hf_dir), **hf_settings(hf_dir))
+    plan = plan_load(args, 1)
+    model = build_model(args)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=deepspeed_config(args))
+    outcome = load_checkpoint(args, engine, plan)
+    assert (outcome.iteration, outcome.loaded_optimizer, outcome.tag) == (0, False, None)
+
+    from transformers import GPTNeoXForCausalLM
+
+    tokens = torch.randint(0, 32, (1, 8), generator=torch.Generator().manual_seed(0))
+    engine.eval()
+    with torch.no_grad():
+        ours = engine(tokens).float()
+        theirs = GPTNeoXForCausalLM.from_pretrained(hf_dir).eval()(tokens).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
 def test_save_writes_configs_latest_and_prunes(single_rank_world, tmp_path):

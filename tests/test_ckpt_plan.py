@@ -13,7 +13,7 @@ from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.inventory import inventory_checkpoint
 from megatron.checkpointing.plan import RNG_STATES_KEY, LoadMode, build_load_plan
 from megatron.checkpointing.rng import collect_rng_states
-from tests.ckpt_engines import make_args, saved_checkpoint
+from tests.ckpt_engines import hf_settings, make_args, saved_checkpoint, tiny_hf_model
 
 
 def with_rng(world_size=1):
@@ -269,24 +269,6 @@ def test_pipeline_checkpoint_loads_module_only(tmp_path):
     assert plan.saved_iteration == 30 and plan.source_format == "pipeline"
     assert [p.name for p in plan.files] == ["mp_rank_00_model_states.pt", "layer_00-model_00-model_states.pt"]
     assert "RNG states not restored" in plan.describe()  # none saved
-
-
-def tiny_hf_model(path):
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    config = GPTNeoXConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                           intermediate_size=64, max_position_embeddings=32)
-    torch.manual_seed(0)
-    GPTNeoXForCausalLM(config).save_pretrained(path)
-    return path
-
-
-def hf_settings(hf_dir):
-    from megatron.hf.config import spec_from_hf_config
-    from megatron.hf.io import read_hf_config
-
-    spec = spec_from_hf_config(read_hf_config(hf_dir))
-    return dict(spec.settings, padded_vocab_size=spec.vocab_size)
 
 
 @pytest.fixture(scope="module")
