@@ -10,6 +10,8 @@ key. --dry-run prints the resolved settings and the DeepSpeed config and starts 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -29,8 +31,19 @@ def parse_command_line(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def send_deepspeed_logs_to_stderr() -> None:
+    """DeepSpeed logs to stdout (already while importing); keep stdout for the --dry-run report."""
+    with contextlib.redirect_stdout(sys.__stderr__):
+        from deepspeed.utils import logger
+
+    for handler in logger.handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setStream(sys.__stderr__)
+
+
 def main(argv: list[str] | None = None) -> int:
     command_line = parse_command_line(argv)
+    send_deepspeed_logs_to_stderr()
     try:
         args = NeoXArgs.from_yaml_files(command_line.configs)
         for notice in args.notices:

@@ -13,8 +13,8 @@ from megatron.neox_arguments import NeoXArgs
 def runner_arguments(args: NeoXArgs, user_script: str, user_args: list[str], *, cpu_only: bool) -> list[str]:
     """argv for `deepspeed` (deepspeed.launcher.runner) that starts exactly `args.global_num_gpus` ranks.
 
-    With no num_gpus set, a CPU-only machine runs one rank: DeepSpeed itself would start one
-    per NUMA node, which is not what the settings (and the batch arithmetic) assumed.
+    With no num_gpus and no hostfile, a CPU-only machine runs one rank: DeepSpeed itself would
+    start one per NUMA node, which is not what the settings (and the batch arithmetic) assumed.
     """
     flags: list[str] = []
     if args.hostfile:
@@ -27,7 +27,7 @@ def runner_arguments(args: NeoXArgs, user_script: str, user_args: list[str], *, 
         flags += ["--num_nodes", str(args.num_nodes)]
     if args.num_gpus is not None:
         flags += ["--num_gpus", str(args.num_gpus)]
-    elif cpu_only and not (args.include or args.exclude):
+    elif cpu_only and not (args.hostfile or args.include or args.exclude):
         flags += ["--num_gpus", "1"]
     flags += ["--master_port", str(args.master_port)]
     if args.master_addr:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron.neox_arguments import ConfigError, NeoXArgs
-from tests.neox_args_helpers import TINY_RUN
+from tests.test_neox_args import TINY_RUN
 
 PRECISIONS = {
     "fp32": {},

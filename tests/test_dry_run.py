@@ -1,0 +1,101 @@
+"""deepy.py as a user runs it: --dry-run on every shipped config, bad configs, a real 2-rank launch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import deepy
+from megatron.neox_arguments import NeoXArgs
+from tests.conftest import free_port
+from tests.rank_echo import settings_digest
+from tests.test_neox_args import TINY_RUN, write_yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = REPO_ROOT / "configs"
+OVERLAYS = ("local_setup.yml", "finetune.yml")  # meant to be added on top of a model config
+MODEL_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yml") if p.name not in OVERLAYS)
+OVERLAY_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yml") if p.name in OVERLAYS)
+RANK_ECHO = "tests/rank_echo.py"
+
+
+def dry_run(configs: list[Path], capsys) -> dict:
+    assert deepy.main([RANK_ECHO, *map(str, configs), "--dry-run"]) == 0
+    report = yaml.safe_load(capsys.readouterr().out)
+    args = NeoXArgs.from_yaml_files(configs)
+    expected = args.to_dict()
+    expected["config_files"] = sorted(expected["config_files"])
+    assert report["settings"] == expected
+    assert report["deepspeed_config"] == args.deepspeed_config()
+    return report
+
+
+def run_deepy(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "deepy.py", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_real_size_configs_are_shipped():
+    names = {p.relative_to(CONFIGS).as_posix() for p in MODEL_CONFIGS}
+    assert {"pythia/160M.yml", "llama/tiny-llama-1.1B.yml"} <= names
+
+
+@pytest.mark.parametrize("config", MODEL_CONFIGS, ids=lambda p: p.relative_to(CONFIGS).as_posix())
+def test_dry_run_of_every_model_config(config, capsys):
+    dry_run([config], capsys)
+
+
+@pytest.mark.parametrize("overlay", OVERLAY_CONFIGS, ids=lambda p: p.name)
+def test_dry_run_of_overlays_on_the_tiny_config(overlay, capsys):
+    tiny = CONFIGS / "tiny.yml"
+    if not tiny.is_file():
+        pytest.skip("configs/tiny.yml is not there yet")
+    report = dry_run([tiny, overlay], capsys)
+    overlay_keys = {key.replace("-", "_") for key in (yaml.safe_load(overlay.read_text()) or {})}
+    assert overlay_keys
+    assert report["settings"]["config_files"] == sorted({"tiny.yml", overlay.name})
+
+
+def test_dry_run_marks_sources_and_defaults(tmp_path, capsys):
+    base = write_yaml(tmp_path, "base.yml", TINY_RUN)
+    overlay = write_yaml(tmp_path, "overlay.yml", {"seq-length": 64})
+    assert deepy.main([RANK_ECHO, str(base), str(overlay), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"  seq_length: 64  # {overlay}" in lines
+    assert f"  hidden_size: 64  # {base}" in lines
+    assert "  seed: 1234  # default" in lines
+    assert "  zero_stage: 0  # derived" in lines
+
+
+def test_bad_config_exits_nonzero_with_the_error_and_starts_nothing(tmp_path):
+    bad = write_yaml(tmp_path, "bad.yml", {**TINY_RUN, "num_gpus": 2, "hidden_sise": 64})
+    result = run_deepy(RANK_ECHO, str(bad))
+    assert result.returncode != 0
+    assert "bad.yml: hidden_sise: unknown setting; did you mean 'hidden_size'?" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert "RANK_ECHO" not in result.stdout
+
+
+def test_inert_settings_print_one_notice_line_each(tmp_path):
+    config = write_yaml(tmp_path, "fused.yml", {**TINY_RUN, "bias_gelu_fusion": True, "rope_fusion": True})
+    result = run_deepy(RANK_ECHO, str(config), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    notices = [line for line in result.stderr.splitlines() if line.startswith("notice:")]
+    assert len(notices) == 2 and "bias_gelu_fusion" in notices[0] and "rope_fusion" in notices[1]
+
+
+@pytest.mark.distributed
+def test_launch_two_cpu_ranks_that_receive_identical_settings(tmp_path):
+    config = write_yaml(tmp_path, "two_ranks.yml", {**TINY_RUN, "num_gpus": 2, "master_port": free_port()})
+    result = run_deepy(RANK_ECHO, str(config), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    echoes = [line.split("RANK_ECHO ", 1)[1] for line in result.stdout.splitlines() if "RANK_ECHO " in line]
+    fields = [dict(part.split("=", 1) for part in echo.split()) for echo in echoes]
+    assert sorted(f["rank"] for f in fields) == ["0", "1"]
+    assert {f["world"] for f in fields} == {"2"} and {f["global_num_gpus"] for f in fields} == {"2"}
+    expected = settings_digest(NeoXArgs.from_yaml_files([config]).to_dict())
+    assert {f["settings"] for f in fields} == {expected}

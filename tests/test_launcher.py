@@ -1,0 +1,112 @@
+"""The DeepSpeed launcher command deepy.py builds, checked against DeepSpeed's own runner parsing."""
+
+from __future__ import annotations
+
+import pytest
+from deepspeed.launcher import runner
+
+from megatron.launcher import launch_command, runner_arguments
+from megatron.neox_arguments import ConfigError, NeoXArgs
+from megatron.neox_arguments.handover import HANDOVER_FLAG, handover_argv
+from tests.test_neox_args import TINY_RUN
+
+HOSTFILE = "worker-0 slots=4\nworker-1 slots=4\n# a comment\nworker-2 slots=2\n"
+
+
+@pytest.fixture
+def hostfile(tmp_path):
+    path = tmp_path / "hostfile"
+    path.write_text(HOSTFILE)
+    return str(path)
+
+
+def launch_args(**launcher_settings) -> NeoXArgs:
+    values = {**TINY_RUN, "train_micro_batch_size_per_gpu": 1, **launcher_settings}
+    return NeoXArgs.from_dict(values, source="test", require_run_settings=True)
+
+
+def ranks_deepspeed_would_start(parsed, cpu_only: bool) -> int:
+    """What deepspeed.launcher.runner.main resolves from these flags (without starting anything)."""
+    pool = runner.fetch_hostfile(parsed.hostfile) or {"localhost": 1 if cpu_only else 0}
+    active = runner.parse_inclusion_exclusion(pool, parsed.include, parsed.exclude)
+    active = runner.apply_num_nodes_and_gpus(active, parsed.num_nodes, parsed.num_gpus)
+    return sum(len(slots) for slots in active.values())
+
+
+def parsed_by_deepspeed(args: NeoXArgs, cpu_only: bool = True):
+    argv = runner_arguments(args, "train.py", handover_argv(args), cpu_only=cpu_only)
+    return runner.parse_args(argv)
+
+
+def test_single_node_cpu_defaults_to_one_rank():
+    args = launch_args()
+    parsed = parsed_by_deepspeed(args)
+    assert parsed.num_gpus == 1 and args.global_num_gpus == 1
+    assert parsed.user_script == "train.py"
+    assert len(parsed.user_args) == 1 and parsed.user_args[0].startswith(HANDOVER_FLAG + "=")
+    assert parsed.master_port == 29500 and parsed.launcher == "pdsh"
+    assert ranks_deepspeed_would_start(parsed, cpu_only=True) == args.global_num_gpus
+
+
+def test_num_gpus_is_passed_and_counts_ranks():
+    args = launch_args(num_gpus=2, master_port=29611)
+    parsed = parsed_by_deepspeed(args)
+    assert parsed.num_gpus == 2 and parsed.master_port == 29611
+    assert args.global_num_gpus == 2 == ranks_deepspeed_would_start(parsed, cpu_only=True)
+    assert args.train_batch_size == 2  # micro 1 x accumulation 1 x 2 data-parallel ranks
+
+
+def test_gpu_machine_without_num_gpus_lets_deepspeed_use_every_visible_gpu():
+    argv = runner_arguments(launch_args(), "train.py", [], cpu_only=False)
+    assert "--num_gpus" not in argv
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected_ranks"),
+    [
+        ({}, 10),
+        ({"num_nodes": 2}, 8),
+        ({"num_nodes": 2, "num_gpus": 3}, 6),
+        ({"num_gpus": 1}, 3),
+        ({"include": "worker-0@worker-1:0,2"}, 6),
+        ({"include": "worker-2"}, 2),
+        ({"exclude": "worker-1:0@worker-2"}, 7),
+    ],
+)
+def test_hostfile_include_exclude_count_the_ranks_deepspeed_starts(hostfile, settings, expected_ranks):
+    args = launch_args(hostfile=hostfile, **settings)
+    parsed = parsed_by_deepspeed(args)
+    assert parsed.hostfile == hostfile
+    assert parsed.include == settings.get("include", "") and parsed.exclude == settings.get("exclude", "")
+    assert args.global_num_gpus == expected_ranks
+    assert ranks_deepspeed_would_start(parsed, cpu_only=True) == expected_ranks
+
+
+def test_multi_node_launcher_flags(hostfile):
+    args = launch_args(hostfile=hostfile, num_nodes=2, launcher="slurm", master_addr="10.0.0.1", master_port=6000)
+    parsed = parsed_by_deepspeed(args)
+    assert (parsed.launcher, parsed.master_addr, parsed.master_port, parsed.num_nodes) == ("slurm", "10.0.0.1", 6000, 2)
+    assert parsed.num_gpus == -1  # every slot of the two hosts
+    command = launch_command(args, "train.py", ["--x"], cpu_only=True, python="/usr/bin/python3")
+    assert command[:3] == ["/usr/bin/python3", "-m", "deepspeed.launcher.runner"]
+    assert command[-2:] == ["train.py", "--x"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"include": "worker-9"}, r"include: Hostname 'worker-9' not found in hostfile"),
+        ({"exclude": "worker-0:7"}, r"exclude: No slot '7' specified on host 'worker-0'"),
+        ({"include": "worker-0", "exclude": "worker-1"}, r"accepts only one of them"),
+    ],
+)
+def test_bad_resource_filters_are_config_errors(hostfile, settings, expected):
+    with pytest.raises(ConfigError, match=expected):
+        launch_args(hostfile=hostfile, **settings)
+
+
+def test_bad_hostfile_is_a_config_error(tmp_path):
+    bad = tmp_path / "hostfile"
+    bad.write_text("worker-0 four slots\n")
+    with pytest.raises(ConfigError, match=r"hostfile .*bad entry"):
+        launch_args(hostfile=str(bad))
