@@ -142,3 +142,33 @@ def test_bin_not_matching_index_is_a_data_error(tmp_path):
     (tmp_path / "d.bin").write_bytes(b"\x00" * 4)
     with pytest.raises(DataError, match="do not belong together"):
         MMapIndexedDataset(tmp_path / "d")
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_interoperates_with_megatron_core(tmp_path, dtype):
+    """Megatron-core's reader and writer (installed, independent code) agree with ours in both directions."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+    rng = np.random.default_rng(7)
+    documents = [[rng.integers(0, 60000, size=rng.integers(0, 30)) for _ in range(rng.integers(1, 3))]
+                 for _ in range(12)]
+    sequences = [s for document in documents for s in document]
+    doc_idx = np.cumsum([0] + [len(d) for d in documents]).tolist()
+
+    write(tmp_path / "ours", dtype, documents)
+    theirs_reading_ours = IndexedDataset(str(tmp_path / "ours"), mmap=True)
+    assert theirs_reading_ours.document_indices.tolist() == doc_idx
+    assert [theirs_reading_ours[i].tolist() for i in range(len(sequences))] == [s.tolist() for s in sequences]
+
+    builder = IndexedDatasetBuilder(str(tmp_path / "theirs.bin"), dtype=dtype)
+    for document in documents:
+        for sequence in document:
+            builder.add_item(torch.from_numpy(sequence))
+        builder.end_document()
+    builder.finalize(str(tmp_path / "theirs.idx"))
+    ours_reading_theirs = MMapIndexedDataset(tmp_path / "theirs")
+    assert ours_reading_theirs.dtype == np.dtype(dtype)
+    assert ours_reading_theirs.doc_idx.tolist() == doc_idx
+    assert [ours_reading_theirs[i].tolist() for i in range(len(sequences))] == [s.tolist() for s in sequences]
+    assert (tmp_path / "theirs.idx").read_bytes() == (tmp_path / "ours.idx").read_bytes()
