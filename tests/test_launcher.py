@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 from deepspeed.launcher import runner
+from deepspeed.launcher.multinode_runner import PDSHRunner
 
 from megatron.launcher import launch_command, runner_arguments
-from megatron.neox_arguments import ConfigError, NeoXArgs
+from megatron.neox_arguments import ConfigError, NeoXArgs, load_args_on_rank
 from megatron.neox_arguments.handover import HANDOVER_FLAG, handover_argv
 from tests.test_neox_args import TINY_RUN
 
@@ -110,3 +113,18 @@ def test_bad_hostfile_is_a_config_error(tmp_path):
     bad.write_text("worker-0 four slots\n")
     with pytest.raises(ConfigError, match=r"hostfile .*bad entry"):
         launch_args(hostfile=str(bad))
+
+
+def test_settings_survive_the_multi_node_pdsh_command(hostfile):
+    """pdsh hands the remote shell one string; the rank must still find its settings intact."""
+    args = launch_args(hostfile=hostfile, num_nodes=2, master_addr="10.0.0.1")
+    parsed = parsed_by_deepspeed(args)
+    active = runner.apply_num_nodes_and_gpus(
+        runner.parse_inclusion_exclusion(runner.fetch_hostfile(parsed.hostfile), "", ""), parsed.num_nodes, -1
+    )
+    pdsh_runner = PDSHRunner(parsed, runner.encode_world_info(active))
+    command, _, _ = pdsh_runner.get_cmd({}, active)
+    remote_command = " ".join(command[command.index("-w") + 2:])  # what pdsh runs in each host's shell
+    rank_argv = shlex.split(remote_command)
+    rank_argv = rank_argv[rank_argv.index("train.py") + 1:] + ["--local_rank=3"]
+    assert load_args_on_rank(rank_argv).to_dict() == args.to_dict()
