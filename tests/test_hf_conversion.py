@@ -298,3 +298,45 @@ def test_writing_a_model_as_the_wrong_family_is_refused(tmp_path):
     convert_hf_to_neox(hf_dir, tmp_path / "ckpt")
     with pytest.raises(HFConversionError, match="cannot be written as Hugging Face gpt_neox: .*num_kv_heads=2"):
         convert_neox_to_hf(tmp_path / "ckpt", tmp_path / "back", architecture="gpt_neox")
+
+
+def write_pipeline_checkpoint(module: dict[str, torch.Tensor], root: Path, legacy_mlp_names: bool) -> Path:
+    """GPT-NeoX's pipeline layout: one layer_<II>-model_00-model_states.pt per sequential index, no settings."""
+    tag_dir = root / "global_step7"
+    tag_dir.mkdir(parents=True)
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in module.items():
+        _, index, rest = name.split(".", 2)
+        if legacy_mlp_names:
+            rest = rest.replace("mlp.linear1.", "mlp.dense_h_to_4h.").replace("mlp.linear2.", "mlp.dense_4h_to_h.")
+        layers.setdefault(int(index), {})[rest] = tensor
+    for index, state in layers.items():
+        if legacy_mlp_names and "attention.dense.weight" in state:  # GPT-NeoX stored this buffer
+            state["attention.rotary_emb.inv_freq"] = torch.ones(4)
+        torch.save(state, tag_dir / f"layer_{index:02d}-model_00-model_states.pt")
+    (root / "latest").write_text("global_step7")
+    return tag_dir
+
+
+@pytest.mark.parametrize("legacy_mlp_names", [False, True])
+def test_gpt_neox_pipeline_checkpoint_converts_with_a_config_yaml(legacy_mlp_names, tmp_path):
+    model = make_hf_model("neox_parallel")
+    hf_dir = save_hf(model, tmp_path / "hf")
+    yml = tmp_path / "model.yml"
+    convert_hf_to_neox(hf_dir, tmp_path / "ckpt", config_out=yml)
+    module = read_module_weights(tmp_path / "ckpt" / "global_step0")
+    write_pipeline_checkpoint(module, tmp_path / "pipe", legacy_mlp_names)
+    result = run_tool("convert_neox_to_hf.py", "--input", str(tmp_path / "pipe"), "--output", str(tmp_path / "back"),
+                      "--config", str(yml))
+    assert result.returncode == 0, result.stderr
+    back, original = load_file(tmp_path / "back" / "model.safetensors"), load_file(hf_dir / "model.safetensors")
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(back[k], original[k]) for k in original)
+
+
+def test_pipeline_checkpoint_without_settings_asks_for_a_config(tmp_path):
+    hf_dir = save_hf(make_hf_model("neox_parallel"), tmp_path / "hf")
+    convert_hf_to_neox(hf_dir, tmp_path / "ckpt")
+    write_pipeline_checkpoint(read_module_weights(tmp_path / "ckpt" / "global_step0"), tmp_path / "pipe", False)
+    with pytest.raises(HFConversionError, match="pass the run's YAML files with --config"):
+        convert_neox_to_hf(tmp_path / "pipe", tmp_path / "back")

@@ -12,6 +12,7 @@ import torch
 import yaml
 
 from megatron.checkpointing import FORMAT_VERSION, FORMAT_VERSION_KEY, layout
+from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.module_weights import read_client_state, read_module_weights
 from megatron.hf.config import (
     FAMILIES,
@@ -101,7 +102,10 @@ def convert_hf_to_neox(
 def _settings_of_checkpoint(tag_dir: Path, config_files: list[Path] | None) -> dict[str, Any]:
     if config_files:
         return dict(merge_config_files(list(config_files)).values)
-    args = read_client_state(tag_dir).get("args")
+    try:
+        args = read_client_state(tag_dir).get("args")
+    except CheckpointError:  # GPT-NeoX pipeline tags may hold layer files only
+        args = None
     if hasattr(args, "to_dict"):
         args = args.to_dict()
     if not isinstance(args, dict):
