@@ -24,11 +24,7 @@ def build_sample_indices(
     sizes: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int, seed: int
 ) -> dict[str, np.ndarray]:
     """doc_idx, sample_idx and shuffle_idx covering at least num_samples samples."""
-    doc_sizes = sizes[documents].astype(np.int64)
-    tokens_per_epoch = int(doc_sizes.sum())
-    if tokens_per_epoch <= seq_length:
-        raise DataError(f"the documents hold {tokens_per_epoch} tokens, fewer than one sample of "
-                        f"seq_length + 1 = {seq_length + 1}; use more data or a shorter seq_length")
+    tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
     # Every sample consumes seq_length tokens and needs one more token after them.
     num_epochs = -(-(num_samples * seq_length + 1) // tokens_per_epoch)
     rng = np.random.RandomState(seed)
@@ -56,8 +52,15 @@ class GPTDataset:
         seed: int,
         index_cache_dir: str | Path | None = None,
     ):
-        if len(documents) == 0:
-            raise DataError(f"{name} split of {indexed_dataset.prefix!r} has no documents")
+        if len(documents) == 0 or np.any(np.diff(documents) != 1):
+            raise DataError("GPTDataset documents must be a non-empty, contiguous range of document ids")
+        tokens = int(indexed_dataset.sizes[documents].sum(dtype=np.int64))
+        if tokens <= seq_length:
+            raise DataError(
+                f"the {name} split of {indexed_dataset.prefix!r} (documents {documents[0]}..{documents[-1]}) holds "
+                f"{tokens} tokens, fewer than one sample of seq_length + 1 = {seq_length + 1}; give it more data "
+                "(a larger share in `split`, or more documents) or use a shorter seq_length"
+            )
         self.name = name
         self.indexed_dataset = indexed_dataset
         self.seq_length = seq_length
@@ -69,8 +72,6 @@ class GPTDataset:
             "seq_length": int(seq_length),
             "seed": int(seed),
         }
-        if not np.array_equal(documents, np.arange(documents[0], documents[-1] + 1)):
-            raise DataError("GPTDataset documents must be a contiguous range of document ids")
         arrays, self.built_index = load_or_build(
             indexed_dataset.prefix,
             name,
