@@ -4,7 +4,10 @@
     python deepy.py TRAIN_SCRIPT CONFIG [CONFIG ...] [--dry-run]
 
 Config paths are taken as given, else under configs/. Later files override earlier ones key by
-key. --dry-run prints the resolved settings and the DeepSpeed config and starts nothing.
+key (a nested dict such as zero_optimization is replaced as a whole, as in GPT-NeoX). --dry-run
+prints the resolved settings and the DeepSpeed config and starts nothing. Every rank receives
+the validated settings in one argv flag and reads them with
+megatron.neox_arguments.load_args_on_rank().
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ class NeoXArgs:
             setattr(self, name, copy.deepcopy(setting.default))
         for name, value in values.items():
             setattr(self, name, value)
-        self._sources = dict(sources or {})
+        self._sources = dict(sources) if sources is not None else dict.fromkeys(values, "<constructor>")
         self._notices = list(notices or [])
 
     @classmethod
