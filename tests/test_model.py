@@ -14,6 +14,7 @@ from megatron.model import (
     build_model,
     causal_lm_loss,
     derive_size_defaults,
+    is_legacy_buffer_key,
     no_weight_decay_param_names,
     translate_legacy_key,
 )
@@ -503,6 +504,12 @@ def test_translate_legacy_key_renames_the_old_mlp_names_only():
     assert (
         translate_legacy_key("sequential.2.attention.dense.weight") == "sequential.2.attention.dense.weight"
     )
+
+
+def test_gpt_neox_rotary_frequency_buffers_are_recognised_and_not_stored():
+    assert is_legacy_buffer_key("sequential.4.attention.rotary_emb.inv_freq")
+    assert not is_legacy_buffer_key("sequential.4.attention.dense.weight")
+    assert not any(is_legacy_buffer_key(name) for name in GPTModel(tiny_args(NEOX)).state_dict())
 
 
 def test_unset_sizes_get_gpt_neox_defaults():
