@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 import deepy
-from megatron.neox_arguments import NeoXArgs
+from megatron.neox_arguments import SETTINGS, NeoXArgs
 from tests.conftest import free_port
 from tests.rank_echo import settings_digest
 from tests.test_neox_args import TINY_RUN, write_yaml
@@ -31,7 +31,7 @@ def dry_run(configs: list[Path], capsys) -> dict:
     expected["config_files"] = sorted(expected["config_files"])
     assert report["settings"] == expected
     assert report["deepspeed_config"] == args.deepspeed_config()
-    return report
+    return report, args
 
 
 def run_deepy(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -54,9 +54,11 @@ def test_dry_run_of_overlays_on_the_tiny_config(overlay, capsys):
     tiny = CONFIGS / "tiny.yml"
     if not tiny.is_file():
         pytest.skip("configs/tiny.yml is not there yet")
-    report = dry_run([tiny, overlay], capsys)
-    overlay_keys = {key.replace("-", "_") for key in (yaml.safe_load(overlay.read_text()) or {})}
+    report, args = dry_run([tiny, overlay], capsys)
+    overlay_keys = {key.replace("-", "_") for key in (yaml.safe_load(overlay.read_text()) or {})} & set(SETTINGS)
     assert overlay_keys
+    for key in overlay_keys:
+        assert args.source_of(key) == str(overlay)
     assert report["settings"]["config_files"] == sorted({"tiny.yml", overlay.name})
 
 
