@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
+import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,20 +38,29 @@ class PreprocessResult:
 _worker_tokenizer: Tokenizer | None = None
 
 
-def _init_worker(spec: TokenizerSpec) -> None:
+def _init_worker(spec: TokenizerSpec, in_pool: bool) -> None:
     global _worker_tokenizer
+    if in_pool:  # the processes are the parallelism; keep the Rust tokenizer from starting threads in each
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_tokenizer = build_tokenizer(spec)
 
 
-def _encode(job: tuple[dict[str, str], bool]) -> dict[str, list[int]]:
-    document, append_eod = job
-    encoded = {}
-    for key, text in document.items():
-        ids = _worker_tokenizer.tokenize(text) if text else []
-        if ids and append_eod:
-            ids.append(_worker_tokenizer.eod)
-        encoded[key] = ids
+def _encode_chunk(job: tuple[list[dict[str, str]], bool]) -> list[dict[str, list[int]]]:
+    documents, append_eod = job
+    encoded: list[dict[str, list[int]]] = [{} for _ in documents]
+    for key in documents[0] if documents else ():
+        texts = [document[key] for document in documents]
+        for slot, ids in zip(encoded, _worker_tokenizer.tokenize_batch(texts), strict=True):
+            if ids and append_eod:
+                ids.append(_worker_tokenizer.eod)
+            slot[key] = ids
     return encoded
+
+
+def _chunks(documents: Iterable[dict[str, str]], size: int) -> Iterator[list[dict[str, str]]]:
+    iterator = iter(documents)
+    while chunk := list(itertools.islice(iterator, size)):
+        yield chunk
 
 
 def output_prefix_for(output_prefix: str | Path, key: str) -> str:
@@ -67,7 +78,8 @@ def tokenize_to_indexed_datasets(
     progress: bool = False,
     log_interval: int = 100,
 ) -> PreprocessResult:
-    """Tokenize every document (one sequence per document, empty ones skipped) with `workers` processes."""
+    """Tokenize every document (one sequence per document, empty ones skipped) with `workers` processes,
+    each encoding chunks of `chunksize` documents in one batch call."""
     from tqdm import tqdm
 
     tokenizer = build_tokenizer(spec)
@@ -75,16 +87,16 @@ def tokenize_to_indexed_datasets(
     prefixes = {key: output_prefix_for(output_prefix, key) for key in keys}
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
     builders = {key: MMapIndexedDatasetBuilder(data_file_path(prefix), dtype) for key, prefix in prefixes.items()}
-    jobs = ((document, append_eod) for document in documents)
-    pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(spec,)) if workers > 1 else None
+    jobs = ((chunk, append_eod) for chunk in _chunks(documents, chunksize))
+    pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(spec, True)) if workers > 1 else None
     if pool is None:
-        _init_worker(spec)
-    encoded_stream = pool.imap(_encode, jobs, chunksize) if pool else map(_encode, jobs)
+        _init_worker(spec, in_pool=False)
+    encoded_chunks = pool.imap(_encode_chunk, jobs) if pool else map(_encode_chunk, jobs)
     start = time.perf_counter()
     documents_done = tokens_done = 0
     bar = tqdm(unit="doc", disable=not progress, mininterval=0.5)
     try:
-        for encoded in encoded_stream:
+        for encoded in itertools.chain.from_iterable(encoded_chunks):
             for key, ids in encoded.items():
                 if ids:
                     builders[key].add_item(ids)
