@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-from megatron.launcher import launch_command
+from megatron.launcher import launch_command, launcher_environment
 from megatron.neox_arguments import ConfigError, NeoXArgs
 from megatron.neox_arguments.dry_run import render_dry_run
 from megatron.neox_arguments.handover import HANDOVER_FLAG, handover_argv
@@ -56,13 +57,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not Path(command_line.train_script).is_file():
             raise ConfigError(f"train script {command_line.train_script!r} not found")
-        command = launch_command(args, command_line.train_script, handover_argv(args), cpu_only=accelerator_is_cpu())
+        cpu_only = accelerator_is_cpu()
+        command = launch_command(args, command_line.train_script, handover_argv(args), cpu_only=cpu_only)
     except ConfigError as err:
         print(f"deepy.py: config error: {err}", file=sys.stderr)
         return 2
     shown = [part if not part.startswith(HANDOVER_FLAG) else f"{HANDOVER_FLAG}=<settings>" for part in command]
     print("deepy.py: " + " ".join(shown), file=sys.stderr, flush=True)
-    return subprocess.call(command)
+    return subprocess.call(command, env=launcher_environment(dict(os.environ), cpu_only=cpu_only))
 
 
 if __name__ == "__main__":

@@ -32,8 +32,16 @@ def runner_arguments(args: NeoXArgs, user_script: str, user_args: list[str], *, 
     flags += ["--master_port", str(args.master_port)]
     if args.master_addr:
         flags += ["--master_addr", args.master_addr]
-    flags += ["--launcher", args.launcher]
+    flags += ["--launcher", args.launcher, "--log_level", "warning"]
     return [*flags, user_script, *user_args]
+
+
+def launcher_environment(environ: dict[str, str], *, cpu_only: bool) -> dict[str, str]:
+    """The environment the ranks start with. On a CPU-only machine DeepSpeed is told its accelerator
+    up front; otherwise every process it starts warns that it fell back to the CPU."""
+    if cpu_only and "DS_ACCELERATOR" not in environ:
+        return {**environ, "DS_ACCELERATOR": "cpu"}
+    return dict(environ)
 
 
 def launch_command(args: NeoXArgs, user_script: str, user_args: list[str], *, cpu_only: bool,
