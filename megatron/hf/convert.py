@@ -19,12 +19,12 @@ from megatron.hf.config import (
     architecture_of,
     family_of,
     hf_config_from_architecture,
-    spec_from_hf_config,
     unrepresentable,
 )
 from megatron.hf.errors import HFConversionError
-from megatron.hf.io import CONFIG_NAME, TOKENIZER_NAME, iter_hf_tensors, read_hf_config, write_hf_dir
-from megatron.hf.mapping import convert_tensors, hf_to_ours, ours_to_hf
+from megatron.hf.io import TOKENIZER_NAME, write_hf_dir
+from megatron.hf.load import read_hf_model
+from megatron.hf.mapping import convert_tensors, ours_to_hf
 from megatron.neox_arguments.yaml_files import merge_config_files
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -56,11 +56,7 @@ def convert_hf_to_neox(
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if dtype not in DTYPES:
         raise HFConversionError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
-    spec = spec_from_hf_config(read_hf_config(hf_dir), str(hf_dir / CONFIG_NAME))
-    arch = spec.architecture()
-    module = convert_tensors(
-        iter_hf_tensors(hf_dir, progress=progress), hf_to_ours(spec.family, arch), str(hf_dir), DTYPES[dtype]
-    )
+    spec, module = read_hf_model(hf_dir, DTYPES[dtype], progress)
     tag_dir = out_dir / CONVERTED_TAG
     tag_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = None
@@ -82,7 +78,7 @@ def convert_hf_to_neox(
         FORMAT_VERSION_KEY: FORMAT_VERSION,
         "iteration": 0,
         "consumed_train_samples": 0,
-        "args": {**settings, "padded_vocab_size": spec.vocab_size},
+        "args": {**settings, "padded_vocab_size": spec.vocab_size, "precision": dtype},
         "converted_from": str(hf_dir.resolve()),
     }
     partial = tag_dir / (layout.model_states_name(0) + ".partial")

@@ -7,11 +7,21 @@ from typing import Any
 
 import torch
 
-from megatron.hf.config import architecture_mismatches, spec_from_hf_config
+from megatron.hf.config import HFModelSpec, architecture_mismatches, spec_from_hf_config
 from megatron.hf.errors import HFConversionError
 from megatron.hf.io import CONFIG_NAME, iter_hf_tensors, read_hf_config
 from megatron.hf.mapping import convert_tensors, hf_to_ours
 from megatron.model.architecture import architecture_from_args
+
+
+def read_hf_model(
+    hf_dir: Path, dtype: torch.dtype | None = None, progress: bool = False
+) -> tuple[HFModelSpec, dict[str, torch.Tensor]]:
+    """What config.json describes, and the weights under our names (cast to ``dtype`` when given)."""
+    hf_dir = Path(hf_dir)
+    spec = spec_from_hf_config(read_hf_config(hf_dir), str(hf_dir / CONFIG_NAME))
+    direction = hf_to_ours(spec.family, spec.architecture())
+    return spec, convert_tensors(iter_hf_tensors(hf_dir, progress), direction, str(hf_dir), dtype)
 
 
 def load_hf_module_weights(hf_dir: Path, args: Any) -> dict[str, torch.Tensor]:
@@ -31,4 +41,4 @@ def load_hf_module_weights(hf_dir: Path, args: Any) -> dict[str, torch.Tensor]:
             + "\n  ".join(mismatches)
             + "\nUse the settings that convert_hf_to_neox.py --config-out writes for this model."
         )
-    return convert_tensors(iter_hf_tensors(hf_dir), hf_to_ours(spec.family, theirs), str(hf_dir), torch.float32)
+    return read_hf_model(hf_dir, torch.float32)[1]

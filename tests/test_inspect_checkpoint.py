@@ -1,0 +1,77 @@
+"""tools/ckpts/inspect_checkpoint.py on every kind of checkpoint we can produce, run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron.checkpointing import save_checkpoint
+from megatron.checkpointing.module_weights import read_module_weights
+from megatron.hf.convert import convert_hf_to_neox
+from tests.test_hf_conversion import make_hf_model, run_tool, save_hf, tokens, write_pipeline_checkpoint
+from tests.test_hf_engine import build_engine, engine_args, engine_loss
+
+
+def inspect(*arguments) -> dict:
+    result = run_tool("inspect_checkpoint.py", *map(str, arguments), "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def possible_modes(report: dict) -> set[str]:
+    return {mode for mode, verdict in report["load_modes"].items() if verdict["possible"]}
+
+
+def test_converted_checkpoint_and_hf_folder(tmp_path):
+    model = make_hf_model("llama_gqa")
+    hf_dir = save_hf(model, tmp_path / "hf")
+    convert_hf_to_neox(hf_dir, tmp_path / "ckpt", dtype="bf16")
+    expected_parameters = sum(p.numel() for p in model.parameters())
+
+    ours = inspect(tmp_path / "ckpt")
+    assert (ours["format"], ours["latest"], ours["tag"], ours["iteration"]) == ("deepspeed", "global_step0",
+                                                                                "global_step0", 0)
+    assert ours["parameters"]["elements_by_dtype"] == {"bfloat16": expected_parameters}
+    assert ours["optimizer_states"] == {"in_model_states_file": False, "zero_shard_dp_ranks": [], "universal": False}
+    assert ours["saved_settings"]["num_kv_heads"] == 2 and ours["saved_settings"]["norm"] == "rmsnorm"
+    assert possible_modes(ours) == {"no_load_optim", "finetune"}
+    assert "holds none" in ours["load_modes"]["resume"]["reason"]
+
+    hf = inspect(hf_dir)
+    assert hf["format"] == "hf" and hf["hf_family"] == "llama"
+    assert hf["parameters"]["elements_by_dtype"] == {"float32": expected_parameters}
+    assert possible_modes(hf) == {"finetune"}
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_zero2_engine_checkpoint_can_resume(tmp_path):
+    args = engine_args(make_hf_model("neox_parallel"), "bf16", save=str(tmp_path / "run"))
+    engine = build_engine(args)
+    engine.backward(engine_loss(engine, tokens()))
+    engine.step()
+    save_checkpoint(args, engine, iteration=3, consumed_train_samples=6)
+    report = inspect(tmp_path / "run")
+    assert (report["tag"], report["iteration"], report["zero_stage"], report["precision"]) == ("global_step3", 3, 2,
+                                                                                                "bf16")
+    assert report["optimizer_states"]["zero_shard_dp_ranks"] == [0]
+    assert report["parameters"]["parameters"] == sum(p.numel() for p in engine.module.parameters())
+    assert possible_modes(report) == {"resume", "no_load_optim", "finetune"}
+
+
+def test_pipeline_checkpoint_and_diff(tmp_path):
+    hf_dir = save_hf(make_hf_model("neox_parallel"), tmp_path / "hf")
+    convert_hf_to_neox(hf_dir, tmp_path / "ckpt")
+    write_pipeline_checkpoint(read_module_weights(tmp_path / "ckpt" / "global_step0"), tmp_path / "pipe", True)
+    report = inspect(tmp_path / "pipe")
+    assert (report["format"], report["tag"], report["iteration"]) == ("pipeline", "global_step7", 7)
+    assert "pipeline checkpoint" in report["load_modes"]["resume"]["reason"]
+
+    same = inspect(tmp_path / "ckpt", "--diff", hf_dir)
+    assert same["max_abs_difference"] == {} and same["only_in_first"] == same["only_in_second"] == []
+    assert same["identical_tensors"] == len(read_module_weights(tmp_path / "ckpt" / "global_step0"))
+
+    other_dir = save_hf(make_hf_model("neox_sequential_tied", seed=1), tmp_path / "other")
+    different = inspect(tmp_path / "ckpt", "--diff", other_dir)
+    assert different["only_in_first"] == ["sequential.6.final_linear.weight"]
+    assert different["max_abs_difference"]["sequential.0.word_embeddings.weight"] > 0.1
