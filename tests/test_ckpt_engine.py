@@ -100,6 +100,9 @@ def test_module_only_load_survives_a_step(tmp_path, precision, stage, extra, opt
 
     report = load_module_only(engine_b, read_module_weights(tag_dir))
     assert not report.missing and not report.unexpected and not report.mismatched
+    assert torch.equal(eval_loss(engine_b, fixed), loss_a), (
+        "the first forward after the load must see the weights"
+    )
     set_lr(engine_b, 0.0)
     train_step(engine_b, batch(0))
 
@@ -172,6 +175,23 @@ def test_zero3_reads_the_requested_tag_not_latest(tmp_path):
     load_module_only(engine_b, read_module_weights(old_dir))
     _assert_engine_holds(engine_b, old)
     assert read_client_state(old_dir)["iteration"] == 1
+
+
+def test_zero3_load_after_a_step_reaches_whole_persistent_params(tmp_path):
+    """After a step ZeRO-3 keeps small ("persistent") parameters whole next to their partitions; the
+    load must write both or the next forward runs on the old values (on 2 ranks, where the whole copy
+    is separate storage, the worker of test_ckpt_engine_distributed.py checks the same)."""
+    config = ds_config("bf16", 3)
+    engine_a, tag_dir, saved = _save_trained(tmp_path, config)
+    fixed = batch(7)
+    loss_a = eval_loss(engine_a, fixed)
+    engine_b = build_engine(config, seed=2)
+    train_step(engine_b, batch(3))
+    head = engine_b.module.head.weight
+    assert head.ds_persist and head.ds_status.name == "AVAILABLE"
+    load_module_only(engine_b, read_module_weights(tag_dir))
+    assert torch.equal(eval_loss(engine_b, fixed), loss_a)
+    _assert_engine_holds(engine_b, saved)
 
 
 def test_zero3_tag_without_module_file_or_shards_is_an_error(tmp_path):

@@ -114,8 +114,8 @@ def verify_master_weights(engine) -> None:
         here = f"; on this rank first in '{name}' ({differing} of {total} local elements)"
     raise CheckpointError(
         f"the optimizer's fp32 master weights differ from the model's parameters on rank(s) {bad_ranks}{here}. "
-        "The next optimizer step would overwrite the loaded weights with the stale master copy; the master "
-        "refresh after the module-only load did not reach this optimizer's layout"
+        "The next optimizer step would copy the master over the model. Do not train from this state: after a "
+        "module-only load it means the master refresh did not reach this optimizer's layout (a bug to report)"
     )
 
 
