@@ -220,6 +220,14 @@ def test_zero3_shards_alone_give_the_master_weights(tmp_path, precision):
     assert torch.equal(rebuilt["logit_scale"], torch.tensor([0.5]))
 
 
+def test_module_file_of_placeholders_falls_back_to_zero3_shards(tmp_path):
+    _, tag_dir, saved = _save_trained(tmp_path, ds_config("bf16", 3))
+    module_file = tag_dir / "mp_rank_00_model_states.pt"
+    torch.save({"module": {name: torch.empty(0) for name in saved}, "iteration": 1}, module_file)
+    rebuilt = read_module_weights(tag_dir)
+    assert all(bits_equal(rebuilt[name], value) for name, value in saved.items())
+
+
 def test_zero3_extra_module_file_keeps_deepspeed_resume_and_tools_working(tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

@@ -101,8 +101,9 @@ def _module_from_model_states_file(path: Path) -> dict[str, torch.Tensor] | None
     if not path.is_file():
         return None
     module = load_checkpoint_file(path).get("module")
-    # GPT-NeoX pipeline checkpoints keep this file for client state only (module is None).
-    if not module:
+    # GPT-NeoX pipeline checkpoints keep this file for client state only (module is None); ZeRO-3
+    # model-states files hold empty placeholders. Neither carries weights.
+    if not module or not any(tensor.numel() > 0 for tensor in module.values()):
         return None
     return dict(module)
 
