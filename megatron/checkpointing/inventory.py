@@ -66,15 +66,9 @@ def _holds_weights(module: Any) -> bool:
 
 @functools.lru_cache(maxsize=32)
 def _read_metadata_cached(path: str, _mtime_ns: int, _size: int) -> SavedMetadata:
-    import torch
+    from megatron.checkpointing.module_weights import load_checkpoint_file
 
-    try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as error:  # torch raises several types for truncated or foreign files
-        raise CheckpointError(
-            f"cannot read checkpoint file {path}: {type(error).__name__}: {error}. The file is "
-            "truncated, corrupt or not a torch checkpoint; restore it, or load another tag with `iteration: N`."
-        ) from error
+    state = load_checkpoint_file(Path(path))  # memory-mapped: the weights inside are not read
     if not isinstance(state, dict):
         raise CheckpointError(
             f"checkpoint file {path} holds a {type(state).__name__}, not a DeepSpeed model-states dict."
