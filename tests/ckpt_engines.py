@@ -63,8 +63,11 @@ def build_engine(args: NeoXArgs, seed: int = 0):
 
 
 def batch(args: NeoXArgs, step: int) -> torch.Tensor:
+    from deepspeed.accelerator import get_accelerator
+
     generator = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(2, 8, generator=generator).to(PRECISION_DTYPE[args.precision])
+    inputs = torch.randn(2, 8, generator=generator).to(PRECISION_DTYPE[args.precision])
+    return inputs.to(get_accelerator().current_device_name())
 
 
 def train_step(engine, args: NeoXArgs, step: int) -> float:

@@ -106,6 +106,25 @@ def test_zero_stage_0_resume_with_another_dp_size_is_fine(checkpoints):
     assert plan.load_optimizer  # the whole optimizer state sits in the model-states file
 
 
+def test_zero3_resume_reads_deepspeeds_files_only(checkpoints, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["zero3"], root)
+    full_module = root / "global_step1" / "mp_rank_00_model_states.pt"  # what save_engine_checkpoint adds
+    shutil.copy(root / "global_step1" / "zero_pp_rank_0_mp_rank_00_model_states.pt", full_module)
+    plan = plan_for(root, stage=3)
+    assert plan.load_optimizer and full_module not in plan.files
+    assert sorted(p.name for p in plan.files) == ["zero_pp_rank_0_mp_rank_00_model_states.pt",
+                                                 "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+
+
+def test_universal_checkpoint_may_change_dp_size_when_enabled(zero1_copy):
+    (zero1_copy / "global_step2" / "zero").mkdir()  # what ds_to_universal writes
+    with pytest.raises(CheckpointError, match="load_universal: true"):
+        plan_for(zero1_copy, dp=2)
+    plan = plan_for(zero1_copy, dp=2, deepspeed_extra_args={"checkpoint": {"load_universal": True}})
+    assert plan.load_optimizer
+
+
 def test_zero3_module_only_reads_shards_when_no_full_module_file(checkpoints):
     plan = plan_for(checkpoints["zero3"], stage=3, finetune=True)
     assert plan.source_format == "zero3"

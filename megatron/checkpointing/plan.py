@@ -160,6 +160,13 @@ def _module_files(tag: TagInventory) -> tuple[Path, ...]:
     )
 
 
+def _resume_files(tag: TagInventory) -> tuple[Path, ...]:
+    """The files DeepSpeed's load_checkpoint reads; under ZeRO-3 not the full module file we add."""
+    if tag.metadata is not None and tag.metadata.zero_stage == 3:
+        return tuple(sorted({*tag.zero3_model_states_files.values(), *tag.optimizer_files.values()}))
+    return tag.files
+
+
 def _rng_decision(args, mode: LoadMode, tag: TagInventory, world_size: int) -> tuple[bool, list[str]]:
     if mode is LoadMode.FINETUNE:
         return False, []
@@ -211,7 +218,7 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         )
     load_optimizer = mode is LoadMode.RESUME
     if load_optimizer:
-        files = tag.files
+        files = _resume_files(tag)
     else:
         files = tuple(dict.fromkeys((*filter(None, [tag.metadata_file]), *_module_files(tag))))
     world_size = data_parallel_size * max(args.model_parallel_size or 1, 1) * max(args.pipe_parallel_size or 1, 1)
