@@ -241,6 +241,20 @@ def test_unsupported_architectures_are_refused(change, expected, tmp_path):
         assert result.returncode == 1 and "not supported" in result.stderr
 
 
+@pytest.mark.parametrize("kind", ["neox_parallel", "llama_gqa"])
+def test_transformers_4_config_layout_translates_the_same(kind):
+    """Pythia and Llama-2 config.json files name rotary settings at the top level, with rope_scaling: null."""
+    config = make_hf_model(kind).config.to_dict()
+    rope = config.pop("rope_parameters")
+    if config["model_type"] == "gpt_neox":
+        old = {"rotary_pct": rope["partial_rotary_factor"], "rotary_emb_base": int(rope["rope_theta"])}
+    else:
+        old = {"rope_theta": rope["rope_theta"]}
+    translated = spec_from_hf_config({**config, **old, "rope_scaling": None})
+    assert translated == spec_from_hf_config(make_hf_model(kind).config.to_dict())
+    assert translated.settings["rotary_emb_base"] == int(rope["rope_theta"])
+
+
 def test_llama_options_we_cannot_represent_are_refused():
     model = make_hf_model("llama_gqa")
     for change, expected in ((dict(hidden_act="gelu"), "hidden_act 'gelu'"), (dict(head_dim=32), "head_dim=32")):
@@ -278,15 +292,17 @@ def test_hf_to_ours_to_hf_folders_are_bit_exact_and_load_in_transformers(kind, t
         torch.testing.assert_close(reloaded(tokens()).logits, model(tokens()).logits, rtol=0, atol=0)
 
 
-def test_convert_neox_to_hf_cli_in_bf16_with_sharding(tmp_path):
+def test_convert_neox_to_hf_cli_in_bf16_sharded(tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = make_hf_model("neox_sequential_tied")
     hf_dir = save_hf(model, tmp_path / "hf")
     convert_hf_to_neox(hf_dir, tmp_path / "ckpt")
     result = run_tool("convert_neox_to_hf.py", "--input", str(tmp_path / "ckpt"), "--tag", "global_step0",
-                      "--output", str(tmp_path / "back"), "--dtype", "bf16")
+                      "--output", str(tmp_path / "back"), "--dtype", "bf16", "--max-shard-size", "40KB")
     assert result.returncode == 0, result.stderr
+    index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
     assert reloaded.config.tie_word_embeddings and reloaded.dtype == torch.bfloat16
     for name, tensor in hf_reference(model).items():

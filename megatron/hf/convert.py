@@ -22,7 +22,7 @@ from megatron.hf.config import (
     unrepresentable,
 )
 from megatron.hf.errors import HFConversionError
-from megatron.hf.io import TOKENIZER_NAME, write_hf_dir
+from megatron.hf.io import DEFAULT_MAX_SHARD_BYTES, TOKENIZER_NAME, write_hf_dir
 from megatron.hf.load import read_hf_model
 from megatron.hf.mapping import convert_tensors, ours_to_hf
 from megatron.neox_arguments.yaml_files import merge_config_files
@@ -118,6 +118,7 @@ def convert_neox_to_hf(
     architecture: str | None = None,
     config_files: list[Path] | None = None,
     dtype: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: bool = False,
 ) -> Path:
     """Write an HF model folder for tag ``tag`` (default: the one in ``latest``) of our checkpoint."""
@@ -153,5 +154,5 @@ def convert_neox_to_hf(
     tokenizer = None
     if settings.get("tokenizer_type", "HFTokenizer") == "HFTokenizer" and vocab_file and Path(vocab_file).is_file():
         tokenizer = Path(vocab_file)
-    write_hf_dir(Path(out_dir), config, tensors, tokenizer_file=tokenizer, progress=progress)
+    write_hf_dir(Path(out_dir), config, tensors, tokenizer, max_shard_bytes, progress)
     return Path(out_dir)

@@ -29,6 +29,21 @@ BIN_NAME = "pytorch_model.bin"
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
 WEIGHT_NAMES = (SAFETENSORS_INDEX_NAME, SAFETENSORS_NAME, BIN_INDEX_NAME, BIN_NAME)  # in order of preference
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+_SIZE_UNITS = {"KB": 1024, "MB": 1024**2, "GB": 1024**3, "B": 1}
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '200MB', '64KB' or a number of bytes -> bytes."""
+    cleaned = text.strip().upper()
+    unit = next((u for u in _SIZE_UNITS if cleaned.endswith(u)), "")  # KB before B
+    number = cleaned.removesuffix(unit).strip() if unit else cleaned
+    try:
+        size = int(float(number) * _SIZE_UNITS.get(unit, 1))
+    except ValueError:
+        raise HFConversionError(f"shard size {text!r} is not a size; write e.g. 5GB, 200MB or 65536") from None
+    if size <= 0:
+        raise HFConversionError(f"shard size {text!r} must be positive")
+    return size
 
 
 def is_hf_model_dir(path: str | Path) -> bool:

@@ -24,21 +24,21 @@ def read_hf_model(
     return spec, convert_tensors(iter_hf_tensors(hf_dir, progress), direction, str(hf_dir), dtype)
 
 
-def load_hf_module_weights(hf_dir: Path, args: Any) -> dict[str, torch.Tensor]:
-    """Our-named fp32 tensors of the HF model in ``hf_dir``, after checking ``args`` describes that model.
-
-    A setting that disagrees with config.json is an error naming both values.
-    """
+def check_hf_settings(hf_dir: Path, args: Any) -> None:
+    """HFConversionError unless ``args`` describes the model in ``hf_dir``; it names each differing setting."""
     hf_dir = Path(hf_dir)
     source = str(hf_dir / CONFIG_NAME)
-    spec = spec_from_hf_config(read_hf_config(hf_dir), source)
-    theirs = spec.architecture()
-    ours = architecture_from_args(args)
-    mismatches = architecture_mismatches(ours, theirs, source)
+    theirs = spec_from_hf_config(read_hf_config(hf_dir), source).architecture()
+    mismatches = architecture_mismatches(architecture_from_args(args), theirs, source)
     if mismatches:
         raise HFConversionError(
             f"the model settings do not describe the Hugging Face model in {hf_dir}:\n  "
             + "\n  ".join(mismatches)
-            + "\nUse the settings that convert_hf_to_neox.py --config-out writes for this model."
+            + "\nUse the settings that tools/ckpts/convert_hf_to_neox.py --config-out writes for this model."
         )
+
+
+def load_hf_module_weights(hf_dir: Path, args: Any) -> dict[str, torch.Tensor]:
+    """Our-named fp32 tensors of the HF model in ``hf_dir``, after checking ``args`` describes that model."""
+    check_hf_settings(hf_dir, args)
     return read_hf_model(hf_dir, torch.float32)[1]

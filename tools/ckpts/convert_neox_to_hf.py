@@ -2,7 +2,7 @@
 
     python tools/ckpts/convert_neox_to_hf.py --input CKPT_DIR [--tag TAG] --output HF_DIR
                                              [--architecture gpt_neox|llama] [--config FILE.yml ...]
-                                             [--dtype fp32|bf16|fp16]
+                                             [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
 
 The architecture comes from the settings saved in the checkpoint, or from --config YAML files
 (for checkpoints without saved settings, e.g. GPT-NeoX pipeline checkpoints).
@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megatron.checkpointing.errors import CheckpointError  # noqa: E402
 from megatron.hf.config import FAMILIES  # noqa: E402
 from megatron.hf.convert import DTYPES, convert_neox_to_hf  # noqa: E402
+from megatron.hf.io import parse_size  # noqa: E402
 from megatron.neox_arguments.errors import ConfigError  # noqa: E402
 
 
@@ -30,11 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--architecture", choices=FAMILIES, help="default: llama for rmsnorm + swiglu, else gpt_neox")
     parser.add_argument("--config", type=Path, nargs="+", help="YAML files with the model settings")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: the dtype of the checkpoint's weights")
+    parser.add_argument("--max-shard-size", default="5GB", help="split model.safetensors above this (e.g. 5GB, 200MB)")
     options = parser.parse_args(argv)
     try:
         out = convert_neox_to_hf(
             options.input, options.output, options.tag, options.architecture, options.config, options.dtype,
-            progress=True,
+            parse_size(options.max_shard_size), progress=True,
         )
     except (CheckpointError, ConfigError) as err:  # HFConversionError is a CheckpointError
         print(f"error: {err}", file=sys.stderr)
