@@ -274,6 +274,16 @@ def test_architecture_check_follows_load_module_strict(checkpoints):
     assert plan.module_only
 
 
+def test_unknown_iteration_only_finetunes(checkpoints, tmp_path):
+    root = tmp_path / "ckpt"
+    saved_checkpoint(root, make_args(stage=0), client_state={"iteration": None})  # as another program might
+    (root / "global_step1").rename(root / "best")
+    (root / "latest").write_text("best")
+    with pytest.raises(CheckpointError, match="records no iteration.*finetune: true"):
+        plan_for(root, stage=0, no_load_optim=True)
+    assert plan_for(root, stage=0, finetune=True).tag == "best"
+
+
 def test_pipeline_checkpoint_loads_module_only(tmp_path):
     tag_dir = tmp_path / "global_step30"
     tag_dir.mkdir(parents=True)

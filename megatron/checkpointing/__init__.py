@@ -142,17 +142,13 @@ def _module_weights(plan: LoadPlan, args):
 def _saved_progress(plan: LoadPlan, client_state: dict, args) -> tuple[int, int]:
     if not plan.iteration_from_checkpoint:
         return 0, 0
-    iteration = client_state.get("iteration", plan.saved_iteration)
-    if iteration is None:
-        raise CheckpointError(
-            f"{plan.tag_dir} records no iteration (no 'iteration' in its client state, tag not named "
-            "global_step<N>); set `finetune: true` to start at iteration 0 from its weights."
-        )
+    iteration = int(plan.saved_iteration)
     consumed = client_state.get("consumed_train_samples")
-    if consumed is None:
-        consumed = int(iteration) * int(args.train_batch_size or 0)
-        _logger().info(f"{plan.tag_dir} records no consumed_train_samples; assuming iteration x train_batch_size = {consumed}")
-    return int(iteration), int(consumed)
+    if consumed is None:  # saved by another program (GPT-NeoX does not record it)
+        consumed = iteration * int(args.train_batch_size or 0)
+        _logger().info(f"{plan.tag_dir} records no consumed_train_samples; assuming iteration x "
+                       f"train_batch_size = {consumed}")
+    return iteration, int(consumed)
 
 
 def load_checkpoint(args, engine, plan: LoadPlan) -> LoadOutcome | None:
