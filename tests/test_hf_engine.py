@@ -39,8 +39,8 @@ def build_engine(args: NeoXArgs):
 
 
 def engine_loss(engine, batch: torch.Tensor) -> torch.Tensor:
-    logits = engine(batch[:, :-1])
-    return causal_lm_loss(logits, batch[:, 1:])
+    batch = batch.to(engine.device)
+    return causal_lm_loss(engine(batch[:, :-1]), batch[:, 1:])
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -65,7 +65,7 @@ def test_zero_checkpoint_reads_with_zero_to_fp32_and_converts_to_hf(stage, tmp_p
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     engine.module.eval()
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(tokens()).logits, engine(tokens()), rtol=0, atol=1e-5)
+        torch.testing.assert_close(reloaded(tokens()).logits, engine(tokens().to(engine.device)).cpu(), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("load_from", ["converted", "hf_folder"])
