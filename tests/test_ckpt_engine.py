@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -58,7 +59,9 @@ def _save_trained(tmp_path, config, tag="global_step1", seed=1):
     """Engine A trained one step and saved; returns (engine, tag_dir, checkpoint values in fp32)."""
     engine = build_engine(config, seed=seed)
     train_step(engine, batch(0))
-    tag_dir = save_engine_checkpoint(engine, tmp_path, tag, {"iteration": 1})
+    # Client state like the trainer's: numpy's RNG state is what the weights-only unpickler refuses.
+    client_state = {"iteration": 1, "numpy_rng": np.random.get_state()}
+    tag_dir = save_engine_checkpoint(engine, tmp_path, tag, client_state)
     return engine, tag_dir, _checkpoint_values(engine)
 
 
@@ -249,6 +252,14 @@ def test_module_file_keys_are_the_state_dict_names(tmp_path):
     assert all(value.dtype == torch.float32 for value in weights.values())
     client = read_client_state(tag_dir)
     assert "module" not in client and client["iteration"] == 1 and client["ds_version"]
+    assert client["numpy_rng"][0] == "MT19937" and isinstance(client["numpy_rng"][1], np.ndarray)
+
+
+def test_client_state_of_a_deepspeed_only_zero3_tag(tmp_path):
+    _, tag_dir, _ = _save_trained(tmp_path, ds_config("bf16", 3))
+    (tag_dir / "mp_rank_00_model_states.pt").unlink()
+    client = read_client_state(tag_dir)
+    assert client["iteration"] == 1 and "param_shapes" in client
 
 
 def test_pipeline_layer_files_are_read(tmp_path):

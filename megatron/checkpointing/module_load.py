@@ -6,6 +6,7 @@ rebuilds the weights from optimizer shards of the ``latest`` tag.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +52,7 @@ def load_module_only(engine, state_dict: dict[str, torch.Tensor], strict: bool =
 
     mismatched = {name for name, _, _ in report.mismatched}
     report.loaded = [name for name in targets if name in state_dict and name not in mismatched]
-    full_precision = {name: _full_precision(state_dict[name]) for name in report.loaded}
+    full_precision = _Float32View(state_dict, report.loaded)
     with torch.no_grad():
         for name in report.loaded:
             _write(targets[name], full_precision[name])
@@ -64,8 +65,27 @@ def _full_shape(target: torch.Tensor) -> tuple[int, ...]:
     return tuple(target.ds_shape) if hasattr(target, "ds_shape") else tuple(target.shape)
 
 
-def _full_precision(value: torch.Tensor) -> torch.Tensor:
-    return value.to(torch.float32) if value.is_floating_point() else value
+class _Float32View(Mapping):
+    """The selected entries of a state dict, floating ones in fp32, converted one at a time on access.
+
+    Converting lazily keeps the peak memory at one fp32 tensor instead of a whole fp32 model per rank.
+    """
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor], names: list[str]):
+        self._state_dict = state_dict
+        self._names = set(names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        value = self._state_dict[name]
+        return value.to(torch.float32) if value.is_floating_point() else value
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def _write(target: torch.Tensor, value: torch.Tensor) -> None:
