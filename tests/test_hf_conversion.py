@@ -281,7 +281,7 @@ def test_weights_that_do_not_fit_the_config_are_refused(tmp_path):
 
 @pytest.mark.parametrize("kind", ["neox_parallel", "llama_gqa", "llama_tied_biases"])
 def test_hf_to_ours_to_hf_folders_are_bit_exact_and_load_in_transformers(kind, tmp_path):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = make_hf_model(kind)
     hf_dir = save_hf(model, tmp_path / "hf", tokenizer=True)
@@ -291,7 +291,10 @@ def test_hf_to_ours_to_hf_folders_are_bit_exact_and_load_in_transformers(kind, t
     assert sorted(back) == sorted(original)
     assert all(torch.equal(back[k], original[k]) for k in original)
     assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "back")
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.pad_token == "<|padding|>"
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert reloaded.config.eos_token_id == tokenizer.eos_token_id == 0
     assert type(reloaded) is type(model)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens()).logits, model(tokens()).logits, rtol=0, atol=0)

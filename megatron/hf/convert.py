@@ -26,6 +26,7 @@ from megatron.hf.io import DEFAULT_MAX_SHARD_BYTES, TOKENIZER_NAME, write_hf_dir
 from megatron.hf.load import read_hf_model
 from megatron.hf.mapping import convert_tensors, ours_to_hf
 from megatron.neox_arguments.yaml_files import merge_config_files
+from megatron.tokenizer import EOD_TOKEN, PAD_TOKEN
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -95,6 +96,16 @@ def convert_hf_to_neox(
     return ConvertedCheckpoint(tag_dir, settings, config_out)
 
 
+def special_tokens(tokenizer_file: Path) -> dict[str, tuple[str, int]]:
+    """GPT-NeoX's end-of-document and padding tokens as HF's bos/eos/pad, where the tokenizer has them."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    roles = {"bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN, "pad_token": PAD_TOKEN}
+    found = {role: (token, tokenizer.token_to_id(token)) for role, token in roles.items()}
+    return {role: pair for role, pair in found.items() if pair[1] is not None}
+
+
 def _settings_of_checkpoint(tag_dir: Path, config_files: list[Path] | None) -> dict[str, Any]:
     if config_files:
         return dict(merge_config_files(list(config_files)).values)
@@ -151,8 +162,11 @@ def convert_neox_to_hf(
     tensors = convert_tensors(module.items(), ours_to_hf(family, arch), str(tag_dir), target)
     config = hf_config_from_architecture(arch, family, HF_DTYPE_NAMES[target])
     vocab_file = settings.get("vocab_file")
-    tokenizer = None
+    tokenizer, special = None, {}
     if settings.get("tokenizer_type", "HFTokenizer") == "HFTokenizer" and vocab_file and Path(vocab_file).is_file():
         tokenizer = Path(vocab_file)
-    write_hf_dir(Path(out_dir), config, tensors, tokenizer, max_shard_bytes, progress)
+        special = special_tokens(tokenizer)
+        config.update({f"{role}_id": token_id for role, (_, token_id) in special.items()})
+    write_hf_dir(Path(out_dir), config, tensors, tokenizer, max_shard_bytes, progress,
+                 {role: token for role, (token, _) in special.items()})
     return Path(out_dir)

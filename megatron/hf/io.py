@@ -23,6 +23,7 @@ from megatron.hf.errors import HFConversionError
 
 CONFIG_NAME = "config.json"
 TOKENIZER_NAME = "tokenizer.json"
+TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
 SAFETENSORS_NAME = "model.safetensors"
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
 BIN_NAME = "pytorch_model.bin"
@@ -126,8 +127,13 @@ def write_hf_dir(
     tokenizer_file: Path | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: bool = False,
+    special_tokens: dict[str, str] | None = None,
 ) -> list[Path]:
-    """Write config.json, the weights (safetensors, sharded above ``max_shard_bytes``) and the tokenizer."""
+    """Write config.json, the weights (safetensors, sharded above ``max_shard_bytes``) and the tokenizer.
+
+    ``special_tokens`` ({"eos_token": "<|endoftext|>", ...}) go into tokenizer_config.json, so that
+    AutoTokenizer knows them.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -148,4 +154,6 @@ def write_hf_dir(
         (out_dir / SAFETENSORS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     if tokenizer_file is not None:
         shutil.copyfile(tokenizer_file, out_dir / TOKENIZER_NAME)
+        if special_tokens:
+            (out_dir / TOKENIZER_CONFIG_NAME).write_text(json.dumps(special_tokens, indent=2) + "\n")
     return written
