@@ -143,6 +143,33 @@ def test_finetune_from_hugging_face_dir_gives_the_same_logits(single_rank_world,
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
+def test_forward_pass_validation_runs_on_save_and_load(single_rank_world, tmp_path):
+    import deepspeed
+
+    from megatron.checkpointing import forward_validation
+    from megatron.model import build_model
+
+    def gpt_engine(args):
+        model = build_model(args)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=deepspeed_config(args))
+        return engine
+
+    settings = dict(finetune=True, checkpoint_validation_with_forward_pass=True, seq_length=16)
+    args = run_args(tmp_path, **settings)
+    tag_dir = save_checkpoint(args, gpt_engine(args), 1, 2)
+    other_init = run_args(tmp_path, seed=5, **settings)
+    assert load_checkpoint(args, gpt_engine(other_init), plan_load(args, 1)).tag == "global_step1"
+
+    # logits that the saved weights do not produce must stop the load
+    path = tag_dir / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=False)
+    state[forward_validation.CLIENT_STATE_KEY]["logits"] += 1.0
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match="global_step1"):
+        load_checkpoint(args, gpt_engine(args), plan_load(args, 1))
+
+
 def test_save_writes_configs_latest_and_prunes(single_rank_world, tmp_path):
     args = run_args(tmp_path, keep_last_n_checkpoints=2)
     engine = build_engine(args)

@@ -68,12 +68,12 @@ def architecture_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> l
 def _check_tensor_parallel(tag: TagInventory, args) -> None:
     wanted = args.model_parallel_size or 1
     saved_args = (tag.metadata.saved_args if tag.metadata else None) or {}
-    saved = saved_args.get("model_parallel_size") or tag.saved_tp_size
-    if tag.saved_tp_size != wanted or saved != wanted:
+    saved = max(tag.saved_tp_size, saved_args.get("model_parallel_size") or 1)
+    if saved != wanted:
         raise CheckpointError(
-            f"{tag.path} was saved with tensor-parallel size {max(saved, tag.saved_tp_size)} "
-            f"(mp_rank files for ranks {list(tag.mp_ranks)}), this run has model_parallel_size {wanted}. "
-            f"Set `model_parallel_size: {saved}`, or convert the checkpoint first."
+            f"{tag.path} was saved with tensor-parallel size {saved} (mp_rank files for ranks "
+            f"{list(tag.mp_ranks)}), this run has model_parallel_size {wanted}. Set "
+            f"`model_parallel_size: {saved}`, or convert the checkpoint first."
         )
 
 
