@@ -14,8 +14,9 @@ Master layouts, detected by what the engine's optimizer holds (DeepSpeed 0.19.8 
 * ``FP16_UnfusedOptimizer``: ``fp16_groups`` + per-parameter ``fp32_groups``.
 * ZeRO-1/2 (``DeepSpeedZeroOptimizer``) and ``BF16_Optimizer``: each parameter's ``_hp_mapping``
   links the fragment of it this rank owns to its slice of the rank's fp32 partition.
-* ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): each parameter's local partition ``ds_tensor`` and its
-  fp32 slice ``fp32_partitioned_groups_flat[g][offset:offset + n]`` at ``grad_position``.
+* ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): each parameter's local partition ``ds_tensor`` (and
+  its whole copy while one exists) against its fp32 slice
+  ``fp32_partitioned_groups_flat[g][offset:offset + n]`` at ``grad_position``.
 
 Anything else raises CheckpointError: an unknown layout must not be skipped silently.
 """
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from megatron.checkpointing.errors import CheckpointError
 
@@ -210,12 +212,14 @@ def _zero3_fragments(optimizer, names) -> Iterator[MasterFragment]:
             start = partition_rank * numel
             owned = max(0, min(numel, param.ds_numel - start))  # the last partition may be padding
             master = optimizer.fp32_partitioned_groups_flat[group_index].data.narrow(0, offset, numel)
-            yield MasterFragment(
-                name=_name_of(param, names),
-                start=start,
-                master=master.narrow(0, 0, owned),
-                trained=param.ds_tensor.data.view(-1).narrow(0, 0, owned),
-            )
+            name = _name_of(param, names)
+            partition = param.ds_tensor.data.view(-1).narrow(0, 0, owned)
+            yield MasterFragment(name=name, start=start, master=master.narrow(0, 0, owned), trained=partition)
+            if param.ds_status == ZeroParamStatus.AVAILABLE and param.data.numel() == param.ds_numel:
+                # A whole copy next to the partition (a "persistent" parameter after a step): the
+                # forward pass reads this one, so it must match the master too.
+                whole = param.data.view(-1).narrow(0, start, owned)
+                yield MasterFragment(name=name, start=start, master=master.narrow(0, 0, owned), trained=whole)
 
 
 _FRAGMENTS_BY_LAYOUT = {
