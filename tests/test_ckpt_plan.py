@@ -232,6 +232,14 @@ def test_missing_optimizer_shard_is_named(zero1_copy):
         plan_for(zero1_copy, dp=2)
 
 
+def test_truncated_optimizer_file_is_named_before_any_engine(zero1_copy):
+    path = zero1_copy / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=f"{path} is truncated"):
+        plan_for(zero1_copy)
+    assert plan_for(zero1_copy, finetune=True).module_only  # a module-only load never reads it
+
+
 def test_resume_with_another_dp_size_is_refused(checkpoints):
     with pytest.raises(CheckpointError, match=r"for 1 data-parallel ranks, this run has 2.*no_load_optim"):
         plan_for(checkpoints["zero1"], dp=2)

@@ -7,6 +7,7 @@ checks name the cause in terms of settings, and catch what the engine would miss
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -170,8 +171,31 @@ def check_hf_model(hf_dir: Path, args) -> None:
         )
 
 
+def check_files_intact(paths) -> None:
+    """Every torch file ends with its zip directory; a truncated one (an interrupted save) does not.
+
+    Reads only each file's tail. Files in torch's legacy (pre-1.6, non-zip) format pass unchecked.
+    """
+    for path in paths:
+        if path.suffix not in (".pt", ".bin"):
+            continue
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file {path} is missing; it was there when the directory was listed.")
+        if zipfile.is_zipfile(path):
+            continue
+        with open(path, "rb") as handle:
+            legacy = handle.read(1) == b"\x80"  # a pickle stream: torch's legacy format
+        if not legacy:
+            raise CheckpointError(
+                f"checkpoint file {path} is truncated or corrupt (no zip directory at its end; "
+                f"{path.stat().st_size} bytes), e.g. from an interrupted save. Restore it, or load another "
+                "tag with `iteration: N`."
+            )
+
+
 def check_plan(plan: LoadPlan, tag: TagInventory, args, data_parallel_size: int) -> None:
     """Raise CheckpointError when `plan` cannot be carried out with these settings."""
+    check_files_intact(plan.files)
     _check_tensor_parallel(tag, args)
     _check_architecture(tag, args)
     if plan.load_optimizer:
