@@ -64,9 +64,11 @@ def ds_config(precision: str, stage: int, **extra) -> dict:
     return config
 
 
-def build_engine(config: dict, seed: int):
+def build_engine(config: dict, seed: int, frozen: tuple[str, ...] = ()):
     torch.manual_seed(seed)
     model = MiniTransformer()
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 

@@ -197,6 +197,29 @@ def test_zero3_load_after_a_step_reaches_whole_persistent_params(tmp_path):
     _assert_engine_holds(engine_b, saved)
 
 
+@pytest.mark.parametrize(
+    "stage,shards_only", [(1, False), (3, False), (3, True)], ids=["zero1", "zero3", "zero3-shards"]
+)
+def test_frozen_parameters_load_without_a_master(tmp_path, stage, shards_only):
+    config = ds_config("bf16", stage)
+    frozen = ("final_norm.weight", "blocks.0.up.bias")
+    engine_a = build_engine(config, seed=1, frozen=frozen)
+    train_step(engine_a, batch(0))
+    tag_dir = save_engine_checkpoint(engine_a, tmp_path, "global_step1", {"iteration": 1})
+    trained = training_weights(engine_a)
+    if shards_only:
+        (tag_dir / "mp_rank_00_model_states.pt").unlink()
+    weights = read_module_weights(tag_dir)
+    for name in frozen:
+        assert bits_equal(weights[name].bfloat16(), trained[name]), name
+    engine_b = build_engine(config, seed=2, frozen=frozen)
+    load_module_only(engine_b, weights)
+    set_lr(engine_b, 0.0)
+    train_step(engine_b, batch(0))
+    after = training_weights(engine_b)
+    assert all(bits_equal(after[name], trained[name]) for name in trained)
+
+
 def test_zero3_tag_without_module_file_or_shards_is_an_error(tmp_path):
     _, tag_dir, _ = _save_trained(tmp_path, ds_config("bf16", 3))
     (tag_dir / "mp_rank_00_model_states.pt").unlink()
