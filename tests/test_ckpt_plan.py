@@ -282,14 +282,21 @@ def test_architecture_check_follows_load_module_strict(checkpoints):
     assert plan.module_only
 
 
-def test_unknown_iteration_only_finetunes(checkpoints, tmp_path):
+def test_iteration_falls_back_to_deepspeeds_step_count(checkpoints, tmp_path):
     root = tmp_path / "ckpt"
-    saved_checkpoint(root, make_args(stage=0), client_state={"iteration": None})  # as another program might
-    (root / "global_step1").rename(root / "best")
+    saved_checkpoint(root, make_args(stage=0), iterations=(2,), client_state={"iteration": None})
+    (root / "global_step2").rename(root / "best")
     (root / "latest").write_text("best")
+    assert plan_for(root, stage=0, no_load_optim=True).saved_iteration == 2  # DeepSpeed's global_steps
+
+
+def test_unknown_iteration_only_finetunes(tmp_path):
+    (tmp_path / "best").mkdir()
+    torch.save({"module": {"w": torch.ones(2)}}, tmp_path / "best" / "mp_rank_00_model_states.pt")
+    (tmp_path / "latest").write_text("best")
     with pytest.raises(CheckpointError, match="records no iteration.*finetune: true"):
-        plan_for(root, stage=0, no_load_optim=True)
-    assert plan_for(root, stage=0, finetune=True).tag == "best"
+        plan_for(tmp_path, stage=0, no_load_optim=True)
+    assert plan_for(tmp_path, stage=0, finetune=True).tag == "best"
 
 
 def test_pipeline_checkpoint_loads_module_only(tmp_path):

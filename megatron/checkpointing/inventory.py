@@ -7,9 +7,8 @@ read, and read once per file.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ DEEPSPEED_KEYS = frozenset({
     "checkpoint_parallel_dimensions",
 })
 
+
 @dataclass(frozen=True)
 class SavedMetadata:
     """The small facts a model-states file holds about the run that wrote it."""
@@ -38,8 +38,7 @@ class SavedMetadata:
     zero_stage: int
     precision: str
     dp_world_size: int | None
-    mp_world_size: int | None
-    global_steps: int | None
+    global_steps: int | None  # DeepSpeed's count of optimizer steps
     has_module_weights: bool  # False for ZeRO-3 placeholders and GPT-NeoX pipeline metadata files
     has_optimizer_in_file: bool  # without ZeRO the optimizer state lives in this file
     client_state: dict[str, Any] = field(repr=False)
@@ -64,7 +63,7 @@ def _holds_weights(module: Any) -> bool:
     return any(getattr(value, "numel", lambda: 0)() > 0 for value in module.values())
 
 
-@functools.lru_cache(maxsize=32)
+@lru_cache(maxsize=32)
 def _read_metadata_cached(path: str, _mtime_ns: int, _size: int) -> SavedMetadata:
     from megatron.checkpointing.module_weights import load_checkpoint_file
 
@@ -83,7 +82,6 @@ def _read_metadata_cached(path: str, _mtime_ns: int, _size: int) -> SavedMetadat
         zero_stage=int(zero_stage),
         precision=precision,
         dp_world_size=state.get("dp_world_size"),
-        mp_world_size=state.get("mp_world_size"),
         global_steps=state.get("global_steps"),
         has_module_weights=_holds_weights(state.get("module")),
         has_optimizer_in_file=state.get("optimizer") is not None,

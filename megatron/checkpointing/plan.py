@@ -224,13 +224,13 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
     world_size = data_parallel_size * max(args.model_parallel_size or 1, 1) * max(args.pipe_parallel_size or 1, 1)
     restore_rng, notes = _rng_decision(args, mode, tag, world_size)
     client = tag.metadata.client_state if tag.metadata else {}
-    saved_iteration = client.get("iteration")
-    if saved_iteration is None:
-        saved_iteration = tag.iteration
+    saved_iteration = next((value for value in (client.get("iteration"), tag.iteration,
+                                                 tag.metadata.global_steps if tag.metadata else None)
+                            if value is not None), None)
     if saved_iteration is None and mode is not LoadMode.FINETUNE:
         raise CheckpointError(
-            f"{tag.path} records no iteration (no 'iteration' in its client state, and the tag is not named "
-            "global_step<N>), so training cannot continue from it. Set `finetune: true` to start at iteration 0 "
+            f"{tag.path} records no iteration (no 'iteration' in its client state, no DeepSpeed step count, "
+            "and the tag is not named global_step<N>), so training cannot continue from it. Set `finetune: true` to start at iteration 0 "
             "from its weights."
         )
     if tag.format == FORMAT_ZERO3 and not load_optimizer:
