@@ -93,7 +93,7 @@ def test_describe_names_mode_tag_and_files(checkpoints):
     assert "optimizer states" in fresh_line
 
 
-def test_rng_not_restored_when_saved_by_another_world_size(checkpoints, tmp_path):
+def test_rng_not_restored_when_saved_by_another_world_size(single_rank_world, tmp_path):
     root = tmp_path / "ckpt"
     saved_checkpoint(root, make_args(stage=0), client_state=with_rng(world_size=4))
     plan = plan_for(root, stage=0)
@@ -282,7 +282,7 @@ def test_architecture_check_follows_load_module_strict(checkpoints):
     assert plan.module_only
 
 
-def test_iteration_falls_back_to_deepspeeds_step_count(checkpoints, tmp_path):
+def test_iteration_falls_back_to_deepspeeds_step_count(single_rank_world, tmp_path):
     root = tmp_path / "ckpt"
     saved_checkpoint(root, make_args(stage=0), iterations=(2,), client_state={"iteration": None})
     (root / "global_step2").rename(root / "best")
@@ -297,6 +297,14 @@ def test_unknown_iteration_only_finetunes(tmp_path):
     with pytest.raises(CheckpointError, match="records no iteration.*finetune: true"):
         plan_for(tmp_path, stage=0, no_load_optim=True)
     assert plan_for(tmp_path, stage=0, finetune=True).tag == "best"
+
+
+def test_newer_checkpoint_format_is_refused(single_rank_world, tmp_path):
+    from megatron.checkpointing.plan import FORMAT_VERSION, FORMAT_VERSION_KEY
+
+    saved_checkpoint(tmp_path, make_args(stage=0), client_state={FORMAT_VERSION_KEY: FORMAT_VERSION + 1})
+    with pytest.raises(CheckpointError, match=f"mp_rank_00_model_states.pt was written in checkpoint format {FORMAT_VERSION + 1}"):
+        plan_for(tmp_path, stage=0, finetune=True)
 
 
 def test_pipeline_checkpoint_loads_module_only(tmp_path):

@@ -16,16 +16,19 @@ from typing import Any
 from megatron.checkpointing import layout
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.inventory import inventory_checkpoint
-from megatron.checkpointing.plan import RNG_STATES_KEY, LoadMode, LoadPlan, build_load_plan
+from megatron.checkpointing.plan import (
+    FORMAT_VERSION,
+    FORMAT_VERSION_KEY,
+    RNG_STATES_KEY,
+    LoadMode,
+    LoadPlan,
+    build_load_plan,
+)
 from megatron.checkpointing.rng import collect_rng_states, restore_rng_states
 
 __all__ = [
     "CheckpointError", "LoadMode", "LoadOutcome", "LoadPlan", "load_checkpoint", "plan_load", "save_checkpoint",
 ]
-
-FORMAT_VERSION = 1
-FORMAT_VERSION_KEY = "checkpoint_format_version"
-
 
 @dataclass(frozen=True)
 class LoadOutcome:
@@ -35,14 +38,6 @@ class LoadOutcome:
     restored_rng: bool
     tag: str | None
     client_state: dict[str, Any] = field(repr=False)
-
-
-def _rank_and_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _barrier() -> None:
@@ -57,10 +52,9 @@ def _gather_rng_states() -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     mine = collect_rng_states()
-    _, world = _rank_and_world()
-    if world == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [mine]
-    gathered: list[Any] = [None] * world
+    gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return gathered
 
@@ -69,6 +63,12 @@ def _logger():
     from megatron.logging import get_logger
 
     return get_logger()
+
+
+def _rank() -> int:
+    from megatron.logging import current_rank
+
+    return current_rank()
 
 
 def save_checkpoint(
@@ -97,7 +97,7 @@ def save_checkpoint(
         client_state[forward_validation.CLIENT_STATE_KEY] = forward_validation.capture(engine, args)
     client_state.update(extra_client_state or {})
 
-    rank, _ = _rank_and_world()
+    rank = _rank()
     if rank == 0:  # before the engine files, so the tag is complete whenever `latest` names it
         layout.copy_configs(args.config_files, save_dir / tag)
     tag_dir = Path(save_engine_checkpoint(engine, save_dir, tag, client_state))
@@ -179,8 +179,7 @@ def load_checkpoint(args, engine, plan: LoadPlan) -> LoadOutcome | None:
         forward_validation.check(engine, args, client_state.get(forward_validation.CLIENT_STATE_KEY),
                                  source=str(plan.tag_dir))
     if plan.restore_rng:
-        rank, _ = _rank_and_world()
-        restore_rng_states(client_state[RNG_STATES_KEY][rank])
+        restore_rng_states(client_state[RNG_STATES_KEY][_rank()])
     iteration, consumed = _saved_progress(plan, client_state, args)
     _logger().info(f"loaded {plan.tag_dir or plan.load_dir} ({plan.mode.value}): starting at iteration {iteration}, "
                    f"{consumed} samples consumed")

@@ -27,7 +27,10 @@ from megatron.checkpointing.inventory import (
     TagInventory,
 )
 
-RNG_STATES_KEY = "rng_states"  # client state: one collect_rng_states() dict per global rank
+# Client-state keys save_checkpoint writes.
+RNG_STATES_KEY = "rng_states"  # one collect_rng_states() dict per global rank
+FORMAT_VERSION_KEY = "checkpoint_format_version"
+FORMAT_VERSION = 1  # raise when the meaning of the client state changes
 
 
 class LoadMode(str, enum.Enum):
@@ -224,6 +227,11 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
     world_size = data_parallel_size * max(args.model_parallel_size or 1, 1) * max(args.pipe_parallel_size or 1, 1)
     restore_rng, notes = _rng_decision(args, mode, tag, world_size)
     client = tag.metadata.client_state if tag.metadata else {}
+    if client.get(FORMAT_VERSION_KEY, FORMAT_VERSION) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{tag.metadata_file} was written in checkpoint format {client[FORMAT_VERSION_KEY]}, this program "
+            f"reads up to format {FORMAT_VERSION}; load it with the newer version that saved it."
+        )
     saved_iteration = next((value for value in (client.get("iteration"), tag.iteration,
                                                  tag.metadata.global_steps if tag.metadata else None)
                             if value is not None), None)
