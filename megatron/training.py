@@ -111,19 +111,16 @@ def _should_save(args, iteration: int) -> bool:
 
 
 def _save(args, engine, state: TrainState) -> None:
-    from megatron.checkpointing import forward_validation, save_checkpoint
+    from megatron.checkpointing import save_checkpoint
 
-    extra = None
-    if args.checkpoint_validation_with_forward_pass:
-        extra = {forward_validation.CLIENT_STATE_KEY: forward_validation.capture(engine, args)}
-    save_checkpoint(args, engine, state.iteration, state.consumed_train_samples, extra_client_state=extra)
+    save_checkpoint(args, engine, state.iteration, state.consumed_train_samples)
 
 
 def setup(args):
     """Everything before the first step; returns (engine, state, iterators)."""
     import deepspeed
 
-    from megatron.checkpointing import forward_validation, load_checkpoint, plan_load
+    from megatron.checkpointing import load_checkpoint, plan_load
     from megatron.data import build_data_iterators
     from megatron.model import build_model
     from megatron.neox_arguments import padded_vocab_size
@@ -157,10 +154,6 @@ def setup(args):
         if outcome is not None:
             state = TrainState(outcome.iteration, outcome.consumed_train_samples)
             restored_rng = outcome.restored_rng
-            if args.checkpoint_validation_with_forward_pass:
-                stored = outcome.client_state.get(forward_validation.CLIENT_STATE_KEY)
-                difference = forward_validation.check(engine, args, stored, f"{args.load} ({outcome.tag})")
-                log.info(f"forward-pass validation of the loaded weights passed (relative difference {difference:.2e})")
     if not restored_rng:
         # Same weights on every rank came from the shared seed above; dropout differs per rank.
         set_seeds(args.seed + 1 + dp_rank)
