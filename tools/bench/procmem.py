@@ -1,0 +1,87 @@
+"""Memory readings of the current process from Linux /proc, and the ratio/table printing the benchmarks share.
+
+Peak RSS is measured by resetting the kernel's high-water mark (``echo 5 > /proc/self/clear_refs``),
+running the code, then reading ``VmHWM``; where that reset is refused, ``ru_maxrss`` is the fallback,
+which only shows growth beyond the process's earlier peak (a lower bound, said in the output).
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+MIB = 1024 * 1024
+T = TypeVar("T")
+
+
+def status_kib(field: str) -> int:
+    """A ``kB`` line of /proc/self/status, e.g. ``VmRSS``, ``VmHWM``, ``RssAnon``, ``RssFile``."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(f"/proc/self/status has no {field} line (not Linux?)")
+
+
+def smaps_rollup_kib() -> dict[str, int] | None:
+    """/proc/self/smaps_rollup as {field: kB} (Rss, Pss, Anonymous, ...); None where the kernel lacks it."""
+    path = Path("/proc/self/smaps_rollup")
+    if not path.exists():
+        return None
+    values = {}
+    for line in path.read_text().splitlines()[1:]:
+        parts = line.split()
+        if len(parts) >= 2 and parts[0].endswith(":") and parts[1].isdigit():
+            values[parts[0][:-1]] = int(parts[1])
+    return values
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class MemoryDelta:
+    peak_growth_mib: float  # peak RSS during the call minus RSS before it
+    retained_mib: float  # RSS after the call minus RSS before it
+    exact_peak: bool  # False: ru_maxrss fallback, the peak growth is a lower bound
+
+
+def measure_memory(call: Callable[[], T]) -> tuple[T, MemoryDelta]:
+    """Run ``call`` once and report how much RSS it needed at its peak and kept afterwards."""
+    before = status_kib("VmRSS")
+    exact = _reset_peak_rss()
+    maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = call()
+    after = status_kib("VmRSS")
+    if exact:
+        peak = status_kib("VmHWM")
+    else:
+        peak = max(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, maxrss_before)
+    return result, MemoryDelta((peak - before) / 1024, (after - before) / 1024, exact)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def ratio_line(name: str, numerator: float, denominator: float, meaning: str) -> str:
+    """One greppable line per ratio: ``RATIO <name> = <value>  (<meaning>)``."""
+    value = numerator / denominator if denominator else float("inf")
+    return f"RATIO {name} = {value:.3f}  ({meaning})"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(h) for h in headers]] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in row]
+                                           for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in cells]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
