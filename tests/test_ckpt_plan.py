@@ -336,7 +336,7 @@ def test_hf_dir_finetunes(hf_dir):
 
 
 def test_hf_dir_with_other_architecture_fails_before_any_engine(hf_dir):
-    with pytest.raises(CheckpointError, match=f"{hf_dir}.*num_layers"):
+    with pytest.raises(CheckpointError, match=f"(?s){hf_dir}.*num_layers"):
         plan_for(hf_dir, finetune=True, **dict(hf_settings(hf_dir), num_layers=3))
 
 

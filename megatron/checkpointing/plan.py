@@ -190,7 +190,9 @@ def _hf_plan(args, inventory: CheckpointInventory, mode: LoadMode) -> LoadPlan:
             f"`load: {root}` is a Hugging Face model folder: it holds weights only, no optimizer states, "
             "iteration or RNG states. Set `finetune: true` (and leave `iteration` unset) to start from its weights."
         )
-    preflight.check_hf_model(root, args)
+    from megatron.hf import check_hf_settings
+
+    check_hf_settings(root, args)
     return LoadPlan(mode=mode, load_dir=root, source_format=FORMAT_HF,
                     files=(root / "config.json", *inventory.hf_weight_files))
 

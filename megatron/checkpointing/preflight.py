@@ -8,7 +8,6 @@ checks name the cause in terms of settings, and catch what the engine would miss
 from __future__ import annotations
 
 import zipfile
-from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -150,24 +149,6 @@ def _check_resume(tag: TagInventory, args, data_parallel_size: int) -> None:
             f"{tag.path} holds ZeRO stage {saved_stage} optimizer shards for {saved_dp} data-parallel ranks, "
             f"this run has {data_parallel_size}; the shards cannot be re-partitioned here. Run with "
             f"{saved_dp} data-parallel ranks, or {_MODULE_ONLY_HINT}.{hint}"
-        )
-
-
-def check_hf_model(hf_dir: Path, args) -> None:
-    """The settings describe the Hugging Face model in `hf_dir` (same check as its loader, done early)."""
-    from megatron.hf.config import architecture_mismatches as hf_mismatches
-    from megatron.hf.config import spec_from_hf_config
-    from megatron.hf.io import CONFIG_NAME, read_hf_config
-    from megatron.model.architecture import architecture_from_args
-
-    source = str(hf_dir / CONFIG_NAME)
-    theirs = spec_from_hf_config(read_hf_config(hf_dir), source).architecture()
-    mismatches = hf_mismatches(architecture_from_args(args), theirs, source)
-    if mismatches:
-        raise CheckpointError(
-            f"the model settings do not describe the Hugging Face model in {hf_dir}: "
-            + "; ".join(mismatches[:_SHOWN_MISMATCHES])
-            + ". Use the settings tools/ckpts/convert_hf_to_neox.py --config-out writes for this model."
         )
 
 
