@@ -1,7 +1,7 @@
 """Module-only load: ours (read_module_weights + load_module_only) against DeepSpeed's own, in one process.
 
     python tools/bench/bench_module_only_load.py [--layers 4] [--hidden 512] [--vocab 16384]
-        [--precision bf16] [--zero-stage 1] [--repeats 5] [--batch 2] [--seq 128] [--threads N]
+        [--precision bf16] [--zero-stage 1] [--repeats 5] [--batch 1] [--seq 32] [--threads N]
 
 Builds a GPTModel inside a real DeepSpeed engine (one-rank gloo world), saves one checkpoint with
 save_engine_checkpoint, then, alternating the order every repeat, measures:
@@ -35,7 +35,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
-from procmem import MemoryDelta, measure_memory, median, ratio_line, table  # noqa: E402
+from procmem import MemoryDelta, measure_memory, median, ratio_line, return_freed_memory_to_os, table  # noqa: E402
 
 from megatron.checkpointing.engine_save import save_engine_checkpoint  # noqa: E402
 from megatron.checkpointing.master_weights import verify_master_weights  # noqa: E402
@@ -148,11 +148,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="fp16 needs an accelerator that supports it (DeepSpeed's CPU one refuses it)")
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=2, help="micro batch of the training step")
-    parser.add_argument("--seq", type=int, default=128, help="sequence length of the training step")
+    parser.add_argument("--batch", type=int, default=1, help="micro batch of the training step")
+    parser.add_argument("--seq", type=int, default=32, help="sequence length of the training step")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--dir", type=Path, help="checkpoint directory (default: a temporary one)")
     options = parser.parse_args(argv)
+    malloc_returns_memory = return_freed_memory_to_os()
     if options.threads:
         torch.set_num_threads(options.threads)
     deepspeed_logger.setLevel("WARNING")
@@ -197,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
           f"checkpoint tag {files_mib:.1f} MiB; train step: batch {options.batch} x {options.seq} tokens")
     print(f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs; repeats {options.repeats}; "
           f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+    if not malloc_returns_memory:
+        print("glibc mallopt unavailable: freed memory may be reused unseen, peak RSS growth may read low")
     if samples["ours"].memory and not samples["ours"].memory[0].exact_peak:
         print("peak RSS from ru_maxrss (clear_refs refused): growth beyond the earlier peak only, a lower bound")
     print(table(["measured", "wall ms (median)", "cpu ms (median)", "peak RSS growth MiB", "RSS kept MiB"],

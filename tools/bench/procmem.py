@@ -7,6 +7,8 @@ which only shows growth beyond the process's earlier peak (a lower bound, said i
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import resource
 import statistics
 from collections.abc import Callable, Sequence
@@ -37,6 +39,40 @@ def smaps_rollup_kib() -> dict[str, int] | None:
         if len(parts) >= 2 and parts[0].endswith(":") and parts[1].isdigit():
             values[parts[0][:-1]] = int(parts[1])
     return values
+
+
+def mapped_file_kib(path: Path) -> dict[str, int]:
+    """Rss and Pss (kB) of this process's mappings of the file at ``path``, from /proc/self/smaps.
+
+    Unlike whole-process figures these do not move when other processes map the same shared
+    libraries, so they isolate what the mapped file itself costs.
+    """
+    target = str(Path(path).resolve())
+    totals = {"Rss": 0, "Pss": 0}
+    in_target = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        parts = line.split()
+        if parts and not parts[0].endswith(":"):  # a mapping's header: address perms offset dev inode [path]
+            in_target = len(parts) >= 6 and " ".join(parts[5:]) == target
+        elif in_target and parts and parts[0][:-1] in totals:
+            totals[parts[0][:-1]] += int(parts[1])
+    return totals
+
+
+def return_freed_memory_to_os(threshold_bytes: int = 128 * 1024) -> bool:
+    """Make glibc serve every allocation above ``threshold_bytes`` by its own mmap, unmapped when freed.
+
+    By default glibc raises that threshold after large frees (up to 32 MiB) and then keeps freed
+    tensors in its heap, so a second load reuses them and shows no RSS growth at all. A fixed
+    threshold turns that adjustment off; peak RSS then shows what each call allocates. False where
+    the C library has no ``mallopt`` (not glibc).
+    """
+    libc_name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(libc_name) if libc_name else None
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    m_mmap_threshold = -3  # from glibc's malloc.h
+    return bool(libc.mallopt(m_mmap_threshold, threshold_bytes))
 
 
 def _reset_peak_rss() -> bool:
