@@ -14,11 +14,30 @@ from megatron.learning_rates import learning_rate_for_args, set_learning_rate
 from megatron.logging import MetricsWriter, ProgressReporter, get_logger, quiet_deepspeed
 from megatron.optimizers import build_param_groups
 
+LR_SCHEDULE_START_KEY = "lr_schedule_start_iteration"
+
 
 @dataclass
 class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
+    # The iteration the LR schedule counts from: 0, except after `no_load_optim`, whose fresh
+    # optimizer starts a fresh schedule (warmup included) while the iteration count carries on.
+    lr_schedule_start: int = 0
+
+    @property
+    def lr_step(self) -> int:
+        """The schedule's step number of the optimizer step about to be taken."""
+        return self.iteration + 1 - self.lr_schedule_start
+
+
+def state_after_load(outcome) -> TrainState:
+    """Where training continues after `load_checkpoint`: the plan decided iteration and data position."""
+    if outcome.loaded_optimizer:
+        schedule_start = int(outcome.client_state.get(LR_SCHEDULE_START_KEY, 0))
+    else:
+        schedule_start = outcome.iteration
+    return TrainState(outcome.iteration, outcome.consumed_train_samples, schedule_start)
 
 
 @dataclass
@@ -113,7 +132,8 @@ def _should_save(args, iteration: int) -> bool:
 def _save(args, engine, state: TrainState) -> None:
     from megatron.checkpointing import save_checkpoint
 
-    save_checkpoint(args, engine, state.iteration, state.consumed_train_samples)
+    save_checkpoint(args, engine, state.iteration, state.consumed_train_samples,
+                    extra_client_state={LR_SCHEDULE_START_KEY: state.lr_schedule_start})
 
 
 def setup(args):
@@ -152,7 +172,7 @@ def setup(args):
     if plan is not None:
         outcome = load_checkpoint(args, engine, plan)
         if outcome is not None:
-            state = TrainState(outcome.iteration, outcome.consumed_train_samples)
+            state = state_after_load(outcome)
             restored_rng = outcome.restored_rng
     if not restored_rng:
         # Same weights on every rank came from the shared seed above; dropout differs per rank.
@@ -173,7 +193,7 @@ def train(args, engine, state: TrainState, iterators) -> RunResult:
     engine.train()
     while state.iteration < args.train_iters:
         step = state.iteration + 1
-        lr = learning_rate_for_args(args, step)
+        lr = learning_rate_for_args(args, state.lr_step)
         set_learning_rate(engine.optimizer, lr)
         started = time.perf_counter()
         last_train_loss = train_step(engine, train_iterator)

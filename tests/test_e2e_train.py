@@ -45,20 +45,29 @@ def test_two_ranks_zero1_bf16_trains_and_saves_per_rank_optimizer_shards(tmp_pat
         assert any(f.endswith(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt") for f in files), files
 
 
-def test_resume_continues_at_the_next_iteration_with_the_scheduled_lr(tmp_path):
+def _scheduled_lr(step: int) -> float:
+    return learning_rate_at(step, peak_lr=0.002, min_lr=0.0002, warmup_iters=5, decay_iters=30,
+                            decay_style="cosine")
+
+
+def test_resume_and_no_load_optim_continue_at_the_next_iteration_with_the_scheduled_lr(tmp_path):
     save = tmp_path / "ckpt"
-    schedule = {"train_iters": 30, "lr_decay_iters": 30, "warmup": 5}
-    first = write_overrides(tmp_path, name="first.yml", save=str(save), checkpoint_factor=10,
-                            eval_interval=100, **{**schedule, "train_iters": 20})
+    schedule = {"train_iters": 30, "lr_decay_iters": 30, "warmup": 5, "checkpoint_factor": 10,
+                "eval_interval": 100}
+    first = write_overrides(tmp_path, name="first.yml", save=str(save), **{**schedule, "train_iters": 20})
     run_deepy(["configs/tiny.yml", first])
     assert (save / "latest").read_text().strip() == "global_step20"
 
-    resumed = write_overrides(tmp_path, name="resume.yml", save=str(save), load=str(save),
-                              checkpoint_factor=10, eval_interval=100, **schedule)
-    result = run_deepy(["configs/tiny.yml", resumed])
-    lines = train_lines(result.stdout)
+    resumed = write_overrides(tmp_path, name="resume.yml", save=str(save), load=str(save), **schedule)
+    lines = train_lines(run_deepy(["configs/tiny.yml", resumed]).stdout)
     assert lines[0].iteration == 21
-    expected = learning_rate_at(21, peak_lr=0.002, min_lr=0.0002, warmup_iters=5, decay_iters=30,
-                                decay_style="cosine")
-    assert lines[0].lr == pytest.approx(expected, rel=1e-3)
+    assert lines[0].lr == pytest.approx(_scheduled_lr(21), rel=1e-3)
     assert (save / "latest").read_text().strip() == "global_step30"
+
+    # `latest` now names global_step30; `iteration: 20` picks the older tag. A fresh optimizer
+    # starts a fresh schedule (warmup again) while the iteration count carries on.
+    fresh_optimizer = write_overrides(tmp_path, name="no_load_optim.yml", save=str(tmp_path / "branch"),
+                                      load=str(save), iteration=20, no_load_optim=True, **schedule)
+    lines = train_lines(run_deepy(["configs/tiny.yml", fresh_optimizer]).stdout)
+    assert lines[0].iteration == 21
+    assert lines[0].lr == pytest.approx(_scheduled_lr(1), rel=1e-3)
