@@ -77,12 +77,14 @@ class LoadPlan:
         source = self.tag_dir if self.tag_dir is not None else self.load_dir
         saved_at = f", saved at iteration {self.saved_iteration}" if self.saved_iteration is not None else ""
         loaded, fresh = ["weights"], []
-        (loaded if self.load_optimizer else fresh).append("optimizer states")
-        if self.iteration_from_checkpoint:
-            loaded += [f"iteration {self.saved_iteration} (LR schedule follows it)",
-                       f"data position (after iteration {self.saved_iteration})"]
+        if self.load_optimizer:
+            loaded += ["optimizer states", "LR schedule position"]
         else:
-            fresh += ["iteration 0 (LR schedule from its start)", "data position (first sample)"]
+            fresh += ["optimizer states", "LR schedule (warmup from its first step)"]
+        if self.iteration_from_checkpoint:
+            loaded += [f"iteration {self.saved_iteration}", f"data position (after iteration {self.saved_iteration})"]
+        else:
+            fresh += ["iteration 0", "data position (first sample)"]
         (loaded if self.restore_rng else fresh).append("RNG states")
         root = self.tag_dir if self.tag_dir is not None else self.load_dir
         files = ", ".join(_relative(p, root) for p in self.files)
