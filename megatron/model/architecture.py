@@ -1,16 +1,16 @@
 """The model's shape and options, resolved once from the settings into plain values.
 
-Defaults for unset sizes live here until the settings layer derives them itself
-(``NeoXArgs.from_dict``); the rules are the same, so deferring later changes no model.
+Validated settings already carry derived sizes; settings restored without validation (saved by
+another program, or built field by field) get the same defaults through the settings layer's rule.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from megatron.model.errors import ModelConfigError
+from megatron.neox_arguments.derived import default_intermediate_size
 
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "relu", "silu", "swiglu")
@@ -52,14 +52,6 @@ class Architecture:
     @property
     def rotary_ndims(self) -> int:
         return int(self.head_dim * self.rotary_pct) if self.pos_emb == "rotary" else 0
-
-
-def default_intermediate_size(hidden_size: int, activation: str, multiple_of: int) -> int:
-    """4 x hidden, or for swiglu Llama's int(2 * 4 * hidden / 3) rounded up to a multiple of multiple_of."""
-    if activation != "swiglu":
-        return 4 * hidden_size
-    width = int(2 * 4 * hidden_size / 3)
-    return multiple_of * math.ceil(width / multiple_of)
 
 
 def derive_size_defaults(args: Any) -> dict[str, int | None]:

@@ -217,6 +217,13 @@ def _derive_batch(v: dict[str, Any], sources: dict[str, str], require_run_settin
     v["train_micro_batch_size_per_gpu"], v["gradient_accumulation_steps"], v["train_batch_size"] = micro, accum, total
 
 
+def default_intermediate_size(hidden_size: int, activation: str, multiple_of: int) -> int:
+    """4 x hidden, or for swiglu Llama's int(2 * 4 * hidden / 3) rounded up to a multiple of multiple_of."""
+    if activation != "swiglu":
+        return 4 * hidden_size
+    return -(-int(2 * 4 * hidden_size / 3) // multiple_of) * multiple_of
+
+
 def _derive_model_shape(v: dict[str, Any], sources: dict[str, str]) -> None:
     hidden, heads = v["hidden_size"], v["num_attention_heads"]
     if hidden % heads:
@@ -235,11 +242,7 @@ def _derive_model_shape(v: dict[str, Any], sources: dict[str, str]) -> None:
         if rotary_dims < 2 or rotary_dims % 2:
             raise _fail(sources, "rotary_pct", f"rotates {rotary_dims} of {hidden // heads} head dims; needs an even number >= 2")
     if v["intermediate_size"] is None:
-        if v["activation"] == "swiglu":
-            multiple = v["mlp_multiple_of"]
-            v["intermediate_size"] = -(-int(2 * 4 * hidden / 3) // multiple) * multiple
-        else:
-            v["intermediate_size"] = 4 * hidden
+        v["intermediate_size"] = default_intermediate_size(hidden, v["activation"], v["mlp_multiple_of"])
     v["max_position_embeddings"] = v["max_position_embeddings"] or v["seq_length"]
     if v["max_position_embeddings"] < v["seq_length"]:
         raise ConfigError(
