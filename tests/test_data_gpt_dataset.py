@@ -217,6 +217,6 @@ def test_valid_iterator_cycles_and_train_ends(tmp_path):
 
 def test_get_batch_shifts_by_one():
     text = torch.arange(2 * (SEQ + 1)).reshape(2, SEQ + 1)
-    tokens, labels, loss_mask = get_batch({"text": text}, eod_token=0)
+    tokens, labels, loss_mask = get_batch({"text": text})
     assert torch.equal(tokens, text[:, :-1]) and torch.equal(labels, text[:, 1:])
     assert torch.equal(loss_mask, torch.ones(2, SEQ))

@@ -118,9 +118,8 @@ def build_data_iterators(
     return tuple(iterators)
 
 
-def get_batch(batch: dict[str, torch.Tensor], eod_token: int | None = None):
-    """(tokens, labels, loss_mask): inputs, next-token targets and a loss mask of ones (GPT-NeoX's default;
-    eod_token is accepted for its signature, masking the loss at eod is not offered)."""
+def get_batch(batch: dict[str, torch.Tensor]):
+    """(tokens, labels, loss_mask): inputs, next-token targets and a loss mask of ones (GPT-NeoX's default)."""
     text = batch["text"].long()
     tokens = text[:, :-1].contiguous()
     labels = text[:, 1:].contiguous()
