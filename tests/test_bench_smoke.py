@@ -1,0 +1,51 @@
+"""The benchmarks under tools/bench run end to end on a tiny size and print their ratio lines.
+
+No timing or memory assertions (DESIGN §7): only that each script exits 0 and reports every ratio.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "tools" / "bench"
+RATIO_LINE = re.compile(r"^RATIO (?P<name>.+?) = (?P<value>\S+)  \(", re.MULTILINE)
+
+
+def run_bench(script: str, *flags: str) -> dict[str, float]:
+    result = subprocess.run(
+        [sys.executable, str(BENCH_DIR / script), *flags], capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, f"{script} exited {result.returncode}:\n{result.stdout}\n{result.stderr[-3000:]}"
+    return {match["name"]: float(match["value"]) for match in RATIO_LINE.finditer(result.stdout)}
+
+
+def assert_ratios(ratios: dict[str, float], expected: set[str]) -> None:
+    assert set(ratios) == expected, f"ratio lines printed: {sorted(ratios)}, expected {sorted(expected)}"
+    for name, value in ratios.items():
+        assert not math.isnan(value) and value >= 0, f"RATIO {name} = {value}"
+
+
+@pytest.mark.parametrize("zero_stage", ["1", "3"])
+def test_module_only_load_bench_prints_its_ratios(zero_stage):
+    ratios = run_bench(
+        "bench_module_only_load.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
+        "--seq", "8", "--repeats", "2", "--precision", "bf16", "--zero-stage", zero_stage,
+    )
+    assert_ratios(ratios, {
+        "ours/baseline wall", "ours/baseline cpu", "ours/baseline peak_rss", "verify/train_step wall",
+        "verify/ours wall",
+    })
+
+
+def test_mmap_read_bench_prints_its_ratios():
+    ratios = run_bench("bench_mmap_read.py", "--size-mb", "8")
+    assert_ratios(ratios, {
+        "mmap/no_mmap rss 1reader", "mmap/no_mmap pss 2readers", "mmap/no_mmap ckpt_pss 2readers",
+        "2readers/1reader ckpt_pss mmap", "2readers/1reader ckpt_pss no_mmap",
+    })
