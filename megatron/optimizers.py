@@ -1,22 +1,17 @@
-"""Optimizer parameter groups: weight decay on weight matrices, none on biases and norm weights."""
+"""Optimizer parameter groups: weight decay on weight matrices and embeddings, none on biases and norms."""
 
 from __future__ import annotations
 
 import torch
 
-
-def is_no_decay_parameter(name: str, param: torch.nn.Parameter) -> bool:
-    """Biases and normalisation weights (1-D tensors) are not decayed; embeddings and matrices are."""
-    return name.endswith(".bias") or param.ndim < 2
+from megatron.model import no_weight_decay_param_names
 
 
 def build_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        (no_decay if is_no_decay_parameter(name, param) else decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
+    exempt = no_weight_decay_param_names(model)
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for name, p in trainable if name not in exempt], "weight_decay": weight_decay}]
+    no_decay = [p for name, p in trainable if name in exempt]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     return groups

@@ -6,7 +6,8 @@ import deepspeed
 import pytest
 import torch
 
-from megatron.model import build_model, causal_lm_loss, no_weight_decay_param_names
+from megatron.model import build_model, causal_lm_loss
+from megatron.optimizers import build_param_groups
 from tests.test_model import LLAMA, tiny_args, tokens
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
@@ -14,11 +15,7 @@ pytestmark = pytest.mark.usefixtures("single_rank_world")
 
 def test_trains_under_zero3_bf16_with_tied_embeddings_and_activation_checkpointing():
     model = build_model(tiny_args(LLAMA, no_weight_tying=False, checkpoint_activations=True))
-    exempt = no_weight_decay_param_names(model)
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if n not in exempt]},
-        {"params": [p for n, p in model.named_parameters() if n in exempt], "weight_decay": 0.0},
-    ]
+    groups = build_param_groups(model, weight_decay=0.01)
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
