@@ -44,8 +44,10 @@ def trained_and_saved(args, steps=2):
     return engine
 
 
-@pytest.mark.parametrize("stage, precision", [(0, "bf16"), (1, "fp32"), (2, "bf16"), (3, "fp32")])
-def test_resume_continues_exactly_like_the_uninterrupted_run(single_rank_world, tmp_path, stage, precision):
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_resume_continues_exactly_like_the_uninterrupted_run(single_rank_world, fp16_capable_cpu, tmp_path, stage,
+                                                             precision):
     args = run_args(tmp_path, stage, precision)
     original = trained_and_saved(args)
     train_step(original, args, 3)  # dropout draws from the RNG state saved at iteration 2
