@@ -6,6 +6,8 @@ API, the optimizers' attributes), not through the code under test.
 
 from __future__ import annotations
 
+import copy
+
 import deepspeed
 import torch
 from deepspeed.utils import safe_get_full_fp32_param
@@ -69,7 +71,10 @@ def build_engine(config: dict, seed: int, frozen: tuple[str, ...] = ()):
     model = MiniTransformer()
     for name in frozen:
         model.get_parameter(name).requires_grad_(False)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    # A copy: some releases (0.14) pop entries such as ``torch_adam`` out of the config they are given.
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=copy.deepcopy(config)
+    )
     return engine
 
 

@@ -48,11 +48,20 @@ def _write_full_module_file(engine, tag_dir: Path) -> None:
     dp_group = getattr(engine.optimizer, "dp_process_group", None)
     module = _gather_full_module(engine.module, keep=dist.get_rank(group=dp_group) == 0)
     if module is not None:
-        mp_rank = engine.checkpoint_mp_rank
+        mp_rank = _model_parallel_rank(engine)
         state = load_checkpoint_file(tag_dir / f"zero_pp_rank_0_mp_rank_{mp_rank:02d}_model_states.pt")
         state["module"] = module
         _write_atomically(tag_dir / module_file_name(mp_rank), lambda path: torch.save(state, path))
     dist.barrier()
+
+
+def _model_parallel_rank(engine) -> int:
+    """The MP rank in the names of the files DeepSpeed wrote: ``engine.checkpoint_mp_rank`` where the
+    engine has it (0.19), else what older releases compute inline when they name the files."""
+    rank = getattr(engine, "checkpoint_mp_rank", None)
+    if rank is not None:
+        return rank
+    return 0 if engine.mpu is None else engine.mpu.get_model_parallel_rank()
 
 
 def _gather_full_module(module: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor] | None:
