@@ -47,8 +47,8 @@ def launcher_local_size(monkeypatch):
     monkeypatch.setenv("LOCAL_SIZE", "1")
 
 
-# Optimizer classes stock DeepSpeed builds without ZeRO. bf16: FP16_Optimizer from 0.16 on (bf16
-# gradients), BF16_Optimizer before (fp32 gradients).
+# Optimizer classes stock DeepSpeed builds without ZeRO. bf16: FP16_Optimizer in 0.17.6 and later
+# (bf16 gradients), BF16_Optimizer up to 0.17.0 (fp32 gradients by default).
 _NO_ZERO_OPTIMIZERS = {
     "fp32": ("FusedAdam",),
     "fp16": ("FP16_Optimizer",),

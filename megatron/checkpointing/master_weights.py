@@ -6,13 +6,16 @@ silently undoes the load at the first step. DeepSpeed's ``refresh_fp32_params`` 
 values, losing the low bits a full-precision checkpoint has, so the master is written here from the
 checkpoint's own values.
 
-Master layouts, detected by what the engine's optimizer holds (DeepSpeed 0.19.8 names):
+Master layouts, detected by what the engine's optimizer holds (the same names and attributes in
+every DeepSpeed release from 0.16.0 to 0.19.8; tools/compat/check_deepspeed_releases.sh checks them):
 
 * no optimizer (ZeRO-3 without one holds a ``DeepSpeedZeRoOffload``), or a bare torch optimizer
   over the module's own parameters (fp32 without ZeRO): the parameters are the master.
-* ``FP16_Optimizer`` (fp16/bf16 without ZeRO, fused Adam): ``fp16_groups`` + flat ``fp32_groups_flat``.
+* ``FP16_Optimizer`` (fp16 without ZeRO, fused Adam; bf16 too in 0.17.6 and later): ``fp16_groups`` + flat
+  ``fp32_groups_flat``.
 * ``FP16_UnfusedOptimizer``: ``fp16_groups`` + per-parameter ``fp32_groups``.
-* ZeRO-1/2 (``DeepSpeedZeroOptimizer``) and ``BF16_Optimizer``: each parameter's ``_hp_mapping``
+* ZeRO-1/2 (``DeepSpeedZeroOptimizer``) and ``BF16_Optimizer`` (bf16 with fp32 gradient accumulation,
+  the default without ZeRO up to 0.17.0): each parameter's ``_hp_mapping``
   links the fragment of it this rank owns to its slice of the rank's fp32 partition.
 * ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): each parameter's local partition ``ds_tensor`` (and
   its whole copy while one exists) against its fp32 slice
