@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from megatron.checkpointing.module_weights import read_module_weights
 from megatron.learning_rates import learning_rate_at
 from tests.e2e import checkpoint_files, run_deepy, train_lines, write_overrides
 
@@ -29,20 +30,31 @@ def test_single_rank_run_trains_evaluates_and_saves(tmp_path):
     assert {"tiny.yml", overrides.name} <= set(checkpoint_files(save / "global_step40" / "configs"))
 
 
+# The Llama family on the same data: RMSNorm, SwiGLU, grouped-query attention, no biases, full rotary.
+LLAMA_SETTINGS = dict(norm="rmsnorm", activation="swiglu", num_kv_heads=2, rotary_pct=1.0, gpt_j_residual=False,
+                      use_bias_in_norms=False, use_bias_in_attn_linear=False, use_bias_in_mlp=False,
+                      rms_norm_epsilon=1.0e-6, intermediate_size=344)
+
+
 @pytest.mark.distributed
-def test_two_ranks_zero1_bf16_trains_and_saves_per_rank_optimizer_shards(tmp_path):
+def test_two_ranks_zero1_bf16_llama_trains_and_saves_per_rank_optimizer_shards(tmp_path):
     save = tmp_path / "ckpt"
     overrides = write_overrides(
         tmp_path, save=str(save), train_iters=30, checkpoint_factor=30, eval_interval=30, num_gpus=2,
-        precision="bf16", bf16={"enabled": True}, zero_optimization={"stage": 1},
+        precision="bf16", bf16={"enabled": True}, zero_optimization={"stage": 1}, **LLAMA_SETTINGS,
     )
     result = run_deepy(["configs/tiny.yml", overrides])
+    assert "2 data-parallel rank(s)" in result.stdout
     lines = train_lines(result.stdout)
     assert lines[-1].iteration == 30
     assert lines[-1].loss < lines[0].loss - 0.5
     files = checkpoint_files(save / "global_step30")
     for rank in (0, 1):
         assert any(f.endswith(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt") for f in files), files
+    weights = read_module_weights(save / "global_step30")
+    assert weights["sequential.2.mlp.linear1.weight"].shape == (2 * 344, 128)  # up and gate stacked
+    assert weights["sequential.2.attention.query_key_value.weight"].shape == ((4 + 2 * 2) * 32, 128)
+    assert "sequential.2.input_layernorm.scale" in weights and not any(k.endswith(".bias") for k in weights)
 
 
 def _scheduled_lr(step: int) -> float:
