@@ -7,7 +7,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime import constants as deepspeed_constants
 
 from megatron.checkpointing import master_weights as master_weights_module
 from megatron.checkpointing.engine_save import save_engine_checkpoint
@@ -27,25 +27,7 @@ from tests.ckpt_engine_common import (
     training_weights,
 )
 
-pytestmark = pytest.mark.usefixtures("single_rank_world", "fp16_capable_cpu", "launcher_local_size")
-
-
-@pytest.fixture
-def fp16_capable_cpu(fp16_capable_cpu, monkeypatch):
-    """Also let fp16 gradients through DeepSpeed's reduction: before 0.16 the CPU accelerator's
-    ``supported_dtypes`` leaves fp16 out even when ``is_fp16_supported`` says yes (tests only)."""
-    accelerator = get_accelerator()
-    supported = accelerator.supported_dtypes()
-    if torch.float16 not in supported:
-        monkeypatch.setattr(accelerator, "supported_dtypes", lambda: [*supported, torch.float16])
-
-
-@pytest.fixture
-def launcher_local_size(monkeypatch):
-    """DeepSpeed's launcher exports LOCAL_SIZE (processes on this node). Without it the CPU accelerator
-    counts its devices with ``numactl``, which DeepSpeed before 0.16 requires to be installed."""
-    monkeypatch.setenv("LOCAL_SIZE", "1")
-
+pytestmark = pytest.mark.usefixtures("single_rank_world", "fp16_capable_cpu")
 
 # Optimizer classes stock DeepSpeed builds without ZeRO. bf16: FP16_Optimizer in 0.17.6 and later
 # (bf16 gradients), BF16_Optimizer up to 0.17.0 (fp32 gradients by default).
@@ -59,6 +41,13 @@ _ZERO_OPTIMIZERS = {
     2: ("DeepSpeedZeroOptimizer",),
     3: ("DeepSpeedZeroOptimizer_Stage3",),
 }
+# bf16 ZeRO-1 with fp32 gradients is BF16_Optimizer, except where DeepSpeed names its "DDP bf16" wrapper
+# like the BF16_Optimizer one ("bf16", e.g. 0.17.6) and so builds FP16_Optimizer, without ZeRO, instead.
+_BF16_FP32_GRADS_ZERO1_OPTIMIZERS = (
+    ("FP16_Optimizer",)
+    if getattr(deepspeed_constants, "DDP_BFLOAT16", None) == deepspeed_constants.BFLOAT16
+    else ("BF16_Optimizer",)
+)
 
 # (precision, stage, extra config, the optimizer classes DeepSpeed may build for it)
 MATRIX = [
@@ -66,7 +55,7 @@ MATRIX = [
     for precision in DTYPES
     for stage in (0, 1, 2, 3)
 ] + [
-    ("bf16", 1, {"data_types": {"grad_accum_dtype": "fp32"}}, ("BF16_Optimizer",)),
+    ("bf16", 1, {"data_types": {"grad_accum_dtype": "fp32"}}, _BF16_FP32_GRADS_ZERO1_OPTIMIZERS),
     ("fp16", 0, {"optimizer_params": {"torch_adam": True}}, ("FP16_UnfusedOptimizer",)),
     ("bf16", 3, {"zero": {"stage3_param_persistence_threshold": 0}}, _ZERO_OPTIMIZERS[3]),
 ]
