@@ -52,11 +52,10 @@ def load_module_only(engine, state_dict: dict[str, torch.Tensor], strict: bool =
 
     mismatched = {name for name, _, _ in report.mismatched}
     report.loaded = [name for name in targets if name in state_dict and name not in mismatched]
-    full_precision = _Float32View(state_dict, report.loaded)
     with torch.no_grad():
-        for name in report.loaded:
-            _write(targets[name], full_precision[name])
-    master_weights.refresh_master_weights(engine, full_precision)
+        for name in report.loaded:  # copy_ casts element by element: no fp32 temporary of the tensor
+            _write(targets[name], state_dict[name])
+    master_weights.refresh_master_weights(engine, _Float32View(state_dict, report.loaded))
     master_weights.verify_master_weights(engine)
     return report
 
