@@ -76,8 +76,8 @@ def save_checkpoint(
 ) -> Path:
     """Save tag global_step<iteration> under `args.save`; all ranks call it (DeepSpeed's save is collective).
 
-    The run's YAML files go into `<tag>/configs/` first, `latest` names the tag once every file is
-    written, then old tags are pruned per `keep_last_n_checkpoints`.
+    The run's YAML files go into `<tag>/configs/` first, then the engine's files; `latest` names the
+    tag once every file is written, then old tags are pruned per `keep_last_n_checkpoints`.
     """
     from megatron.checkpointing import forward_validation
     from megatron.checkpointing.engine_save import save_engine_checkpoint
@@ -101,8 +101,7 @@ def save_checkpoint(
     if rank == 0:  # before the engine files, so the tag is complete whenever `latest` names it
         layout.copy_configs(args.config_files, save_dir / tag)
     tag_dir = Path(save_engine_checkpoint(engine, save_dir, tag, client_state))
-    if rank == 0:
-        layout.write_latest(save_dir, tag)
+    if rank == 0:  # save_engine_checkpoint pointed `latest` at the complete tag
         deleted = layout.prune_checkpoints(save_dir, args.keep_last_n_checkpoints)
         message = f"saved checkpoint {tag_dir}"
         if deleted:

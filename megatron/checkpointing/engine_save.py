@@ -10,7 +10,8 @@ import torch.distributed as dist
 from deepspeed import zero
 from deepspeed.utils import safe_get_full_fp32_param
 
-from megatron.checkpointing.module_weights import load_checkpoint_file, module_file_name
+from megatron.checkpointing import layout
+from megatron.checkpointing.module_weights import load_checkpoint_file
 
 
 def save_engine_checkpoint(engine, save_dir: str | Path, tag: str, client_state: dict) -> Path:
@@ -39,7 +40,7 @@ def save_engine_checkpoint(engine, save_dir: str | Path, tag: str, client_state:
     if engine.zero_optimization_partition_weights():
         _write_full_module_file(engine, tag_dir)
     if dist.get_rank() == 0:
-        _write_atomically(save_dir / "latest", lambda path: path.write_text(tag))
+        layout.write_latest(save_dir, tag)
     dist.barrier()
     return tag_dir
 
@@ -49,9 +50,9 @@ def _write_full_module_file(engine, tag_dir: Path) -> None:
     module = _gather_full_module(engine.module, keep=dist.get_rank(group=dp_group) == 0)
     if module is not None:
         mp_rank = _model_parallel_rank(engine)
-        state = load_checkpoint_file(tag_dir / f"zero_pp_rank_0_mp_rank_{mp_rank:02d}_model_states.pt")
+        state = load_checkpoint_file(tag_dir / layout.zero3_model_states_name(0, mp_rank))
         state["module"] = module
-        _write_atomically(tag_dir / module_file_name(mp_rank), lambda path: torch.save(state, path))
+        _write_atomically(tag_dir / layout.model_states_name(mp_rank), lambda path: torch.save(state, path))
     dist.barrier()
 
 

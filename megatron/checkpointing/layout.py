@@ -25,11 +25,11 @@ CONFIGS_DIR = "configs"
 TAG_PREFIX = "global_step"
 
 TAG_RE = re.compile(rf"^{TAG_PREFIX}(\d+)$")
-MODEL_STATES_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-ZERO3_MODEL_STATES_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+MODEL_STATES_RE = re.compile(r"^mp_rank_(?P<mp>\d+)_model_states\.pt$")
+ZERO3_MODEL_STATES_RE = re.compile(r"^zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
 # DeepSpeed prefixes the optimizer shards by mode, e.g. "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt".
-OPTIM_STATES_RE = re.compile(r"^(?:([a-z0-9]+)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-LAYER_FILE_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+OPTIM_STATES_RE = re.compile(r"^(?:(?P<prefix>[a-z0-9]+)_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
+LAYER_FILE_RE = re.compile(r"^layer_(?P<layer>\d+)-model_(?P<mp>\d+)-model_states\.pt$")
 # Written by ds_to_universal: a tag holding this folder can be loaded at another DP size.
 UNIVERSAL_DIR = "zero"
 

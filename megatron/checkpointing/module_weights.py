@@ -16,20 +16,12 @@ from __future__ import annotations
 
 import math
 import pickle
-import re
 from pathlib import Path
 
 import torch
 
+from megatron.checkpointing import layout
 from megatron.checkpointing.errors import CheckpointError
-
-_LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
-_ZERO_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-_ZERO_OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-
-
-def module_file_name(mp_rank: int = 0) -> str:
-    return f"mp_rank_{mp_rank:02d}_model_states.pt"
 
 
 def load_checkpoint_file(path: Path) -> dict:
@@ -58,7 +50,7 @@ def read_module_weights(tag_dir: str | Path, mp_rank: int = 0) -> dict[str, torc
     if not tag_dir.is_dir():
         raise CheckpointError(f"checkpoint tag directory {tag_dir} does not exist")
 
-    module = _module_from_model_states_file(tag_dir / module_file_name(mp_rank))
+    module = _module_from_model_states_file(tag_dir / layout.model_states_name(mp_rank))
     if module is not None:
         return module
     layer_files = _layer_files(tag_dir, mp_rank)
@@ -70,7 +62,7 @@ def read_module_weights(tag_dir: str | Path, mp_rank: int = 0) -> dict[str, torc
 
     contents = sorted(p.name for p in tag_dir.iterdir())
     raise CheckpointError(
-        f"no module weights in {tag_dir}: expected {module_file_name(mp_rank)} with a 'module' entry, "
+        f"no module weights in {tag_dir}: expected {layout.model_states_name(mp_rank)} with a 'module' entry, "
         f"GPT-NeoX layer files layer_<II>-model_{mp_rank:02d}-model_states.pt, or ZeRO-3 shards "
         f"(zero_pp_rank_<DP>_mp_rank_{mp_rank:02d}_model_states.pt together with "
         f"*zero_pp_rank_<DP>_mp_rank_{mp_rank:02d}_optim_states.pt); the directory holds {contents or 'nothing'}"
@@ -85,7 +77,7 @@ def read_client_state(tag_dir: str | Path, mp_rank: int = 0) -> dict:
     """
     tag_dir = Path(tag_dir)
     candidates = [
-        tag_dir / module_file_name(mp_rank),
+        tag_dir / layout.model_states_name(mp_rank),
         tag_dir / f"zero_pp_rank_0_mp_rank_{mp_rank:02d}_model_states.pt",
     ]
     for path in candidates:
@@ -111,9 +103,9 @@ def _module_from_model_states_file(path: Path) -> dict[str, torch.Tensor] | None
 def _layer_files(tag_dir: Path, mp_rank: int) -> dict[int, Path]:
     layers = {}
     for path in tag_dir.iterdir():
-        match = _LAYER_FILE.match(path.name)
-        if match and int(match.group(2)) == mp_rank:
-            layers[int(match.group(1))] = path
+        match = layout.LAYER_FILE_RE.match(path.name)
+        if match and int(match["mp"]) == mp_rank:
+            layers[int(match["layer"])] = path
     return dict(sorted(layers.items()))
 
 
@@ -131,10 +123,10 @@ def _module_from_layer_files(layer_files: dict[int, Path]) -> dict[str, torch.Te
 def _zero_shard_files(tag_dir: Path, mp_rank: int) -> tuple[dict[int, Path], dict[int, Path]]:
     model_files, optim_files = {}, {}
     for path in tag_dir.iterdir():
-        for pattern, found in ((_ZERO_MODEL_FILE, model_files), (_ZERO_OPTIM_FILE, optim_files)):
+        for pattern, found in ((layout.ZERO3_MODEL_STATES_RE, model_files), (layout.OPTIM_STATES_RE, optim_files)):
             match = pattern.match(path.name)
-            if match and int(match.group(2)) == mp_rank:
-                found[int(match.group(1))] = path
+            if match and int(match["mp"]) == mp_rank:
+                found[int(match["dp"])] = path
     return dict(sorted(model_files.items())), dict(sorted(optim_files.items()))
 
 
@@ -152,7 +144,7 @@ def _module_from_zero3_shards(
     stage = first_optim.get("zero_stage")
     if int(stage) != 3:
         raise CheckpointError(
-            f"{tag_dir} has ZeRO stage {stage} optimizer shards but no {module_file_name()} with the "
+            f"{tag_dir} has ZeRO stage {stage} optimizer shards but no {layout.model_states_name(0)} with the "
             "module weights; only ZeRO-3 shards can stand in for a missing module file"
         )
     dp_size = int(first_optim["partition_count"])
