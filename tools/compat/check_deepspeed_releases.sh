@@ -1,36 +1,41 @@
 #!/usr/bin/env bash
 # Run the engine-path checkpoint tests against stock DeepSpeed releases, one virtualenv per release.
 #
-#   tools/compat/check_deepspeed_releases.sh [--distributed] [VERSION ...]
+#   tools/compat/check_deepspeed_releases.sh [--one-rank] [VERSION ...]
 #
 # Each release gets $DSENV_ROOT/dsenv-<VERSION> (created once, reused afterwards) holding torch
 # $TORCH_VERSION, that DeepSpeed release, megatron-core $MEGATRON_CORE_VERSION and the test
 # dependencies; DeepSpeed's compiled ops go to <venv>/ext, not to the shared torch-extensions cache.
-# Then tests/test_ckpt_engine.py and tests/test_ckpt_engine_gpt.py run in it (with --distributed also
-# tests/test_ckpt_engine_distributed.py, 2 CPU ranks) and one verdict line per release is printed.
-# Logs: <venv>/check-<test file>.log. Exit status: 0 when every release passed.
+# Then tests/test_ckpt_engine.py, tests/test_ckpt_engine_gpt.py and (unless --one-rank)
+# tests/test_ckpt_engine_distributed.py (2 CPU ranks) run in it, and one verdict line per release is
+# printed. Logs: <venv>/check-<test file>.log. Exit status: 0 when every release passed.
+#
+# Without VERSION it checks the releases the README claims (the oldest, newest and one per minor
+# line in between); a green run means the claim still holds. Known failures with torch 2.13 on CPU:
+# 0.14.x/0.15.x (their own torch.load calls predate weights_only=False, so DeepSpeed cannot load
+# its own checkpoints) and 0.18.7-0.18.9 (the ZeRO-1/2 step fails on 2 CPU ranks: the flat 16-bit
+# buffer is built under autograd and gloo's all-gather refuses to write into it).
 #
 # Not part of the pytest suite: the first run of a release installs packages and compiles an op
-# (a few minutes), and each release runs the whole matrix. The supported releases are listed in
-# the README; re-run this before changing them.
+# (a few minutes), and each release then takes 2-5 minutes on 2 busy cores.
 #
 # Environment: DSENV_ROOT (default /tmp), BASE_PYTHON (default python3), TORCH_VERSION (default
 # 2.13.0), MEGATRON_CORE_VERSION (default 0.16.1).
 set -u -o pipefail
 
-DEFAULT_VERSIONS=(0.14.5 0.15.4 0.16.0 0.16.9 0.17.6 0.18.9 0.19.8)
+DEFAULT_VERSIONS=(0.16.0 0.16.9 0.17.6 0.18.6 0.19.8)
 DSENV_ROOT=${DSENV_ROOT:-/tmp}
 BASE_PYTHON=${BASE_PYTHON:-python3}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 MEGATRON_CORE_VERSION=${MEGATRON_CORE_VERSION:-0.16.1}
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 
-test_files=(tests/test_ckpt_engine.py tests/test_ckpt_engine_gpt.py)
+test_files=(tests/test_ckpt_engine.py tests/test_ckpt_engine_gpt.py tests/test_ckpt_engine_distributed.py)
 versions=()
 for arg in "$@"; do
     case "$arg" in
-        --distributed) test_files+=(tests/test_ckpt_engine_distributed.py) ;;
-        -h|--help) sed -n '2,20p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        --one-rank) test_files=(tests/test_ckpt_engine.py tests/test_ckpt_engine_gpt.py) ;;
+        -h|--help) sed -n '2,23p' "${BASH_SOURCE[0]}"; exit 0 ;;
         -*) echo "unknown option $arg (see --help)" >&2; exit 2 ;;
         *) versions+=("$arg") ;;
     esac
