@@ -44,13 +44,24 @@ def single_rank_world():
     # later tests that share this fixture.
 
 
-@pytest.fixture
-def fp16_capable_cpu(monkeypatch):
-    """DeepSpeed's CPU accelerator refuses fp16 although torch runs it on CPU (DESIGN §6).
+def declare_cpu_fp16_capable(set_attribute=setattr) -> None:
+    """DeepSpeed's CPU accelerator refuses fp16 although torch runs half precision on CPU (DESIGN §6).
 
-    Tests only: declare it fp16-capable so fp16 engines can be built.
+    Tests only: declare it fp16-capable, and let fp16 gradients through its reduction (up to 0.16.0
+    at least, ``supported_dtypes`` leaves fp16 out even when ``is_fp16_supported`` says yes).
+    ``set_attribute`` is ``monkeypatch.setattr`` in a test, plain ``setattr`` in a worker process.
     """
+    import torch
     from deepspeed.accelerator import get_accelerator
 
-    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: True)
+    accelerator = get_accelerator()
+    set_attribute(accelerator, "is_fp16_supported", lambda: True)
+    supported = accelerator.supported_dtypes()
+    if torch.float16 not in supported:
+        set_attribute(accelerator, "supported_dtypes", lambda: [*supported, torch.float16])
+
+
+@pytest.fixture
+def fp16_capable_cpu(monkeypatch):
+    declare_cpu_fp16_capable(monkeypatch.setattr)
     yield

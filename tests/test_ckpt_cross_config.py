@@ -19,22 +19,11 @@ import torch.multiprocessing as mp
 
 from tests.ckpt_engine_common import bits_equal, master_weights, set_lr, training_weights
 from tests.ckpt_engines import PRECISION_DTYPE, build_engine, make_args, train_step
-from tests.conftest import free_port
+from tests.conftest import declare_cpu_fp16_capable, free_port
 
 pytestmark = pytest.mark.distributed
 
 EXPECTED = "expected.pt"
-
-
-def _declare_fp16_capable() -> None:
-    """DeepSpeed's CPU accelerator refuses fp16 although torch runs it (DESIGN §6); tests only."""
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator = get_accelerator()
-    accelerator.is_fp16_supported = lambda: True
-    supported = accelerator.supported_dtypes()
-    if torch.float16 not in supported:
-        accelerator.supported_dtypes = lambda: [*supported, torch.float16]
 
 
 def save_trained(args, steps: int = 2, rank: int = 0) -> dict[str, torch.Tensor]:
@@ -76,7 +65,7 @@ def _rank_main(rank: int, port: int, phase: str, root: str) -> None:
         if rank == 0:
             torch.save(expected, Path(root) / EXPECTED)
     elif phase == "finetune fp16 zero1":
-        _declare_fp16_capable()
+        declare_cpu_fp16_capable()
         args = make_args(stage=1, precision="fp16", load=root, finetune=True)
         finetune_and_check(args, 2, torch.load(Path(root) / EXPECTED), rank=rank)
     torch.distributed.barrier()

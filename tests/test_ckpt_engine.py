@@ -7,7 +7,6 @@ import copy
 import numpy as np
 import pytest
 import torch
-from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime import constants as deepspeed_constants
 
 from megatron.checkpointing import master_weights as master_weights_module
@@ -29,16 +28,6 @@ from tests.ckpt_engine_common import (
 )
 
 pytestmark = pytest.mark.usefixtures("single_rank_world", "fp16_capable_cpu")
-
-
-@pytest.fixture
-def fp16_capable_cpu(fp16_capable_cpu, monkeypatch):
-    """Also let fp16 gradients through DeepSpeed's reduction: up to 0.16.0 at least, the CPU
-    accelerator's ``supported_dtypes`` leaves fp16 out even when ``is_fp16_supported`` says yes."""
-    accelerator = get_accelerator()
-    supported = accelerator.supported_dtypes()
-    if torch.float16 not in supported:
-        monkeypatch.setattr(accelerator, "supported_dtypes", lambda: [*supported, torch.float16])
 
 
 # Optimizer classes stock DeepSpeed builds without ZeRO. bf16: FP16_Optimizer in 0.17.6 and later
