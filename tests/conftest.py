@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import sys
@@ -18,6 +19,34 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# Elements in a ZeRO-3 engine's gradient-reduction bucket for tests (DeepSpeed's default is 5e8).
+TEST_ZERO3_REDUCE_BUCKET = 1_000_000
+
+
+@pytest.fixture(scope="session", autouse=True)
+def small_zero3_reduce_buckets():
+    """A ZeRO-3 engine reserves its whole reduce bucket up front: 1 GiB of untouched virtual memory in
+    bf16 at DeepSpeed's default. The suite builds dozens of engines in one process, and once their
+    reservations pass the machine's memory the kernel refuses fork() (DataLoader workers). Tests that
+    leave `reduce_bucket_size` unset get a small one; a value a test sets is kept.
+    """
+    import deepspeed
+
+    original = deepspeed.initialize
+
+    def initialize(*args, config=None, **kwargs):
+        zero = config.get("zero_optimization") if isinstance(config, dict) else None
+        if zero and zero.get("stage") == 3 and "reduce_bucket_size" not in zero:
+            config = copy.deepcopy(config)
+            config["zero_optimization"]["reduce_bucket_size"] = TEST_ZERO3_REDUCE_BUCKET
+        return original(*args, config=config, **kwargs)
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(deepspeed, "initialize", initialize)
+    yield
+    patch.undo()
 
 
 @pytest.fixture(scope="session")
