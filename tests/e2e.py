@@ -27,8 +27,12 @@ class TrainLine:
 
 
 def write_overrides(directory: Path, name: str = "overrides.yml", **settings) -> Path:
+    """A config file of `settings` over the quick defaults, on a free rendezvous port (not 29500, which
+    another run on the machine may hold)."""
+    from tests.conftest import free_port
+
     path = Path(directory) / name
-    path.write_text(yaml.safe_dump({**QUICK_SETTINGS, **settings}, sort_keys=False))
+    path.write_text(yaml.safe_dump({**QUICK_SETTINGS, "master_port": free_port(), **settings}, sort_keys=False))
     return path
 
 
