@@ -12,6 +12,8 @@ import deepspeed
 import torch
 from deepspeed.utils import safe_get_full_fp32_param
 
+from megatron.learning_rates import set_learning_rate
+
 VOCAB = 37
 HIDDEN = 24
 SEQ = 6
@@ -95,8 +97,7 @@ def eval_loss(engine, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def set_lr(engine, lr: float) -> None:
-    for group in engine.optimizer.param_groups:
-        group["lr"] = lr
+    set_learning_rate(engine.optimizer, lr)
 
 
 def training_weights(engine) -> dict[str, torch.Tensor]:
