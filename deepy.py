@@ -40,8 +40,8 @@ def send_deepspeed_logs_to_stderr() -> None:
     with contextlib.redirect_stdout(sys.__stderr__):
         from deepspeed.utils import logger
 
-    for handler in logger.handlers:
-        if isinstance(handler, logging.StreamHandler):
+    for handler in logger.handlers:  # only DeepSpeed's own stdout handler; others (pytest's capture) stay
+        if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
             handler.setStream(sys.__stderr__)
 
 
