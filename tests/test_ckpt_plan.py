@@ -168,6 +168,20 @@ def test_incomplete_tag_is_refused(zero1_copy):
         plan_for(zero1_copy)
 
 
+@pytest.mark.parametrize("settings", [{}, {"no_load_optim": True}], ids=["resume", "no_load_optim"])
+def test_train_iters_at_or_below_the_loaded_iteration_is_refused(checkpoints, settings):
+    root = checkpoints["zero1"]  # latest: iteration 2
+    for train_iters in (1, 2):
+        with pytest.raises(CheckpointError, match=rf"train_iters is {train_iters}, but {root / 'global_step2'} "
+                                                  r"was saved at iteration 2, so there is nothing left to train"):
+            plan_for(root, train_iters=train_iters, **settings)
+    assert plan_for(root, train_iters=3, **settings).saved_iteration == 2
+
+
+def test_finetune_restarts_at_zero_so_any_train_iters_will_do(checkpoints):
+    assert plan_for(checkpoints["zero1"], train_iters=1, finetune=True).mode is LoadMode.FINETUNE
+
+
 # --- nothing there ----------------------------------------------------------------------
 
 def test_missing_load_dir_is_an_error(tmp_path):

@@ -177,6 +177,14 @@ def test_settings_stay_settable_attributes(tmp_path):
         ({"num_gpus": 2, "include": "localhost:0"}, r"include/exclude cannot be combined with num_gpus"),
         ({"hostfile": "/nonexistent/hostfile"}, r"hostfile: '/nonexistent/hostfile' does not exist"),
         ({"num_nodes": 2}, r"num_nodes: 2 nodes need a hostfile"),
+        ({"lr": float("nan")}, r"run.yml: lr: nan is not a finite number"),
+        ({"optimizer": {"type": "Adam", "params": {"lr": float("inf")}}},
+         r"run.yml: optimizer.params.lr: inf is not a finite number"),
+        ({"optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.9, float("nan")]}}},
+         r"run.yml: optimizer.params.betas\[1\]: nan is not a finite number"),
+        ({"min_lr": float("-inf")}, r"run.yml: min_lr: -inf is not a finite number"),
+        ({"layernorm_epsilon": "1e400"}, r"run.yml: layernorm_epsilon: inf is not a finite number"),
+        ({"fp16": {"enabled": True, "loss_scale": float("nan")}}, r"run.yml: fp16.loss_scale: nan is not a finite"),
     ],
 )
 def test_validation_errors(tmp_path, overrides, expected):

@@ -174,8 +174,22 @@ def check_files_intact(paths) -> None:
             )
 
 
+def _check_iterations_left(plan: LoadPlan, args) -> None:
+    """A run that continues the checkpoint's iteration count must have steps left to train."""
+    if not plan.iteration_from_checkpoint or args.train_iters is None or plan.saved_iteration is None:
+        return
+    if args.train_iters <= plan.saved_iteration:
+        raise CheckpointError(
+            f"{args.source_of('train_iters')}: train_iters is {args.train_iters}, but {plan.tag_dir} was saved at "
+            f"iteration {plan.saved_iteration}, so there is nothing left to train. Raise train_iters above "
+            f"{plan.saved_iteration} to train further, load an earlier tag with `iteration: N`, or set "
+            "`finetune: true` to train its weights from iteration 0."
+        )
+
+
 def check_plan(plan: LoadPlan, tag: TagInventory, args, data_parallel_size: int) -> None:
     """Raise CheckpointError when `plan` cannot be carried out with these settings."""
+    _check_iterations_left(plan, args)
     check_files_intact(plan.files)
     _check_tensor_parallel(tag, args)
     _check_architecture(tag, args)

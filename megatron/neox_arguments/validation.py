@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from typing import Any
 
@@ -52,10 +53,23 @@ def check_setting(name: str, value: Any, sources: dict[str, str], allowed_derive
         )
     if converted is None and type(None) not in _allowed_types(setting):
         raise ConfigError(f"{where(sources, name)}: must not be null (expected {_type_names(_allowed_types(setting))})")
+    _check_finite(where(sources, name), converted)
     if setting.choices is not None and converted not in setting.choices:
         allowed = ", ".join(repr(c) for c in setting.choices if c is not None)
         raise ConfigError(f"{where(sources, name)}: {converted!r} is not one of {allowed}")
     return converted
+
+
+def _check_finite(location: str, value: Any) -> None:
+    """NaN or infinity anywhere in a setting, nested sections and lists included, is an error."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{location}: {value} is not a finite number; give a finite value")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_finite(f"{location}.{key}", item)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_finite(f"{location}[{index}]", item)
 
 
 def check_settings(values: dict[str, Any], sources: dict[str, str],
