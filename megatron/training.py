@@ -14,8 +14,6 @@ from megatron.learning_rates import learning_rate_for_args, set_learning_rate
 from megatron.logging import MetricsWriter, ProgressReporter, get_logger, quiet_deepspeed
 from megatron.optimizers import build_param_groups
 
-LR_SCHEDULE_START_KEY = "lr_schedule_start_iteration"
-
 
 @dataclass
 class TrainState:
@@ -34,7 +32,7 @@ class TrainState:
 def state_after_load(outcome) -> TrainState:
     """Where training continues after `load_checkpoint`: the plan decided iteration and data position."""
     if outcome.loaded_optimizer:
-        schedule_start = int(outcome.client_state.get(LR_SCHEDULE_START_KEY, 0))
+        schedule_start = outcome.client_state.lr_schedule_start
     else:
         schedule_start = outcome.iteration
     return TrainState(outcome.iteration, outcome.consumed_train_samples, schedule_start)
@@ -132,8 +130,7 @@ def _should_save(args, iteration: int) -> bool:
 def _save(args, engine, state: TrainState) -> None:
     from megatron.checkpointing import save_checkpoint
 
-    save_checkpoint(args, engine, state.iteration, state.consumed_train_samples,
-                    extra_client_state={LR_SCHEDULE_START_KEY: state.lr_schedule_start})
+    save_checkpoint(args, engine, state.iteration, state.consumed_train_samples, state.lr_schedule_start)
 
 
 def setup(args):

@@ -74,7 +74,7 @@ def single_rank_world():
 
 
 def declare_cpu_fp16_capable(set_attribute=setattr) -> None:
-    """DeepSpeed's CPU accelerator refuses fp16 although torch runs half precision on CPU (DESIGN §6).
+    """DeepSpeed's CPU accelerator refuses fp16 although torch runs half precision on CPU.
 
     Tests only: declare it fp16-capable, and let fp16 gradients through its reduction (up to 0.16.0
     at least, ``supported_dtypes`` leaves fp16 out even when ``is_fp16_supported`` says yes).

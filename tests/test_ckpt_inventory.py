@@ -52,9 +52,8 @@ def test_inventory_of_deepspeed_checkpoints(single_rank_world, tmp_path, stage, 
     meta = tag.metadata
     assert (meta.zero_stage, meta.precision, meta.dp_world_size) == (stage, precision, 1)
     assert meta.has_module_weights == (stage != 3)  # ZeRO-3 module entries are empty placeholders
-    assert meta.client_state["iteration"] == 2 and meta.client_state["consumed_train_samples"] == 4
+    assert meta.client_state.iteration == 2 and meta.client_state.consumed_train_samples == 4
     assert meta.saved_args["hidden_size"] == args.hidden_size
-    assert "module" not in meta.client_state and "optimizer" not in meta.client_state
 
 
 def test_precision_and_stage_come_from_deepspeed_config_without_saved_args(single_rank_world, tmp_path):
@@ -90,7 +89,7 @@ def test_pipeline_layer_files(tmp_path):
     assert [p.name for p in tag.layer_files] == [
         "layer_00-model_00-model_states.pt", "layer_02-model_00-model_states.pt", "layer_03-model_00-model_states.pt"]
     assert not tag.metadata.has_module_weights
-    assert tag.metadata.client_state["iteration"] == 30
+    assert tag.metadata.client_state.iteration == 30
     assert not tag.has_optimizer_states
 
 
@@ -135,7 +134,7 @@ def test_latest_naming_a_custom_tag_is_listed(single_rank_world, tmp_path):
     inventory = inventory_checkpoint(tmp_path)
     assert list(inventory.tags) == ["best"]
     assert inventory.tags["best"].iteration is None
-    assert inventory.tags["best"].metadata.client_state["iteration"] == 1
+    assert inventory.tags["best"].metadata.client_state.iteration == 1
 
 
 def test_truncated_model_states_file_is_named(single_rank_world, tmp_path):

@@ -148,7 +148,7 @@ def test_finetune_from_hugging_face_dir_gives_the_same_logits(single_rank_world,
 def test_forward_pass_validation_runs_on_save_and_load(single_rank_world, tmp_path):
     import deepspeed
 
-    from megatron.checkpointing import forward_validation
+    from megatron.checkpointing.client_state import FORWARD_VALIDATION_KEY
     from megatron.model import build_model
 
     def gpt_engine(args):
@@ -166,7 +166,7 @@ def test_forward_pass_validation_runs_on_save_and_load(single_rank_world, tmp_pa
     # logits that the saved weights do not produce must stop the load
     path = tag_dir / "mp_rank_00_model_states.pt"
     state = torch.load(path, weights_only=False)
-    state[forward_validation.CLIENT_STATE_KEY]["logits"] += 1.0
+    state[FORWARD_VALIDATION_KEY]["logits"] += 1.0
     torch.save(state, path)
     with pytest.raises(CheckpointError, match="global_step1"):
         load_checkpoint(args, gpt_engine(args), plan_load(args, 1))
@@ -178,7 +178,7 @@ def test_save_writes_configs_latest_and_prunes(single_rank_world, tmp_path):
     root = tmp_path / "checkpoints"
     for step in (1, 2, 3):
         train_step(engine, args, step)
-        tag_dir = save_checkpoint(args, engine, step, 2 * step)
+        tag_dir = save_checkpoint(args, engine, step, 2 * step, lr_schedule_start=1)
         assert tag_dir == root / f"global_step{step}"
         assert (root / "latest").read_text() == f"global_step{step}"
     kept = sorted(p.name for p in root.iterdir() if p.is_dir())  # DeepSpeed adds zero_to_fp32.py etc.
@@ -188,6 +188,7 @@ def test_save_writes_configs_latest_and_prunes(single_rank_world, tmp_path):
     client = torch.load(root / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)
     assert (client["iteration"], client["consumed_train_samples"]) == (3, 6)
     assert client["args"]["hidden_size"] == args.hidden_size and len(client["rng_states"]) == 1
+    assert (client["checkpoint_format_version"], client["lr_schedule_start_iteration"]) == (1, 1)
 
 
 def test_auto_resume_first_run_loads_nothing(single_rank_world, tmp_path):

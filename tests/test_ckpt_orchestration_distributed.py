@@ -58,7 +58,7 @@ def _rank_main(rank: int, port: int, root: str) -> None:
     if rank == 0:
         tag = inventory_checkpoint(root).tags["global_step2"]
         assert tag.optimizer_dp_ranks == (0, 1) and tag.saved_dp_size == 2
-        assert len(tag.metadata.client_state["rng_states"]) == WORLD_SIZE
+        assert len(tag.metadata.client_state.rng_states) == WORLD_SIZE
         try:
             plan_load(args, data_parallel_size=1)
         except CheckpointError as error:

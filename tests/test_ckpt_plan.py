@@ -1,4 +1,4 @@
-"""The load plan: the DESIGN §3 table row by row, tag selection, and every refusal with its message."""
+"""The load plan: the table of megatron/checkpointing/plan.py row by row, tag selection, and every refusal with its message."""
 
 from __future__ import annotations
 
@@ -9,9 +9,15 @@ import pytest
 import torch
 
 from megatron.checkpointing import plan_load
+from megatron.checkpointing.client_state import (
+    FORMAT_VERSION,
+    FORMAT_VERSION_KEY,
+    RNG_STATES_KEY,
+    ClientState,
+)
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.inventory import inventory_checkpoint
-from megatron.checkpointing.plan import RNG_STATES_KEY, LoadMode, build_load_plan
+from megatron.checkpointing.plan import LoadMode, build_load_plan
 from megatron.checkpointing.rng import collect_rng_states
 from tests.ckpt_engines import hf_settings, make_args, saved_checkpoint, tiny_hf_model
 
@@ -314,8 +320,6 @@ def test_unknown_iteration_only_finetunes(tmp_path):
 
 
 def test_newer_checkpoint_format_is_refused(single_rank_world, tmp_path):
-    from megatron.checkpointing.plan import FORMAT_VERSION, FORMAT_VERSION_KEY
-
     saved_checkpoint(tmp_path, make_args(stage=0), client_state={FORMAT_VERSION_KEY: FORMAT_VERSION + 1})
     with pytest.raises(CheckpointError, match=f"mp_rank_00_model_states.pt was written in checkpoint format {FORMAT_VERSION + 1}"):
         plan_for(tmp_path, stage=0, finetune=True)
@@ -346,7 +350,7 @@ def test_hf_dir_finetunes(hf_dir):
     plan = plan_for(hf_dir, finetune=True, **hf_settings(hf_dir))
     assert plan.source_format == "hf" and plan.module_only and not plan.iteration_from_checkpoint
     assert [p.name for p in plan.files] == ["config.json", "model.safetensors"]
-    assert not plan.restore_rng and plan.client_state == {}
+    assert not plan.restore_rng and plan.client_state == ClientState(format_version=None)
 
 
 def test_hf_dir_with_other_architecture_fails_before_any_engine(hf_dir):

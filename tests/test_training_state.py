@@ -1,12 +1,13 @@
 """Where training continues after a load: iteration, data position and the LR schedule's step."""
 
-from megatron.checkpointing import LoadOutcome
-from megatron.training import LR_SCHEDULE_START_KEY, TrainState, state_after_load
+from megatron.checkpointing import ClientState, LoadOutcome
+from megatron.training import TrainState, state_after_load
 
 
-def outcome(iteration, loaded_optimizer, client_state=None):
+def outcome(iteration, loaded_optimizer, lr_schedule_start=0):
     return LoadOutcome(iteration=iteration, consumed_train_samples=iteration * 8, loaded_optimizer=loaded_optimizer,
-                       restored_rng=False, tag=f"global_step{iteration}", client_state=client_state or {})
+                       restored_rng=False, tag=f"global_step{iteration}",
+                       client_state=ClientState(iteration=iteration, lr_schedule_start=lr_schedule_start))
 
 
 def test_a_fresh_run_takes_schedule_step_1_first():
@@ -14,12 +15,12 @@ def test_a_fresh_run_takes_schedule_step_1_first():
 
 
 def test_resume_continues_the_saved_schedule():
-    state = state_after_load(outcome(20, True, {LR_SCHEDULE_START_KEY: 0}))
+    state = state_after_load(outcome(20, True, lr_schedule_start=0))
     assert (state.iteration, state.consumed_train_samples, state.lr_step) == (20, 160, 21)
 
 
 def test_resume_of_a_run_that_began_with_no_load_optim_keeps_that_runs_schedule():
-    state = state_after_load(outcome(30, True, {LR_SCHEDULE_START_KEY: 20}))
+    state = state_after_load(outcome(30, True, lr_schedule_start=20))
     assert (state.iteration, state.lr_step) == (30, 11)
 
 

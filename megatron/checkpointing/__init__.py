@@ -4,7 +4,7 @@
     engine = deepspeed.initialize(...)
     outcome = load_checkpoint(args, engine, plan)
     ...
-    save_checkpoint(args, engine, iteration, consumed_train_samples)
+    save_checkpoint(args, engine, iteration, consumed_train_samples, lr_schedule_start)
 """
 
 from __future__ import annotations
@@ -14,20 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from megatron.checkpointing import layout
+from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.inventory import inventory_checkpoint
-from megatron.checkpointing.plan import (
-    FORMAT_VERSION,
-    FORMAT_VERSION_KEY,
-    RNG_STATES_KEY,
-    LoadMode,
-    LoadPlan,
-    build_load_plan,
-)
+from megatron.checkpointing.plan import LoadMode, LoadPlan, build_load_plan
 from megatron.checkpointing.rng import collect_rng_states, restore_rng_states
 
 __all__ = [
-    "CheckpointError", "LoadMode", "LoadOutcome", "LoadPlan", "load_checkpoint", "plan_load", "save_checkpoint",
+    "CheckpointError", "ClientState", "LoadMode", "LoadOutcome", "LoadPlan", "load_checkpoint", "plan_load",
+    "save_checkpoint",
 ]
 
 @dataclass(frozen=True)
@@ -37,7 +32,7 @@ class LoadOutcome:
     loaded_optimizer: bool
     restored_rng: bool
     tag: str | None
-    client_state: dict[str, Any] = field(repr=False)
+    client_state: ClientState = field(repr=False)
 
 
 def _barrier() -> None:
@@ -72,7 +67,7 @@ def _rank() -> int:
 
 
 def save_checkpoint(
-    args, engine, iteration: int, consumed_train_samples: int, extra_client_state: dict | None = None
+    args, engine, iteration: int, consumed_train_samples: int, lr_schedule_start: int = 0
 ) -> Path:
     """Save tag global_step<iteration> under `args.save`; all ranks call it (DeepSpeed's save is collective).
 
@@ -86,21 +81,20 @@ def save_checkpoint(
         raise CheckpointError("save_checkpoint was called but `save` is not set; set `save: <directory>`.")
     save_dir = Path(args.save).expanduser()
     tag = layout.tag_for_iteration(iteration)
-    client_state: dict[str, Any] = {
-        FORMAT_VERSION_KEY: FORMAT_VERSION,
-        "iteration": int(iteration),
-        "consumed_train_samples": int(consumed_train_samples),
-        "args": args.to_dict(),
-        RNG_STATES_KEY: _gather_rng_states(),
-    }
-    if args.checkpoint_validation_with_forward_pass:
-        client_state[forward_validation.CLIENT_STATE_KEY] = forward_validation.capture(engine, args)
-    client_state.update(extra_client_state or {})
+    client_state = ClientState(
+        iteration=int(iteration),
+        consumed_train_samples=int(consumed_train_samples),
+        settings=args.to_dict(),
+        rng_states=_gather_rng_states(),
+        lr_schedule_start=int(lr_schedule_start),
+        forward_validation=(forward_validation.capture(engine, args)
+                            if args.checkpoint_validation_with_forward_pass else None),
+    )
 
     rank = _rank()
     if rank == 0:  # before the engine files, so the tag is complete whenever `latest` names it
         layout.copy_configs(args.config_files, save_dir / tag)
-    tag_dir = Path(save_engine_checkpoint(engine, save_dir, tag, client_state))
+    tag_dir = Path(save_engine_checkpoint(engine, save_dir, tag, client_state.to_dict()))
     if rank == 0:  # save_engine_checkpoint pointed `latest` at the complete tag
         deleted = layout.prune_checkpoints(save_dir, args.keep_last_n_checkpoints)
         message = f"saved checkpoint {tag_dir}"
@@ -138,11 +132,11 @@ def _module_weights(plan: LoadPlan, args):
     return read_module_weights(plan.tag_dir)
 
 
-def _saved_progress(plan: LoadPlan, client_state: dict, args) -> tuple[int, int]:
+def _saved_progress(plan: LoadPlan, client_state: ClientState, args) -> tuple[int, int]:
     if not plan.iteration_from_checkpoint:
         return 0, 0
     iteration = int(plan.saved_iteration)
-    consumed = client_state.get("consumed_train_samples")
+    consumed = client_state.consumed_train_samples
     if consumed is None:  # saved by another program (GPT-NeoX does not record it)
         consumed = iteration * int(args.train_batch_size or 0)
         _logger().info(f"{plan.tag_dir} records no consumed_train_samples; assuming iteration x "
@@ -157,7 +151,7 @@ def load_checkpoint(args, engine, plan: LoadPlan) -> LoadOutcome | None:
     if plan.nothing_to_load:
         return None
     if plan.load_optimizer:
-        load_path, client_state = engine.load_checkpoint(
+        load_path, stored = engine.load_checkpoint(
             str(plan.load_dir),
             tag=plan.tag,
             load_module_strict=args.load_module_strict,
@@ -169,16 +163,16 @@ def load_checkpoint(args, engine, plan: LoadPlan) -> LoadOutcome | None:
                 f"DeepSpeed did not load {plan.tag_dir} (engine.load_checkpoint returned no path); "
                 f"the files it reads are {[p.name for p in plan.files]}. Check they are readable."
             )
+        client_state = ClientState.from_dict(stored or {})
     else:
         from megatron.checkpointing.module_load import load_module_only
 
         load_module_only(engine, _module_weights(plan, args), strict=args.load_module_strict)
         client_state = plan.client_state
     if args.checkpoint_validation_with_forward_pass and plan.source_format != "hf":
-        forward_validation.check(engine, args, client_state.get(forward_validation.CLIENT_STATE_KEY),
-                                 source=str(plan.tag_dir))
+        forward_validation.check(engine, args, client_state.forward_validation, source=str(plan.tag_dir))
     if plan.restore_rng:
-        restore_rng_states(client_state[RNG_STATES_KEY][_rank()])
+        restore_rng_states(client_state.rng_states[_rank()])
     iteration, consumed = _saved_progress(plan, client_state, args)
     _logger().info(f"loaded {plan.tag_dir or plan.load_dir} ({plan.mode.value}): starting at iteration {iteration}, "
                    f"{consumed} samples consumed")

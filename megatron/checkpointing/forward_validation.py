@@ -10,7 +10,6 @@ import torch
 
 from megatron.checkpointing.errors import CheckpointError
 
-CLIENT_STATE_KEY = "forward_validation"
 _BATCH_TOKENS = 16
 _BATCH_SEED = 20240531
 

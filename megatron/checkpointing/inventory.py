@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron.checkpointing import layout
+from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
 
 FORMAT_DEEPSPEED = "deepspeed"  # mp_rank_XX_model_states.pt holds the module
@@ -41,12 +42,11 @@ class SavedMetadata:
     global_steps: int | None  # DeepSpeed's count of optimizer steps
     has_module_weights: bool  # False for ZeRO-3 placeholders and GPT-NeoX pipeline metadata files
     has_optimizer_in_file: bool  # without ZeRO the optimizer state lives in this file
-    client_state: dict[str, Any] = field(repr=False)
+    client_state: ClientState = field(repr=False)
 
     @property
     def saved_args(self) -> dict[str, Any] | None:
-        args = self.client_state.get("args")
-        return args if isinstance(args, dict) else None
+        return self.client_state.settings
 
 
 def _precision_from_ds_config(ds_config: dict) -> str:
@@ -73,8 +73,8 @@ def _read_metadata_cached(path: str, _mtime_ns: int, _size: int) -> SavedMetadat
             f"checkpoint file {path} holds a {type(state).__name__}, not a DeepSpeed model-states dict."
         )
     ds_config = state.get("ds_config") if isinstance(state.get("ds_config"), dict) else {}
-    client_state = {key: value for key, value in state.items() if key not in DEEPSPEED_KEYS}
-    saved_args = client_state.get("args") if isinstance(client_state.get("args"), dict) else {}
+    client_state = ClientState.from_dict({key: value for key, value in state.items() if key not in DEEPSPEED_KEYS})
+    saved_args = client_state.settings or {}
     zero_stage = (ds_config.get("zero_optimization") or {}).get("stage", saved_args.get("zero_stage", 0))
     precision = saved_args.get("precision") or _precision_from_ds_config(ds_config)
     return SavedMetadata(

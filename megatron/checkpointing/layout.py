@@ -1,4 +1,4 @@
-"""The on-disk layout of a checkpoint directory (DESIGN §4): tag names, `latest`, file-name patterns.
+"""The on-disk layout of a checkpoint directory (docs/architecture.md): tag names, `latest`, file-name patterns.
 
 Every file name of a checkpoint is spelled here and nowhere else. The patterns follow DeepSpeed and
 GPT-NeoX so their tools can read what we write and we can read what they wrote::

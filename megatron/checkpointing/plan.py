@@ -1,12 +1,14 @@
 """The load plan: what a run will load and what starts fresh, decided before any engine exists.
 
-| setting                 | weights | optimizer | iteration       | RNG states           | data position  |
-| `load` only (resume)    | yes     | yes       | from checkpoint | yes, unless no_load_rng | from iteration |
-| `load` + `no_load_optim`| yes     | fresh     | from checkpoint | yes, unless no_load_rng | from iteration |
-| `load` + `finetune`     | yes     | fresh     | 0               | no                   | start          |
+| setting                 | weights | optimizer | LR schedule       | iteration       | RNG states              | data position  |
+| `load` only (resume)    | yes     | yes       | continues         | from checkpoint | yes, unless no_load_rng | from iteration |
+| `load` + `no_load_optim`| yes     | fresh     | restarts (warmup) | from checkpoint | yes, unless no_load_rng | from iteration |
+| `load` + `finetune`     | yes     | fresh     | restarts (warmup) | 0               | no                      | start          |
 
 `iteration: N` picks tag `global_step<N>`; otherwise the tag in `latest`. The learning rate is a
-function of the iteration (megatron/learning_rates.py), so it follows the iteration column.
+function of the schedule's step (megatron/learning_rates.py), counted from the iteration the schedule
+started at: a fresh optimizer starts a fresh schedule, so after `no_load_optim` the schedule's step
+is not the iteration (megatron.training.state_after_load).
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from megatron.checkpointing import layout, preflight
+from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.inventory import (
     FORMAT_HF,
@@ -26,11 +28,6 @@ from megatron.checkpointing.inventory import (
     CheckpointInventory,
     TagInventory,
 )
-
-# Client-state keys save_checkpoint writes.
-RNG_STATES_KEY = "rng_states"  # one collect_rng_states() dict per global rank
-FORMAT_VERSION_KEY = "checkpoint_format_version"
-FORMAT_VERSION = 1  # raise when the meaning of the client state changes
 
 
 class LoadMode(str, enum.Enum):
@@ -64,10 +61,10 @@ class LoadPlan:
         return not self.nothing_to_load and not self.load_optimizer
 
     @property
-    def client_state(self) -> dict[str, Any]:
-        """The saved client state (iteration, args, RNG states) of the chosen tag; empty for HF dirs."""
+    def client_state(self) -> ClientState:
+        """The saved client state (iteration, settings, RNG states) of the chosen tag; all unset for HF dirs."""
         if self.tag_inventory is None or self.tag_inventory.metadata is None:
-            return {}
+            return ClientState(format_version=None)
         return self.tag_inventory.metadata.client_state
 
     def describe(self) -> str:
@@ -177,7 +174,7 @@ def _rng_decision(args, mode: LoadMode, tag: TagInventory, world_size: int) -> t
         return False, []
     if args.no_load_rng:
         return False, ["RNG states not restored: no_load_rng is set"]
-    saved = tag.metadata.client_state.get(RNG_STATES_KEY) if tag.metadata else None
+    saved = tag.metadata.client_state.rng_states if tag.metadata else None
     if not saved:
         return False, [f"RNG states not restored: {tag.path} holds none (saved by another program)"]
     if len(saved) != world_size:
@@ -230,13 +227,9 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         files = tuple(dict.fromkeys((*filter(None, [tag.metadata_file]), *_module_files(tag))))
     world_size = data_parallel_size * max(args.model_parallel_size or 1, 1) * max(args.pipe_parallel_size or 1, 1)
     restore_rng, notes = _rng_decision(args, mode, tag, world_size)
-    client = tag.metadata.client_state if tag.metadata else {}
-    if client.get(FORMAT_VERSION_KEY, FORMAT_VERSION) > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{tag.metadata_file} was written in checkpoint format {client[FORMAT_VERSION_KEY]}, this program "
-            f"reads up to format {FORMAT_VERSION}; load it with the newer version that saved it."
-        )
-    saved_iteration = next((value for value in (client.get("iteration"), tag.iteration,
+    client = tag.metadata.client_state if tag.metadata else ClientState(format_version=None)
+    client.check_readable(tag.metadata_file)
+    saved_iteration = next((value for value in (client.iteration, tag.iteration,
                                                  tag.metadata.global_steps if tag.metadata else None)
                             if value is not None), None)
     if saved_iteration is None and mode is not LoadMode.FINETUNE:

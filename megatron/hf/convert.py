@@ -11,7 +11,8 @@ import deepspeed
 import torch
 import yaml
 
-from megatron.checkpointing import FORMAT_VERSION, FORMAT_VERSION_KEY, layout
+from megatron.checkpointing import layout
+from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.module_weights import read_client_state, read_module_weights
 from megatron.hf.config import (
@@ -65,6 +66,12 @@ def convert_hf_to_neox(
         tokenizer = out_dir / TOKENIZER_NAME
         shutil.copyfile(hf_dir / TOKENIZER_NAME, tokenizer)
     settings = _yaml_settings(spec.settings, spec.vocab_size, tokenizer)
+    client_state = ClientState(
+        iteration=0,
+        consumed_train_samples=0,
+        settings={**settings, "padded_vocab_size": spec.vocab_size, "precision": dtype},
+        converted_from=str(hf_dir.resolve()),
+    )
     state = {
         "module": module,
         "buffer_names": [],
@@ -76,11 +83,7 @@ def convert_hf_to_neox(
         "dp_world_size": 1,
         "mp_world_size": 1,
         "ds_version": deepspeed.__version__,
-        FORMAT_VERSION_KEY: FORMAT_VERSION,
-        "iteration": 0,
-        "consumed_train_samples": 0,
-        "args": {**settings, "padded_vocab_size": spec.vocab_size, "precision": dtype},
-        "converted_from": str(hf_dir.resolve()),
+        **client_state.to_dict(),
     }
     partial = tag_dir / (layout.model_states_name(0) + ".partial")
     torch.save(state, partial)
@@ -110,12 +113,10 @@ def _settings_of_checkpoint(tag_dir: Path, config_files: list[Path] | None) -> d
     if config_files:
         return dict(merge_config_files(list(config_files)).values)
     try:
-        args = read_client_state(tag_dir).get("args")
+        args = ClientState.from_dict(read_client_state(tag_dir)).settings
     except CheckpointError:  # GPT-NeoX pipeline tags may hold layer files only
         args = None
-    if hasattr(args, "to_dict"):
-        args = args.to_dict()
-    if not isinstance(args, dict):
+    if args is None:
         raise HFConversionError(
             f"{tag_dir} holds no saved settings (client state `args`); pass the run's YAML files with --config"
         )

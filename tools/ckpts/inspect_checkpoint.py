@@ -110,11 +110,11 @@ def describe(root: Path, tag_name: str | None) -> dict[str, Any]:
     else:
         weights = read_module_weights(tag.path)
         metadata = tag.metadata
-        client = metadata.client_state if metadata else {}
+        saved_iteration = metadata.client_state.iteration if metadata else None
         report.update(
             tag=tag.tag,
             tag_format=tag.format,
-            iteration=client.get("iteration", tag.iteration),
+            iteration=saved_iteration if saved_iteration is not None else tag.iteration,
             zero_stage=metadata.zero_stage if metadata else None,
             precision=metadata.precision if metadata else None,
             dp_world_size=metadata.dp_world_size if metadata else None,

@@ -1,0 +1,98 @@
+"""What a checkpoint stores besides the weights, and the one place its keys are spelled.
+
+DeepSpeed writes a client state as top-level keys of the tag's model-states file, next to its own
+keys (module, optimizer, global_steps, ...). GPT-NeoX writes ``iteration`` and ``args`` the same way,
+so one of its checkpoints reads as a client state whose other fields are unset.
+
+Format versions (``checkpoint_format_version``; a checkpoint without the key predates it or was
+written by another program, and is read as far as its keys go):
+
+1. iteration, consumed_train_samples, args (the run's settings), rng_states (one per global rank),
+   lr_schedule_start_iteration, forward_validation (with checkpoint_validation_with_forward_pass),
+   converted_from (checkpoints written by the HF converter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron.checkpointing.errors import CheckpointError
+
+FORMAT_VERSION = 1  # raise when the meaning of a stored key changes; describe the change above
+FORMAT_VERSION_KEY = "checkpoint_format_version"
+ITERATION_KEY = "iteration"
+CONSUMED_SAMPLES_KEY = "consumed_train_samples"
+SETTINGS_KEY = "args"  # GPT-NeoX's name
+RNG_STATES_KEY = "rng_states"
+LR_SCHEDULE_START_KEY = "lr_schedule_start_iteration"
+FORWARD_VALIDATION_KEY = "forward_validation"
+CONVERTED_FROM_KEY = "converted_from"
+
+
+@dataclass(frozen=True)
+class ClientState:
+    iteration: int | None = None
+    consumed_train_samples: int | None = None  # GPT-NeoX does not record it
+    settings: dict[str, Any] | None = None  # every setting of the run that saved it
+    rng_states: list[dict[str, Any]] | None = None  # megatron.checkpointing.rng states, by global rank
+    # The iteration the LR schedule counts from (see megatron.training.TrainState); 0 when not recorded.
+    lr_schedule_start: int = 0
+    forward_validation: dict[str, Any] | None = None  # megatron.checkpointing.forward_validation.capture
+    converted_from: str | None = None  # the Hugging Face folder the weights came from
+    format_version: int | None = FORMAT_VERSION  # None: written by another program or before versions
+
+    def to_dict(self) -> dict[str, Any]:
+        """The keys to hand to DeepSpeed's save; unset optional fields are left out."""
+        stored: dict[str, Any] = {
+            FORMAT_VERSION_KEY: FORMAT_VERSION,
+            ITERATION_KEY: self.iteration,
+            CONSUMED_SAMPLES_KEY: self.consumed_train_samples,
+            SETTINGS_KEY: self.settings,
+            LR_SCHEDULE_START_KEY: self.lr_schedule_start,
+        }
+        optional = {RNG_STATES_KEY: self.rng_states, FORWARD_VALIDATION_KEY: self.forward_validation,
+                    CONVERTED_FROM_KEY: self.converted_from}
+        stored.update({key: value for key, value in optional.items() if value is not None})
+        return stored
+
+    @classmethod
+    def from_dict(cls, stored: dict[str, Any]) -> ClientState:
+        """Read what a model-states file (or DeepSpeed's load_checkpoint) returned; unknown keys are ignored.
+
+        Never raises: a newer format is reported by `check_readable`, which the load plan calls.
+        """
+        def integer(key: str) -> int | None:
+            value = stored.get(key)
+            return int(value) if value is not None else None
+
+        rng_states = stored.get(RNG_STATES_KEY)
+        return cls(
+            iteration=integer(ITERATION_KEY),
+            consumed_train_samples=integer(CONSUMED_SAMPLES_KEY),
+            settings=_settings_dict(stored.get(SETTINGS_KEY)),
+            rng_states=list(rng_states) if rng_states else None,
+            lr_schedule_start=integer(LR_SCHEDULE_START_KEY) or 0,
+            forward_validation=stored.get(FORWARD_VALIDATION_KEY),
+            converted_from=stored.get(CONVERTED_FROM_KEY),
+            format_version=integer(FORMAT_VERSION_KEY),
+        )
+
+    def check_readable(self, source: Path | str) -> None:
+        if self.format_version is not None and self.format_version > FORMAT_VERSION:
+            raise CheckpointError(
+                f"{source} was written in checkpoint format {self.format_version}, this program reads up to "
+                f"format {FORMAT_VERSION}; load it with the newer version that saved it."
+            )
+
+
+def _settings_dict(saved: Any) -> dict[str, Any] | None:
+    """Saved settings as a plain dict: ours and GPT-NeoX's are dicts, older Megatron runs pickled a Namespace."""
+    if isinstance(saved, dict):
+        return saved
+    if hasattr(saved, "to_dict"):
+        return dict(saved.to_dict())
+    if saved is not None and hasattr(saved, "__dict__"):
+        return dict(vars(saved))
+    return None
