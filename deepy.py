@@ -22,9 +22,10 @@ from pathlib import Path
 
 from megatron.launcher import launch_command, launcher_environment
 from megatron.neox_arguments import ConfigError, NeoXArgs
-from megatron.neox_arguments.dry_run import render_dry_run
+from megatron.neox_arguments.dry_run import render_dry_run, tokenizer_summary
 from megatron.neox_arguments.handover import HANDOVER_FLAG, handover_argv
 from megatron.neox_arguments.world import accelerator_is_cpu
+from megatron.tokenizer import TokenizerError
 
 
 def parse_command_line(argv: list[str] | None) -> argparse.Namespace:
@@ -52,14 +53,15 @@ def main(argv: list[str] | None = None) -> int:
         args = NeoXArgs.from_yaml_files(command_line.configs)
         for notice in args.notices:
             print(notice, file=sys.stderr)
+        tokenizer_line = tokenizer_summary(args)
         if command_line.dry_run:
-            sys.stdout.write(render_dry_run(args))
+            sys.stdout.write(render_dry_run(args, tokenizer_line))
             return 0
         if not Path(command_line.train_script).is_file():
             raise ConfigError(f"train script {command_line.train_script!r} not found")
         cpu_only = accelerator_is_cpu()
         command = launch_command(args, command_line.train_script, handover_argv(args), cpu_only=cpu_only)
-    except ConfigError as err:
+    except (ConfigError, TokenizerError) as err:
         print(f"deepy.py: config error: {err}", file=sys.stderr)
         return 2
     shown = [part if not part.startswith(HANDOVER_FLAG) else f"{HANDOVER_FLAG}=<settings>" for part in command]

@@ -11,6 +11,7 @@ import yaml
 
 import deepy
 from megatron.neox_arguments import SETTINGS, NeoXArgs
+from megatron.tokenizer import train_bpe_tokenizer
 from tests.conftest import free_port
 from tests.rank_echo import settings_digest
 from tests.test_neox_args import TINY_RUN, write_yaml
@@ -21,6 +22,12 @@ OVERLAYS = ("local_setup.yml", "finetune.yml")  # meant to be added on top of a 
 MODEL_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yml") if p.name not in OVERLAYS)
 OVERLAY_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yml") if p.name in OVERLAYS)
 RANK_ECHO = "tests/rank_echo.py"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory) -> Path:
+    texts = ["a user's own tokenizer, trained here", "for the dry runs of the shipped configs"] * 10
+    return train_bpe_tokenizer(texts, tmp_path_factory.mktemp("tokenizer") / "tokenizer.json", vocab_size=270)
 
 
 def dry_run(configs: list[Path], capsys) -> dict:
@@ -45,8 +52,34 @@ def test_real_size_configs_are_shipped():
 
 
 @pytest.mark.parametrize("config", MODEL_CONFIGS, ids=lambda p: p.relative_to(CONFIGS).as_posix())
-def test_dry_run_of_every_model_config(config, capsys):
+def test_dry_run_of_every_model_config(config, tmp_path, tokenizer_json, capsys):
+    configs = [config]
+    if not NeoXArgs.from_yaml_files(configs).embedded_corpus:  # the config asks the user for a tokenizer file
+        configs.append(write_yaml(tmp_path, "my_tokenizer.yml", {"vocab_file": str(tokenizer_json)}))
+    dry_run(configs, capsys)
+
+
+def test_dry_run_loads_the_tokenizer_and_says_what_it_is(tmp_path, tokenizer_json, capsys):
+    config = write_yaml(tmp_path, "own_data.yml", {**TINY_RUN, "embedded_corpus": False, "data_path": "data/x_text_document",
+                                                   "tokenizer_type": "HFTokenizer", "vocab_file": str(tokenizer_json),
+                                                   "make_vocab_size_divisible_by": 128})
     dry_run([config], capsys)
+    assert deepy.main([RANK_ECHO, str(config), "--dry-run"]) == 0
+    first_line = capsys.readouterr().out.splitlines()[0]
+    assert first_line == "# tokenizer: HFTokenizer, 270 tokens (padded to 384), end of document id 0"
+
+
+def test_dry_run_fails_on_a_tokenizer_that_cannot_be_loaded(tmp_path, tokenizer_json):
+    """GPT-NeoX's default tokenizer_type (GPT2BPETokenizer) with a merges file that is not there."""
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text('{"<|endoftext|>": 0, "a": 1}')
+    config = write_yaml(tmp_path, "gpt2.yml", {**TINY_RUN, "embedded_corpus": False, "data_path": "data/x_text_document",
+                                               "vocab_file": str(vocab), "merge_file": str(tmp_path / "merges.txt")})
+    result = run_deepy(RANK_ECHO, str(config), "--dry-run")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"deepy.py: config error: merge_file {str(tmp_path / 'merges.txt')!r} (for tokenizer_type GPT2BPETokenizer) "
+        "does not exist or is not a file; set merge_file to GPT-2's merges.txt")
 
 
 @pytest.mark.parametrize("overlay", OVERLAY_CONFIGS, ids=lambda p: p.name)

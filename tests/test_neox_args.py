@@ -79,7 +79,8 @@ def test_later_files_override_key_by_key_and_sources_are_recorded(tmp_path):
 
 def test_later_data_source_replaces_earlier_one(tmp_path):
     model = write_yaml(tmp_path, "model.yml", TINY_RUN)  # embedded_corpus: true
-    local = write_yaml(tmp_path, "local.yml", {"data_path": "data/mine_text_document", "vocab_file": "tok.json"})
+    local = write_yaml(tmp_path, "local.yml", {"data_path": "data/mine_text_document", "vocab_file": "tok.json",
+                                               "tokenizer_type": "HFTokenizer"})
     args = NeoXArgs.from_yaml_files([model, local])
     assert args.data_path == "data/mine_text_document" and args.embedded_corpus is False
 
@@ -165,7 +166,9 @@ def test_settings_stay_settable_attributes(tmp_path):
         ({"checkpoint_factor": 10, "save_interval": 20}, r"run.yml: checkpoint_factor \(10\) and run.yml: save_interval"),
         ({"finetune": True}, r"run.yml: finetune: set but `load` is not"),
         ({"embedded_corpus": False, "data_path": "d", "tokenizer_type": "HFTokenizer"},
-         r"vocab_file \(default\): HFTokenizer needs vocab_file"),
+         r"vocab_file \(default\): tokenizer_type HFTokenizer needs vocab_file \(a tokenizers JSON file\)"),
+        ({"embedded_corpus": False, "data_path": "d", "vocab_file": "vocab.json"},
+         r"merge_file \(default\): tokenizer_type GPT2BPETokenizer \(GPT-NeoX's default tokenizer_type\) needs merge_file"),
         ({"max_position_embeddings": 16}, r"run.yml: max_position_embeddings \(16\) is shorter than"),
         ({"deepspeed_extra_args": {"train_batch_size": 64}},
          r"deepspeed_extra_args: train_batch_size = 64 would override"),

@@ -54,6 +54,27 @@ def test_jsonl_two_keys_two_workers(tmp_path, vocab_file):
         assert f"mydata_{key}_document" in result.stdout
 
 
+def test_gpt2_bpe_with_gpt_neox_arguments(tmp_path, vocab_file):
+    """GPT-NeoX's own command line: GPT-2's vocab.json and merges.txt through --vocab-file / --merge-file."""
+    vocab, merges = RustTokenizer.from_file(str(vocab_file)).model.save(str(tmp_path))
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    result = run_tool("--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "gpt2"),
+                      "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges,
+                      "--append-eod", "--num-docs", str(len(RECORDS)), "--dataset-impl", "mmap")
+    assert result.returncode == 0, result.stderr
+    oracle = RustTokenizer.from_file(str(vocab_file))  # the same merges, so the same ids
+    eod = json.loads(open(vocab).read())["<|endoftext|>"]
+    expected = [oracle.encode(r["text"]).ids + [eod] for r in RECORDS if r["text"]]
+    data = MMapIndexedDataset(tmp_path / "gpt2_text_document")
+    assert [data[i].tolist() for i in range(len(data))] == expected
+    result = run_tool("--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "o"),
+                      "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "preprocess_data.py: error: tokenizer_type GPT2BPETokenizer needs merge_file (GPT-2's merges.txt); "
+        "set merge_file")
+
+
 def test_plain_text_byte_level_without_eod(tmp_path):
     files = [tmp_path / "a.txt", tmp_path / "b.txt"]
     files[0].write_text("first document\nstill the first")
@@ -68,9 +89,9 @@ def test_plain_text_byte_level_without_eod(tmp_path):
 def test_errors_are_one_clear_line(tmp_path, vocab_file):
     (tmp_path / "x.jsonl").write_text(json.dumps({"body": "no text field"}) + "\n")
     result = run_tool("--input", str(tmp_path / "x.jsonl"), "--output-prefix", str(tmp_path / "o"),
-                      "--vocab-file", str(vocab_file))
+                      "--tokenizer-type", "HFTokenizer", "--vocab-file", str(vocab_file))
     assert result.returncode != 0
     assert "x.jsonl:1 has no field 'text'" in result.stderr and "Traceback" not in result.stderr
     result = run_tool("--input", str(tmp_path / "none*.jsonl"), "--output-prefix", str(tmp_path / "o"),
-                      "--vocab-file", str(vocab_file))
+                      "--tokenizer-type", "HFTokenizer", "--vocab-file", str(vocab_file))
     assert result.returncode != 0 and "matches no file" in result.stderr

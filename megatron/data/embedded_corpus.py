@@ -20,8 +20,8 @@ from pathlib import Path
 
 from megatron.data.index_cache import default_cache_root
 from megatron.data.indexed_dataset import dataset_exists
-from megatron.data.preprocessing import TokenizerSpec, tokenize_to_indexed_datasets
-from megatron.tokenizer import train_bpe_tokenizer
+from megatron.data.preprocessing import tokenize_to_indexed_datasets
+from megatron.tokenizer import TokenizerSpec, train_bpe_tokenizer
 
 CORPUS_FORMAT_VERSION = 1
 EXCLUDED_DIRECTORIES = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})

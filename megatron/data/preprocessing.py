@@ -16,15 +16,7 @@ from megatron.data.indexed_dataset import (
     data_file_path,
     index_file_path,
 )
-from megatron.tokenizer import Tokenizer, build_tokenizer
-
-
-@dataclass(frozen=True)
-class TokenizerSpec:
-    """Plain values a worker process rebuilds its tokenizer from."""
-
-    tokenizer_type: str
-    vocab_file: str | None = None
+from megatron.tokenizer import Tokenizer, TokenizerSpec, build_tokenizer
 
 
 @dataclass
@@ -77,6 +69,7 @@ def tokenize_to_indexed_datasets(
     chunksize: int = 32,
     progress: bool = False,
     log_interval: int = 100,
+    expected_documents: int | None = None,
 ) -> PreprocessResult:
     """Tokenize every document (one sequence per document, empty ones skipped) with `workers` processes,
     each encoding chunks of `chunksize` documents in one batch call."""
@@ -94,7 +87,7 @@ def tokenize_to_indexed_datasets(
     encoded_chunks = pool.imap(_encode_chunk, jobs) if pool else map(_encode_chunk, jobs)
     start = time.perf_counter()
     documents_done = tokens_done = 0
-    bar = tqdm(unit="doc", disable=not progress, mininterval=0.5)
+    bar = tqdm(total=expected_documents, unit="doc", disable=not progress, mininterval=0.5)
     try:
         for encoded in itertools.chain.from_iterable(encoded_chunks):
             for key, ids in encoded.items():

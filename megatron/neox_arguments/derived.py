@@ -11,6 +11,7 @@ from typing import Any
 
 from megatron.neox_arguments.errors import ConfigError, where
 from megatron.neox_arguments.world import count_ranks
+from megatron.tokenizer.tokenizer import TOKENIZER_FILES
 
 MODEL_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 RUN_REQUIRED = ("train_iters",)
@@ -292,5 +293,9 @@ def _check_data(v: dict[str, Any], sources: dict[str, str]) -> None:
         paths, weights = v[f"{split}_data_paths"], v[f"{split}_data_weights"]
         if weights is not None and (paths is None or len(weights) != len(paths)):
             raise _fail(sources, f"{split}_data_weights", f"needs one weight per entry of {split}_data_paths")
-    if v["tokenizer_type"] == "HFTokenizer" and not v["vocab_file"] and not v["embedded_corpus"]:
-        raise _fail(sources, "vocab_file", "HFTokenizer needs vocab_file (a tokenizers JSON file)")
+    if not v["embedded_corpus"]:  # the embedded corpus brings its own tokenizer
+        kind = v["tokenizer_type"]
+        for name, what in TOKENIZER_FILES.get(kind, {}).items():
+            if not v[name]:
+                default = "" if "tokenizer_type" in sources else " (GPT-NeoX's default tokenizer_type)"
+                raise _fail(sources, name, f"tokenizer_type {kind}{default} needs {name} ({what})")

@@ -7,6 +7,7 @@ from typing import Any
 import yaml
 
 from megatron.neox_arguments.arguments import NeoXArgs
+from megatron.neox_arguments.derived import padded_vocab_size
 
 
 def _flow(value: Any) -> str:
@@ -14,8 +15,22 @@ def _flow(value: Any) -> str:
     return text.removesuffix("...").strip()
 
 
-def render_dry_run(args: NeoXArgs) -> str:
-    lines = ["# every setting, then the file that set it (default: nobody did; derived: computed)", "settings:"]
+def tokenizer_summary(args: NeoXArgs) -> str | None:
+    """Build the tokenizer the run will use and say what it is; a TokenizerError if it cannot be built.
+    None for the embedded corpus, whose tokenizer is trained on the first run."""
+    from megatron.tokenizer import build_tokenizer
+
+    if args.embedded_corpus:
+        return None
+    tokenizer = build_tokenizer(args)
+    padded = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.model_parallel_size)
+    return (f"tokenizer: {args.tokenizer_type}, {tokenizer.vocab_size} tokens (padded to {padded}), "
+            f"end of document id {tokenizer.eod}")
+
+
+def render_dry_run(args: NeoXArgs, tokenizer_line: str | None = None) -> str:
+    lines = [f"# {tokenizer_line}"] if tokenizer_line else []
+    lines += ["# every setting, then the file that set it (default: nobody did; derived: computed)", "settings:"]
     for name, value in args.to_dict().items():
         if name == "config_files" and value:
             value = sorted(value)  # the names; their text is kept for checkpoints

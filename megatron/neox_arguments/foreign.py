@@ -60,7 +60,6 @@ INERT: dict[str, str] = {
     "comment": _PLUMBING,
     "use_shared_fs": _PLUMBING,
     "wall_clock_breakdown": "DeepSpeed's timing breakdown is always off; the trainer logs its own timings",
-    "merge_file": "used only by GPT2BPETokenizer, which is not supported (use HFTokenizer with a tokenizers JSON)",
     "wandb_host": "W&B uses its own environment (WANDB_BASE_URL)",
     "wandb_team": "W&B uses its own environment (WANDB_ENTITY)",
     "git_hash": "recorded by GPT-NeoX itself, not a setting",

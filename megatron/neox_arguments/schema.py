@@ -123,8 +123,11 @@ SETTINGS_LIST: list[Setting] = [
     _data("test_data_weights", (list, type(None)), None, "blending weights of test_data_paths"),
     _data("split", str, "969, 30, 1", "train, valid, test proportions of data_path"),
     _data("data_impl", str, "mmap", "dataset format", choices=("mmap",)),
-    _data("tokenizer_type", str, "HFTokenizer", "tokenizer", choices=("HFTokenizer", "ByteLevelTokenizer", "CharLevelTokenizer")),
-    _data("vocab_file", OPT_STR, None, "tokenizer file (a `tokenizers` JSON for HFTokenizer)"),
+    _data("tokenizer_type", str, "GPT2BPETokenizer", "tokenizer (megatron/tokenizer)",
+          choices=("GPT2BPETokenizer", "HFTokenizer", "SPMTokenizer", "CharLevelTokenizer", "ByteLevelTokenizer")),
+    _data("vocab_file", OPT_STR, None,
+          "tokenizer file: vocab.json (GPT2BPETokenizer), tokenizers JSON (HFTokenizer), sentencepiece model (SPMTokenizer)"),
+    _data("merge_file", OPT_STR, None, "merges.txt of GPT2BPETokenizer"),
     _data("embedded_corpus", bool, False, "build (once, cached) and use the embedded corpus that needs no download"),
     _data("num_workers", int, 0, "data-loader worker processes"),
     # --- launcher ------------------------------------------------------------------------

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+from megatron.tokenizer.base import EOD_TOKEN, PAD_TOKEN
 from megatron.tokenizer.errors import TokenizerError
-from megatron.tokenizer.tokenizer import EOD_TOKEN, PAD_TOKEN
 
 
 def train_bpe_tokenizer(

@@ -3,7 +3,8 @@
     python tools/datasets/preprocess_data.py --input 'data/*.jsonl' --output-prefix data/mydata \\
         --tokenizer-type HFTokenizer --vocab-file tokenizer.json --append-eod --workers 4
 
-writes data/mydata_text_document.bin/.idx (one pair per --jsonl-keys field); train with
+(GPT-NeoX's arguments: --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt,
+--tokenizer-type SPMTokenizer --vocab-file tokenizer.model, ...) writes data/mydata_text_document.bin/.idx (one pair per --jsonl-keys field); train with
 data_path: data/mydata_text_document. A plain-text file is one document.
 """
 
@@ -17,9 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron.data.document_sources import expand_input_paths, iter_documents  # noqa: E402
 from megatron.data.errors import DataError  # noqa: E402
-from megatron.data.preprocessing import TokenizerSpec, tokenize_to_indexed_datasets  # noqa: E402
-from megatron.tokenizer import TokenizerError  # noqa: E402
-from megatron.tokenizer.tokenizer import TOKENIZER_TYPES  # noqa: E402
+from megatron.data.preprocessing import tokenize_to_indexed_datasets  # noqa: E402
+from megatron.tokenizer import TOKENIZER_TYPES, TokenizerError, TokenizerSpec  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -27,9 +27,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--input", required=True, help="comma-separated files or globs (.jsonl/.json or text)")
     parser.add_argument("--output-prefix", required=True, help="outputs are <prefix>_<key>_document.bin/.idx")
     parser.add_argument("--jsonl-keys", nargs="+", default=["text"], help="jsonl fields to tokenize")
-    parser.add_argument("--tokenizer-type", default="HFTokenizer", choices=TOKENIZER_TYPES)
-    parser.add_argument("--vocab-file", default=None, help="tokenizer.json for HFTokenizer")
+    parser.add_argument("--num-docs", type=int, default=None, help="number of documents, for the progress bar")
+    parser.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    parser.add_argument("--vocab-file", default=None,
+                        help="tokenizer.json (HFTokenizer), vocab.json (GPT2BPETokenizer), tokenizer.model (SPMTokenizer)")
+    parser.add_argument("--merge-file", default=None, help="merges.txt (GPT2BPETokenizer)")
     parser.add_argument("--append-eod", action="store_true", help="end every document with the eod token")
+    parser.add_argument("--dataset-impl", default="mmap", choices=("mmap",), help="output format")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     parser.add_argument("--log-interval", type=int, default=100, help="refresh the rates every N documents")
     args = parser.parse_args(argv)
@@ -52,11 +56,12 @@ def run(args: argparse.Namespace) -> None:
         documents,
         args.output_prefix,
         args.jsonl_keys,
-        TokenizerSpec(args.tokenizer_type, args.vocab_file),
+        TokenizerSpec(args.tokenizer_type, args.vocab_file, args.merge_file),
         append_eod=args.append_eod,
         workers=args.workers,
         progress=True,
         log_interval=args.log_interval,
+        expected_documents=args.num_docs,
     )
     rate = result.tokens / max(result.seconds, 1e-9)
     print(f"{result.documents} documents, {result.tokens} tokens in {result.seconds:.1f} s ({rate:.0f} tokens/s)")
