@@ -18,7 +18,7 @@ from megatron.model import (
     no_weight_decay_param_names,
     translate_legacy_key,
 )
-from megatron.model.rotary import RotaryEmbedding, apply_rotary
+from megatron.model.rotary import RotaryEmbedding, split_qkv
 from megatron.neox_arguments import NeoXArgs
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
@@ -255,17 +255,69 @@ def test_rotary_attention_matches_reference_rotation(kv_heads):
     assert torch.allclose(actual, expected, atol=1e-5)
 
 
+def _fused_from_heads(q, k, v):
+    """q, k, v [b, s, heads, d] (equal head counts) -> the per-head [q, k, v] fused layout [b, s, 3 * heads * d]."""
+    b, s, h, d = q.shape
+    return torch.stack([q, k, v], dim=3).reshape(b, s, h * 3 * d)
+
+
 def test_rotary_pct_below_one_rotates_only_the_first_dims():
     ndims = 4
     rotary = RotaryEmbedding(ndims, base=10000)
-    x = torch.randn(1, 2, 6, HEAD_DIM, generator=torch.Generator().manual_seed(5))
-    cos, sin = rotary.cos_sin(torch.arange(6), x.dtype)
-    out = apply_rotary(x, cos, sin)
-    assert torch.equal(out[..., ndims:], x[..., ndims:])
-    assert torch.equal(out[:, :, 0], x[:, :, 0])  # position 0 is the identity
-    assert not torch.allclose(out[:, :, 1:, :ndims], x[:, :, 1:, :ndims])
-    expected = reference_rotary(x[0].transpose(0, 1), ndims, 10000).transpose(0, 1).float()
-    assert torch.allclose(out[0], expected, atol=1e-6)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 6, 2, HEAD_DIM, generator=gen) for _ in range(3))
+    out_q, out_k, out_v = split_qkv(_fused_from_heads(q, k, v), 2, 2, HEAD_DIM, False,
+                                    rotary.cos_sin(torch.arange(6), q.dtype))
+    x = q.transpose(1, 2)  # [b, heads, s, d], as split_qkv returns
+    assert torch.equal(out_q[..., ndims:], x[..., ndims:])
+    assert torch.equal(out_q[:, :, 0], x[:, :, 0])  # position 0 is the identity
+    assert not torch.allclose(out_q[:, :, 1:, :ndims], x[:, :, 1:, :ndims])
+    expected = reference_rotary(q[0], ndims, 10000).transpose(0, 1).float()
+    assert torch.allclose(out_q[0], expected, atol=1e-6)
+    assert torch.allclose(out_k[0], reference_rotary(k[0], ndims, 10000).transpose(0, 1).float(), atol=1e-6)
+    assert torch.equal(out_v, v.transpose(1, 2))  # values are never rotated
+
+
+def _autograd_reference_split(fused, heads, kv_heads, grouped, cos, sin):
+    """The plain-autograd formulation split_qkv replaces: views, chunk, rotate_half with cat."""
+    b, s, _ = fused.shape
+    d = HEAD_DIM
+    if grouped:
+        q, k, v = fused.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        q, k, v = q.view(b, s, heads, d), k.view(b, s, kv_heads, d), v.view(b, s, kv_heads, d)
+    else:
+        q, k, v = fused.view(b, s, heads, 3 * d).chunk(3, dim=-1)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def rotate(x):
+        half = cos.shape[-1]
+        rot, passed = x[..., :2 * half], x[..., 2 * half:]
+        first, second = rot.chunk(2, dim=-1)
+        cos_full, sin_full = torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((sin, sin), -1).unsqueeze(1)
+        return torch.cat((rot * cos_full + torch.cat((-second, first), -1) * sin_full, passed), -1)
+
+    return rotate(q), rotate(k), v
+
+
+@pytest.mark.parametrize("kv_heads,rotary_pct", [(HEADS, 1.0), (HEADS, 0.25), (2, 0.5)],
+                         ids=["mha-full", "mha-quarter", "gqa-half"])
+def test_split_qkv_forward_and_gradients_equal_the_autograd_formulation(kv_heads, rotary_pct):
+    grouped = kv_heads < HEADS
+    ndims = int(HEAD_DIM * rotary_pct)
+    cos, sin = RotaryEmbedding(ndims, base=100).cos_sin(torch.arange(7), torch.float32)
+    width = (HEADS + 2 * kv_heads) * HEAD_DIM
+    fused = torch.randn(2, 7, width, generator=torch.Generator().manual_seed(8), requires_grad=True)
+    weights = [torch.randn(2, n, 7, HEAD_DIM, generator=torch.Generator().manual_seed(9 + i))
+               for i, n in enumerate((HEADS, kv_heads, kv_heads))]
+
+    ours = split_qkv(fused, HEADS, kv_heads, HEAD_DIM, grouped, (cos, sin))
+    (ours_grad,) = torch.autograd.grad(sum((o * w).sum() for o, w in zip(ours, weights, strict=True)), fused)
+    reference = _autograd_reference_split(fused, HEADS, kv_heads, grouped, cos, sin)
+    (reference_grad,) = torch.autograd.grad(sum((r * w).sum() for r, w in zip(reference, weights, strict=True)), fused)
+
+    for a, b in zip(ours, reference, strict=True):
+        assert torch.equal(a, b)  # the same operations in the same order: bit for bit
+    assert torch.allclose(ours_grad, reference_grad, atol=1e-6)
 
 
 def test_swiglu_linear1_holds_up_then_gate():

@@ -18,7 +18,7 @@ from megatron.model.parallel_layers import (
     model_parallel_config,
     tensor_parallel_size,
 )
-from megatron.model.rotary import apply_rotary
+from megatron.model.rotary import split_qkv
 
 
 class SelfAttention(torch.nn.Module):
@@ -50,27 +50,11 @@ class SelfAttention(torch.nn.Module):
             skip_bias_add=False,
         )
 
-    def split_heads(self, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[b, s, fused] -> q [b, heads, s, d], k and v [b, kv_heads, s, d]."""
-        b, s, _ = fused.shape
-        d = self.head_dim
-        if self.grouped_layout:
-            q, k, v = fused.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-            q = q.view(b, s, self.heads, d)
-            k = k.view(b, s, self.kv_heads, d)
-            v = v.view(b, s, self.kv_heads, d)
-        else:
-            q, k, v = fused.view(b, s, self.heads, 3 * d).chunk(3, dim=-1)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
     def forward(
         self, hidden: torch.Tensor, rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None
     ) -> torch.Tensor:
         fused, _ = self.query_key_value(hidden)
-        q, k, v = self.split_heads(fused)
-        if rotary_cos_sin is not None:
-            cos, sin = rotary_cos_sin
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = split_qkv(fused, self.heads, self.kv_heads, self.head_dim, self.grouped_layout, rotary_cos_sin)
         context = F.scaled_dot_product_attention(
             q,
             k,

@@ -94,6 +94,7 @@ class GPTModel(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [b, s] -> logits [b, s, padded_vocab_size] in the parameter dtype."""
         seq_len = input_ids.shape[1]
+        standard_positions = position_ids is None
         if position_ids is None:
             max_positions = self.arch.max_position_embeddings
             if self.arch.pos_emb == "learned" and seq_len > max_positions:
@@ -103,7 +104,11 @@ class GPTModel(torch.nn.Module):
                 )
             position_ids = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)
         hidden = self.embedding(input_ids, position_ids)
-        rotary_cos_sin = None if self.rotary is None else self.rotary.cos_sin(position_ids, hidden.dtype)
+        rotary_cos_sin = None
+        if self.rotary is not None and standard_positions:
+            rotary_cos_sin = self.rotary.cos_sin_for_length(seq_len, hidden.device, hidden.dtype)
+        elif self.rotary is not None:
+            rotary_cos_sin = self.rotary.cos_sin(position_ids, hidden.dtype)
         recompute = self.arch.checkpoint_activations and self.training and torch.is_grad_enabled()
         for layer in self.layers:
             if recompute:

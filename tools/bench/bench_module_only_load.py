@@ -32,10 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
-from megatron.core import parallel_state  # noqa: E402
 from procmem import MemoryDelta, measure_memory, median, ratio_line, return_freed_memory_to_os, table  # noqa: E402
+from single_rank import init_single_rank_world  # noqa: E402
 
 from megatron.checkpointing.engine_save import save_engine_checkpoint  # noqa: E402
 from megatron.checkpointing.master_weights import verify_master_weights  # noqa: E402
@@ -70,25 +69,6 @@ class Samples:
         peak = median([m.peak_growth_mib for m in self.memory]) if self.memory else "-"
         kept = median([m.retained_mib for m in self.memory]) if self.memory else "-"
         return [name, median(self.wall_s) * 1e3, median(self.cpu_s) * 1e3, peak, kept]
-
-
-def init_single_rank_world() -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(name, value)
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def build_engine(options: argparse.Namespace):

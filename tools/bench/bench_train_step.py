@@ -1,0 +1,173 @@
+"""Training step: ours against Hugging Face transformers with the same shapes and DeepSpeed config.
+
+    python tools/bench/bench_train_step.py [--family neox llama] [--precision fp32 bf16]
+        [--layers 6] [--hidden 512] [--heads 8] [--kv-heads 4] [--seq 512] [--batch 4] [--vocab 8192]
+        [--zero-stage 1] [--repeats 5] [--threads N] [--json PATH]
+
+For each family and precision, one process builds our GPTModel and the matching transformers model
+(GPTNeoXForCausalLM: rotary on a quarter of each head, parallel residual, exact GELU; or
+LlamaForCausalLM: RMSNorm, SwiGLU, grouped-query attention; untied, no dropout, SDPA attention),
+each inside its own DeepSpeed engine with the same config (Adam, the given ZeRO stage). Both take
+the same token batch and the same loss (``causal_lm_loss`` on the logits). After one warm-up step
+each, every repeat times one step (forward, loss, backward, optimizer step) of each model, the
+order alternating. Prints the median step time, tokens/s, and ``RATIO ours/hf tokens_per_s`` (above
+1: ours is faster) with the spread of the per-repeat ratios; ``--json`` writes the same as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
+from procmem import median, ratio_line, table  # noqa: E402
+from single_rank import init_single_rank_world  # noqa: E402
+
+from megatron.model import build_model, causal_lm_loss  # noqa: E402
+from megatron.neox_arguments import NeoXArgs  # noqa: E402
+
+
+def our_model(family: str, options: argparse.Namespace) -> torch.nn.Module:
+    settings = {
+        "num_layers": options.layers, "hidden_size": options.hidden, "num_attention_heads": options.heads,
+        "seq_length": options.seq, "pos_emb": "rotary", "no_weight_tying": True, "hidden_dropout": 0.0,
+        "attention_dropout": 0.0, "padded_vocab_size": options.vocab, "seed": 1234,
+    }
+    if family == "llama":
+        settings.update(norm="rmsnorm", activation="swiglu", num_kv_heads=options.kv_heads, use_bias_in_norms=False,
+                        use_bias_in_attn_linear=False, use_bias_in_mlp=False)
+    else:
+        settings.update(rotary_pct=0.25, gpt_j_residual=True)
+    return build_model(NeoXArgs.from_dict(settings))
+
+
+def hf_model(family: str, options: argparse.Namespace, mlp_width: int) -> torch.nn.Module:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    common = {"vocab_size": options.vocab, "hidden_size": options.hidden, "num_hidden_layers": options.layers,
+              "num_attention_heads": options.heads, "intermediate_size": mlp_width,
+              "max_position_embeddings": options.seq, "tie_word_embeddings": False}
+    torch.manual_seed(1234)
+    if family == "llama":
+        config = LlamaConfig(num_key_value_heads=options.kv_heads, attention_dropout=0.0, **common)
+        model_class = LlamaForCausalLM
+    else:
+        config = GPTNeoXConfig(rotary_pct=0.25, use_parallel_residual=True, hidden_act="gelu", hidden_dropout=0.0,
+                               attention_dropout=0.0, **common)
+        model_class = GPTNeoXForCausalLM
+    config._attn_implementation = "sdpa"
+    return model_class(config)
+
+
+def mlp_width(model: torch.nn.Module) -> int:
+    """The MLP inner width our model built (linear2's input), for the transformers model to match."""
+    return model.layers[0].mlp.linear2.weight.shape[1]
+
+
+def engine_for(model: torch.nn.Module, precision: str, options: argparse.Namespace):
+    config = {
+        "train_micro_batch_size_per_gpu": options.batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": options.zero_stage},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+    }
+    if precision != "fp32":
+        config[precision] = {"enabled": True}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def step_seconds(engine, tokens: torch.Tensor, hugging_face: bool) -> float:
+    started = time.perf_counter()
+    output = engine(tokens[:, :-1])
+    logits = output.logits if hugging_face else output
+    loss = causal_lm_loss(logits, tokens[:, 1:])
+    engine.backward(loss)
+    engine.step()
+    return time.perf_counter() - started
+
+
+def measure(family: str, precision: str, options: argparse.Namespace) -> dict:
+    ours = our_model(family, options)
+    width = mlp_width(ours)
+    engines = {"ours": engine_for(ours, precision, options),
+               "hf": engine_for(hf_model(family, options, width), precision, options)}
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, options.vocab, (options.batch, options.seq + 1), generator=generator)
+    tokens = tokens.to(engines["ours"].device)
+    for name, engine in engines.items():
+        step_seconds(engine, tokens, name == "hf")  # warm-up: kernels, optimizer state
+    times: dict[str, list[float]] = {"ours": [], "hf": []}
+    order = ["ours", "hf"]
+    for repeat in range(options.repeats):
+        for name in order if repeat % 2 == 0 else order[::-1]:
+            times[name].append(step_seconds(engines[name], tokens, name == "hf"))
+    parameters = {name: sum(p.numel() for p in engine.module.parameters()) for name, engine in engines.items()}
+    tokens_per_step = options.batch * options.seq
+    paired = [hf / ours for ours, hf in zip(times["ours"], times["hf"], strict=True)]
+    return {
+        "family": family, "precision": precision, "parameters": parameters, "mlp_width": width,
+        "step_seconds": times, "tokens_per_step": tokens_per_step,
+        "tokens_per_second": {name: tokens_per_step / median(values) for name, values in times.items()},
+        "ratio": median(times["hf"]) / median(times["ours"]),
+        "ratio_spread": [min(paired), max(paired)],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", nargs="+", choices=("neox", "llama"), default=["neox", "llama"])
+    parser.add_argument("--precision", nargs="+", choices=("fp32", "bf16", "fp16"), default=["fp32", "bf16"])
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4, help="key/value heads of the Llama family")
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=4, help="micro batch")
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
+    options = parser.parse_args(argv)
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    deepspeed_logger.setLevel("WARNING")
+    init_single_rank_world()
+
+    load_before = os.getloadavg()[0]
+    results = [measure(family, precision, options) for family in options.family for precision in options.precision]
+    load_after = os.getloadavg()[0]
+
+    print(f"shapes: {options.layers} layers, hidden {options.hidden}, {options.heads} heads, vocab {options.vocab}, "
+          f"batch {options.batch} x {options.seq} tokens; DeepSpeed ZeRO stage {options.zero_stage}, Adam")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; repeats "
+          f"{options.repeats}; load average before {load_before:.2f}, after {load_after:.2f}")
+    rows = [[r["family"], r["precision"], f"{r['parameters']['ours'] / 1e6:.1f}M", 1e3 * median(r["step_seconds"]["ours"]),
+             1e3 * median(r["step_seconds"]["hf"]), r["tokens_per_second"]["ours"], r["tokens_per_second"]["hf"],
+             r["ratio"], f"{r['ratio_spread'][0]:.2f}-{r['ratio_spread'][1]:.2f}"] for r in results]
+    print(table(["family", "precision", "params", "ours ms", "hf ms", "ours tok/s", "hf tok/s", "ours/hf",
+                 "per-repeat"], rows))
+    for r in results:
+        print(ratio_line(f"ours/hf tokens_per_s {r['family']} {r['precision']}", r["tokens_per_second"]["ours"],
+                         r["tokens_per_second"]["hf"], "training-step throughput; above 1: ours is faster"))
+    if options.json:
+        options.json.write_text(json.dumps({"options": vars(options) | {"json": str(options.json)},
+                                            "load_average": [load_before, load_after], "results": results},
+                                           indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
