@@ -56,18 +56,26 @@ def format_train_line(iteration: int, train_iters: int, scalars: dict, elapsed: 
         parts.append(f"grad norm {scalars['train/grad_norm']:.3f}")
     if scalars.get("train/loss_scale") is not None:
         parts.append(f"loss scale {scalars['train/loss_scale']:g}")
-    parts += [f"tokens/s {scalars['train/tokens_per_second']:,.0f}", f"elapsed {format_duration(elapsed)}",
+    parts += [f"tokens/s {scalars['train/tokens_per_second']:,.0f}",
+              f"step {scalars['train/step_seconds'] * 1e3:,.0f} ms", f"elapsed {format_duration(elapsed)}",
               f"left {format_duration(left)}"]
     return " | ".join(parts)
 
 
 class ProgressReporter:
-    """Rank 0's view of training: a line every ``log_interval`` steps, and a bar on a terminal."""
+    """Rank 0's view of training: a line every ``log_interval`` steps, and a bar on a terminal.
+
+    The line's tokens/s and step time are averages over the steps since the previous line (time
+    spent in steps only, not in evaluation or saving): one step's rate swings too much to read.
+    """
 
     def __init__(self, args, first_iteration: int):
         self.train_iters = args.train_iters
         self.log_interval = max(args.log_interval, 1)
         self.first_iteration = first_iteration
+        self.tokens_per_step = args.train_batch_size * args.seq_length
+        self.window_seconds = 0.0
+        self.window_steps = 0
         self.started = time.perf_counter()
         self.logger = get_logger()
         self.bar = None
@@ -76,16 +84,24 @@ class ProgressReporter:
 
             self.bar = tqdm(total=args.train_iters, initial=first_iteration, dynamic_ncols=True, leave=False)
 
-    def step(self, iteration: int, scalars: dict) -> None:
+    def step(self, iteration: int, scalars: dict) -> dict | None:
+        """Count one step (``scalars`` holds its ``train/step_seconds``); at a line, return the window's
+        averages (``train/tokens_per_second``, ``train/step_seconds``), else None."""
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{scalars['train/loss']:.4f}", lr=f"{scalars['train/lr']:.2e}")
-        if iteration % self.log_interval == 0 or iteration == self.train_iters:
-            elapsed = time.perf_counter() - self.started
-            per_step = elapsed / max(iteration - self.first_iteration, 1)
-            line = format_train_line(iteration, self.train_iters, scalars, elapsed,
-                                     per_step * (self.train_iters - iteration))
-            self.message(line)
+        self.window_seconds += scalars["train/step_seconds"]
+        self.window_steps += 1
+        if iteration % self.log_interval and iteration != self.train_iters:
+            return None
+        averages = {"train/tokens_per_second": self.tokens_per_step * self.window_steps / self.window_seconds,
+                    "train/step_seconds": self.window_seconds / self.window_steps}
+        self.window_seconds, self.window_steps = 0.0, 0
+        elapsed = time.perf_counter() - self.started
+        per_step = elapsed / max(iteration - self.first_iteration, 1)
+        self.message(format_train_line(iteration, self.train_iters, {**scalars, **averages}, elapsed,
+                                       per_step * (self.train_iters - iteration)))
+        return averages
 
     def message(self, line: str) -> None:
         if self.bar is not None:

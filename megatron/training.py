@@ -184,7 +184,6 @@ def train(args, engine, state: TrainState, iterators) -> RunResult:
     train_iterator, valid_iterator, test_iterator = iterators
     metrics = MetricsWriter(args)
     progress = ProgressReporter(args, first_iteration=state.iteration)
-    tokens_per_step = args.train_batch_size * args.seq_length
     last_train_loss = last_valid_loss = None
     start_iteration = state.iteration
     engine.train()
@@ -198,9 +197,11 @@ def train(args, engine, state: TrainState, iterators) -> RunResult:
         state.consumed_train_samples += args.train_batch_size
         step_seconds = time.perf_counter() - started
         scalars = {"train/loss": last_train_loss, "train/lr": lr, "train/grad_norm": _grad_norm(engine),
-                   "train/loss_scale": _loss_scale(engine), "train/tokens_per_second": tokens_per_step / step_seconds}
+                   "train/loss_scale": _loss_scale(engine), "train/step_seconds": step_seconds}
         metrics.write(scalars, step)
-        progress.step(step, scalars)
+        window = progress.step(step, scalars)
+        if window is not None:
+            metrics.write({"train/tokens_per_second": window["train/tokens_per_second"]}, step)
         if valid_iterator is not None and args.eval_interval and step % args.eval_interval == 0:
             last_valid_loss = evaluate(engine, valid_iterator, args.eval_iters)
             metrics.write({"valid/loss": last_valid_loss, "valid/ppl": _perplexity(last_valid_loss)}, step)

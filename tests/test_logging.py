@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.logging import MetricsWriter, format_duration, format_train_line
+from megatron.logging import MetricsWriter, ProgressReporter, format_duration, format_train_line
 from megatron.neox_arguments import NeoXArgs
 
 SCALARS = {"train/loss": 3.25, "train/lr": 1.5e-4, "train/grad_norm": 0.5, "train/loss_scale": None,
-           "train/tokens_per_second": 12345.6}
+           "train/tokens_per_second": 12345.6, "train/step_seconds": 0.0415}
 
 
 def test_train_line_names_every_quantity():
     line = format_train_line(7, 300, SCALARS, elapsed=65, left=3725)
     assert line == ("iteration   7/300 | loss 3.2500 | lr 1.500e-04 | grad norm 0.500 | tokens/s 12,346 | "
-                    "elapsed 01:05 | left 1:02:05")
+                    "step 42 ms | elapsed 01:05 | left 1:02:05")
 
 
 def test_loss_scale_shows_only_when_there_is_one():
@@ -37,7 +37,19 @@ def test_tensorboard_receives_the_scalars(tmp_path):
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert set(events.Tags()["scalars"]) == {"train/loss", "train/lr", "train/grad_norm",
-                                              "train/tokens_per_second", "valid/loss"}
+                                              "train/tokens_per_second", "train/step_seconds", "valid/loss"}
     (loss,) = events.Scalars("train/loss")
     assert (loss.step, loss.value) == (3, 3.25)
     assert events.Scalars("valid/loss")[0].step == 4
+
+
+def test_the_line_averages_throughput_over_the_steps_since_the_previous_line(caplog):
+    """Steps of 1 s, 3 s, then 0.5 s and 0.5 s: each line shows its own window, not the last step."""
+    args = NeoXArgs({"train_iters": 4, "log_interval": 2, "train_batch_size": 2, "seq_length": 50})
+    progress = ProgressReporter(args, first_iteration=0)
+    windows = [progress.step(i + 1, {**SCALARS, "train/step_seconds": seconds})
+               for i, seconds in enumerate([1.0, 3.0, 0.5, 0.5])]
+    assert windows[0] is None and windows[2] is None
+    # 100 tokens a step: 200 tokens in 4 s, then 200 tokens in 1 s
+    assert windows[1] == {"train/tokens_per_second": 50.0, "train/step_seconds": 2.0}
+    assert windows[3] == {"train/tokens_per_second": 200.0, "train/step_seconds": 0.5}
