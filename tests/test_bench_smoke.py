@@ -6,6 +6,7 @@ within one process by the benchmarks themselves): only that each script exits 0 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import subprocess
@@ -50,3 +51,17 @@ def test_mmap_read_bench_prints_its_ratios():
         "mmap/no_mmap rss 1reader", "mmap/no_mmap pss 2readers", "mmap/no_mmap ckpt_pss 2readers",
         "2readers/1reader ckpt_pss mmap", "2readers/1reader ckpt_pss no_mmap",
     })
+
+
+def test_train_step_bench_prints_its_ratios(tmp_path):
+    ratios = run_bench(
+        "bench_train_step.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1",
+        "--vocab", "64", "--seq", "8", "--batch", "1", "--repeats", "2", "--json", str(tmp_path / "out.json"),
+    )
+    assert_ratios(ratios, {f"ours/hf tokens_per_s {family} {precision}"
+                           for family in ("neox", "llama") for precision in ("fp32", "bf16")})
+    results = json.loads((tmp_path / "out.json").read_text())["results"]
+    assert [(r["family"], r["precision"]) for r in results] == [
+        ("neox", "fp32"), ("neox", "bf16"), ("llama", "fp32"), ("llama", "bf16")]
+    # the transformers model was built with the MLP width ours has, so the two do the same work
+    assert all(r["parameters"]["ours"] == r["parameters"]["hf"] for r in results)
