@@ -43,3 +43,10 @@ def data_parallel_rank_and_size() -> tuple[int, int]:
     from megatron.core import parallel_state
 
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
+def current_device() -> torch.device:
+    """The device this rank computes on (its GPU, or the CPU)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())

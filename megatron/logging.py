@@ -56,6 +56,8 @@ def format_train_line(iteration: int, train_iters: int, scalars: dict, elapsed: 
         parts.append(f"grad norm {scalars['train/grad_norm']:.3f}")
     if scalars.get("train/loss_scale") is not None:
         parts.append(f"loss scale {scalars['train/loss_scale']:g}")
+    if scalars.get("train/skipped_steps") is not None:
+        parts.append(f"skipped steps {scalars['train/skipped_steps']}")
     parts += [f"tokens/s {scalars['train/tokens_per_second']:,.0f}",
               f"step {scalars['train/step_seconds'] * 1e3:,.0f} ms", f"elapsed {format_duration(elapsed)}",
               f"left {format_duration(left)}"]

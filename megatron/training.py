@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron.initialize import data_parallel_rank_and_size, initialize_distributed, set_seeds
+from megatron.divergence import NonFiniteWatch, check_weights_finite
+from megatron.initialize import current_device, data_parallel_rank_and_size, initialize_distributed, set_seeds
 from megatron.learning_rates import learning_rate_for_args, set_learning_rate
 from megatron.logging import MetricsWriter, ProgressReporter, get_logger, quiet_deepspeed
 from megatron.optimizers import build_param_groups
@@ -68,17 +69,11 @@ def samples_per_split(args) -> tuple[int, int, int]:
     )
 
 
-def _device() -> torch.device:
-    from deepspeed.accelerator import get_accelerator
-
-    return torch.device(get_accelerator().current_device_name())
-
-
 def forward_loss(engine, batch) -> torch.Tensor:
     from megatron.data import get_batch
     from megatron.model import causal_lm_loss
 
-    tokens, labels, loss_mask = (t.to(_device()) for t in get_batch(batch))
+    tokens, labels, loss_mask = (t.to(current_device()) for t in get_batch(batch))
     logits = engine(tokens)
     return causal_lm_loss(logits, labels, loss_mask)
 
@@ -116,6 +111,11 @@ def _loss_scale(engine) -> float | None:
     return float(getattr(engine.optimizer, "cur_scale", getattr(engine.optimizer, "loss_scale", 0.0)))
 
 
+def _skipped_steps(engine) -> int | None:
+    """Steps fp16 loss scaling skipped so far (DeepSpeed's count, kept in its checkpoints)."""
+    return engine.skipped_steps if engine.fp16_enabled() else None
+
+
 def _grad_norm(engine) -> float | None:
     norm = engine.get_global_grad_norm()
     if norm is None:
@@ -130,6 +130,7 @@ def _should_save(args, iteration: int) -> bool:
 def _save(args, engine, state: TrainState) -> None:
     from megatron.checkpointing import save_checkpoint
 
+    check_weights_finite(engine, state.iteration, args)
     save_checkpoint(args, engine, state.iteration, state.consumed_train_samples, state.lr_schedule_start)
 
 
@@ -184,6 +185,7 @@ def train(args, engine, state: TrainState, iterators) -> RunResult:
     train_iterator, valid_iterator, test_iterator = iterators
     metrics = MetricsWriter(args)
     progress = ProgressReporter(args, first_iteration=state.iteration)
+    watch = NonFiniteWatch(args)
     last_train_loss = last_valid_loss = None
     start_iteration = state.iteration
     engine.train()
@@ -197,11 +199,14 @@ def train(args, engine, state: TrainState, iterators) -> RunResult:
         state.consumed_train_samples += args.train_batch_size
         step_seconds = time.perf_counter() - started
         scalars = {"train/loss": last_train_loss, "train/lr": lr, "train/grad_norm": _grad_norm(engine),
-                   "train/loss_scale": _loss_scale(engine), "train/step_seconds": step_seconds}
+                   "train/loss_scale": _loss_scale(engine), "train/skipped_steps": _skipped_steps(engine),
+                   "train/step_seconds": step_seconds}
         metrics.write(scalars, step)
         window = progress.step(step, scalars)
         if window is not None:
             metrics.write({"train/tokens_per_second": window["train/tokens_per_second"]}, step)
+        watch.after_step(step, last_train_loss, scalars["train/grad_norm"], engine.was_step_applied(),
+                         scalars["train/loss_scale"])
         if valid_iterator is not None and args.eval_interval and step % args.eval_interval == 0:
             last_valid_loss = evaluate(engine, valid_iterator, args.eval_iters)
             metrics.write({"valid/loss": last_valid_loss, "valid/ppl": _perplexity(last_valid_loss)}, step)

@@ -83,3 +83,20 @@ def test_resume_and_no_load_optim_continue_at_the_next_iteration_with_the_schedu
     lines = train_lines(run_deepy(["configs/tiny.yml", fresh_optimizer]).stdout)
     assert lines[0].iteration == 21
     assert lines[0].lr == pytest.approx(_scheduled_lr(1), rel=1e-3)
+
+
+@pytest.mark.distributed
+def test_two_ranks_stop_together_at_the_first_nonfinite_step_and_keep_the_last_good_checkpoint(tmp_path):
+    save = tmp_path / "ckpt"
+    overrides = write_overrides(
+        tmp_path, save=str(save), train_iters=12, checkpoint_factor=1, keep_last_n_checkpoints=None,
+        eval_interval=100, num_gpus=2, warmup=0,
+        optimizer={"type": "AdamW", "params": {"lr": 1.0e4, "betas": [0.9, 0.95], "eps": 1.0e-8}},
+    )
+    result = run_deepy(["configs/tiny.yml", overrides], expect_success=False, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-4000:]
+    diverged = int(re.search(r"iteration (\d+) \(fp32\): loss \S+, gradient norm \S+.* The run diverged", output)[1])
+    saved = sorted(int(p.name.removeprefix("global_step")) for p in save.glob("global_step*"))
+    assert saved == list(range(1, diverged)), f"saved {saved}, diverged at {diverged}"
+    assert (save / "latest").read_text().strip() == f"global_step{diverged - 1}"

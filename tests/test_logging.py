@@ -22,6 +22,13 @@ def test_loss_scale_shows_only_when_there_is_one():
     assert "loss scale" not in format_train_line(1, 10, SCALARS, 1, 1)
 
 
+def test_skipped_steps_show_when_counted_even_at_zero():
+    line = format_train_line(1, 10, {**SCALARS, "train/loss_scale": 256.0, "train/skipped_steps": 3}, 1, 1)
+    assert "| loss scale 256 | skipped steps 3 |" in line
+    assert "skipped steps 0" in format_train_line(1, 10, {**SCALARS, "train/skipped_steps": 0}, 1, 1)
+    assert "skipped" not in format_train_line(1, 10, SCALARS, 1, 1)
+
+
 @pytest.mark.parametrize("seconds,text", [(0, "00:00"), (59.6, "01:00"), (3600, "1:00:00")])
 def test_durations(seconds, text):
     assert format_duration(seconds) == text

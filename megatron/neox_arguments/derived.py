@@ -71,7 +71,7 @@ def _check_ranges(v: dict[str, Any], sources: dict[str, str]) -> None:
             raise _fail(sources, name, f"must be in [0, 1), got {v[name]}")
     if not 0 < v["rotary_pct"] <= 1:
         raise _fail(sources, "rotary_pct", f"must be in (0, 1], got {v['rotary_pct']}")
-    for name in ("warmup", "min_lr", "weight_decay", "gradient_clipping"):
+    for name in ("warmup", "min_lr", "weight_decay", "gradient_clipping", "max_nonfinite_steps"):
         if v[name] < 0:
             raise _fail(sources, name, f"must not be negative, got {v[name]}")
     if v["model_parallel_size"] != 1:

@@ -89,6 +89,7 @@ SETTINGS_LIST: list[Setting] = [
     _train("fp16", (dict, type(None)), None, "DeepSpeed fp16 settings, e.g. {enabled: true, loss_scale: 0}"),
     _train("bf16", (dict, type(None)), None, "DeepSpeed bf16 settings, e.g. {enabled: true}"),
     _train("precision", OPT_STR, None, "training dtype; derived from fp16/bf16 when unset", choices=("fp32", "fp16", "bf16", None)),
+    _train("max_nonfinite_steps", int, 20, "fp16: stop the run after more than this many steps in a row skipped for overflowing gradients (bf16/fp32 stop at the first non-finite step)"),
     _train("seed", int, 1234, "random seed (weights, data order, dropout)"),
     _train("deepspeed_extra_args", (dict, type(None)), None, "DeepSpeed config keys passed through unchanged"),
     # --- evaluation and logging -----------------------------------------------------------
