@@ -18,6 +18,7 @@ from megatron.model import (
     no_weight_decay_param_names,
     translate_legacy_key,
 )
+from megatron.model.mlp import swiglu
 from megatron.model.rotary import RotaryEmbedding, split_qkv
 from megatron.neox_arguments import NeoXArgs
 
@@ -595,3 +596,13 @@ def test_impossible_settings_are_refused_with_the_setting_named(overrides, messa
         setattr(args, name, value)
     with pytest.raises(ModelConfigError, match=message):
         GPTModel(args)
+
+
+def test_swiglu_gradients_equal_autograd_through_chunk():
+    x = torch.randn(3, 5, 2 * 24, generator=torch.Generator().manual_seed(11), requires_grad=True)
+    weight = torch.randn(3, 5, 24, generator=torch.Generator().manual_seed(12))
+    (ours,) = torch.autograd.grad((swiglu(x) * weight).sum(), x)
+    up, gate = x.chunk(2, dim=-1)
+    (reference,) = torch.autograd.grad((F.silu(gate) * up * weight).sum(), x)
+    assert torch.equal(swiglu(x), F.silu(gate) * up)
+    assert torch.allclose(ours, reference, atol=1e-6)

@@ -23,9 +23,29 @@ _ACTIVATIONS = {
 }
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up of ``linear1``'s output [..., up | gate]. The backward writes both halves'
+    gradients into one buffer; through ``chunk`` autograd would concatenate them instead."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        up, gate = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        up, gate = x.chunk(2, dim=-1)
+        grad_x = torch.empty_like(x)
+        grad_up, grad_gate = grad_x.chunk(2, dim=-1)
+        torch.mul(grad, F.silu(gate), out=grad_up)
+        grad_gate.copy_(torch.ops.aten.silu_backward(grad * up, gate))
+        return grad_x
+
+
 def swiglu(x: torch.Tensor) -> torch.Tensor:
-    up, gate = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return _SwiGLU.apply(x)
 
 
 class MLP(torch.nn.Module):
