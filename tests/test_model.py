@@ -8,15 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.checkpointing.legacy_names import is_legacy_buffer_key, translate_legacy_key
 from megatron.model import (
     GPTModel,
     ModelConfigError,
     build_model,
     causal_lm_loss,
     derive_size_defaults,
-    is_legacy_buffer_key,
     no_weight_decay_param_names,
-    translate_legacy_key,
 )
 from megatron.model.mlp import swiglu
 from megatron.model.rotary import RotaryEmbedding, split_qkv

@@ -144,6 +144,27 @@ def _saved_progress(plan: LoadPlan, client_state: ClientState, args) -> tuple[in
     return iteration, int(consumed)
 
 
+def _check_names_for_resume(plan: LoadPlan, engine, args) -> None:
+    """DeepSpeed restores the module of a full resume under the names stored; older GPT-NeoX names and a
+    non-strict load are checked here first, as the module-only path checks them."""
+    from megatron.checkpointing.module_load import check_random_layers, compare_module_keys
+    from megatron.checkpointing.module_weights import legacy_names_in_model_states_file, read_module_weights
+
+    legacy = legacy_names_in_model_states_file(plan.tag_dir)
+    if legacy:
+        raise CheckpointError(
+            f"{plan.tag_dir} stores GPT-NeoX's older parameter names ({', '.join(legacy[:3])}, ...); a full resume "
+            "restores the module under the stored names, which this model does not have. Set `no_load_optim: true` "
+            "(keeps iteration and data position) or `finetune: true` to load these weights with a fresh optimizer."
+        )
+    if not args.load_module_strict:
+        targets = engine.module.state_dict(keep_vars=True)
+        report = compare_module_keys(targets, read_module_weights(plan.tag_dir))
+        check_random_layers(report, targets, args.load_module_allow_random or ())
+        if not report.complete:
+            _logger().info(report.describe())
+
+
 def load_checkpoint(args, engine, plan: LoadPlan) -> LoadOutcome | None:
     """Carry out `plan` on `engine`; None when the plan has nothing to load (auto-resume first run)."""
     from megatron.checkpointing import forward_validation
@@ -151,6 +172,7 @@ def load_checkpoint(args, engine, plan: LoadPlan) -> LoadOutcome | None:
     if plan.nothing_to_load:
         return None
     if plan.load_optimizer:
+        _check_names_for_resume(plan, engine, args)
         load_path, stored = engine.load_checkpoint(
             str(plan.load_dir),
             tag=plan.tag,
@@ -167,7 +189,10 @@ def load_checkpoint(args, engine, plan: LoadPlan) -> LoadOutcome | None:
     else:
         from megatron.checkpointing.module_load import load_module_only
 
-        load_module_only(engine, _module_weights(plan, args), strict=args.load_module_strict)
+        report = load_module_only(engine, _module_weights(plan, args), strict=args.load_module_strict,
+                                  allow_random=args.load_module_allow_random or ())
+        if not report.complete:
+            _logger().info(report.describe())
         client_state = plan.client_state
     if args.checkpoint_validation_with_forward_pass and plan.source_format != "hf":
         forward_validation.check(engine, args, client_state.forward_validation, source=str(plan.tag_dir))

@@ -6,7 +6,8 @@ rebuilds the weights from optimizer shards of the ``latest`` tag.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import fnmatch
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -29,17 +30,26 @@ class ModuleLoadReport:
     )  # name, ckpt, model
     master_layout: str = ""
 
+    @property
+    def complete(self) -> bool:
+        return not (self.missing or self.unexpected or self.mismatched)
 
-def load_module_only(engine, state_dict: dict[str, torch.Tensor], strict: bool = True) -> ModuleLoadReport:
-    """Load ``state_dict`` into ``engine.module``, refresh the fp32 master weights from it, verify them.
+    def describe(self) -> str:
+        """Every key that did not load, one line per kind (the non-strict part of the load plan)."""
+        lines = [f"checkpoint weights: {len(self.loaded)} tensors loaded, load_module_strict is false"]
+        if self.missing:
+            lines.append(f"  not in the checkpoint, left as initialised ({len(self.missing)}): {', '.join(self.missing)}")
+        if self.mismatched:
+            shown = ", ".join(f"{name} (checkpoint {list(ckpt)}, model {list(model)})" for name, ckpt, model in self.mismatched)
+            lines.append(f"  other shape in the checkpoint, left as initialised ({len(self.mismatched)}): {shown}")
+        if self.unexpected:
+            lines.append(f"  in the checkpoint, not in the model, ignored ({len(self.unexpected)}): {', '.join(self.unexpected)}")
+        return "\n".join(lines)
 
-    ``state_dict`` holds full (unpartitioned) tensors with the module's ``state_dict()`` names. Every
-    rank passes the same dict; under ZeRO-3 each rank keeps only its own partition. Floating values
-    are taken in fp32: the master gets them as they are, the model their cast to its dtype, so a
-    checkpoint with more precision than the training dtype keeps it in the master.
-    """
-    targets = engine.module.state_dict(keep_vars=True)
-    report = ModuleLoadReport(master_layout=master_weights.master_layout(engine))
+
+def compare_module_keys(targets: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor]) -> ModuleLoadReport:
+    """Which model keys the checkpoint lacks, which it has in another shape, which it has that the model does not."""
+    report = ModuleLoadReport()
     report.missing = [name for name in targets if name not in state_dict]
     report.unexpected = [name for name in state_dict if name not in targets]
     for name, target in targets.items():
@@ -47,8 +57,47 @@ def load_module_only(engine, state_dict: dict[str, torch.Tensor], strict: bool =
             model_shape, ckpt_shape = _full_shape(target), tuple(state_dict[name].shape)
             if model_shape != ckpt_shape:
                 report.mismatched.append((name, ckpt_shape, model_shape))
+    return report
+
+
+def check_random_layers(report: ModuleLoadReport, targets: Iterable[str], allow_random: Iterable[str]) -> None:
+    """A non-strict load may leave single tensors as initialised, but not a whole layer (every tensor of
+    a Linear, norm or embedding), unless each of its tensors matches a `load_module_allow_random` pattern."""
+    not_loaded = set(report.missing) | {name for name, _, _ in report.mismatched}
+    layers: dict[str, list[str]] = {}
+    for name in targets:
+        layers.setdefault(name.rpartition(".")[0], []).append(name)
+    patterns = list(allow_random)
+    refused = [layer for layer, names in layers.items()
+               if all(name in not_loaded for name in names)
+               and not all(any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns) for name in names)]
+    if refused:
+        shown = ", ".join(refused[:_SHOWN_KEYS]) + (f" and {len(refused) - _SHOWN_KEYS} more" if len(refused) > _SHOWN_KEYS else "")
+        raise CheckpointError(
+            f"the checkpoint has no weights for {len(refused)} whole layer(s) of the model ({shown}), which would "
+            "train from their random initialisation. Check the model settings against the checkpoint, or, if "
+            "that is meant, list them in `load_module_allow_random` (glob patterns over parameter names, e.g. "
+            f"'{refused[0]}.*')"
+        )
+
+
+def load_module_only(engine, state_dict: dict[str, torch.Tensor], strict: bool = True,
+                     allow_random: Iterable[str] = ()) -> ModuleLoadReport:
+    """Load ``state_dict`` into ``engine.module``, refresh the fp32 master weights from it, verify them.
+
+    ``state_dict`` holds full (unpartitioned) tensors with the module's ``state_dict()`` names. Every
+    rank passes the same dict; under ZeRO-3 each rank keeps only its own partition. Floating values
+    are taken in fp32: the master gets them as they are, the model their cast to its dtype, so a
+    checkpoint with more precision than the training dtype keeps it in the master. A non-strict load
+    refuses to leave a whole layer random unless `allow_random` patterns name it (check_random_layers).
+    """
+    targets = engine.module.state_dict(keep_vars=True)
+    report = compare_module_keys(targets, state_dict)
+    report.master_layout = master_weights.master_layout(engine)
     if strict:
         _raise_on_architecture_mismatch(report)
+    else:
+        check_random_layers(report, targets, allow_random)
 
     mismatched = {name for name, _, _ in report.mismatched}
     report.loaded = [name for name in targets if name in state_dict and name not in mismatched]

@@ -9,6 +9,10 @@ Sources, the first one present wins:
 3. The ZeRO-3 shards of the tag: fp32 flat partitions from ``*zero_pp_rank_<DP>_mp_rank_<MP>_optim_states.pt``
    plus names and shapes from ``zero_pp_rank_<DP>_mp_rank_<MP>_model_states.pt``.
 
+Whatever the source, the names come back as this model's: GPT-NeoX's older MLP names
+(``mlp.dense_h_to_4h`` / ``mlp.dense_4h_to_h``) as ``mlp.linear1`` / ``mlp.linear2``, and the rotary
+frequencies GPT-NeoX stored as a buffer dropped (computed from the settings here).
+
 The ``latest`` file is never read, and no optimizer file is opened while a module source exists.
 """
 
@@ -22,6 +26,7 @@ import torch
 
 from megatron.checkpointing import layout
 from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.legacy_names import is_legacy_buffer_key, translate_legacy_key
 
 
 def load_checkpoint_file(path: Path) -> dict:
@@ -45,7 +50,20 @@ def load_checkpoint_file(path: Path) -> dict:
 
 
 def read_module_weights(tag_dir: str | Path, mp_rank: int = 0) -> dict[str, torch.Tensor]:
-    """The module state dict stored in ``tag_dir`` (exactly that directory), keys as in ``state_dict()``."""
+    """The module state dict stored in ``tag_dir`` (exactly that directory), keys as in this model's
+    ``state_dict()`` (GPT-NeoX's older names translated)."""
+    return {translate_legacy_key(name): tensor for name, tensor in _stored_module_weights(tag_dir, mp_rank).items()
+            if not is_legacy_buffer_key(name)}
+
+
+def legacy_names_in_model_states_file(tag_dir: str | Path, mp_rank: int = 0) -> list[str]:
+    """The keys of the tag's model-states file that read_module_weights renames or drops (GPT-NeoX's older
+    names); DeepSpeed's own load, which a full resume uses, would look for them under those names."""
+    module = _module_from_model_states_file(Path(tag_dir) / layout.model_states_name(mp_rank)) or {}
+    return [name for name in module if is_legacy_buffer_key(name) or translate_legacy_key(name) != name]
+
+
+def _stored_module_weights(tag_dir: str | Path, mp_rank: int) -> dict[str, torch.Tensor]:
     tag_dir = Path(tag_dir)
     if not tag_dir.is_dir():
         raise CheckpointError(f"checkpoint tag directory {tag_dir} does not exist")

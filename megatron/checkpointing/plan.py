@@ -50,6 +50,7 @@ class LoadPlan:
     restore_rng: bool = False
     files: tuple[Path, ...] = ()
     notes: tuple[str, ...] = ()
+    strict: bool = True  # load_module_strict
     tag_inventory: TagInventory | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -73,7 +74,9 @@ class LoadPlan:
                     "first run of an auto-resuming job, training starts from scratch")
         source = self.tag_dir if self.tag_dir is not None else self.load_dir
         saved_at = f", saved at iteration {self.saved_iteration}" if self.saved_iteration is not None else ""
-        loaded, fresh = ["weights"], []
+        loaded, fresh = ["weights" if self.strict else
+                         "the weights that match the model (load_module_strict is false; the rest are listed "
+                         "when they are loaded)"], []
         if self.load_optimizer:
             loaded += ["optimizer states", "LR schedule position"]
         else:
@@ -192,7 +195,7 @@ def _hf_plan(args, inventory: CheckpointInventory, mode: LoadMode) -> LoadPlan:
     from megatron.hf import check_hf_settings
 
     check_hf_settings(root, args)
-    return LoadPlan(mode=mode, load_dir=root, source_format=FORMAT_HF,
+    return LoadPlan(mode=mode, load_dir=root, source_format=FORMAT_HF, strict=bool(args.load_module_strict),
                     files=(root / "config.json", *inventory.hf_weight_files))
 
 
@@ -252,6 +255,7 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         restore_rng=restore_rng,
         files=files,
         notes=tuple(notes),
+        strict=bool(args.load_module_strict),
         tag_inventory=tag,
     )
     preflight.check_plan(plan, tag, args, data_parallel_size)

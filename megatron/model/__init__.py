@@ -3,7 +3,6 @@
 from megatron.model.architecture import Architecture, architecture_from_args, derive_size_defaults
 from megatron.model.errors import ModelConfigError
 from megatron.model.gpt_model import GPTModel, build_model
-from megatron.model.legacy_names import is_legacy_buffer_key, translate_legacy_key
 from megatron.model.loss import causal_lm_loss
 from megatron.model.param_groups import no_weight_decay_param_names
 
@@ -15,7 +14,5 @@ __all__ = [
     "build_model",
     "causal_lm_loss",
     "derive_size_defaults",
-    "is_legacy_buffer_key",
     "no_weight_decay_param_names",
-    "translate_legacy_key",
 ]

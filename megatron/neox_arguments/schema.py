@@ -113,6 +113,8 @@ SETTINGS_LIST: list[Setting] = [
     _ckpt("no_load_rng", bool, False, "do not restore RNG states"),
     _ckpt("iteration", OPT_INT, None, "load tag global_step<iteration> instead of the one in `latest`"),
     _ckpt("load_module_strict", bool, True, "every checkpoint key must match the model exactly"),
+    _ckpt("load_module_allow_random", (list, type(None)), None,
+          "with load_module_strict false: glob patterns of parameter names whose whole layer may stay randomly initialised"),
     _ckpt("checkpoint_validation_with_forward_pass", bool, False, "store logits of a fixed batch at save and compare after load"),
     # --- data ----------------------------------------------------------------------------
     _data("data_path", OPT_STR, None, "prefix of one .bin/.idx dataset, split by `split`"),
