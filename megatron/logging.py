@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import time
 
@@ -33,6 +34,39 @@ def get_logger() -> logging.Logger:
         logger.setLevel(logging.INFO)
         logger.propagate = False
     return logger
+
+
+class _Tee:
+    """A stream that writes to the original stream and to a file."""
+
+    def __init__(self, stream, path: str):
+        self.stream = stream
+        self.file = open(path, "a", buffering=1)  # noqa: SIM115 - open for the life of the process
+
+    def write(self, text: str) -> int:
+        self.file.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.file.flush()
+        self.stream.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+def tee_output_to(log_dir: str) -> None:
+    """`log_dir`, as GPT-NeoX uses it: this process's stdout and stderr also go to
+    <log_dir>/<hostname>_stdout.txt and <hostname>_stderr.txt (appended; every rank of a host)."""
+    if isinstance(sys.stdout, _Tee):
+        return
+    os.makedirs(log_dir, exist_ok=True)
+    prefix = os.path.join(log_dir, socket.gethostname())
+    sys.stdout = _Tee(sys.stdout, prefix + "_stdout.txt")
+    sys.stderr = _Tee(sys.stderr, prefix + "_stderr.txt")
+    for handler in logging.getLogger(LOGGER_NAME).handlers:  # a logger made earlier still holds the old stream
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout.stream:
+            handler.setStream(sys.stdout)
 
 
 def quiet_deepspeed() -> None:
@@ -140,7 +174,7 @@ class MetricsWriter:
                 get_logger().warning("use_wandb is set but wandb is not installed; W&B logging is off")
             else:
                 self.wandb_run = wandb.init(project=args.wandb_project, group=args.wandb_group,
-                                            config=args.to_dict())
+                                            name=args.wandb_run_name, config=args.to_dict())
 
     def write(self, scalars: dict, step: int) -> None:
         present = {k: v for k, v in scalars.items() if v is not None}

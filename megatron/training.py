@@ -9,10 +9,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron.diagnostics import StepProfiler, parameter_norms
 from megatron.divergence import NonFiniteWatch, check_weights_finite
 from megatron.initialize import current_device, data_parallel_rank_and_size, initialize_distributed, set_seeds
-from megatron.learning_rates import learning_rate_for_args, set_learning_rate
-from megatron.logging import MetricsWriter, ProgressReporter, get_logger, quiet_deepspeed
+from megatron.learning_rates import Schedule, schedule_for_resume, set_learning_rate
+from megatron.logging import (
+    MetricsWriter,
+    ProgressReporter,
+    current_rank,
+    get_logger,
+    quiet_deepspeed,
+    tee_output_to,
+)
 from megatron.optimizers import build_param_groups
 
 
@@ -23,6 +31,7 @@ class TrainState:
     # The iteration the LR schedule counts from: 0, except after `no_load_optim`, whose fresh
     # optimizer starts a fresh schedule (warmup included) while the iteration count carries on.
     lr_schedule_start: int = 0
+    schedule: Schedule | None = None  # what the LR follows; None until the run's settings decide it
 
     @property
     def lr_step(self) -> int:
@@ -30,13 +39,33 @@ class TrainState:
         return self.iteration + 1 - self.lr_schedule_start
 
 
-def state_after_load(outcome) -> TrainState:
-    """Where training continues after `load_checkpoint`: the plan decided iteration and data position."""
+def state_after_load(outcome, args=None) -> TrainState:
+    """Where training continues after `load_checkpoint`: the plan decided iteration and data position.
+
+    With `args`, also the LR schedule: a full resume checks the configs' schedule against the one the
+    checkpoint recorded (override_lr_scheduler / use_checkpoint_lr_scheduler decide, as in GPT-NeoX).
+    """
+    schedule = Schedule.from_args(args) if args is not None else None
     if outcome.loaded_optimizer:
         schedule_start = outcome.client_state.lr_schedule_start
+        if schedule is not None:
+            schedule = _resumed_schedule(args, schedule, outcome.client_state.lr_schedule)
     else:
         schedule_start = outcome.iteration
-    return TrainState(outcome.iteration, outcome.consumed_train_samples, schedule_start)
+    return TrainState(outcome.iteration, outcome.consumed_train_samples, schedule_start, schedule)
+
+
+def _resumed_schedule(args, configured: Schedule, saved: dict | None) -> Schedule:
+    from megatron.neox_arguments import ConfigError
+
+    try:
+        schedule, line = schedule_for_resume(configured, saved, override=args.override_lr_scheduler,
+                                             use_checkpoint=args.use_checkpoint_lr_scheduler)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if line:
+        get_logger().info(line)
+    return schedule
 
 
 @dataclass
@@ -86,12 +115,18 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
     return value.item()
 
 
-def train_step(engine, train_iterator) -> float:
-    """One optimizer step: ``gradient_accumulation_steps`` micro batches, then DeepSpeed steps."""
+def train_step(engine, train_iterator, before_optimizer_step=None) -> float:
+    """One optimizer step: ``gradient_accumulation_steps`` micro batches, then DeepSpeed steps.
+
+    `before_optimizer_step` runs after the last backward, when the step's gradients are complete.
+    """
     losses = []
-    for _ in range(engine.gradient_accumulation_steps()):
+    micro_batches = engine.gradient_accumulation_steps()
+    for micro_batch in range(micro_batches):
         loss = forward_loss(engine, next(train_iterator))
         engine.backward(loss)
+        if before_optimizer_step is not None and micro_batch == micro_batches - 1:
+            before_optimizer_step()
         engine.step()
         losses.append(loss.detach().float())
     return _mean_over_ranks(torch.stack(losses).mean())
@@ -124,14 +159,18 @@ def _grad_norm(engine) -> float | None:
 
 
 def _should_save(args, iteration: int) -> bool:
-    return bool(args.save) and bool(args.checkpoint_factor) and iteration % args.checkpoint_factor == 0
+    if not args.save:
+        return False
+    return iteration in (args.extra_save_iters or ()) or bool(
+        args.checkpoint_factor) and iteration % args.checkpoint_factor == 0
 
 
 def _save(args, engine, state: TrainState) -> None:
     from megatron.checkpointing import save_checkpoint
 
     check_weights_finite(engine, state.iteration, args)
-    save_checkpoint(args, engine, state.iteration, state.consumed_train_samples, state.lr_schedule_start)
+    save_checkpoint(args, engine, state.iteration, state.consumed_train_samples, state.lr_schedule_start,
+                    lr_schedule=state.schedule.to_dict())
 
 
 def setup(args):
@@ -144,6 +183,8 @@ def setup(args):
     from megatron.neox_arguments import padded_vocab_size
     from megatron.tokenizer import build_tokenizer
 
+    if args.log_dir:
+        tee_output_to(args.log_dir)
     log = get_logger()
     quiet_deepspeed()
     initialize_distributed(args)
@@ -165,12 +206,12 @@ def setup(args):
         model_parameters=build_param_groups(model, args.weight_decay),
         config=args.deepspeed_config(),
     )
-    state = TrainState()
+    state = TrainState(schedule=Schedule.from_args(args))
     restored_rng = False
     if plan is not None:
         outcome = load_checkpoint(args, engine, plan)
         if outcome is not None:
-            state = state_after_load(outcome)
+            state = state_after_load(outcome, args)
             restored_rng = outcome.restored_rng
     if not restored_rng:
         # Same weights on every rank came from the shared seed above; dropout differs per rank.
@@ -188,20 +229,33 @@ def train(args, engine, state: TrainState, iterators) -> RunResult:
     watch = NonFiniteWatch(args)
     last_train_loss = last_valid_loss = None
     start_iteration = state.iteration
+    state.schedule = state.schedule or Schedule.from_args(args)
+    profiler = StepProfiler(args, current_rank())
+    norms: dict[str, float] = {}
+    if state.iteration == 0 and _should_save(args, 0):
+        _save(args, engine, state)  # extra_save_iters may ask for the untrained model
+
+    def record_norms() -> None:
+        norms.update(parameter_norms(engine, gradients=args.log_grad_norm, parameters=args.log_param_norm))
+
+    inspect = record_norms if args.log_grad_norm or args.log_param_norm else None
     engine.train()
     while state.iteration < args.train_iters:
         step = state.iteration + 1
-        lr = learning_rate_for_args(args, state.lr_step)
+        lr = state.schedule.lr_at(state.lr_step)
         set_learning_rate(engine.optimizer, lr)
         started = time.perf_counter()
-        last_train_loss = train_step(engine, train_iterator)
+        profiler.before_step(state.iteration)
+        last_train_loss = train_step(engine, train_iterator, inspect)
+        profiler.after_step(state.iteration)
         state.iteration = step
         state.consumed_train_samples += args.train_batch_size
         step_seconds = time.perf_counter() - started
         scalars = {"train/loss": last_train_loss, "train/lr": lr, "train/grad_norm": _grad_norm(engine),
                    "train/loss_scale": _loss_scale(engine), "train/skipped_steps": _skipped_steps(engine),
                    "train/step_seconds": step_seconds}
-        metrics.write(scalars, step)
+        metrics.write({**scalars, **norms}, step)
+        norms.clear()
         window = progress.step(step, scalars)
         if window is not None:
             metrics.write({"train/tokens_per_second": window["train/tokens_per_second"]}, step)
@@ -215,6 +269,7 @@ def train(args, engine, state: TrainState, iterators) -> RunResult:
         if _should_save(args, step) and step != args.train_iters:
             _save(args, engine, state)
     progress.close()
+    profiler.close()
     if args.save and state.iteration > start_iteration:
         _save(args, engine, state)
     test_loss = None

@@ -64,7 +64,7 @@ def _scheduled_lr(step: int) -> float:
 
 def test_resume_and_no_load_optim_continue_at_the_next_iteration_with_the_scheduled_lr(tmp_path):
     save = tmp_path / "ckpt"
-    schedule = {"train_iters": 30, "lr_decay_iters": 30, "warmup": 5, "checkpoint_factor": 10,
+    schedule = {"train_iters": 30, "lr_decay_iters": 30, "warmup": 5 / 30, "checkpoint_factor": 10,
                 "eval_interval": 100}
     first = write_overrides(tmp_path, name="first.yml", save=str(save), **{**schedule, "train_iters": 20})
     run_deepy(["configs/tiny.yml", first])

@@ -138,8 +138,11 @@ def test_settings_stay_settable_attributes(tmp_path):
         ({"hidden_size": "wide"}, r"run.yml: hidden_size: expected int, got 'wide'"),
         ({"num_layers": True}, r"run.yml: num_layers: expected int, got True"),
         ({"train_iters": 10.5}, r"run.yml: train_iters: expected int or null, got 10.5"),
-        ({"norm": "scalenorm"}, r"run.yml: norm: 'scalenorm' is not one of 'layernorm', 'rmsnorm'"),
-        ({"pos_emb": "alibi"}, r"run.yml: pos_emb: 'alibi' is not one of"),
+        ({"norm": "layer_norm"}, r"run.yml: norm: 'layer_norm' is not one of 'layernorm', 'rmsnorm'"),
+        ({"norm": "scalenorm"}, r"run.yml: norm: 'scalenorm': ScaleNorm is a GPT-NeoX feature not built here"),
+        ({"pos_emb": "alibi"}, r"run.yml: pos_emb: 'alibi': ALiBi position bias is a GPT-NeoX feature not built"),
+        ({"activation": "geglu"}, r"run.yml: activation: 'geglu': the geglu activation is a GPT-NeoX feature"),
+        ({"data_impl": "cached"}, r"run.yml: data_impl: 'cached': the legacy cached indexed-dataset format"),
         ({"hidden_size": 66}, r"run.yml: hidden_size \(66\) is not divisible by run.yml: num_attention_heads \(4\)"),
         ({"num_kv_heads": 3}, r"run.yml: num_attention_heads \(4\) is not divisible by run.yml: num_kv_heads \(3\)"),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, r"run.yml: fp16 and run.yml: bf16: both enabled"),
@@ -153,7 +156,6 @@ def test_settings_stay_settable_attributes(tmp_path):
         ({"zero_stage": 2}, r"run.yml: zero_stage: is derived .* remove it"),
         ({"padded_vocab_size": 512}, r"run.yml: padded_vocab_size: is derived"),
         ({"config_files": {}}, r"run.yml: config_files: is derived"),
-        ({"optimizer": {"type": "Adam", "params": {}}}, r"lr: no learning rate; set optimizer.params.lr"),
         ({"lr": 0.01}, r"run.yml: lr is 0.01 but optimizer.params.lr is 0.001"),
         ({"optimizer": {"type": "Lion", "params": {"lr": 1}}}, r"run.yml: optimizer: type 'Lion' is not supported"),
         ({"zero_optimization": {"stage": 4}}, r"run.yml: zero_optimization: stage must be 0, 1, 2 or 3"),
@@ -162,7 +164,20 @@ def test_settings_stay_settable_attributes(tmp_path):
         ({"model_parallel_size": 2}, r"run.yml: model_parallel_size: tensor parallelism is not supported"),
         ({"pipe_parallel_size": 2}, r"run.yml: pipe_parallel_size: pipeline parallelism is not supported"),
         ({"hidden_dropout": 1.5}, r"run.yml: hidden_dropout: must be in \[0, 1\)"),
-        ({"warmup": 2.5}, r"run.yml: warmup: 2.5: a fraction"),
+        ({"warmup": 2.5}, r"run.yml: warmup: 2.5: warmup is a fraction of lr_decay_iters \(as in GPT-NeoX\)"),
+        ({"override_lr_scheduler": True, "use_checkpoint_lr_scheduler": True},
+         r"run.yml: override_lr_scheduler and \S*run.yml: use_checkpoint_lr_scheduler: both set"),
+        ({"lr_decay_fraction": 1.5}, r"run.yml: lr_decay_fraction: must be in \(0, 1\]"),
+        ({"extra_save_iters": [10, "20"]}, r"run.yml: extra_save_iters: expected a list of iteration numbers"),
+        ({"global_num_gpus": 4}, r"run.yml: global_num_gpus: 4, but the launcher settings .* start 1 rank"),
+        ({"sliding_window_width": 0}, r"run.yml: sliding_window_width: must be at least 1"),
+        ({"profile": True}, r"run.yml: profile: the trace is written to tensorboard_dir"),
+        ({"memory_profiling": True}, r"run.yml: memory_profiling: needs memory_profiling_path"),
+        ({"profile": True, "tensorboard_dir": "tb", "profile_step_start": 5, "profile_step_stop": 5},
+         r"profile_step_start \(5\) must be below \S*run.yml: profile_step_stop \(5\)"),
+        ({"te_mha": True}, r"run.yml: te_mha: True: Transformer Engine is a GPT-NeoX feature not built here"),
+        ({"attention_config": [[["mamba"], 2]]}, r"run.yml: attention_config: attention types \['mamba'\] are GPT-NeoX"),
+        ({"use_comet": True}, r"run.yml: use_comet: True: Comet logging is a GPT-NeoX feature not built here"),
         ({"checkpoint_factor": 10, "save_interval": 20}, r"run.yml: checkpoint_factor \(10\) and run.yml: save_interval"),
         ({"finetune": True}, r"run.yml: finetune: set but `load` is not"),
         ({"embedded_corpus": False, "data_path": "d", "tokenizer_type": "HFTokenizer"},
@@ -174,11 +189,11 @@ def test_settings_stay_settable_attributes(tmp_path):
          r"deepspeed_extra_args: train_batch_size = 64 would override"),
         ({"deepspeed_extra_args": {"scheduler": {"type": "WarmupLR"}}}, r"deepspeed_extra_args: scheduler"),
         ({"attention_config": [[["sparse_fixed"], 2]]}, r"run.yml: attention_config: attention types \['sparse_fixed'\]"),
-        ({"sparsity_config": {"block": 16}}, r"run.yml: sparsity_config: .*sparse attention is not supported"),
-        ({"moe_num_experts": 8}, r"run.yml: moe_num_experts: 8: mixture-of-experts is not supported"),
+        ({"sparsity_config": {"block": 16}}, r"run.yml: sparsity_config: .*sparse attention is a GPT-NeoX feature"),
+        ({"moe_num_experts": 8}, r"run.yml: moe_num_experts: 8: mixture-of-experts is a GPT-NeoX feature not built"),
         ({"mlp_type": "llama"}, r"run.yml: mlp_type: 'llama': .*activation: swiglu"),
         ({"num_gpus": 2, "include": "localhost:0"}, r"include/exclude cannot be combined with num_gpus"),
-        ({"hostfile": "/nonexistent/hostfile"}, r"hostfile: '/nonexistent/hostfile' does not exist"),
+        ({"hostfile": "/nonexistent/hostfile", "num_nodes": 2}, r"hostfile: '/nonexistent/hostfile' does not exist"),
         ({"num_nodes": 2}, r"num_nodes: 2 nodes need a hostfile"),
         ({"lr": float("nan")}, r"run.yml: lr: nan is not a finite number"),
         ({"optimizer": {"type": "Adam", "params": {"lr": float("inf")}}},
@@ -224,7 +239,7 @@ def test_inert_gpt_neox_settings_are_accepted_with_one_notice_each(tmp_path):
     for name in inert:
         assert sum(f"run.yml: {name} has no effect" in notice for notice in args.notices) == 1
     assert all("\n" not in notice for notice in args.notices)
-    assert args.data_impl == "mmap"
+    assert args.data_impl == "infer"
 
 
 def test_gpt_neox_aliases(tmp_path):
@@ -271,10 +286,20 @@ def test_batch_arithmetic_uses_data_parallel_ranks(tmp_path):
 def test_schedule_defaults(tmp_path):
     args = run_args(tmp_path, warmup=0.05)
     assert args.lr_decay_iters == 100 and args.warmup_iters == 5
-    args = run_args(tmp_path, warmup=7, lr_decay_iters=80)
-    assert args.lr_decay_iters == 80 and args.warmup_iters == 7
+    args = run_args(tmp_path, warmup=0.1, lr_decay_iters=80)
+    assert args.lr_decay_iters == 80 and args.warmup_iters == 8
     assert args.lr == 0.001 and args.zero_stage == 0
     assert args.max_position_embeddings == 32
+    # GPT-NeoX keeps the product unrounded: 1% of 150 iterations is 1.5 iterations of warmup
+    assert run_args(tmp_path, train_iters=150).warmup_iters == 0.01 * 150
+    # lr_decay_fraction gives lr_decay_iters when that is unset: floor(100 x 0.55)
+    assert run_args(tmp_path, lr_decay_fraction=0.55).lr_decay_iters == 55
+    assert run_args(tmp_path, lr_decay_fraction=0.55, lr_decay_iters=70).lr_decay_iters == 70
+
+
+def test_no_learning_rate_anywhere_trains_at_gpt_neox_adam_default(tmp_path):
+    assert run_args(tmp_path, optimizer={"type": "Adam", "params": {}}).lr == 0.001
+    assert run_args(tmp_path, optimizer=None).optimizer["params"]["lr"] == 0.001
 
 
 def test_checkpoint_factor_and_save_interval_are_one_setting(tmp_path):

@@ -67,7 +67,8 @@ def _rank() -> int:
 
 
 def save_checkpoint(
-    args, engine, iteration: int, consumed_train_samples: int, lr_schedule_start: int = 0
+    args, engine, iteration: int, consumed_train_samples: int, lr_schedule_start: int = 0,
+    lr_schedule: dict | None = None,
 ) -> Path:
     """Save tag global_step<iteration> under `args.save`; all ranks call it (DeepSpeed's save is collective).
 
@@ -87,6 +88,7 @@ def save_checkpoint(
         settings=args.to_dict(),
         rng_states=_gather_rng_states(),
         lr_schedule_start=int(lr_schedule_start),
+        lr_schedule=lr_schedule,
         forward_validation=(forward_validation.capture(engine, args)
                             if args.checkpoint_validation_with_forward_pass else None),
     )

@@ -9,7 +9,9 @@ written by another program, and is read as far as its keys go):
 
 1. iteration, consumed_train_samples, args (the run's settings), rng_states (one per global rank),
    lr_schedule_start_iteration, forward_validation (with checkpoint_validation_with_forward_pass),
-   converted_from (checkpoints written by the HF converter).
+   converted_from (checkpoints written by the HF converter), lr_schedule (peak_lr, min_lr,
+   warmup_iters, decay_iters, decay_style: what resumes check against the configs; absent in
+   checkpoints saved before it was recorded).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ CONSUMED_SAMPLES_KEY = "consumed_train_samples"
 SETTINGS_KEY = "args"  # GPT-NeoX's name
 RNG_STATES_KEY = "rng_states"
 LR_SCHEDULE_START_KEY = "lr_schedule_start_iteration"
+LR_SCHEDULE_KEY = "lr_schedule"
 FORWARD_VALIDATION_KEY = "forward_validation"
 CONVERTED_FROM_KEY = "converted_from"
 
@@ -39,6 +42,7 @@ class ClientState:
     rng_states: list[dict[str, Any]] | None = None  # megatron.checkpointing.rng states, by global rank
     # The iteration the LR schedule counts from (see megatron.training.TrainState); 0 when not recorded.
     lr_schedule_start: int = 0
+    lr_schedule: dict[str, Any] | None = None  # megatron.learning_rates.Schedule.to_dict() of the saving run
     forward_validation: dict[str, Any] | None = None  # megatron.checkpointing.forward_validation.capture
     converted_from: str | None = None  # the Hugging Face folder the weights came from
     format_version: int | None = FORMAT_VERSION  # None: written by another program or before versions
@@ -53,7 +57,7 @@ class ClientState:
             LR_SCHEDULE_START_KEY: self.lr_schedule_start,
         }
         optional = {RNG_STATES_KEY: self.rng_states, FORWARD_VALIDATION_KEY: self.forward_validation,
-                    CONVERTED_FROM_KEY: self.converted_from}
+                    CONVERTED_FROM_KEY: self.converted_from, LR_SCHEDULE_KEY: self.lr_schedule}
         stored.update({key: value for key, value in optional.items() if value is not None})
         return stored
 
@@ -74,6 +78,7 @@ class ClientState:
             settings=_settings_dict(stored.get(SETTINGS_KEY)),
             rng_states=list(rng_states) if rng_states else None,
             lr_schedule_start=integer(LR_SCHEDULE_START_KEY) or 0,
+            lr_schedule=stored.get(LR_SCHEDULE_KEY),
             forward_validation=stored.get(FORWARD_VALIDATION_KEY),
             converted_from=stored.get(CONVERTED_FROM_KEY),
             format_version=integer(FORMAT_VERSION_KEY),

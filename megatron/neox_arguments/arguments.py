@@ -66,7 +66,7 @@ class NeoXArgs:
         sources = {name: sources[name] for name in checked}
         values = {name: copy.deepcopy(setting.default) for name, setting in SETTINGS.items()}
         values.update(checked)
-        derive_all(values, sources, require_run_settings)
+        derive_all(values, sources, require_run_settings, notices)
         if values["train_batch_size"] is not None and values["lr"] is not None:
             build_deepspeed_config(values)  # its conflicts are config errors too; raise them now
         for name, setting in SETTINGS.items():

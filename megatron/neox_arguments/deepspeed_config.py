@@ -10,6 +10,7 @@ import copy
 from typing import Any
 
 from megatron.neox_arguments.errors import ConfigError
+from megatron.neox_arguments.schema import SETTINGS_LIST
 
 # DeepSpeed keys decided by our settings; changing them through deepspeed_extra_args would let the
 # trainer and DeepSpeed disagree.
@@ -24,6 +25,9 @@ OWNED_KEYS = {
     "zero_optimization": "zero_optimization",
     "gradient_clipping": "gradient_clipping",
 }
+# settings that are DeepSpeed config keys of the same name; like GPT-NeoX, only non-defaults are written
+PASSED_TO_DEEPSPEED = tuple(setting for setting in SETTINGS_LIST if setting.group == "deepspeed")
+OWNED_KEYS.update({setting.name: setting.name for setting in PASSED_TO_DEEPSPEED})
 
 
 def build_deepspeed_config(settings: dict[str, Any]) -> dict[str, Any]:
@@ -40,6 +44,9 @@ def build_deepspeed_config(settings: dict[str, Any]) -> dict[str, Any]:
     for precision in ("fp16", "bf16"):
         if settings["precision"] == precision:
             config[precision] = copy.deepcopy(settings[precision])
+    for setting in PASSED_TO_DEEPSPEED:
+        if settings[setting.name] != setting.default:
+            config[setting.name] = copy.deepcopy(settings[setting.name])
     _merge_extra(config, settings["deepspeed_extra_args"] or {}, path=())
     return config
 

@@ -7,6 +7,7 @@ from, so every error can name the file and key to fix.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from megatron.neox_arguments.errors import ConfigError, where
@@ -15,6 +16,8 @@ from megatron.tokenizer.tokenizer import TOKENIZER_FILES
 
 MODEL_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 RUN_REQUIRED = ("train_iters",)
+# what GPT-NeoX trains with when neither optimizer.params.lr nor lr is given
+GPT_NEOX_DEFAULT_LR = 0.001
 OPTIMIZER_TYPES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
 # the GPT-NeoX fp16 dict carries its own on-switch, which DeepSpeed's fp16 section does not know
 NEOX_ONLY_FP16_KEYS = ("fp16", "type")
@@ -26,8 +29,11 @@ def padded_vocab_size(orig_vocab_size: int, divisible_by: int, model_parallel_si
     return int(math.ceil(orig_vocab_size / multiple) * multiple)
 
 
-def derive_all(v: dict[str, Any], sources: dict[str, str], require_run_settings: bool) -> None:
+def derive_all(v: dict[str, Any], sources: dict[str, str], require_run_settings: bool,
+               notices: list[str] | None = None) -> None:
     """Fill in derived settings of `v` in place; raise ConfigError on impossible combinations.
+
+    What is accepted but worth a line to the user (a hostfile that is not there) goes to `notices`.
 
     Without `require_run_settings` (a model-only dict: library code, tests) the settings only a
     training run needs (train_iters, lr, batch sizes, data) may be missing; what is given is
@@ -40,11 +46,12 @@ def derive_all(v: dict[str, Any], sources: dict[str, str], require_run_settings:
     _derive_precision(v, sources)
     _derive_zero_stage(v, sources)
     _derive_optimizer(v, sources, require_run_settings)
-    _derive_world(v, sources)
+    _derive_world(v, sources, notices if notices is not None else [])
     _derive_batch(v, sources, require_run_settings)
     _derive_model_shape(v, sources)
     _derive_schedule(v, sources)
     _derive_checkpointing(v, sources)
+    _check_profiling(v, sources)
     if require_run_settings:
         _check_data(v, sources)
 
@@ -74,6 +81,8 @@ def _check_ranges(v: dict[str, Any], sources: dict[str, str]) -> None:
     for name in ("warmup", "min_lr", "weight_decay", "gradient_clipping", "max_nonfinite_steps"):
         if v[name] < 0:
             raise _fail(sources, name, f"must not be negative, got {v[name]}")
+    if v["sliding_window_width"] is not None and v["sliding_window_width"] < 1:
+        raise _fail(sources, "sliding_window_width", f"must be at least 1 when set, got {v['sliding_window_width']}")
     if v["model_parallel_size"] != 1:
         raise _fail(sources, "model_parallel_size", "tensor parallelism is not supported; use 1")
     if v["pipe_parallel_size"] > 1 or v["pipe_parallel_size"] < 0:
@@ -150,7 +159,7 @@ def _derive_optimizer(v: dict[str, Any], sources: dict[str, str], require_run_se
         sources["lr"] = sources["optimizer"]
     v["lr"] = _agree(v, sources, "lr", params.get("lr"), "optimizer.params.lr")
     if v["lr"] is None and require_run_settings:
-        raise ConfigError("lr: no learning rate; set optimizer.params.lr (or lr)")
+        v["lr"] = GPT_NEOX_DEFAULT_LR
     if v["lr"] is not None and v["lr"] <= 0:
         raise _fail(sources, "lr", f"must be positive, got {v['lr']}")
     given_decay = params.get("weight_decay")
@@ -175,9 +184,18 @@ def _agree(v: dict[str, Any], sources: dict[str, str], name: str, other: Any, ot
     return other
 
 
-def _derive_world(v: dict[str, Any], sources: dict[str, str]) -> None:
+def _derive_world(v: dict[str, Any], sources: dict[str, str], notices: list[str]) -> None:
     num_nodes = None if v["num_nodes"] == -1 else v["num_nodes"]
+    if v["hostfile"] is not None and not Path(v["hostfile"]).is_file() and not (num_nodes or 1) > 1:
+        # what DeepSpeed's launcher does with a hostfile that is not there: warn, run on this machine
+        notices.append(f"notice: {where(sources, 'hostfile')}: {v['hostfile']!r} does not exist; "
+                       "running on this machine only, as DeepSpeed does")
+        v["hostfile"] = None
     ranks = count_ranks(v["num_gpus"], num_nodes, v["hostfile"], v["include"], v["exclude"])
+    if v["global_num_gpus"] is not None and v["global_num_gpus"] != ranks:
+        raise _fail(sources, "global_num_gpus", f"{v['global_num_gpus']}, but the launcher settings "
+                    f"(num_gpus/num_nodes/hostfile/include/exclude) start {ranks} rank(s); remove global_num_gpus "
+                    "or make them agree")
     v["global_num_gpus"] = ranks
     v["data_parallel_size"] = ranks // (v["model_parallel_size"] * max(v["pipe_parallel_size"], 1))
 
@@ -253,18 +271,22 @@ def _derive_model_shape(v: dict[str, Any], sources: dict[str, str]) -> None:
 
 
 def _derive_schedule(v: dict[str, Any], sources: dict[str, str]) -> None:
+    fraction = v["lr_decay_fraction"]
+    if fraction is not None and not 0 < fraction <= 1:
+        raise _fail(sources, "lr_decay_fraction", f"must be in (0, 1], got {fraction}")
+    if v["lr_decay_iters"] is None and fraction is not None and v["train_iters"] is not None:
+        v["lr_decay_iters"] = max(1, math.floor(v["train_iters"] * fraction))
     v["lr_decay_iters"] = v["lr_decay_iters"] or v["train_iters"]
-    warmup = v["warmup"]
-    if warmup < 1 and v["lr_decay_iters"] is None:
-        v["warmup_iters"] = None  # a fraction of an unknown length: only a model-only dict gets here
-    elif warmup < 1:
-        v["warmup_iters"] = int(warmup * v["lr_decay_iters"])
-    elif float(warmup).is_integer():
-        v["warmup_iters"] = int(warmup)
-    else:
-        raise _fail(sources, "warmup", f"{warmup}: a fraction (< 1) of lr_decay_iters or a whole number of iterations")
+    if v["warmup"] > 1:
+        raise _fail(sources, "warmup", f"{v['warmup']}: warmup is a fraction of lr_decay_iters (as in GPT-NeoX), "
+                                       "at most 1; for N warmup iterations write N / lr_decay_iters")
+    # GPT-NeoX does not round: 0.01 x 1500 iterations warms up over 15.000000000000002 of them
+    v["warmup_iters"] = None if v["lr_decay_iters"] is None else v["warmup"] * v["lr_decay_iters"]
     if v["lr"] is not None and v["min_lr"] > v["lr"]:
         raise ConfigError(f"{where(sources, 'min_lr')} ({v['min_lr']}) is above the peak lr ({v['lr']})")
+    if v["override_lr_scheduler"] and v["use_checkpoint_lr_scheduler"]:
+        raise ConfigError(f"{where(sources, 'override_lr_scheduler')} and {where(sources, 'use_checkpoint_lr_scheduler')}: "
+                          "both set; the schedule comes either from the configs or from the checkpoint, keep one")
 
 
 def _derive_checkpointing(v: dict[str, Any], sources: dict[str, str]) -> None:
@@ -275,9 +297,23 @@ def _derive_checkpointing(v: dict[str, Any], sources: dict[str, str]) -> None:
             "are the same setting with different values; set one"
         )
     v["checkpoint_factor"] = v["save_interval"] = factor if factor is not None else interval
+    extra = v["extra_save_iters"]
+    if extra is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra):
+        raise _fail(sources, "extra_save_iters", f"expected a list of iteration numbers (whole numbers >= 0), got {extra!r}")
     for flag in ("finetune", "no_load_optim"):
         if v[flag] and not v["load"]:
             raise ConfigError(f"{where(sources, flag)}: set but `load` is not; say which checkpoint to load")
+
+
+def _check_profiling(v: dict[str, Any], sources: dict[str, str]) -> None:
+    if v["profile"] or v["memory_profiling"]:
+        if not 0 <= v["profile_step_start"] < v["profile_step_stop"]:
+            raise ConfigError(f"{where(sources, 'profile_step_start')} ({v['profile_step_start']}) must be below "
+                              f"{where(sources, 'profile_step_stop')} ({v['profile_step_stop']}) and not negative")
+    if v["profile"] and not v["tensorboard_dir"]:
+        raise _fail(sources, "profile", "the trace is written to tensorboard_dir (as in GPT-NeoX); set tensorboard_dir")
+    if v["memory_profiling"] and not v["memory_profiling_path"]:
+        raise _fail(sources, "memory_profiling", "needs memory_profiling_path, the folder for the snapshot")
 
 
 def _check_data(v: dict[str, Any], sources: dict[str, str]) -> None:

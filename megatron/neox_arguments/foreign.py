@@ -28,6 +28,13 @@ VALUE_ALIASES: dict[str, dict[Any, Any]] = {
 _KERNEL = "a GPU kernel choice; the model computes the same function without it"
 _MEMORY = "a GPU memory/recomputation tuning knob we do not implement (use checkpoint_activations)"
 _PLUMBING = "cluster/launcher plumbing this framework does not use"
+_GENERATION = "read only by GPT-NeoX's text generation and evaluation scripts, not by training"
+_SET_BY_GPT_NEOX = "filled in by GPT-NeoX itself at launch, not a setting"
+
+
+def _only_with(feature: str) -> str:
+    return f"only matters with {feature}, which is off"
+
 
 INERT: dict[str, str] = {
     "scaled_upper_triang_masked_softmax_fusion": _KERNEL,
@@ -35,11 +42,17 @@ INERT: dict[str, str] = {
     "bias_gelu_fusion": _KERNEL,
     "bias_dropout_fusion": _KERNEL,
     "rope_fusion": _KERNEL,
+    "layernorm_fusion": _KERNEL,
+    "rmsnorm_fusion": _KERNEL,
     "use_flashattn_swiglu": _KERNEL,
     "use_flash_attention": _KERNEL,
     "fp16_lm_cross_entropy": _KERNEL,
     "attention_softmax_in_fp32": _KERNEL,
     "apply_query_key_layer_scaling": _KERNEL,
+    "fused_kernels_build_path": _KERNEL,
+    "mamba_selective_scan_fusion": _KERNEL,
+    "mamba_causal_conv_fusion": _KERNEL,
+    "mamba_inner_func_fusion": _KERNEL,
     "partition_activations": _MEMORY,
     "synchronize_each_layer": _MEMORY,
     "checkpoint_num_layers": _MEMORY,
@@ -47,23 +60,84 @@ INERT: dict[str, str] = {
     "contiguous_checkpointing": _MEMORY,
     "profile_backward": _MEMORY,
     "deepspeed_activation_checkpointing": _MEMORY,
+    "activation_checkpointing": _MEMORY,
     "use_cpu_initialization": _MEMORY,
     "mmap_warmup": _MEMORY,
     "output_layer_parallelism": "only matters for tensor parallelism, which is fixed at 1",
     "sequence_parallel": "only matters for tensor parallelism, which is fixed at 1",
     "pipe_partition_method": "only matters for pipeline parallelism, which is not supported",
     "distributed_backend": "the backend is chosen by DeepSpeed's accelerator (nccl on GPU, gloo on CPU)",
-    "fp32_allreduce": _PLUMBING,
+    "rotary_save_freqs_buffer": "only decides whether GPT-NeoX stores the rotary frequencies in checkpoints; they are recomputed here",
     "detect_nvlink_pairs": _PLUMBING,
     "force_multi": _PLUMBING,
     "no_ssh_check": _PLUMBING,
     "comment": _PLUMBING,
+    "account": _PLUMBING,
     "use_shared_fs": _PLUMBING,
+    "deepspeed": "training always runs on DeepSpeed",
+    "deepscale": "a deprecated GPT-NeoX flag without effect",
+    "deepscale_config": "a deprecated GPT-NeoX flag without effect",
+    "onnx_safe": "only matters for ONNX export",
     "wall_clock_breakdown": "DeepSpeed's timing breakdown is always off; the trainer logs its own timings",
     "wandb_host": "W&B uses its own environment (WANDB_BASE_URL)",
     "wandb_team": "W&B uses its own environment (WANDB_ENTITY)",
-    "git_hash": "recorded by GPT-NeoX itself, not a setting",
+    "wandb_init_all_ranks": "W&B logs from rank 0, which sees every logged value",
+    "peak_theoretical_tflops": "model FLOPs utilisation is not logged",
+    "git_hash": _SET_BY_GPT_NEOX,
+    "world_size": _SET_BY_GPT_NEOX,
+    "local_rank": _SET_BY_GPT_NEOX,
+    "rank": _SET_BY_GPT_NEOX,
+    "user_script": _SET_BY_GPT_NEOX,
+    "is_pipe_parallel": _SET_BY_GPT_NEOX,
+    "do_train": _SET_BY_GPT_NEOX,
+    "do_valid": _SET_BY_GPT_NEOX,
+    "do_test": _SET_BY_GPT_NEOX,
+    "optimizer_type": "GPT-NeoX derives it from optimizer.type",
+    "hysteresis": "DeepSpeed reads loss scaling from the fp16 section",
+    "dynamic_loss_scale": "DeepSpeed reads loss scaling from the fp16 section",
+    "loss_scale": "DeepSpeed reads loss scaling from the fp16 section",
+    "loss_scale_window": "DeepSpeed reads loss scaling from the fp16 section",
+    "min_scale": "DeepSpeed reads loss scaling from the fp16 section",
+    "short_seq_prob": "used only by BERT-style data, not GPT training",
+    "s3_chunk_size": _only_with("s3_path"),
+    "weighted_sampler_alpha": _only_with("weight_by_num_documents"),
+    "allow_chopped": "only matters with pack_impl other than packed",
+    "param_sharing_style": _only_with("num_unique_layers"),
+    "gmlp_attn_dim": _only_with("gMLP attention"),
+    "rpe_num_buckets": _only_with("pos_emb: rpe"),
+    "rpe_max_distance": _only_with("pos_emb: rpe"),
+    "scalenorm_epsilon": _only_with("norm: scalenorm"),
+    "curriculum_seqlen": _only_with("curriculum_learning"),
+    "memory_profiling_path": _only_with("memory_profiling"),
+    "gradient_noise_scale_n_batches": _only_with("log_gradient_noise_scale"),
+    "gradient_noise_scale_cpu_offload": _only_with("log_gradient_noise_scale"),
+    "adlr_autoresume_interval": _only_with("adlr_autoresume"),
+    "weight_server_port": _only_with("serve_model_weights"),
+    "online_dataserver_ips": _only_with("dataset_impl: online"),
+    "online_dataserver_ports": _only_with("dataset_impl: online"),
+    "lazy_mpu_init": "only matters when GPT-NeoX is embedded in another program",
 }
+INERT.update(dict.fromkeys(
+    ("text_gen_type", "temperature", "top_p", "top_k", "return_logits", "maximum_tokens", "prompt_end",
+     "sample_input_file", "sample_output_file", "num_samples", "recompute", "eval_results_prefix", "eval_tasks",
+     "precompute_model_name"),
+    _GENERATION,
+))
+_SUBORDINATE: dict[str, tuple[str, ...]] = {
+    "Transformer Engine": ("te_fp8_format", "te_fp8_wgrad", "te_fp8_amax_history_len", "te_fp8_amax_compute_algo",
+                           "te_fp8_margin"),
+    "use_mup": ("mup_init_scale", "mup_attn_temp", "mup_output_temp", "mup_embedding_mult", "mup_rp_embedding_mult",
+                "mup_width_scale"),
+    "use_comet": ("comet_workspace", "comet_project", "comet_experiment_name", "comet_tags", "comet_others",
+                  "comet_experiment"),
+    "train_impl: dpo": ("dpo_fp32", "dpo_reference_free", "dpo_beta"),
+    "train_impl: kto": ("kto_fp32", "kto_desirable_weight", "kto_undesirable_weight", "kto_beta"),
+    "train_impl: reinforce": ("z_loss", "fp32_reinforce", "kl_impl", "kl_div_beta", "reinforce_leave_one_out"),
+    "Mamba blocks (attention_config: mamba)": ("mamba_selective_fp32_params", "mamba_use_bias_in_conv",
+                                                "mamba_use_bias_in_linears"),
+}
+for _feature, _names in _SUBORDINATE.items():
+    INERT.update(dict.fromkeys(_names, _only_with(_feature)))
 
 
 def _falsy(value: Any) -> bool:
@@ -82,26 +156,93 @@ def _equals(off_value: Any) -> Callable[[Any], bool]:
     return lambda value: value is None or value == off_value
 
 
+def _not_built(feature: str, instead: str = "") -> str:
+    return f"{feature} is a GPT-NeoX feature not built here" + (f"; {instead}" if instead else "")
+
+
 # name -> (is the value the one that switches the feature off?, what to tell the user)
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "sparsity_config": (_falsy, "sparse attention is not supported; remove sparsity_config"),
-    "moe_num_experts": (_at_most_one, "mixture-of-experts is not supported; use moe_num_experts: 1"),
-    "num_experts": (_at_most_one, "mixture-of-experts is not supported; use 1 expert"),
-    "use_mup": (_falsy, "muP is not supported; remove use_mup"),
-    "num_unique_layers": (_falsy, "layer sharing is not supported; remove num_unique_layers"),
-    "soft_prompt_tuning": (_disabled_dict, "soft prompt tuning is not supported"),
-    "opt_pos_emb_offset": (_falsy, "OPT's position-embedding offset is not supported"),
-    "use_bnb_optimizer": (_falsy, "bitsandbytes optimizers are not supported; use optimizer.type Adam/AdamW/SGD"),
-    "curriculum_learning": (_disabled_dict, "curriculum learning is not supported"),
-    "train_impl": (_equals("normal"), "only normal language-model training is supported (no DPO/KTO/RM)"),
+    "sparsity_config": (_falsy, _not_built("sparse attention", "remove sparsity_config")),
+    "moe_num_experts": (_at_most_one, _not_built("mixture-of-experts", "use moe_num_experts: 1")),
+    "num_experts": (_at_most_one, _not_built("mixture-of-experts", "use 1 expert")),
+    "use_mup": (_falsy, _not_built("muP", "remove use_mup")),
+    "coord_check": (_falsy, _not_built("muP's coordinate check")),
+    "save_base_shapes": (_falsy, _not_built("muP's base shapes")),
+    "base_shapes_file": (_falsy, _not_built("muP's base shapes")),
+    "num_unique_layers": (_falsy, _not_built("layer sharing", "remove num_unique_layers")),
+    "soft_prompt_tuning": (_disabled_dict, _not_built("soft prompt tuning")),
+    "opt_pos_emb_offset": (_falsy, _not_built("OPT's position-embedding offset")),
+    "use_qk_layernorm": (_falsy, _not_built("QK layer normalisation")),
+    "use_bnb_optimizer": (_falsy, _not_built("bitsandbytes optimizers", "use optimizer.type Adam/AdamW/SGD")),
+    "curriculum_learning": (_disabled_dict, _not_built("curriculum learning")),
+    "train_impl": (_equals("normal"), "only normal language-model training is built here (GPT-NeoX's DPO/KTO/RM/REINFORCE are not)"),
+    "dataset_impl": (_equals("gpt2"), _not_built("pairwise and online datasets", "use dataset_impl: gpt2")),
+    "pack_impl": (_equals("packed"), _not_built("unpacked samples", "use pack_impl: packed")),
     "mlp_type": (_equals("regular"), "for Llama's gated MLP write `activation: swiglu` instead of mlp_type"),
     "gpt_j_tied": (_falsy, "tied parallel-residual norms are not supported (gpt_j_residual with two norms is)"),
-    "checkpoint_scale": (_equals("linear"), "only linear checkpoint spacing is supported (checkpoint_factor)"),
-    "extra_save_iters": (_falsy, "extra save iterations are not supported; use checkpoint_factor"),
+    "checkpoint_scale": (_equals("linear"), "only linear checkpoint spacing is supported (checkpoint_factor, extra_save_iters)"),
     "scheduler": (_falsy, "the trainer steps the learning rate itself; use lr_decay_style, warmup, min_lr"),
-    "amp": (_disabled_dict, "apex AMP is not supported; use fp16 or bf16"),
+    "amp": (_disabled_dict, _not_built("apex AMP", "use fp16 or bf16")),
     "load_universal": (_falsy, "universal checkpoints are not supported yet"),
+    "te_columnparallel": (_falsy, _not_built("Transformer Engine")),
+    "te_rowparallel": (_falsy, _not_built("Transformer Engine")),
+    "te_layernorm_mlp": (_falsy, _not_built("Transformer Engine")),
+    "te_mha": (_falsy, _not_built("Transformer Engine")),
+    "te_fp8_mha": (_falsy, _not_built("Transformer Engine")),
+    "dim_att": (_falsy, _not_built("RWKV")),
+    "head_size": (_falsy, _not_built("RWKV")),
+    "ffn_dim": (_falsy, _not_built("RWKV")),
+    "use_comet": (_falsy, _not_built("Comet logging", "use tensorboard_dir or use_wandb")),
+    "log_grad_pct_zeros": (_falsy, _not_built("logging the share of zero gradients")),
+    "log_optimizer_states": (_falsy, _not_built("logging optimizer-state norms")),
+    "log_gradient_noise_scale": (_falsy, _not_built("the gradient noise scale logger")),
+    "serve_model_weights": (_falsy, _not_built("serving weights over a socket")),
+    "s3_path": (_falsy, _not_built("uploading checkpoints to S3")),
+    "no_save_optim": (_falsy, _not_built("saving checkpoints without optimizer states")),
+    "no_save_rng": (_falsy, _not_built("saving checkpoints without RNG states")),
+    "exit_interval": (_falsy, _not_built("exit_interval", "set train_iters")),
+    "eod_mask_loss": (_falsy, _not_built("masking the loss on end-of-document tokens")),
+    "char_level_ppl": (_falsy, _not_built("character-level perplexity")),
+    "adlr_autoresume": (_falsy, _not_built("ADLR autoresume")),
+    "weight_by_num_documents": (_falsy, _not_built("weighting datasets by document count", "set train_data_weights")),
+    "train_epochs": (_falsy, _not_built("train_epochs", "set train_iters")),
+    "autotuning": (_falsy, _not_built("DeepSpeed autotuning through deepy.py")),
+    "elasticity": (_disabled_dict, _not_built("DeepSpeed elastic training")),
+    "compression_training": (_falsy, _not_built("DeepSpeed compression training")),
+    "data_efficiency": (_disabled_dict, _not_built("DeepSpeed data efficiency (curriculum, random-LTD)")),
+    "sparse_attention": (_falsy, _not_built("DeepSpeed sparse attention")),
+    "checkpoint": (_falsy, "DeepSpeed's checkpoint section would change how checkpoints are written; remove it"),
+    "tensorboard": (_disabled_dict, "DeepSpeed's own TensorBoard monitor is not used; set tensorboard_dir"),
+    "wandb": (_disabled_dict, "DeepSpeed's own W&B monitor is not used; set use_wandb"),
+    "autotuning_run": (_falsy, _not_built("DeepSpeed autotuning through deepy.py")),
 }
+for _split in ("train", "valid", "test"):
+    for _kind in ("label", "reward"):
+        UNSUPPORTED[f"{_split}_{_kind}_data_paths"] = (_falsy, _not_built(f"separate {_kind} datasets"))
+    for _sign in ("pos", "neg"):
+        UNSUPPORTED[f"{_sign}_{_split}_data_paths"] = (_falsy, _not_built("pairwise (DPO) datasets"))
+        UNSUPPORTED[f"{_sign}_{_split}_label_data_paths"] = (_falsy, _not_built("pairwise (DPO) datasets"))
+
+# Values GPT-NeoX allows for one of our settings that select a feature not built here.
+GPT_NEOX_ONLY_VALUES: dict[str, dict[Any, str]] = {
+    "pos_emb": {"sinusoidal": "sinusoidal position embedding", "rpe": "T5 relative position encoding (rpe)",
+                "alibi": "ALiBi position bias"},
+    "norm": {"non_parametric_layernorm": "non-parametric LayerNorm", "scalenorm": "ScaleNorm",
+             "te_rmsnorm": "Transformer Engine RMSNorm", "te_layernorm": "Transformer Engine LayerNorm"},
+    "activation": {name: f"the {name} activation" for name in
+                   ("geglu", "softsign", "swish", "mish", "reglu", "bilinear", "glu")},
+    "init_method": {name: f"the {name} initialisation" for name in
+                    ("orthogonal", "scaled_orthogonal", "xavier_uniform", "xavier_normal",
+                     "single_residual_scaled_normal")},
+    "data_impl": {"cached": "the legacy cached indexed-dataset format (preprocess into mmap .bin/.idx files)"},
+}
+GPT_NEOX_ONLY_VALUES["output_layer_init_method"] = GPT_NEOX_ONLY_VALUES["init_method"]
+
+
+def gpt_neox_only_value(name: str, value: Any) -> str | None:
+    """The GPT-NeoX feature that `value` of setting `name` selects, when that feature is not built here."""
+    return GPT_NEOX_ONLY_VALUES.get(name, {}).get(value) if _hashable(value) else None
+
 
 ATTENTION_TYPES_WITH_GLOBAL_MATH = ("global", "flash")
 
@@ -118,7 +259,8 @@ def attention_config_problem(value: Any) -> str | None:
             return shape_hint
         others = [kind for kind in entry[0] if kind not in ATTENTION_TYPES_WITH_GLOBAL_MATH]
         if others:
-            return f"attention types {others} are not supported; only global attention is (e.g. [[[\"global\"], N]])"
+            return (f"attention types {others} are GPT-NeoX features not built here (sparse/local attention, "
+                    'gMLP, Mamba, RWKV); only global attention is (e.g. [[["global"], N]])')
     return None
 
 

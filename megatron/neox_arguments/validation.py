@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from megatron.neox_arguments.errors import ConfigError, where
+from megatron.neox_arguments.foreign import gpt_neox_only_value
 from megatron.neox_arguments.schema import SETTINGS, Setting
 
 # PyYAML reads YAML 1.1, where `1e-5` (no dot) is a string; GPT-NeoX configs are full of such values.
@@ -55,6 +56,9 @@ def check_setting(name: str, value: Any, sources: dict[str, str], allowed_derive
         raise ConfigError(f"{where(sources, name)}: must not be null (expected {_type_names(_allowed_types(setting))})")
     _check_finite(where(sources, name), converted)
     if setting.choices is not None and converted not in setting.choices:
+        feature = gpt_neox_only_value(name, converted)
+        if feature is not None:
+            raise ConfigError(f"{where(sources, name)}: {converted!r}: {feature} is a GPT-NeoX feature not built here")
         allowed = ", ".join(repr(c) for c in setting.choices if c is not None)
         raise ConfigError(f"{where(sources, name)}: {converted!r} is not one of {allowed}")
     return converted
