@@ -83,3 +83,21 @@ def test_extra_args_are_deep_merged_and_may_not_override():
         settings(2, "bf16", deepspeed_extra_args={"zero_optimization": {"stage": 3}})
     with pytest.raises(ConfigError, match=r"deepspeed_extra_args: fp16 = .* set it through fp16 / precision"):
         settings(0, "fp32", deepspeed_extra_args={"fp16": {"enabled": True}})
+
+
+def test_gpt_neox_deepspeed_keys_go_into_the_deepspeed_config_when_not_default(single_rank_world):
+    import deepspeed
+
+    config = settings(0, "bf16").deepspeed_config()
+    assert "communication_data_type" not in config and "data_types" not in config  # only non-defaults
+    data_types = {"grad_accum_dtype": "fp32"}
+    assert settings(1, "bf16", data_types=data_types).deepspeed_config()["data_types"] == data_types
+    config = settings(0, "bf16", fp32_allreduce=True, gradient_predivide_factor=2.0).deepspeed_config()
+    model = torch.nn.Linear(8, 4)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert engine.communication_data_type == torch.float32  # bf16 gradients are reduced in fp32
+    assert engine.gradient_predivide_factor() == 2.0
+    with pytest.raises(ConfigError, match=r"fp32_allreduce: true but communication_data_type is 'fp16'"):
+        settings(0, "fp32", fp32_allreduce=True, communication_data_type="fp16")
+    with pytest.raises(ConfigError, match=r"deepspeed_extra_args: gradient_predivide_factor = 3.0 would override"):
+        settings(0, "fp32", gradient_predivide_factor=2.0, deepspeed_extra_args={"gradient_predivide_factor": 3.0})

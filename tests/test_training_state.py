@@ -32,3 +32,45 @@ def test_no_load_optim_keeps_iteration_and_data_position_but_restarts_the_schedu
 def test_finetune_starts_everything_at_zero():
     state = state_after_load(outcome(0, False))
     assert (state.iteration, state.consumed_train_samples, state.lr_step) == (0, 0, 1)
+
+
+# --- override_lr_scheduler / use_checkpoint_lr_scheduler, as GPT-NeoX's AnnealingLR decides ----------
+
+def _run_settings(**overrides):
+    from megatron.neox_arguments import NeoXArgs
+
+    return NeoXArgs.from_dict({"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "seq_length": 4,
+                               "train_iters": 100, "lr": 0.001, "warmup": 0.1, **overrides})
+
+
+SAVED = {"peak_lr": 0.002, "min_lr": 0.0, "warmup_iters": 10.0, "decay_iters": 100, "decay_style": "linear"}
+
+
+def _resume(args, saved=SAVED):
+    return state_after_load(LoadOutcome(
+        iteration=20, consumed_train_samples=160, loaded_optimizer=True, restored_rng=True, tag="global_step20",
+        client_state=ClientState(iteration=20, lr_schedule=saved)), args)
+
+
+def test_resume_with_a_changed_schedule_is_refused_by_default():
+    import pytest
+
+    from megatron.neox_arguments import ConfigError
+
+    with pytest.raises(ConfigError, match=r"peak_lr 0.002 -> 0.001.*override_lr_scheduler.*use_checkpoint_lr_scheduler"):
+        _resume(_run_settings())
+
+
+def test_override_lr_scheduler_takes_the_configs_schedule():
+    schedule = _resume(_run_settings(override_lr_scheduler=True)).schedule
+    assert schedule.peak_lr == 0.001 and schedule.lr_at(21) == 0.001 * 80 / 90  # linear, n = 20 of 10..100
+
+
+def test_use_checkpoint_lr_scheduler_takes_the_checkpoints_schedule():
+    schedule = _resume(_run_settings(use_checkpoint_lr_scheduler=True)).schedule
+    assert schedule.peak_lr == 0.002 and schedule.lr_at(21) == 0.002 * 80 / 90
+
+
+def test_an_unchanged_schedule_or_one_never_recorded_resumes_without_a_flag():
+    assert _resume(_run_settings(lr=0.002)).schedule.peak_lr == 0.002
+    assert _resume(_run_settings(), saved=None).schedule.peak_lr == 0.001

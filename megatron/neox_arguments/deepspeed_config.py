@@ -27,7 +27,6 @@ OWNED_KEYS = {
 }
 # settings that are DeepSpeed config keys of the same name; like GPT-NeoX, only non-defaults are written
 PASSED_TO_DEEPSPEED = tuple(setting for setting in SETTINGS_LIST if setting.group == "deepspeed")
-OWNED_KEYS.update({setting.name: setting.name for setting in PASSED_TO_DEEPSPEED})
 
 
 def build_deepspeed_config(settings: dict[str, Any]) -> dict[str, Any]:
@@ -47,6 +46,12 @@ def build_deepspeed_config(settings: dict[str, Any]) -> dict[str, Any]:
     for setting in PASSED_TO_DEEPSPEED:
         if settings[setting.name] != setting.default:
             config[setting.name] = copy.deepcopy(settings[setting.name])
+    if settings["fp32_allreduce"]:
+        # GPT-NeoX's DeepSpeed had an fp32_allreduce key; today's DeepSpeed says it this way
+        if settings["communication_data_type"] not in (None, "fp32"):
+            raise ConfigError(f"fp32_allreduce: true but communication_data_type is "
+                              f"{settings['communication_data_type']!r}; set one of them")
+        config["communication_data_type"] = "fp32"
     _merge_extra(config, settings["deepspeed_extra_args"] or {}, path=())
     return config
 
@@ -60,6 +65,9 @@ def _merge_extra(config: dict[str, Any], extra: dict[str, Any], path: tuple[str,
         owner = OWNED_KEYS.get(here[0])
         adds_owned_section = not path and key not in config
         changes_value = key in config and config[key] != value
+        # a DeepSpeed key that is also one of our settings: extra args may set it only where the setting did not
+        if owner is None and changes_value and any(setting.name == here[0] for setting in PASSED_TO_DEEPSPEED):
+            owner = here[0]
         if owner is not None and (adds_owned_section or changes_value):
             raise ConfigError(
                 f"deepspeed_extra_args: {'.'.join(here)} = {value!r} would override what the settings decide "

@@ -108,7 +108,6 @@ INERT: dict[str, str] = {
     "rpe_max_distance": _only_with("pos_emb: rpe"),
     "scalenorm_epsilon": _only_with("norm: scalenorm"),
     "curriculum_seqlen": _only_with("curriculum_learning"),
-    "memory_profiling_path": _only_with("memory_profiling"),
     "gradient_noise_scale_n_batches": _only_with("log_gradient_noise_scale"),
     "gradient_noise_scale_cpu_offload": _only_with("log_gradient_noise_scale"),
     "adlr_autoresume_interval": _only_with("adlr_autoresume"),

@@ -97,8 +97,9 @@ SETTINGS_LIST: list[Setting] = [
     _train("max_nonfinite_steps", int, 20, "fp16: stop the run after more than this many steps in a row skipped for overflowing gradients (bf16/fp32 stop at the first non-finite step)"),
     _train("seed", int, 1234, "random seed (weights, data order, dropout)"),
     _train("deepspeed_extra_args", (dict, type(None)), None, "DeepSpeed config keys passed through unchanged"),
+    _train("fp32_allreduce", bool, False, "reduce gradients across ranks in fp32 (DeepSpeed's communication_data_type: fp32)"),
     # --- DeepSpeed config keys (written into the DeepSpeed config when not at their default) ----
-    _ds("fp32_allreduce", bool, False, "average gradients across ranks in fp32 (DeepSpeed's non-ZeRO reduction)"),
+
     _ds("prescale_gradients", bool, False, "scale gradients before the all-reduce instead of after"),
     _ds("gradient_predivide_factor", FLOAT, 1.0, "divide gradients by this before the all-reduce, the rest after"),
     _ds("sparse_gradients", bool, False, "reduce embedding gradients as sparse tensors"),
