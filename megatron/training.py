@@ -177,7 +177,7 @@ def setup(args):
     """Everything before the first step; returns (engine, state, iterators)."""
     import deepspeed
 
-    from megatron.checkpointing import load_checkpoint, plan_load
+    from megatron.checkpointing import check_save_dir, load_checkpoint, plan_load
     from megatron.data import build_data_iterators
     from megatron.model import build_model
     from megatron.neox_arguments import padded_vocab_size
@@ -196,6 +196,7 @@ def setup(args):
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.model_parallel_size
     )
     plan = plan_load(args, dp_size)
+    check_save_dir(args)
 
     set_seeds(args.seed)
     model = build_model(args)

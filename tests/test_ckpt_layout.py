@@ -66,10 +66,14 @@ def test_copy_configs_writes_each_yaml(tmp_path):
     assert layout.copy_configs(None, tmp_path / "global_step2") == []
 
 
+def all_tags(root):
+    return set(layout.list_tags(root))
+
+
 def test_prune_keeps_newest_n(tmp_path):
     make_tags(tmp_path, [1, 2, 3, 4, 5])
     layout.write_latest(tmp_path, "global_step5")
-    deleted = layout.prune_checkpoints(tmp_path, 2)
+    deleted = layout.prune_checkpoints(tmp_path, 2, all_tags(tmp_path))
     assert deleted == ["global_step1", "global_step2", "global_step3"]
     assert list(layout.list_tags(tmp_path)) == ["global_step4", "global_step5"]
 
@@ -77,14 +81,52 @@ def test_prune_keeps_newest_n(tmp_path):
 def test_prune_never_deletes_the_tag_latest_names(tmp_path):
     make_tags(tmp_path, [1, 2, 3])
     layout.write_latest(tmp_path, "global_step1")  # e.g. someone pointed latest back at an old tag
-    deleted = layout.prune_checkpoints(tmp_path, 1)
+    deleted = layout.prune_checkpoints(tmp_path, 1, all_tags(tmp_path))
     assert deleted == ["global_step2"]
     assert list(layout.list_tags(tmp_path)) == ["global_step1", "global_step3"]
 
 
+def test_prune_deletes_only_lineage_tags_and_never_protected_ones(tmp_path):
+    # a run that loaded global_step20 and saved 21, 22, 23; 30 and 40 are from before the rollback
+    make_tags(tmp_path, [10, 20, 21, 22, 23, 30, 40])
+    layout.write_latest(tmp_path, "global_step23")
+    lineage = {"global_step10", "global_step20", "global_step21", "global_step22", "global_step23"}
+    deleted = layout.prune_checkpoints(tmp_path, 2, lineage, protected=["global_step20"])
+    assert deleted == ["global_step10", "global_step21"]
+    assert list(layout.list_tags(tmp_path)) == ["global_step20", "global_step22", "global_step23",
+                                                "global_step30", "global_step40"]
+
+
 def test_prune_unset_keeps_everything_and_zero_is_refused(tmp_path):
     make_tags(tmp_path, [1, 2])
-    assert layout.prune_checkpoints(tmp_path, None) == []
+    assert layout.prune_checkpoints(tmp_path, None, all_tags(tmp_path)) == []
     with pytest.raises(CheckpointError, match="keep_last_n_checkpoints"):
-        layout.prune_checkpoints(tmp_path, 0)
+        layout.prune_checkpoints(tmp_path, 0, all_tags(tmp_path))
     assert len(layout.list_tags(tmp_path)) == 2
+
+
+def test_partial_tags_are_not_tags(tmp_path):
+    make_tags(tmp_path, [1])
+    (tmp_path / layout.partial_tag("global_step2")).mkdir()
+    assert list(layout.list_tags(tmp_path)) == ["global_step1"]
+    assert layout.list_partial_tags(tmp_path) == ["global_step2.partial"]
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b"\x80\xff\xfe\x00binary", "holds binary data"),
+    (b"../other/global_step24", "not a folder directly inside"),
+    (b"/abs/global_step24", "not a folder directly inside"),
+    (b"..", "not a folder directly inside"),
+])
+def test_latest_that_is_not_a_tag_name_is_one_clear_error(tmp_path, content, expected):
+    (tmp_path / "latest").write_bytes(content)
+    with pytest.raises(CheckpointError, match=expected) as raised:
+        layout.read_latest(tmp_path)
+    message = str(raised.value)
+    assert str(tmp_path / "latest") in message and "\n" not in message and "iteration: N" in message
+
+
+def test_unreadable_latest_is_one_clear_error(tmp_path):
+    (tmp_path / "latest").mkdir()  # unreadable as a file, even for root
+    with pytest.raises(CheckpointError, match=r"cannot read .*latest: Is a directory"):
+        layout.read_latest(tmp_path)

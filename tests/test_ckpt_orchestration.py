@@ -163,12 +163,14 @@ def test_forward_pass_validation_runs_on_save_and_load(single_rank_world, tmp_pa
     other_init = run_args(tmp_path, seed=5, **settings)
     assert load_checkpoint(args, gpt_engine(other_init), plan_load(args, 1)).tag == "global_step1"
 
-    # logits that the saved weights do not produce must stop the load
+    # logits that the saved weights do not produce must stop the load; without the manifest, which
+    # would refuse the rewritten file before the forward pass could
     path = tag_dir / "mp_rank_00_model_states.pt"
     state = torch.load(path, weights_only=False)
     state[FORWARD_VALIDATION_KEY]["logits"] += 1.0
     torch.save(state, path)
-    with pytest.raises(CheckpointError, match="global_step1"):
+    (tag_dir / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="forward-pass validation of .*global_step1 failed"):
         load_checkpoint(args, gpt_engine(args), plan_load(args, 1))
 
 

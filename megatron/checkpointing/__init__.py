@@ -1,6 +1,7 @@
 """Checkpoint save and load: the entry points the training loop calls.
 
     plan = plan_load(args, dp_size)          # before deepspeed.initialize: inspect files, fail fast
+    check_save_dir(args)                     # before the first step: `save` writable, room for a tag
     engine = deepspeed.initialize(...)
     outcome = load_checkpoint(args, engine, plan)
     ...
@@ -13,16 +14,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron.checkpointing import layout
+from megatron.checkpointing import commit, layout, manifest
 from megatron.checkpointing.client_state import ClientState
+from megatron.checkpointing.collective import all_gather, barrier
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.inventory import inventory_checkpoint
 from megatron.checkpointing.plan import LoadMode, LoadPlan, build_load_plan
 from megatron.checkpointing.rng import collect_rng_states, restore_rng_states
 
 __all__ = [
-    "CheckpointError", "ClientState", "LoadMode", "LoadOutcome", "LoadPlan", "load_checkpoint", "plan_load",
-    "save_checkpoint",
+    "CheckpointError", "ClientState", "LoadMode", "LoadOutcome", "LoadPlan", "check_save_dir", "load_checkpoint",
+    "plan_load", "save_checkpoint",
 ]
 
 @dataclass(frozen=True)
@@ -35,23 +37,31 @@ class LoadOutcome:
     client_state: ClientState = field(repr=False)
 
 
-def _barrier() -> None:
-    import torch.distributed as dist
+@dataclass
+class _Lineage:
+    """The tags of one save directory that this process's run may prune: the ones it saved, and the
+    tag it loaded from that directory with the tags before it."""
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    loaded_tag: str | None = None
+    loaded_iteration: int | None = None
+    saved: set[str] = field(default_factory=set)
+
+    def tags(self, save_dir: Path) -> set[str]:
+        ancestors = {tag for tag, iteration in layout.list_tags(save_dir).items()
+                     if self.loaded_iteration is not None and iteration <= self.loaded_iteration}
+        return ancestors | self.saved
+
+
+_lineages: dict[Path, _Lineage] = {}
+
+
+def _lineage(directory: str | Path) -> _Lineage:
+    return _lineages.setdefault(Path(directory).expanduser().resolve(), _Lineage())
 
 
 def _gather_rng_states() -> list[dict[str, Any]]:
     """Every rank's generator states, indexed by global rank (dropout differs per rank)."""
-    import torch.distributed as dist
-
-    mine = collect_rng_states()
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [mine]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    return gathered
+    return all_gather(collect_rng_states())
 
 
 def _logger():
@@ -93,18 +103,47 @@ def save_checkpoint(
                             if args.checkpoint_validation_with_forward_pass else None),
     )
 
-    rank = _rank()
-    if rank == 0:  # before the engine files, so the tag is complete whenever `latest` names it
-        layout.copy_configs(args.config_files, save_dir / tag)
-    tag_dir = Path(save_engine_checkpoint(engine, save_dir, tag, client_state.to_dict()))
-    if rank == 0:  # save_engine_checkpoint pointed `latest` at the complete tag
-        deleted = layout.prune_checkpoints(save_dir, args.keep_last_n_checkpoints)
-        message = f"saved checkpoint {tag_dir}"
+    partial = layout.partial_tag(tag)
+    try:
+        if _rank() == 0:
+            commit.start_tag(save_dir, tag)
+            layout.copy_configs(args.config_files, save_dir / partial)
+        barrier()
+        save_engine_checkpoint(engine, save_dir, partial, client_state.to_dict())
+        tag_dir = commit.seal_tag(save_dir, tag, iteration)
+    except Exception as err:
+        failure = commit.save_failed(save_dir, tag, err)
+        commit.discard_partial(save_dir, tag)
+        if failure is None:
+            raise
+        raise failure from err
+    if _rank() == 0:
+        _prune(args, save_dir, tag, iteration)
+    barrier()
+    return tag_dir
+
+
+def _prune(args, save_dir: Path, tag: str, iteration: int) -> None:
+    lineage = _lineage(save_dir)
+    lineage.saved.add(tag)
+    message = f"saved checkpoint {save_dir / tag}"
+    if args.keep_last_n_checkpoints is not None:
+        ours = lineage.tags(save_dir)
+        deleted = layout.prune_checkpoints(save_dir, args.keep_last_n_checkpoints, ours,
+                                           protected=[lineage.loaded_tag] if lineage.loaded_tag else [])
         if deleted:
             message += f" (deleted older tags {', '.join(deleted)}: keep_last_n_checkpoints is {args.keep_last_n_checkpoints})"
-        _logger().info(message)
-    _barrier()
-    return tag_dir
+        others = [name for name in layout.list_tags(save_dir) if name not in ours]
+        if others:
+            message += (f"; kept {', '.join(others)}: not saved by this run nor before the tag it loaded "
+                        f"(left from before a rollback?), so keep_last_n_checkpoints does not delete them")
+    _logger().info(message)
+
+
+def check_save_dir(args) -> None:
+    """Before the first step, on every rank: `save` can be written and has room for one more tag."""
+    if args.save:
+        commit.check_save_dir(args.save, _rank())
 
 
 def plan_load(args, data_parallel_size: int) -> LoadPlan | None:
@@ -167,12 +206,31 @@ def _check_names_for_resume(plan: LoadPlan, engine, args) -> None:
             _logger().info(report.describe())
 
 
+def _verify_files(plan: LoadPlan) -> None:
+    """Check the files DeepSpeed's load reads against the tag's manifest, each file on one rank, before any is read."""
+    from megatron.checkpointing.collective import rank_and_world
+
+    records = manifest.read_manifest(plan.tag_dir)
+    if records is None:
+        return
+    rank, world = rank_and_world()
+    mine = [manifest.check_file(path, records, plan.tag_dir) for path in plan.files[rank::world]]
+    problems = [problem for part in all_gather(mine) for problem in part if problem]
+    if problems:
+        raise CheckpointError(problems[0])
+
+
 def load_checkpoint(args, engine, plan: LoadPlan) -> LoadOutcome | None:
     """Carry out `plan` on `engine`; None when the plan has nothing to load (auto-resume first run)."""
     from megatron.checkpointing import forward_validation
 
     if plan.nothing_to_load:
         return None
+    if plan.tag_dir is not None:
+        if plan.load_optimizer:  # the module-only path checks the files it reads itself
+            _verify_files(plan)
+        if layout.same_directory(plan.load_dir, args.save):
+            _lineages[Path(plan.load_dir).resolve()] = _Lineage(plan.tag, plan.saved_iteration)
     if plan.load_optimizer:
         _check_names_for_resume(plan, engine, args)
         load_path, stored = engine.load_checkpoint(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -12,6 +11,7 @@ from deepspeed.utils import safe_get_full_fp32_param
 
 from megatron.checkpointing import layout
 from megatron.checkpointing.module_weights import load_checkpoint_file
+from megatron.fsio import write_atomically
 
 
 def save_engine_checkpoint(engine, save_dir: str | Path, tag: str, client_state: dict) -> Path:
@@ -32,16 +32,13 @@ def save_engine_checkpoint(engine, save_dir: str | Path, tag: str, client_state:
       master), so a module-only load needs no optimizer shard. DeepSpeed's own resume still reads
       the ``zero_pp_rank_*`` files, and ``zero_to_fp32`` reads the same shapes from either file.
 
-    ``latest`` is written last, once the whole tag is on disk.
+    Neither ``latest`` nor a manifest is written here (megatron.checkpointing.commit does that).
     """
     save_dir = Path(save_dir)
     tag_dir = save_dir / tag
     engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
     if engine.zero_optimization_partition_weights():
         _write_full_module_file(engine, tag_dir)
-    if dist.get_rank() == 0:
-        layout.write_latest(save_dir, tag)
-    dist.barrier()
     return tag_dir
 
 
@@ -52,7 +49,7 @@ def _write_full_module_file(engine, tag_dir: Path) -> None:
         mp_rank = _model_parallel_rank(engine)
         state = load_checkpoint_file(tag_dir / layout.zero3_model_states_name(0, mp_rank))
         state["module"] = module
-        _write_atomically(tag_dir / layout.model_states_name(mp_rank), lambda path: torch.save(state, path))
+        write_atomically(tag_dir / layout.model_states_name(mp_rank), lambda path: torch.save(state, path))
     dist.barrier()
 
 
@@ -88,8 +85,3 @@ def _gather_param(param: torch.nn.Parameter) -> torch.Tensor:
     with zero.GatheredParameters([param]):
         return param.data.detach().clone()
 
-
-def _write_atomically(path: Path, write) -> None:
-    partial = path.with_name(path.name + ".partial")
-    write(partial)
-    os.replace(partial, path)

@@ -113,6 +113,10 @@ class TagInventory:
         return self.path.is_dir()
 
     @property
+    def has_manifest(self) -> bool:
+        return (self.path / layout.MANIFEST_FILE).is_file()
+
+    @property
     def format(self) -> str:
         if self.layer_files:
             return FORMAT_PIPELINE
@@ -184,6 +188,7 @@ class CheckpointInventory:
     latest: str | None
     tags: dict[str, TagInventory]  # oldest first
     hf_weight_files: tuple[Path, ...] = ()
+    partial_tags: tuple[str, ...] = ()  # `<tag>.partial` folders of interrupted saves, never loaded
 
     @property
     def is_hf(self) -> bool:
@@ -250,4 +255,5 @@ def inventory_checkpoint(load_dir: str | Path) -> CheckpointInventory:
         names.append(latest)  # a tag named otherwise than global_step<N>
     tags = {name: inventory_tag(root, name) for name in names}
     return CheckpointInventory(root=root, exists=True, latest=latest, tags=tags,
-                               hf_weight_files=_hf_weight_files(root))
+                               hf_weight_files=_hf_weight_files(root),
+                               partial_tags=tuple(layout.list_partial_tags(root)))

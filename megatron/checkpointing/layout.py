@@ -9,20 +9,28 @@ GPT-NeoX so their tools can read what we write and we can read what they wrote::
     <root>/global_step<N>/[bf16_]zero_pp_rank_<DP>_mp_rank_<MP:02d>_optim_states.pt   ZeRO shards
     <root>/global_step<N>/layer_<II>-model_<MP:02d>-model_states.pt   GPT-NeoX pipeline layers
     <root>/global_step<N>/configs/*.yml                        the run's YAML files
+    <root>/global_step<N>/manifest.json                        size and checksum of every other file
+    <root>/global_step<N>.partial/                             a save in progress (or interrupted)
+
+A tag is written as ``<tag>.partial`` and renamed to ``<tag>`` once every file is on disk, so a
+folder named ``global_step<N>`` is never half written by us, and nothing lists a partial one.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 from megatron.checkpointing.errors import CheckpointError
+from megatron.fsio import write_text_atomically
 
 LATEST_FILE = "latest"
 CONFIGS_DIR = "configs"
+MANIFEST_FILE = "manifest.json"
 TAG_PREFIX = "global_step"
+PARTIAL_SUFFIX = ".partial"
 
 TAG_RE = re.compile(rf"^{TAG_PREFIX}(\d+)$")
 MODEL_STATES_RE = re.compile(r"^mp_rank_(?P<mp>\d+)_model_states\.pt$")
@@ -42,6 +50,25 @@ def iteration_of_tag(tag: str) -> int | None:
     """The iteration a `global_step<N>` tag names; None for tags named otherwise."""
     match = TAG_RE.match(tag)
     return int(match.group(1)) if match else None
+
+
+def partial_tag(tag: str) -> str:
+    """The folder a tag is written into before it is complete."""
+    return tag + PARTIAL_SUFFIX
+
+
+def list_partial_tags(root: Path) -> list[str]:
+    """Folders of saves that were interrupted (or are in progress) under `root`."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(child.name for child in root.iterdir() if child.name.endswith(PARTIAL_SUFFIX) and child.is_dir())
+
+
+def same_directory(a: str | Path | None, b: str | Path | None) -> bool:
+    if not a or not b:
+        return False
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
 def model_states_name(mp_rank: int) -> str:
@@ -64,23 +91,34 @@ def layer_file_name(layer: int, mp_rank: int) -> str:
 def read_latest(root: Path) -> str | None:
     """The tag named in `<root>/latest`, or None when there is no such file."""
     path = Path(root) / LATEST_FILE
-    if not path.is_file():
+    if not path.exists():
         return None
-    tag = path.read_text().strip()
+    fix = f"Write the newest tag's name (e.g. '{TAG_PREFIX}1000') into it, or set `iteration: N` to pick a tag."
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise CheckpointError(f"cannot read {path}: {err.strerror or err}. Make it a readable text file. {fix}") from err
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{path} holds binary data, not a tag name (a damaged file?). {fix}") from err
     if not tag:
+        raise CheckpointError(f"{path} is empty; it should name the newest complete checkpoint tag. {fix}")
+    if not _is_plain_name(tag):
         raise CheckpointError(
-            f"{path} is empty; it should name the newest complete checkpoint tag. Write the tag "
-            f"(e.g. '{TAG_PREFIX}1000') into it, or set `iteration: N` to pick a tag."
+            f"{path} names {tag!r}, which is not a folder directly inside {Path(root)}; a tag is loaded only "
+            f"from the directory `latest` sits in. {fix}"
         )
     return tag
 
 
+def _is_plain_name(tag: str) -> bool:
+    return tag.isprintable() and tag not in (".", "..") and "/" not in tag and "\\" not in tag
+
+
 def write_latest(root: Path, tag: str) -> None:
-    """Point `latest` at `tag`, atomically: a reader sees the old tag or the new one, never half."""
-    root = Path(root)
-    tmp = root / f".{LATEST_FILE}.tmp"
-    tmp.write_text(tag)
-    os.replace(tmp, root / LATEST_FILE)
+    """Point `latest` at `tag`, atomically and durably: a reader sees the old tag or the new one."""
+    write_text_atomically(Path(root) / LATEST_FILE, tag)
 
 
 def list_tags(root: Path) -> dict[str, int]:
@@ -110,10 +148,11 @@ def copy_configs(config_files: dict[str, str] | None, tag_dir: Path) -> list[Pat
     return written
 
 
-def prune_checkpoints(root: Path, keep_last_n: int | None) -> list[str]:
-    """Delete all but the newest `keep_last_n` `global_step<N>` tags; never the tag `latest` names.
+def prune_checkpoints(root: Path, keep_last_n: int | None, lineage: Iterable[str], protected: Iterable[str] = ()) -> list[str]:
+    """Delete the tags of `lineage` older than its newest `keep_last_n`; never a `protected` tag or the one `latest` names.
 
-    Call on one rank only. Returns the deleted tags.
+    `lineage` is the tags the caller may delete at all (those of the run that saves); any other tag
+    under `root` stays. Call on one rank only. Returns the deleted tags.
     """
     if keep_last_n is None:
         return []
@@ -122,11 +161,12 @@ def prune_checkpoints(root: Path, keep_last_n: int | None) -> list[str]:
             f"keep_last_n_checkpoints is {keep_last_n}; it must be at least 1 (or unset to keep every tag)."
         )
     root = Path(root)
-    protected = read_latest(root)
-    tags = list(list_tags(root))
+    keep = {*protected, read_latest(root)}
+    lineage = set(lineage)
+    ours = [tag for tag in list_tags(root) if tag in lineage]  # oldest first
     deleted = []
-    for tag in tags[: max(len(tags) - keep_last_n, 0)]:
-        if tag == protected:
+    for tag in ours[: max(len(ours) - keep_last_n, 0)]:
+        if tag in keep:
             continue
         shutil.rmtree(root / tag)
         deleted.append(tag)

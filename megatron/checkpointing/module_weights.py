@@ -14,6 +14,7 @@ Whatever the source, the names come back as this model's: GPT-NeoX's older MLP n
 frequencies GPT-NeoX stored as a buffer dropped (computed from the settings here).
 
 The ``latest`` file is never read, and no optimizer file is opened while a module source exists.
+Each file read is first checked against the tag's manifest, where the tag has one.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from megatron.checkpointing import layout
+from megatron.checkpointing import layout, manifest
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.legacy_names import is_legacy_buffer_key, translate_legacy_key
 
@@ -68,14 +69,26 @@ def _stored_module_weights(tag_dir: str | Path, mp_rank: int) -> dict[str, torch
     if not tag_dir.is_dir():
         raise CheckpointError(f"checkpoint tag directory {tag_dir} does not exist")
 
-    module = _module_from_model_states_file(tag_dir / layout.model_states_name(mp_rank))
-    if module is not None:
-        return module
+    records = manifest.read_manifest(tag_dir)
+
+    def verified(paths):
+        for path in paths:
+            if problem := manifest.check_file(path, records, tag_dir):
+                raise CheckpointError(problem)
+        return paths
+
+    model_file = tag_dir / layout.model_states_name(mp_rank)
+    if model_file.is_file():
+        module = _module_from_model_states_file(*verified([model_file]))
+        if module is not None:
+            return module
     layer_files = _layer_files(tag_dir, mp_rank)
     if layer_files:
+        verified(layer_files.values())
         return _module_from_layer_files(layer_files)
     model_files, optim_files = _zero_shard_files(tag_dir, mp_rank)
     if model_files and optim_files:
+        verified([*model_files.values(), *optim_files.values()])
         return _module_from_zero3_shards(tag_dir, model_files, optim_files)
 
     contents = sorted(p.name for p in tag_dir.iterdir())

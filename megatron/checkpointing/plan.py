@@ -70,8 +70,9 @@ class LoadPlan:
 
     def describe(self) -> str:
         if self.nothing_to_load:
-            return (f"checkpoint: {self.load_dir} holds no checkpoint yet and is also the save directory; "
-                    "first run of an auto-resuming job, training starts from scratch")
+            return "\n".join([f"checkpoint: {self.load_dir} holds no complete checkpoint yet and is also the save "
+                              "directory; first run of an auto-resuming job, training starts from scratch",
+                              *(f"  note:   {note}" for note in self.notes)])
         source = self.tag_dir if self.tag_dir is not None else self.load_dir
         saved_at = f", saved at iteration {self.saved_iteration}" if self.saved_iteration is not None else ""
         loaded, fresh = ["weights" if self.strict else
@@ -111,12 +112,6 @@ def requested_mode(args) -> LoadMode:
     if args.no_load_optim:
         return LoadMode.NO_LOAD_OPTIM
     return LoadMode.RESUME
-
-
-def _same_dir(a: str | Path | None, b: str | Path | None) -> bool:
-    if not a or not b:
-        return False
-    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
 def _available(inventory: CheckpointInventory) -> str:
@@ -199,15 +194,28 @@ def _hf_plan(args, inventory: CheckpointInventory, mode: LoadMode) -> LoadPlan:
                     files=(root / "config.json", *inventory.hf_weight_files))
 
 
+def _skipped_notes(inventory: CheckpointInventory) -> list[str]:
+    if not inventory.partial_tags:
+        return []
+    return [f"skipped {', '.join(inventory.partial_tags)}: interrupted save(s), never loaded; the next save removes them"]
+
+
 def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: int) -> LoadPlan:
     """Decide what to load from `inventory` for these settings; CheckpointError when it cannot be done."""
     mode = requested_mode(args)
     root = inventory.root
     if inventory.is_hf:
         return _hf_plan(args, inventory, mode)
+    auto_resume = layout.same_directory(args.load, args.save) and mode is LoadMode.RESUME and args.iteration is None
+    skipped = _skipped_notes(inventory)
+    if auto_resume and inventory.latest is None and inventory.tags and all(
+            tag.format == FORMAT_INCOMPLETE for tag in inventory.tags.values()):
+        skipped.append(f"skipped {', '.join(inventory.tags)}: incomplete (no model-states file) and not named by "
+                       f"`{layout.LATEST_FILE}`")
+        return LoadPlan(mode=LoadMode.FIRST_RUN, load_dir=root, notes=tuple(skipped))
     if not inventory.exists or inventory.is_empty:
-        if _same_dir(args.load, args.save) and mode is LoadMode.RESUME and args.iteration is None:
-            return LoadPlan(mode=LoadMode.FIRST_RUN, load_dir=root)
+        if auto_resume:
+            return LoadPlan(mode=LoadMode.FIRST_RUN, load_dir=root, notes=tuple(skipped))
         where = f"{root} does not exist" if not inventory.exists else (
             f"{root} holds no checkpoint (no global_step<N> folders, no `{layout.LATEST_FILE}` file)")
         raise CheckpointError(
@@ -243,6 +251,9 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         )
     if tag.format == FORMAT_ZERO3 and not load_optimizer:
         notes.append("no full module file: weights are rebuilt from the ZeRO-3 fp32 partitions")
+    notes.append(f"files checked against {layout.MANIFEST_FILE} before they are read" if tag.has_manifest else
+                 f"no {layout.MANIFEST_FILE} (saved by another program or an older version): files are not checksummed")
+    notes += skipped
     plan = LoadPlan(
         mode=mode,
         load_dir=root,

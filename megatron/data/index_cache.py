@@ -10,13 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from megatron.data.indexed_dataset import data_file_path, index_file_path
+from megatron.fsio import write_atomically
 
 
 def default_cache_root() -> Path:
@@ -42,17 +42,6 @@ def cache_directory(prefix: str, cache_dir: str | Path | None) -> Path:
     if os.access(data_dir, os.W_OK):
         return data_dir
     return Path(cache_dir) if cache_dir else default_cache_root() / "index_cache"
-
-
-def _save_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _write_npy(path: Path, array: np.ndarray) -> None:
@@ -87,7 +76,7 @@ def load_or_build(
             pass  # unreadable or incomplete cache: rebuild it below
     arrays = build()
     for array_name, array in arrays.items():
-        _save_atomically(directory / f"{stem}_{array_name}.npy", lambda tmp, a=array: _write_npy(tmp, a))
+        write_atomically(directory / f"{stem}_{array_name}.npy", lambda tmp, a=array: _write_npy(tmp, a))
     meta["arrays"] = sorted(arrays)
-    _save_atomically(meta_path, lambda tmp: tmp.write_text(json.dumps(meta, sort_keys=True)))
+    write_atomically(meta_path, lambda tmp: tmp.write_text(json.dumps(meta, sort_keys=True)))
     return arrays, True

@@ -1,0 +1,161 @@
+"""Writing a tag so that it is complete or never offered for loading, and the checks on the save directory.
+
+A save writes every file into ``<tag>.partial``; then each file is fsynced and recorded in the tag's
+manifest, the folder is renamed to ``<tag>`` and only then ``latest`` moves. A save killed or failed
+at any moment leaves the previous tag and ``latest`` as they were; the partial folder is never
+listed as a tag and is removed by the next save.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+from megatron.checkpointing import layout, manifest
+from megatron.checkpointing.collective import all_gather, barrier, rank_and_world
+from megatron.checkpointing.errors import CheckpointError
+from megatron.fsio import fsync_path, replace_dir
+
+# Test-only: "<moment>@<iteration>" makes the saving process SIGKILL itself at that moment of that
+# save, so kill tests hit the moment they mean every time. Moments: SAVE_MOMENTS.
+KILL_DURING_SAVE_ENV = "NEOX_TEST_SIGKILL_DURING_SAVE"
+SAVE_MOMENTS = ("files_written", "manifest_written", "renamed")
+_PROBE_PREFIX = ".write_probe"
+
+
+def tree_size(path: Path) -> int:
+    return sum(child.stat().st_size for child in Path(path).rglob("*") if child.is_file())
+
+
+def newest_tag_size(save_dir: Path) -> tuple[str, int] | None:
+    """(tag, bytes) of the newest tag under `save_dir`: what one more save will take."""
+    tags = list(layout.list_tags(save_dir))
+    if not tags:
+        return None
+    return tags[-1], tree_size(Path(save_dir) / tags[-1])
+
+
+def _size(count: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def _free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def check_save_dir(save_dir: str | Path, rank: int = 0) -> None:
+    """Before the first step: `save_dir` exists or can be created, is a writable directory, and has room for one more tag.
+
+    The room needed is judged by the size of the newest tag already there (none: not judged).
+    """
+    save_dir = Path(save_dir).expanduser()
+    where = f"`save: {save_dir}`"
+    if save_dir.exists() and not save_dir.is_dir():
+        raise CheckpointError(f"{where} is a file, not a directory; point `save` at a directory.")
+    try:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        probe = save_dir / f"{_PROBE_PREFIX}.{os.getpid()}.{rank}"
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as err:
+        raise CheckpointError(
+            f"{where} cannot be written ({err.strerror or err}); fix its permissions or point `save` at a "
+            "writable directory."
+        ) from err
+    newest = newest_tag_size(save_dir)
+    if newest is not None:
+        tag, need = newest
+        free = _free_bytes(save_dir)
+        if free < need:
+            raise CheckpointError(
+                f"{where} has {_size(free)} free, but one more checkpoint needs about {_size(need)} (the size of "
+                f"{tag}); free space there or point `save` at a directory with room."
+            )
+
+
+def start_tag(save_dir: Path, tag: str) -> Path:
+    """Rank 0, before a save: remove interrupted saves, check the room, create ``<tag>.partial``."""
+    save_dir.mkdir(parents=True, exist_ok=True)
+    for leftover in layout.list_partial_tags(save_dir):
+        shutil.rmtree(save_dir / leftover, ignore_errors=True)
+    check_save_dir(save_dir)
+    partial = save_dir / layout.partial_tag(tag)
+    partial.mkdir()
+    return partial
+
+
+def seal_tag(save_dir: Path, tag: str, iteration: int) -> Path:
+    """Collective, once every rank's files of the tag are written: fsync and checksum them (shared
+    among the ranks), write the manifest, rename ``<tag>.partial`` to ``<tag>``, then point ``latest`` at it."""
+    partial, final = save_dir / layout.partial_tag(tag), save_dir / tag
+    rank, world = rank_and_world()
+    barrier()
+    names = manifest.tag_file_names(partial)
+    records = {name: manifest.record_file(partial / name) for name in names[rank::world]}
+    for part in all_gather(records):
+        records.update(part)
+    _test_kill_point("files_written", iteration)
+    if rank == 0:
+        manifest.write_manifest(partial, records)
+        for folder in {(partial / name).parent for name in names}:
+            fsync_path(folder)
+        _test_kill_point("manifest_written", iteration)
+        replace_dir(partial, final)
+        _test_kill_point("renamed", iteration)
+        layout.write_latest(save_dir, tag)
+    barrier()
+    return final
+
+
+def save_failed(save_dir: Path, tag: str, err: BaseException) -> CheckpointError | None:
+    """The one-line error for a failed write of `tag`; None when `err` is no write failure (a bug)."""
+    partial = save_dir / layout.partial_tag(tag)
+    written = tree_size(partial) if partial.is_dir() else 0
+    is_oserror = isinstance(err, OSError)
+    # torch's zip writer reports a full disk as a RuntimeError without an errno
+    is_torch_write = isinstance(err, RuntimeError) and "inline_container" in str(err)
+    if not (is_oserror or is_torch_write):
+        return None
+    try:
+        previous = layout.read_latest(save_dir)
+    except CheckpointError:
+        previous = None
+    kept = f"{save_dir / previous} is intact" if previous else "no earlier checkpoint was there"
+    try:
+        free = _free_bytes(save_dir)
+    except OSError:
+        free = None
+    newest = newest_tag_size(save_dir)
+    need = newest[1] if newest else None
+    full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (
+        free is not None and free < max((need or 0) - written, 1 << 20))
+    if full:
+        needed = (f"about {_size(need)} (the size of {newest[0]})" if need
+                  else f"more than the {_size(written)} written before the disk filled")
+        return CheckpointError(
+            f"no space left in {save_dir} while saving {tag}: it needs {needed}, {_size(free or 0)} are free. "
+            f"The run stopped; {kept}. Free space there or point `save` at a directory with room, then run again."
+        )
+    reason = err.strerror if is_oserror and err.strerror else str(err)
+    return CheckpointError(
+        f"cannot write checkpoint {tag} in {save_dir}: {reason}. The run stopped; {kept}. "
+        "Fix the directory (permissions, mount) or point `save` elsewhere, then run again."
+    )
+
+
+def discard_partial(save_dir: Path, tag: str) -> None:
+    shutil.rmtree(save_dir / layout.partial_tag(tag), ignore_errors=True)
+
+
+def _test_kill_point(moment: str, iteration: int) -> None:
+    wanted = os.environ.get(KILL_DURING_SAVE_ENV)
+    if wanted and wanted == f"{moment}@{iteration}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,101 @@
+"""The manifest of a tag: size and SHA-256 of each of its files, written last when the tag is saved.
+
+A file is checked against it before it is read, so damage inside a file (bytes overwritten, not
+only a cut-off end) is a clear error instead of a run that trains from damaged weights or states.
+Tags without a manifest (GPT-NeoX's, converted ones, ours from before manifests) load unchecked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron.checkpointing import layout
+from megatron.checkpointing.errors import CheckpointError
+from megatron.fsio import fsync_path, write_text_atomically
+
+MANIFEST_VERSION = 1
+_CHUNK_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    size: int
+    sha256: str
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tag_file_names(tag_dir: Path) -> list[str]:
+    """Every file under `tag_dir` but the manifest, as sorted '/'-separated relative names."""
+    tag_dir = Path(tag_dir)
+    names = (path.relative_to(tag_dir).as_posix() for path in tag_dir.rglob("*") if path.is_file())
+    return sorted(name for name in names if name != layout.MANIFEST_FILE)
+
+
+def record_file(path: Path) -> FileRecord:
+    """Flush one freshly written file to the disk and describe it for the manifest."""
+    fsync_path(path)
+    return FileRecord(size=path.stat().st_size, sha256=file_sha256(path))
+
+
+def write_manifest(tag_dir: Path, records: dict[str, FileRecord]) -> None:
+    files = {name: {"size": record.size, "sha256": record.sha256} for name, record in sorted(records.items())}
+    text = json.dumps({"manifest_version": MANIFEST_VERSION, "files": files}, indent=1)
+    write_text_atomically(Path(tag_dir) / layout.MANIFEST_FILE, text + "\n")
+
+
+def read_manifest(tag_dir: Path) -> dict[str, FileRecord] | None:
+    """The records of `tag_dir`'s manifest; None when the tag has none."""
+    path = Path(tag_dir) / layout.MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        stored = json.loads(path.read_text())
+        return {name: FileRecord(int(entry["size"]), str(entry["sha256"])) for name, entry in stored["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(
+            f"{path} is damaged ({type(err).__name__}: {err}), so the files of {Path(tag_dir).name} cannot be "
+            "checked. Load another tag with `iteration: N`, or delete the manifest to load the tag unchecked."
+        ) from err
+
+
+def check_file(path: Path, records: dict[str, FileRecord] | None, tag_dir: Path) -> str | None:
+    """The one-line problem with `path` against the manifest `records` of `tag_dir`; None when it matches.
+
+    Files the manifest does not list (none when there is no manifest) pass unchecked.
+    """
+    if records is None:
+        return None
+    record = records.get(Path(path).relative_to(tag_dir).as_posix())
+    if record is None:
+        return None
+    manifest = Path(tag_dir) / layout.MANIFEST_FILE
+    fix = "Load another tag with `iteration: N`, or restore the file from a copy."
+    try:
+        size = Path(path).stat().st_size
+        if size != record.size:
+            return f"checkpoint file {path} has {size} bytes, but {manifest} recorded {record.size} when it was saved. {fix}"
+        if file_sha256(path) != record.sha256:
+            return (f"checkpoint file {path} is damaged: its SHA-256 differs from the one {manifest} recorded "
+                    f"when it was saved. {fix}")
+    except OSError as err:
+        return f"cannot read checkpoint file {path}: {err.strerror or err}. {fix}"
+    return None
+
+
+def verify_files(tag_dir: Path, paths) -> None:
+    """Raise CheckpointError for the first of `paths` (files of `tag_dir`) that its manifest says is damaged."""
+    records = read_manifest(tag_dir)
+    for path in paths:
+        problem = check_file(path, records, tag_dir)
+        if problem:
+            raise CheckpointError(problem)
