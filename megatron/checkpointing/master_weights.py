@@ -83,7 +83,8 @@ def master_fragments(engine) -> Iterator[MasterFragment]:
 def refresh_master_weights(engine, full_precision: Mapping[str, torch.Tensor]) -> None:
     """Write the master elements of every parameter named in ``full_precision`` from those values.
 
-    ``full_precision`` maps state-dict names to full (unpartitioned) fp32 tensors.
+    ``full_precision`` maps state-dict names to full (unpartitioned) tensors of any floating dtype;
+    ``copy_`` converts element by element, so no fp32 temporary of a whole tensor is made.
     """
     with torch.no_grad():
         for fragment in master_fragments(engine):
@@ -102,13 +103,10 @@ def verify_master_weights(engine) -> None:
     """
     first_mismatch = None
     mismatches = 0
+    buffers: dict[tuple, torch.Tensor] = {}
     with torch.no_grad():
         for fragment in master_fragments(engine):
-            cast = _bits(fragment.master.to(device=fragment.trained.device, dtype=fragment.trained.dtype))
-            trained = _bits(fragment.trained)
-            if torch.equal(cast, trained):  # the common case, several times faster than counting
-                continue
-            differing = int((cast != trained).sum())
+            differing = _count_differing(fragment, buffers)
             if differing and first_mismatch is None:
                 first_mismatch = (fragment.name, differing, fragment.master.numel())
             mismatches += differing
@@ -125,6 +123,27 @@ def verify_master_weights(engine) -> None:
         "The next optimizer step would copy the master over the model. Do not train from this state: after a "
         "module-only load it means the master refresh did not reach this optimizer's layout (a bug to report)"
     )
+
+
+# Elements cast and compared at a time: a reused buffer this size stays in the CPU's cache, where a
+# cast of a whole tensor would allocate (and page in) a fresh temporary as large as the tensor.
+_VERIFY_CHUNK = 1 << 22
+
+
+def _count_differing(fragment: MasterFragment, buffers: dict[tuple, torch.Tensor]) -> int:
+    """Elements of ``fragment`` whose master, cast to the training dtype, differs from the trained value."""
+    trained = fragment.trained
+    key = (trained.dtype, trained.device)
+    if key not in buffers:
+        buffers[key] = torch.empty(_VERIFY_CHUNK, dtype=trained.dtype, device=trained.device)
+    buffer, total, differing = buffers[key], fragment.master.numel(), 0
+    for start in range(0, total, _VERIFY_CHUNK):
+        length = min(_VERIFY_CHUNK, total - start)
+        cast = _bits(buffer.narrow(0, 0, length).copy_(fragment.master.narrow(0, start, length)))
+        expected = _bits(trained.narrow(0, start, length))
+        if not torch.equal(cast, expected):  # the common case, several times faster than counting
+            differing += int((cast != expected).sum())
+    return differing
 
 
 def _optimizes_module_params_directly(engine) -> bool:

@@ -86,9 +86,10 @@ def load_module_only(engine, state_dict: dict[str, torch.Tensor], strict: bool =
     """Load ``state_dict`` into ``engine.module``, refresh the fp32 master weights from it, verify them.
 
     ``state_dict`` holds full (unpartitioned) tensors with the module's ``state_dict()`` names. Every
-    rank passes the same dict; under ZeRO-3 each rank keeps only its own partition. Floating values
-    are taken in fp32: the master gets them as they are, the model their cast to its dtype, so a
-    checkpoint with more precision than the training dtype keeps it in the master. A non-strict load
+    rank passes the same dict; under ZeRO-3 each rank keeps only its own partition. The master gets
+    the checkpoint's values as they are (``copy_`` converts element by element to fp32, no temporary),
+    the model their cast to its dtype, so a checkpoint with more precision than the training dtype
+    keeps it in the master. A non-strict load
     refuses to leave a whole layer random unless `allow_random` patterns name it (check_random_layers).
     """
     targets = engine.module.state_dict(keep_vars=True)
@@ -104,36 +105,13 @@ def load_module_only(engine, state_dict: dict[str, torch.Tensor], strict: bool =
     with torch.no_grad():
         for name in report.loaded:  # copy_ casts element by element: no fp32 temporary of the tensor
             _write(targets[name], state_dict[name])
-    master_weights.refresh_master_weights(engine, _Float32View(state_dict, report.loaded))
+    master_weights.refresh_master_weights(engine, {name: state_dict[name] for name in report.loaded})
     master_weights.verify_master_weights(engine)
     return report
 
 
 def _full_shape(target: torch.Tensor) -> tuple[int, ...]:
     return tuple(target.ds_shape) if hasattr(target, "ds_shape") else tuple(target.shape)
-
-
-class _Float32View(Mapping):
-    """The selected entries of a state dict, floating ones in fp32, converted one at a time on access.
-
-    Converting lazily keeps the peak memory at one fp32 tensor instead of a whole fp32 model per rank.
-    """
-
-    def __init__(self, state_dict: Mapping[str, torch.Tensor], names: list[str]):
-        self._state_dict = state_dict
-        self._names = set(names)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._names:
-            raise KeyError(name)
-        value = self._state_dict[name]
-        return value.to(torch.float32) if value.is_floating_point() else value
-
-    def __iter__(self):
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
 
 
 def _write(target: torch.Tensor, value: torch.Tensor) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import tempfile
@@ -36,10 +37,11 @@ from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from procmem import MemoryDelta, measure_memory, median, ratio_line, return_freed_memory_to_os, table  # noqa: E402
 from single_rank import init_single_rank_world  # noqa: E402
 
+from megatron.checkpointing import layout  # noqa: E402
 from megatron.checkpointing.engine_save import save_engine_checkpoint  # noqa: E402
 from megatron.checkpointing.master_weights import verify_master_weights  # noqa: E402
 from megatron.checkpointing.module_load import load_module_only  # noqa: E402
-from megatron.checkpointing.module_weights import read_module_weights  # noqa: E402
+from megatron.checkpointing.module_weights import load_checkpoint_file, read_module_weights  # noqa: E402
 from megatron.model import build_model, causal_lm_loss  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=32, help="sequence length of the training step")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--dir", type=Path, help="checkpoint directory (default: a temporary one)")
+    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
     options = parser.parse_args(argv)
     malloc_returns_memory = return_freed_memory_to_os()
     if options.threads:
@@ -161,16 +164,23 @@ def main(argv: list[str] | None = None) -> int:
         def ours():
             load_module_only(engine, read_module_weights(tag_dir), strict=True)
 
-        samples = {name: Samples() for name in ("baseline", "ours", "verify", "train_step")}
+        def raw():
+            state = load_checkpoint_file(tag_dir / layout.model_states_name(0))["module"]
+            engine.module.load_state_dict(state, strict=False)  # without the megatron-core _extra_state keys
+
         loads = [("baseline", baseline), ("ours", ours)]
+        if options.zero_stage < 3:  # a ZeRO-3 module holds partitions; load_state_dict cannot fill them
+            loads.append(("raw", raw))
+        samples = {name: Samples() for name in [name for name, _ in loads] + ["verify", "train_step"]}
         load_before = os.getloadavg()
         for repeat in range(options.repeats):
             for name, load in loads if repeat % 2 == 0 else loads[::-1]:
                 samples["train_step"].timed(lambda: train_step(engine, tokens))
                 samples[name].timed(load, with_memory=True)
-                if repeat < 2:
+                if repeat < 2 and name != "raw":  # raw leaves the master stale: it is a lower bound only
                     check_loaded(engine, checkpoint, name)
-            samples["verify"].timed(lambda: verify_master_weights(engine))
+                if name == "ours":
+                    samples["verify"].timed(lambda: verify_master_weights(engine))
         load_after = os.getloadavg()
 
     print(f"model: {n_params / 1e6:.1f}M parameters, {options.layers} layers, hidden {options.hidden}, "
@@ -183,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if samples["ours"].memory and not samples["ours"].memory[0].exact_peak:
         print("peak RSS from ru_maxrss (clear_refs refused): growth beyond the earlier peak only, a lower bound")
     print(table(["measured", "wall ms (median)", "cpu ms (median)", "peak RSS growth MiB", "RSS kept MiB"],
-                [samples[name].row(name) for name in ("baseline", "ours", "verify", "train_step")]))
+                [samples[name].row(name) for name in samples]))
 
     def wall(name: str) -> float:
         return median(samples[name].wall_s)
@@ -198,6 +208,20 @@ def main(argv: list[str] | None = None) -> int:
     print(ratio_line("verify/train_step wall", wall("verify"), wall("train_step"),
                      "verify_master_weights against one forward+backward+step"))
     print(ratio_line("verify/ours wall", wall("verify"), wall("ours"), "share of our load spent verifying"))
+    ratios = {"ours/baseline wall": wall("ours") / wall("baseline"),
+              "ours/baseline peak_rss": peak("ours") / peak("baseline") if peak("baseline") else None,
+              "verify/ours wall": wall("verify") / wall("ours")}
+    if "raw" in samples:
+        print(ratio_line("ours/raw wall", wall("ours"), wall("raw"),
+                         "against torch.load(mmap) + load_state_dict, which leaves the master stale"))
+        ratios["ours/raw wall"] = wall("ours") / wall("raw")
+    if options.json:
+        options.json.write_text(json.dumps({
+            "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(options).items()},
+            "parameters": n_params, "load_average": [load_before[0], load_after[0]], "ratios": ratios,
+            "median_ms": {name: {"wall": 1e3 * median(s.wall_s), "cpu": 1e3 * median(s.cpu_s)}
+                          for name, s in samples.items()},
+        }, indent=2))
     return 0
 
 
