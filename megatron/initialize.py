@@ -39,6 +39,58 @@ def set_seeds(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+class ModelParallelUnit:
+    """The process groups DeepSpeed asks its ``mpu`` for, from megatron-core's parallel_state.
+
+    The model-parallel group is the tensor-parallel group (no pipeline stages), so ZeRO partitions
+    and reduces gradients over the data-parallel group only, saves one ``mp_rank_<MP>`` file per
+    tensor-parallel rank, and sums gradient norms over the tensor-parallel group (split parameters
+    carry megatron-core's ``tensor_model_parallel`` attribute; replicated ones count once).
+    """
+
+    @staticmethod
+    def get_model_parallel_rank() -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_rank()
+
+    @staticmethod
+    def get_model_parallel_world_size() -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_world_size()
+
+    @staticmethod
+    def get_model_parallel_group():
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_group()
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    @staticmethod
+    def get_tensor_model_parallel_src_rank() -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_src_rank()
+
+    @staticmethod
+    def get_data_parallel_rank() -> int:
+        return data_parallel_rank_and_size()[0]
+
+    @staticmethod
+    def get_data_parallel_world_size() -> int:
+        return data_parallel_rank_and_size()[1]
+
+    @staticmethod
+    def get_data_parallel_group():
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group()
+
+
 def data_parallel_rank_and_size() -> tuple[int, int]:
     from megatron.core import parallel_state
 

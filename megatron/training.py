@@ -11,7 +11,13 @@ import torch.distributed as dist
 
 from megatron.diagnostics import StepProfiler, parameter_norms
 from megatron.divergence import NonFiniteWatch, check_weights_finite
-from megatron.initialize import current_device, data_parallel_rank_and_size, initialize_distributed, set_seeds
+from megatron.initialize import (
+    ModelParallelUnit,
+    current_device,
+    data_parallel_rank_and_size,
+    initialize_distributed,
+    set_seeds,
+)
 from megatron.learning_rates import Schedule, schedule_for_resume, set_learning_rate
 from megatron.logging import (
     MetricsWriter,
@@ -103,8 +109,8 @@ def forward_loss(engine, batch) -> torch.Tensor:
     from megatron.model import causal_lm_loss
 
     tokens, labels, loss_mask = (t.to(current_device()) for t in get_batch(batch))
-    logits = engine(tokens)
-    return causal_lm_loss(logits, labels, loss_mask)
+    logits = engine(tokens, parallel_output=True)
+    return causal_lm_loss(logits, labels, loss_mask, vocab_parallel=True)
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
@@ -200,12 +206,14 @@ def setup(args):
 
     set_seeds(args.seed)
     model = build_model(args)
-    log.info(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, precision {args.precision}, "
-             f"ZeRO stage {args.zero_stage}, {dp_size} data-parallel rank(s)")
+    log.info(f"model: {sum(p.numel() for p in model.parameters()):,} parameters per rank, precision "
+             f"{args.precision}, ZeRO stage {args.zero_stage}, {dp_size} data-parallel rank(s) x "
+             f"{args.model_parallel_size} tensor-parallel")
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=build_param_groups(model, args.weight_decay),
         config=args.deepspeed_config(),
+        mpu=ModelParallelUnit(),
     )
     state = TrainState(schedule=Schedule.from_args(args))
     restored_rng = False

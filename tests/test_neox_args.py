@@ -123,6 +123,13 @@ def test_from_dict_accepts_a_model_only_dict_but_a_run_needs_more():
         args.deepspeed_config()
 
 
+def test_tensor_parallel_ranks_leave_the_rest_to_data_parallelism(tmp_path):
+    args = run_args(tmp_path, num_gpus=4, model_parallel_size=2, train_micro_batch_size_per_gpu=2,
+                    gradient_accumulation_steps=1)
+    assert (args.global_num_gpus, args.data_parallel_size, args.train_batch_size) == (4, 2, 4)
+    assert padded_vocab_size(50277, 128, 2) == 50432  # each of the 2 shards a multiple of 128 rows
+
+
 def test_settings_stay_settable_attributes(tmp_path):
     args = run_args(tmp_path)
     args.padded_vocab_size = padded_vocab_size(50277, 128, 1)
@@ -161,7 +168,10 @@ def test_settings_stay_settable_attributes(tmp_path):
         ({"zero_optimization": {"stage": 4}}, r"run.yml: zero_optimization: stage must be 0, 1, 2 or 3"),
         ({"zero_optimization": {"stage": 1, "overlap_com": True}},
          r"run.yml: zero_optimization: DeepSpeed rejects it: overlap_com"),
-        ({"model_parallel_size": 2}, r"run.yml: model_parallel_size: tensor parallelism is not supported"),
+        ({"model_parallel_size": 2}, r"run.yml: model_parallel_size: 2 does not divide the 1 ranks"),
+        ({"model_parallel_size": 2, "num_gpus": 2, "num_kv_heads": 1},
+         r"run.yml: model_parallel_size: num_kv_heads=1 is not divisible by model_parallel_size=2"),
+        ({"model_parallel_size": 0}, r"run.yml: model_parallel_size: must be at least 1"),
         ({"pipe_parallel_size": 2}, r"run.yml: pipe_parallel_size: pipeline parallelism is not supported"),
         ({"hidden_dropout": 1.5}, r"run.yml: hidden_dropout: must be in \[0, 1\)"),
         ({"warmup": 2.5}, r"run.yml: warmup: 2.5: warmup is a fraction of lr_decay_iters \(as in GPT-NeoX\)"),

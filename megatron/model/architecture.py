@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron.model.errors import ModelConfigError
-from megatron.neox_arguments.derived import default_intermediate_size
+from megatron.neox_arguments.derived import default_intermediate_size, tensor_parallel_split_problem
 
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "relu", "silu", "swiglu")
@@ -82,6 +82,15 @@ def _require_positive_int(name: str, value: Any, hint: str = "") -> None:
         raise ModelConfigError(f"model setting {name}={value!r} must be a positive integer{hint}")
 
 
+def _require_tensor_parallel_split(tp: int, heads: int, kv_heads: int, intermediate_size: int, vocab: int) -> None:
+    problem = tensor_parallel_split_problem(tp, heads, kv_heads, intermediate_size)
+    if problem is None and vocab % tp:
+        problem = (f"padded_vocab_size={vocab} is not divisible by model_parallel_size={tp}; the vocabulary "
+                   "is padded to a multiple of make_vocab_size_divisible_by x model_parallel_size")
+    if problem:
+        raise ModelConfigError(problem)
+
+
 def architecture_from_args(args: Any) -> Architecture:
     """Validate the model settings of ``args`` (a NeoXArgs) and resolve them into an Architecture."""
     for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -129,11 +138,8 @@ def architecture_from_args(args: Any) -> Architecture:
                 f"rotary_pct={args.rotary_pct} of head width {args.hidden_size // heads} gives {rotary_ndims} "
                 "rotary dimensions; rotary embedding needs an even number of at least 2"
             )
-    model_parallel_size = getattr(args, "model_parallel_size", 1)
-    if model_parallel_size != 1:
-        raise ModelConfigError(
-            f"model_parallel_size={model_parallel_size}: only tensor-parallel size 1 is supported for now"
-        )
+    _require_tensor_parallel_split(getattr(args, "model_parallel_size", 1) or 1, heads, kv_heads,
+                                   sizes["intermediate_size"], args.padded_vocab_size)
 
     norm_epsilon = args.layernorm_epsilon if args.norm == "layernorm" else args.rms_norm_epsilon
     return Architecture(

@@ -23,9 +23,16 @@ from deepspeed.accelerator import get_accelerator
 from megatron.model.architecture import Architecture, architecture_from_args
 from megatron.model.embedding import Embedding
 from megatron.model.errors import ModelConfigError
-from megatron.model.init_methods import init_std, normal_init
+from megatron.model.init_methods import init_std, initialise_parameters, normal_init
 from megatron.model.norms import build_norm
-from megatron.model.parallel_layers import ColumnParallelLinear, model_parallel_config
+from megatron.model.parallel_layers import (
+    ColumnParallelLinear,
+    copy_to_tensor_parallel_region,
+    gather_last_dim,
+    model_parallel_config,
+    tensor_parallel_rank,
+    tensor_parallel_size,
+)
 from megatron.model.rotary import RotaryEmbedding
 from megatron.model.transformer_layer import TransformerLayer
 
@@ -48,10 +55,11 @@ class OutputLayer(torch.nn.Module):
             config=model_parallel_config(),
             init_method=init_method,
             bias=False,
-            gather_output=True,
+            gather_output=False,
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits."""
         logits, _ = self.final_linear(hidden)
         return logits
 
@@ -82,6 +90,9 @@ class GPTModel(torch.nn.Module):
         self.rotary = (
             RotaryEmbedding(arch.rotary_ndims, arch.rotary_emb_base) if arch.pos_emb == "rotary" else None
         )
+        initialise_parameters(
+            self, arch, init_method, output_init_method, tensor_parallel_rank(), tensor_parallel_size()
+        )
 
     @property
     def embedding(self) -> Embedding:
@@ -91,8 +102,14 @@ class GPTModel(torch.nn.Module):
     def layers(self) -> list[TransformerLayer]:
         return [self.sequential[layer_key(i)] for i in range(self.arch.num_layers)]
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [b, s] -> logits [b, s, padded_vocab_size] in the parameter dtype."""
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, parallel_output: bool = False
+    ) -> torch.Tensor:
+        """input_ids [b, s] -> logits [b, s, padded_vocab_size] in the parameter dtype.
+
+        With ``parallel_output`` only this tensor-parallel rank's slice of the vocabulary (for
+        ``causal_lm_loss(..., vocab_parallel=True)``, which never gathers the whole vocabulary).
+        """
         seq_len = input_ids.shape[1]
         standard_positions = position_ids is None
         if position_ids is None:
@@ -117,8 +134,10 @@ class GPTModel(torch.nn.Module):
                 hidden = layer(hidden, rotary_cos_sin)
         hidden = self.sequential[str(self.arch.num_layers + 3)](hidden)
         if self.arch.tied_embeddings:
-            return F.linear(hidden, self.embedding.word_embeddings.weight)
-        return self.sequential[str(self.arch.num_layers + 4)](hidden)
+            logits = F.linear(copy_to_tensor_parallel_region(hidden), self.embedding.word_embeddings.weight)
+        else:
+            logits = self.sequential[str(self.arch.num_layers + 4)](hidden)
+        return logits if parallel_output else gather_last_dim(logits)
 
 
 def build_model(args: Any) -> GPTModel:

@@ -7,6 +7,17 @@ from collections.abc import Callable
 
 import torch
 
+from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+from megatron.model.architecture import Architecture
+from megatron.model.partitioning import (
+    INITIALISED_WEIGHTS,
+    OUTPUT_WEIGHTS,
+    PARALLEL_BIASES,
+    Partitioning,
+    partition,
+    partitioning,
+)
+
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -28,3 +39,33 @@ def normal_init(std: float) -> InitMethod:
         return torch.nn.init.normal_(tensor, mean=0.0, std=std)
 
     return init_
+
+
+def initialise_parameters(
+    model: torch.nn.Module, arch: Architecture, init_method: InitMethod, output_init_method: InitMethod, rank: int, size: int
+) -> None:
+    """Draw the weights of ``model`` (built without initialisation) as a pure function of the RNG state.
+
+    Each weight is drawn whole, in registration order, then this rank keeps its part: every
+    tensor-parallel size gives the same full model, and size 1 the same draws as a plain build.
+    Biases of split layers start at zero; norms keep the ones/zeros their modules made. Split
+    parameters get megatron-core's tensor-parallel attributes, which DeepSpeed's gradient norm reads.
+    """
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            p = partitioning(name, arch)
+            if name.endswith(INITIALISED_WEIGHTS):
+                full = torch.empty(_full_shape(param.shape, p, size), dtype=torch.float32)
+                (output_init_method if name.endswith(OUTPUT_WEIGHTS) else init_method)(full)
+                param.copy_(partition(full, p, rank, size))
+            elif name.endswith(PARALLEL_BIASES):
+                param.zero_()
+            if p.dim is not None and not hasattr(param, "tensor_model_parallel"):
+                set_tensor_model_parallel_attributes(param, True, p.dim, 1)
+
+
+def _full_shape(shape: torch.Size, p: Partitioning, size: int) -> tuple[int, ...]:
+    full = list(shape)
+    if p.dim is not None:
+        full[p.dim] *= size
+    return tuple(full)

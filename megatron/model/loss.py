@@ -5,18 +5,30 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from megatron.model.parallel_layers import tensor_parallel_size
+
 
 def causal_lm_loss(
-    logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+    vocab_parallel: bool = False,
 ) -> torch.Tensor:
     """Mean token cross entropy in fp32.
 
     ``labels`` [b, s] are the next tokens of the inputs (already shifted, GPT-NeoX's convention);
-    with ``loss_mask`` [b, s] the mean runs over the tokens where the mask is 1.
+    with ``loss_mask`` [b, s] the mean runs over the tokens where the mask is 1. With
+    ``vocab_parallel`` the logits are this tensor-parallel rank's vocabulary slice
+    (``GPTModel(..., parallel_output=True)``) and megatron-core's vocab-parallel cross entropy
+    computes the loss; it overwrites fp32 logits in place.
     """
-    losses = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
-    )
+    if vocab_parallel and tensor_parallel_size() > 1:
+        losses = vocab_parallel_cross_entropy(logits.float(), labels).reshape(-1)
+    else:
+        losses = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
+        )
     if loss_mask is None:
         return losses.mean()
     mask = loss_mask.reshape(-1).float()

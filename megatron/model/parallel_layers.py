@@ -20,18 +20,47 @@ def model_parallel_config() -> ModelParallelConfig:
             "megatron-core's process groups are not initialised; call "
             "megatron.core.parallel_state.initialize_model_parallel after torch.distributed before building the model"
         )
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    if tp_size != 1:
-        raise ModelConfigError(
-            f"tensor-parallel size {tp_size}: only tensor-parallel size 1 is supported for now"
-        )
+    # The weights are drawn afterwards, whole and then split (init_methods.initialise_parameters).
     return ModelParallelConfig(
-        tensor_model_parallel_size=tp_size, use_cpu_initialization=True, params_dtype=torch.float32
+        tensor_model_parallel_size=tensor_parallel_size(),
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        params_dtype=torch.float32,
     )
 
 
 def tensor_parallel_size() -> int:
     return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def tensor_parallel_rank() -> int:
+    return parallel_state.get_tensor_model_parallel_rank()
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather along the last dimension over the tensor-parallel group; the gradient of the result
+    (the same on every rank of the group) passes back to each rank's own slice."""
+
+    @staticmethod
+    def forward(ctx, part: torch.Tensor) -> torch.Tensor:
+        group = parallel_state.get_tensor_model_parallel_group()
+        parts = [torch.empty_like(part) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(parts, part.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.chunk(tensor_parallel_size(), dim=-1)[tensor_parallel_rank()].contiguous()
+
+
+def gather_last_dim(part: torch.Tensor) -> torch.Tensor:
+    """The tensor-parallel ranks' parts of the last dimension, joined (megatron-core's own gather needs CUDA)."""
+    return part if tensor_parallel_size() == 1 else _GatherLastDim.apply(part)
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """Identity forward; the gradient is summed over the tensor-parallel group."""
+    return x if tensor_parallel_size() == 1 else tensor_parallel.copy_to_tensor_model_parallel_region(x)
 
 
 class _WithoutExtraState:

@@ -29,6 +29,16 @@ def padded_vocab_size(orig_vocab_size: int, divisible_by: int, model_parallel_si
     return int(math.ceil(orig_vocab_size / multiple) * multiple)
 
 
+def tensor_parallel_split_problem(tp: int, heads: int, kv_heads: int, intermediate_size: int) -> str | None:
+    """Why the model cannot be split over ``tp`` tensor-parallel ranks, or None when it can."""
+    for name, value in (("num_attention_heads", heads), ("num_kv_heads", kv_heads),
+                        ("intermediate_size", intermediate_size)):
+        if value % tp:
+            return (f"{name}={value} is not divisible by model_parallel_size={tp}; each tensor-parallel "
+                    f"rank holds an equal share of it, so choose a model_parallel_size that divides {value}")
+    return None
+
+
 def derive_all(v: dict[str, Any], sources: dict[str, str], require_run_settings: bool,
                notices: list[str] | None = None) -> None:
     """Fill in derived settings of `v` in place; raise ConfigError on impossible combinations.
@@ -83,8 +93,8 @@ def _check_ranges(v: dict[str, Any], sources: dict[str, str]) -> None:
             raise _fail(sources, name, f"must not be negative, got {v[name]}")
     if v["sliding_window_width"] is not None and v["sliding_window_width"] < 1:
         raise _fail(sources, "sliding_window_width", f"must be at least 1 when set, got {v['sliding_window_width']}")
-    if v["model_parallel_size"] != 1:
-        raise _fail(sources, "model_parallel_size", "tensor parallelism is not supported; use 1")
+    if v["model_parallel_size"] < 1:
+        raise _fail(sources, "model_parallel_size", f"must be at least 1, got {v['model_parallel_size']}")
     if v["pipe_parallel_size"] > 1 or v["pipe_parallel_size"] < 0:
         raise _fail(sources, "pipe_parallel_size", "pipeline parallelism is not supported; use 0 or 1")
     if v["eval_interval"] < 1 or v["eval_iters"] < 0:
@@ -197,7 +207,12 @@ def _derive_world(v: dict[str, Any], sources: dict[str, str], notices: list[str]
                     f"(num_gpus/num_nodes/hostfile/include/exclude) start {ranks} rank(s); remove global_num_gpus "
                     "or make them agree")
     v["global_num_gpus"] = ranks
-    v["data_parallel_size"] = ranks // (v["model_parallel_size"] * max(v["pipe_parallel_size"], 1))
+    model_ranks = v["model_parallel_size"] * max(v["pipe_parallel_size"], 1)
+    if ranks % model_ranks:
+        raise _fail(sources, "model_parallel_size", f"{v['model_parallel_size']} does not divide the {ranks} "
+                    "ranks (num_gpus x nodes); every tensor-parallel group needs that many ranks, so start "
+                    "a multiple of it or choose a size that divides the rank count")
+    v["data_parallel_size"] = ranks // model_ranks
 
 
 def _derive_batch(v: dict[str, Any], sources: dict[str, str], require_run_settings: bool) -> None:
@@ -262,6 +277,11 @@ def _derive_model_shape(v: dict[str, Any], sources: dict[str, str]) -> None:
             raise _fail(sources, "rotary_pct", f"rotates {rotary_dims} of {hidden // heads} head dims; needs an even number >= 2")
     if v["intermediate_size"] is None:
         v["intermediate_size"] = default_intermediate_size(hidden, v["activation"], v["mlp_multiple_of"])
+    problem = tensor_parallel_split_problem(
+        v["model_parallel_size"], heads, v["num_kv_heads"], v["intermediate_size"]
+    )
+    if problem:
+        raise _fail(sources, "model_parallel_size", problem)
     v["max_position_embeddings"] = v["max_position_embeddings"] or v["seq_length"]
     if v["max_position_embeddings"] < v["seq_length"]:
         raise ConfigError(

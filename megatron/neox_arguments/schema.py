@@ -72,7 +72,7 @@ SETTINGS_LIST: list[Setting] = [
     _model("init_method_std", float, 0.02, "standard deviation of the normal initialisers"),
     _model("checkpoint_activations", bool, False, "recompute each layer's activations in the backward pass to save memory"),
     _model("make_vocab_size_divisible_by", int, 128, "pad the vocabulary to a multiple of this"),
-    _model("model_parallel_size", int, 1, "tensor-parallel size (only 1 is supported for now)"),
+    _model("model_parallel_size", int, 1, "tensor-parallel size: ranks that split each layer (heads, MLP, vocabulary) between them"),
     _model("pipe_parallel_size", int, 0, "pipeline-parallel size (0 or 1: no pipeline)"),
     # --- optimisation ---------------------------------------------------------------------
     _train("optimizer", (dict, type(None)), None, "optimizer as {type: Adam|AdamW|SGD, params: {lr, betas, eps, ...}}"),

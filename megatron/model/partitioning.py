@@ -1,0 +1,123 @@
+"""How each parameter is split across tensor-parallel ranks, and moving weights between split sizes.
+
+A parameter is either replicated (every rank holds all of it) or split along one dimension. Along
+that dimension it may consist of blocks that are split separately, each rank taking its share of
+every block (GPT-NeoX's per-partition layouts):
+
+- ``query_key_value`` with grouped-query attention: [queries, keys, values], so rank r holds
+  [its queries, its keys, its values];
+- ``mlp.linear1`` for swiglu: [up, gate], so rank r holds [its up rows, its gate rows].
+
+With one key/value head per query head, ``query_key_value`` is per head [q, k, v] and a plain
+split gives each rank whole heads. The full tensor is the one a tensor-parallel size of 1 holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron.model.architecture import Architecture
+
+
+@dataclass(frozen=True)
+class Partitioning:
+    dim: int | None  # None: replicated
+    blocks: tuple[int, ...] = (1,)  # relative widths of the blocks along `dim`, each split on its own
+
+    def block_widths(self, full_width: int) -> list[int]:
+        unit, rest = divmod(full_width, sum(self.blocks))
+        if rest:
+            raise ValueError(f"width {full_width} does not split into blocks {self.blocks}")
+        return [block * unit for block in self.blocks]
+
+
+REPLICATED = Partitioning(None)
+
+# Weights drawn from the output-layer init method (the others from the plain one).
+OUTPUT_WEIGHTS = ("attention.dense.weight", "mlp.linear2.weight")
+# Weights drawn at initialisation; every other parameter starts as its module made it.
+INITIALISED_WEIGHTS = (
+    "word_embeddings.weight",
+    "position_embeddings.weight",
+    "attention.query_key_value.weight",
+    "mlp.linear1.weight",
+    "final_linear.weight",
+    *OUTPUT_WEIGHTS,
+)
+# Biases of split layers, set to zero at initialisation.
+PARALLEL_BIASES = ("attention.query_key_value.bias", "mlp.linear1.bias", "attention.dense.bias", "mlp.linear2.bias")
+
+
+def partitioning(name: str, arch: Architecture) -> Partitioning:
+    """How parameter ``name`` (as in ``GPTModel.state_dict()``) is split across tensor-parallel ranks."""
+    if name.endswith(("word_embeddings.weight", "final_linear.weight")):
+        return Partitioning(0)
+    if name.endswith(("attention.query_key_value.weight", "attention.query_key_value.bias")):
+        if arch.num_kv_heads < arch.num_attention_heads:
+            return Partitioning(0, (arch.num_attention_heads, arch.num_kv_heads, arch.num_kv_heads))
+        return Partitioning(0)
+    if name.endswith(("mlp.linear1.weight", "mlp.linear1.bias")):
+        return Partitioning(0, (1, 1) if arch.activation == "swiglu" else (1,))
+    if name.endswith(("attention.dense.weight", "mlp.linear2.weight")):
+        return Partitioning(1)
+    return REPLICATED
+
+
+def _ranges(p: Partitioning, full_width: int, rank: int, size: int) -> list[tuple[int, int]]:
+    """(start, length) along ``p.dim`` of the full tensor of each piece rank ``rank`` of ``size`` holds."""
+    ranges, start = [], 0
+    for width in p.block_widths(full_width):
+        share = width // size
+        ranges.append((start + rank * share, share))
+        start += width
+    return ranges
+
+
+def partition(full: torch.Tensor, p: Partitioning, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s part of ``full`` at tensor-parallel size ``size`` (a view where it is one piece)."""
+    if p.dim is None or size == 1:
+        return full
+    pieces = [full.narrow(p.dim, start, length) for start, length in _ranges(p, full.shape[p.dim], rank, size)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=p.dim)
+
+
+def repartition(parts: Sequence[torch.Tensor], p: Partitioning, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s part at size ``size`` from all parts of one parameter saved at size ``len(parts)``.
+
+    Reads only the slices of ``parts`` the result holds (with memory-mapped parts, only those pages).
+    """
+    saved = len(parts)
+    if p.dim is None:
+        return parts[0]
+    if saved == size:
+        return parts[rank]
+    full_width = parts[0].shape[p.dim] * saved
+    saved_ranges = [_ranges(p, full_width, r, saved) for r in range(saved)]
+    pieces = []
+    for start, length in _ranges(p, full_width, rank, size):
+        end = start + length
+        for source, ranges in zip(parts, saved_ranges, strict=True):
+            offset = 0  # where this block piece starts inside the saved part
+            for s_start, s_length in ranges:
+                low, high = max(start, s_start), min(end, s_start + s_length)
+                if low < high:
+                    pieces.append(source.narrow(p.dim, offset + low - s_start, high - low))
+                offset += s_length
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=p.dim)
+
+
+def repartition_state_dict(
+    parts: Sequence[Mapping[str, torch.Tensor]], arch: Architecture, rank: int, size: int
+) -> dict[str, torch.Tensor]:
+    """This rank's state dict at size ``size`` from the state dicts of every rank of a size-``len(parts)`` save.
+
+    Keys follow ``parts[0]``; a key some part lacks is left out (strict loading then names it).
+    """
+    result = {}
+    for name in parts[0]:
+        if all(name in part for part in parts):
+            result[name] = repartition([part[name] for part in parts], partitioning(name, arch), rank, size)
+    return result

@@ -1,0 +1,162 @@
+"""One rank of the 2-rank tensor-parallel tests; started by tests/test_tensor_parallel.py.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/tensor_parallel_worker.py <check> <work dir>
+
+Each check builds the same model at tensor-parallel size 2 and then 1 (the two ranks as data-parallel
+replicas) and compares them; any failed comparison raises, so a non-zero exit fails the test.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+
+from megatron.initialize import ModelParallelUnit  # noqa: E402
+from megatron.model import build_model, causal_lm_loss  # noqa: E402
+from megatron.model.partitioning import partitioning, repartition  # noqa: E402
+from megatron.neox_arguments import NeoXArgs  # noqa: E402
+
+VOCAB = 96
+SEQ = 10
+BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=SEQ, padded_vocab_size=VOCAB,
+            hidden_dropout=0.0, attention_dropout=0.0, seed=77)
+FAMILIES = {
+    # GPT-NeoX / Pythia: LayerNorm with biases, GELU, partial rotary, parallel residual, untied output.
+    "neox": dict(pos_emb="rotary", rotary_pct=0.25, gpt_j_residual=True, no_weight_tying=True,
+                 norm="layernorm", activation="gelu", intermediate_size=64),
+    # GPT-2 style: learned positions, sequential residual, tied embeddings.
+    "tied-learned": dict(pos_emb="learned", gpt_j_residual=False, no_weight_tying=False, norm="layernorm",
+                         activation="gelu", intermediate_size=64),
+    # Llama: RMSNorm, SwiGLU, grouped-query attention, no biases, untied output.
+    "llama": dict(pos_emb="rotary", rotary_pct=1.0, rotary_emb_base=10000, gpt_j_residual=False,
+                  no_weight_tying=True, norm="rmsnorm", rms_norm_epsilon=1e-6, activation="swiglu",
+                  intermediate_size=80, num_kv_heads=2, use_bias_in_norms=False,
+                  use_bias_in_attn_linear=False, use_bias_in_mlp=False),
+}
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(f"rank {dist.get_rank()}: {message}")
+
+
+def set_tensor_parallel_size(size: int) -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(size, 1)
+
+
+def model_args(family: str, tp: int) -> NeoXArgs:
+    return NeoXArgs({**BASE, **FAMILIES[family], "model_parallel_size": tp})
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The same tokens and labels on every rank."""
+    tokens = torch.randint(0, VOCAB, (3, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def full(named: dict[str, torch.Tensor], arch) -> dict[str, torch.Tensor]:
+    """Whole tensors from every tensor-parallel rank's parts (collective over the tensor-parallel group)."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    size = dist.get_world_size(group)
+    result = {}
+    for name, part in named.items():
+        parts = [torch.empty_like(part) for _ in range(size)]
+        dist.all_gather(parts, part.contiguous(), group=group)
+        result[name] = repartition(parts, partitioning(name, arch), 0, 1)
+    return result
+
+
+def loss_and_grads(family: str, tp: int) -> tuple[torch.Tensor, dict, dict, torch.Tensor]:
+    set_tensor_parallel_size(tp)
+    model = build_model(model_args(family, tp))
+    tokens, labels = batch()
+    loss = causal_lm_loss(model(tokens, parallel_output=True), labels, vocab_parallel=True)
+    loss.backward()
+    with torch.no_grad():
+        logits = model(tokens)
+    weights = full({n: p.detach() for n, p in model.named_parameters()}, model.arch)
+    grads = full({n: p.grad for n, p in model.named_parameters()}, model.arch)
+    return loss.detach(), weights, grads, logits
+
+
+def same_model_same_loss_and_gradients() -> None:
+    for family in FAMILIES:
+        loss2, weights2, grads2, logits2 = loss_and_grads(family, 2)
+        loss1, weights1, grads1, logits1 = loss_and_grads(family, 1)
+        check(weights1.keys() == weights2.keys(), f"{family}: parameter names differ")
+        for name in weights1:
+            check(torch.equal(weights1[name], weights2[name]), f"{family}: initial {name} differs between TP 1 and 2")
+        check(torch.allclose(loss1, loss2, rtol=1e-6, atol=1e-6), f"{family}: loss {loss2} at TP 2, {loss1} at TP 1")
+        check(logits2.shape == logits1.shape, f"{family}: gathered logits have shape {tuple(logits2.shape)}")
+        check(torch.allclose(logits1, logits2, rtol=1e-5, atol=1e-5), f"{family}: logits differ")
+        for name in grads1:
+            check(torch.allclose(grads1[name], grads2[name], rtol=1e-4, atol=1e-6),
+                  f"{family}: gradient of {name} differs (max diff {(grads1[name] - grads2[name]).abs().max()})")
+        if dist.get_rank() == 0:
+            print(f"{family}: loss {loss1.item():.6f}", flush=True)
+
+
+def engine_step(family: str, tp: int, stage: int) -> tuple[float | None, dict]:
+    set_tensor_parallel_size(tp)
+    model = build_model(model_args(family, tp))
+    config = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "eps": 1.0}}, "gradient_clipping": 0.05,
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                           mpu=ModelParallelUnit())
+    tokens, labels = batch()
+    loss = causal_lm_loss(engine(tokens, parallel_output=True), labels, vocab_parallel=True)
+    engine.backward(loss)
+    engine.step()
+    weights = full({n: p.detach() for n, p in engine.module.named_parameters()}, model.arch)
+    norm = engine.get_global_grad_norm()  # None where DeepSpeed does not record it (ZeRO 0 in fp32)
+    return None if norm is None else float(norm), weights
+
+
+def deepspeed_step_matches() -> None:
+    """One clipped Adam step through DeepSpeed (given the mpu) moves the full model as at TP 1.
+
+    Adam's eps of 1 makes the first step about lr x gradient, so the step follows the clipping,
+    which scales by the global norm: a norm that missed a rank's shards would move other weights.
+    """
+    for family in ("neox", "llama"):
+        for stage in (0, 1):
+            norm2, weights2 = engine_step(family, 2, stage)
+            norm1, weights1 = engine_step(family, 1, stage)
+            check(stage == 0 or norm1 is not None, f"{family} ZeRO {stage}: no gradient norm recorded")
+            check(norm1 is None or abs(norm1 - norm2) <= 1e-5 * norm1,
+                  f"{family} ZeRO {stage}: grad norm {norm2} at TP 2, {norm1} at TP 1")
+            for name in weights1:
+                check(torch.allclose(weights1[name], weights2[name], rtol=1e-5, atol=1e-6),
+                      f"{family} ZeRO {stage}: {name} after one step differs")
+            if dist.get_rank() == 0:
+                print(f"{family} zero{stage}: grad norm {norm1}", flush=True)
+
+
+CHECKS = {"equivalence": same_model_same_loss_and_gradients, "deepspeed": deepspeed_step_matches}
+
+
+def main() -> None:
+    name = sys.argv[1]
+    deepspeed_logger.setLevel(logging.ERROR)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    check(dist.get_world_size() == 2, "expects 2 ranks")
+    CHECKS[name]()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print(f"{name}: ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
