@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
+import yaml
 
-from megatron.checkpointing.module_weights import read_module_weights
+from megatron.checkpointing.module_weights import read_client_state, read_module_weights
+from megatron.checkpointing.preflight import architecture_mismatches
 from megatron.learning_rates import learning_rate_at
+from megatron.neox_arguments import NeoXArgs, padded_vocab_size
+from megatron.tokenizer import build_tokenizer
 from tests.e2e import checkpoint_files, run_deepy, train_lines, write_overrides
 
 pytestmark = pytest.mark.e2e
@@ -28,6 +35,47 @@ def test_single_rank_run_trains_evaluates_and_saves(tmp_path):
     assert "mp_rank_00_model_states.pt" in files
     assert any(f.endswith("zero_pp_rank_0_mp_rank_00_optim_states.pt") for f in files)
     assert {"tiny.yml", overrides.name} <= set(checkpoint_files(save / "global_step40" / "configs"))
+    config = assert_gpt_neox_config_describes_the_files(save / "global_step40")
+    assert config["activation"] == "gelu"
+    linear1 = read_module_weights(save / "global_step40")["sequential.2.mlp.linear1.weight"]
+    assert linear1.shape == (config["intermediate_size"], config["hidden_size"])
+    assert not (config.get("fp16") or {}).get("enabled") and not (config.get("bf16") or {}).get("enabled")
+
+
+# What GPT-NeoX's tools/ckpts/convert_neox_to_hf.py reads from the one config file it is given.
+NEOX_CONVERTER_KEYS = ("tokenizer_type", "vocab_file", "make_vocab_size_divisible_by", "model_parallel_size",
+                       "pipe_parallel_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads",
+                       "max_position_embeddings", "init_method_std", "no_weight_tying", "rotary_pct",
+                       "rotary_emb_base", "gpt_j_residual", "layernorm_epsilon", "rms_norm_epsilon",
+                       "intermediate_size", "activation", "use_bias_in_attn_linear")
+
+
+def assert_gpt_neox_config_describes_the_files(tag_dir: Path) -> dict:
+    """<tag>/configs/neox_config.yml holds every key the converter reads, with values that match the files:
+    the single-file layout (pipe_parallel_size 0), one mp_rank file per model_parallel_size, the tokenizer
+    the embedding was padded for, the layer count and widths of the stored weights."""
+    config = yaml.safe_load((tag_dir / "configs" / "neox_config.yml").read_text())
+    assert set(NEOX_CONVERTER_KEYS) <= set(config)
+    mp_files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
+    assert config["model_parallel_size"] == len(mp_files) == 1
+    assert config["pipe_parallel_size"] == 0 and not list(tag_dir.glob("layer_*-model_*-model_states.pt"))
+    module = torch.load(mp_files[0], map_location="cpu", weights_only=True)["module"]  # as the converter loads it
+    layers = config["num_layers"]
+    positions = {int(name.split(".")[1]) for name in module}
+    assert positions == {0, *range(2, layers + 2), layers + 3} | ({layers + 4} if config["no_weight_tying"] else set())
+    vocab_file = Path(config["vocab_file"])
+    assert vocab_file.is_absolute() and vocab_file.is_file()
+    tokenizer = build_tokenizer(SimpleNamespace(merge_file=None, **config))
+    padded = padded_vocab_size(tokenizer.vocab_size, config["make_vocab_size_divisible_by"], config["model_parallel_size"])
+    assert module["sequential.0.word_embeddings.weight"].shape == (padded, config["hidden_size"])
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    qkv = module["sequential.2.attention.query_key_value.weight"]
+    assert qkv.shape[0] == (config["num_attention_heads"] + 2 * config["num_kv_heads"]) * head_dim
+    assert config["max_position_embeddings"] >= config["seq_length"]
+    # Our own loader reads it back as the run that saved it.
+    reread = NeoXArgs.from_yaml_files([tag_dir / "configs" / "neox_config.yml"])
+    assert architecture_mismatches(read_client_state(tag_dir)["args"], reread.to_dict()) == []
+    return config
 
 
 # The Llama family on the same data: RMSNorm, SwiGLU, grouped-query attention, no biases, full rotary.
@@ -55,6 +103,8 @@ def test_two_ranks_zero1_bf16_llama_trains_and_saves_per_rank_optimizer_shards(t
     assert weights["sequential.2.mlp.linear1.weight"].shape == (2 * 344, 128)  # up and gate stacked
     assert weights["sequential.2.attention.query_key_value.weight"].shape == ((4 + 2 * 2) * 32, 128)
     assert "sequential.2.input_layernorm.scale" in weights and not any(k.endswith(".bias") for k in weights)
+    config = assert_gpt_neox_config_describes_the_files(save / "global_step30")
+    assert config["activation"] == "swiglu" and config["num_kv_heads"] == 2 and config["bf16"]["enabled"]
 
 
 def _scheduled_lr(step: int) -> float:

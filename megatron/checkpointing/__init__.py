@@ -19,6 +19,7 @@ from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.collective import all_gather, barrier
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.inventory import inventory_checkpoint
+from megatron.checkpointing.neox_config import write_neox_config
 from megatron.checkpointing.plan import LoadMode, LoadPlan, build_load_plan
 from megatron.checkpointing.rng import collect_rng_states, restore_rng_states
 
@@ -82,8 +83,9 @@ def save_checkpoint(
 ) -> Path:
     """Save tag global_step<iteration> under `args.save`; all ranks call it (DeepSpeed's save is collective).
 
-    The run's YAML files go into `<tag>/configs/` first, then the engine's files; `latest` names the
-    tag once every file is written, then old tags are pruned per `keep_last_n_checkpoints`.
+    The run's YAML files and all its settings as one GPT-NeoX config (neox_config.py) go into
+    `<tag>/configs/` first, then the engine's files; `latest` names the tag once every file is written, then old
+    tags are pruned per `keep_last_n_checkpoints`.
     """
     from megatron.checkpointing import forward_validation
     from megatron.checkpointing.engine_save import save_engine_checkpoint
@@ -108,6 +110,7 @@ def save_checkpoint(
         if _rank() == 0:
             commit.start_tag(save_dir, tag)
             layout.copy_configs(args.config_files, save_dir / partial)
+            write_neox_config(args.to_dict(), save_dir / partial / layout.CONFIGS_DIR / layout.NEOX_CONFIG_FILE)
         barrier()
         save_engine_checkpoint(engine, save_dir, partial, client_state.to_dict())
         tag_dir = commit.seal_tag(save_dir, tag, iteration)

@@ -9,6 +9,7 @@ GPT-NeoX so their tools can read what we write and we can read what they wrote::
     <root>/global_step<N>/[bf16_]zero_pp_rank_<DP>_mp_rank_<MP:02d>_optim_states.pt   ZeRO shards
     <root>/global_step<N>/layer_<II>-model_<MP:02d>-model_states.pt   GPT-NeoX pipeline layers
     <root>/global_step<N>/configs/*.yml                        the run's YAML files
+    <root>/global_step<N>/configs/neox_config.yml              all its settings as one GPT-NeoX config
     <root>/global_step<N>/manifest.json                        size and checksum of every other file
     <root>/global_step<N>.partial/                             a save in progress (or interrupted)
 
@@ -28,6 +29,7 @@ from megatron.fsio import write_text_atomically
 
 LATEST_FILE = "latest"
 CONFIGS_DIR = "configs"
+NEOX_CONFIG_FILE = "neox_config.yml"
 MANIFEST_FILE = "manifest.json"
 TAG_PREFIX = "global_step"
 PARTIAL_SUFFIX = ".partial"

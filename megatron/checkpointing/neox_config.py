@@ -1,0 +1,57 @@
+"""The run's settings as one complete GPT-NeoX YAML, written into every tag's configs/ folder.
+
+The YAML files a run was started with are copied there too, but a run usually needs several (a model
+file and a local setup), and GPT-NeoX's tools (tools/ckpts/convert_neox_to_hf.py, ...) read one. This
+one describes the files of the tag as written:
+
+- pipe_parallel_size 0: the module sits in mp_rank_<MP>_model_states.pt under ``sequential.<i>.<name>``,
+  GPT-NeoX's layout for a model without a pipeline; GPT-NeoX's tools take pipe_parallel_size >= 1 to
+  mean one layer_<II>-model_<MP>-model_states.pt file per layer, which are not written.
+- model_parallel_size: the number of mp_rank files.
+- sizes left unset (intermediate_size, num_kv_heads, max_position_embeddings) as resolved, because
+  GPT-NeoX's tools do not derive them; settings left unset otherwise are omitted, so a reader's default
+  applies.
+- the tokenizer the run used (tokenizer_type, vocab_file, merge_file), its files as absolute paths; a
+  run on the embedded corpus is written as a run on that corpus's dataset and tokenizer file.
+- fp16 / bf16 sections that say the precision, which GPT-NeoX's tools read from them.
+
+Our own loader reads it back as the same run (derived settings are left out: they are derived again).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import yaml
+
+
+def resolved_neox_config(settings: dict[str, Any]) -> dict[str, Any]:
+    """The YAML content for `settings` (NeoXArgs.to_dict() of the run, after its tokenizer is chosen)."""
+    from megatron.model.architecture import derive_size_defaults
+    from megatron.neox_arguments import SETTINGS
+
+    values = {name: value for name, value in settings.items()
+              if value is not None and name in SETTINGS and not SETTINGS[name].derived}
+    values.update(derive_size_defaults(SimpleNamespace(**{**{n: s.default for n, s in SETTINGS.items()}, **settings})))
+    values["pipe_parallel_size"] = 0
+    values["model_parallel_size"] = int(settings.get("model_parallel_size") or 1)
+    for name in ("vocab_file", "merge_file"):
+        if values.get(name):
+            values[name] = str(Path(values[name]).expanduser().resolve())
+    if values.get("embedded_corpus"):
+        values["embedded_corpus"] = False  # data_path and the tokenizer now name the corpus's files
+    precision = settings.get("precision")
+    for name in ("fp16", "bf16"):
+        if precision == name and not (values.get(name) or {}).get("enabled"):
+            values[name] = {**(values.get(name) or {}), "enabled": True}
+    return values
+
+
+def write_neox_config(settings: dict[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = ("# Every setting of the run that saved this checkpoint, as one GPT-NeoX config (see "
+              "megatron/checkpointing/neox_config.py)\n")
+    path.write_text(header + yaml.safe_dump(resolved_neox_config(settings), sort_keys=False))
+    return path
