@@ -1,20 +1,24 @@
-"""Module-only load: ours (read_module_weights + load_module_only) against DeepSpeed's own, in one process.
+"""Module-only load: ours (read_module_weights + load_module_only) against DeepSpeed's own and a raw read.
 
-    python tools/bench/bench_module_only_load.py [--layers 4] [--hidden 512] [--vocab 16384]
-        [--precision bf16] [--zero-stage 1] [--repeats 5] [--batch 1] [--seq 32] [--threads N]
+    python tools/bench/bench_module_only_load.py [--ranks 1|2] [--layers 4] [--hidden 512] [--vocab 16384]
+        [--precision bf16] [--zero-stage 1] [--repeats 5] [--batch 1] [--seq 32] [--threads N] [--json PATH]
 
-Builds a GPTModel inside a real DeepSpeed engine (one-rank gloo world), saves one checkpoint with
-save_engine_checkpoint, then, alternating the order every repeat, measures:
+Builds a GPTModel inside a real DeepSpeed engine (a gloo world of ``--ranks`` processes on this
+machine, data parallel), saves one checkpoint with save_engine_checkpoint, then, alternating the
+order every repeat, measures on every rank at once:
 
 * baseline: ``engine.load_checkpoint(dir, tag, load_module_only=True, load_optimizer_states=False,
   load_lr_scheduler_states=False)``;
 * ours: ``read_module_weights(tag_dir)`` + ``load_module_only(engine, weights)`` (master refresh and
   ``verify_master_weights`` included);
+* raw (ZeRO 0-2): ``torch.load(model file, mmap=True)`` + ``module.load_state_dict``: the floor any
+  load has to pay, though it leaves the optimizer's master weights stale;
 * ``verify_master_weights(engine)`` alone, against one training step (forward + backward + step).
 
 A training step runs before every load so each load has changed weights to overwrite; after the
-first load of each kind the engine's weights are checked against the checkpoint. Prints medians
-(wall and process CPU time), peak RSS growth during each load, and ``RATIO`` lines.
+first loads of each kind the engine's weights are checked against the checkpoint. Prints medians
+(wall and process CPU time; the slowest rank's), peak RSS growth (rank 0), the node's peak private
+memory and PSS growth (all ranks added up), and ``RATIO`` lines; ``--json`` writes them as JSON.
 """
 
 from __future__ import annotations
@@ -26,16 +30,16 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from bench_world import free_port, init_world  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
-from procmem import MemoryDelta, measure_memory, median, ratio_line, return_freed_memory_to_os, table  # noqa: E402
-from single_rank import init_single_rank_world  # noqa: E402
+from procmem import PeakSampler, measure_memory, median, ratio_line, return_freed_memory_to_os, table  # noqa: E402
 
 from megatron.checkpointing import layout  # noqa: E402
 from megatron.checkpointing.engine_save import save_engine_checkpoint  # noqa: E402
@@ -46,31 +50,8 @@ from megatron.model import build_model, causal_lm_loss  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 
 TAG = "global_step1"
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@dataclass
-class Samples:
-    wall_s: list[float] = field(default_factory=list)
-    cpu_s: list[float] = field(default_factory=list)
-    memory: list[MemoryDelta] = field(default_factory=list)
-
-    def timed(self, call, with_memory: bool = False):
-        gc.collect()
-        wall, cpu = time.perf_counter(), time.process_time()
-        if with_memory:
-            result, delta = measure_memory(call)
-            self.memory.append(delta)
-        else:
-            result = call()
-        self.wall_s.append(time.perf_counter() - wall)
-        self.cpu_s.append(time.process_time() - cpu)
-        return result
-
-    def row(self, name: str) -> list[object]:
-        peak = median([m.peak_growth_mib for m in self.memory]) if self.memory else "-"
-        kept = median([m.retained_mib for m in self.memory]) if self.memory else "-"
-        return [name, median(self.wall_s) * 1e3, median(self.cpu_s) * 1e3, peak, kept]
+LOADS = ("baseline", "ours", "raw")
+MEASURES = ("wall", "cpu", "peak_rss", "kept_rss", "peak_private", "peak_pss")
 
 
 def build_engine(options: argparse.Namespace):
@@ -84,9 +65,9 @@ def build_engine(options: argparse.Namespace):
             "hidden_dropout": 0.0,
             "attention_dropout": 0.0,
             "seed": 1234,
+            "padded_vocab_size": options.vocab,
         }
     )
-    args.padded_vocab_size = options.vocab
     model = build_model(args)
     config = {
         "train_micro_batch_size_per_gpu": options.batch,
@@ -120,108 +101,155 @@ def check_loaded(engine, checkpoint: dict[str, torch.Tensor], what: str) -> None
             raise SystemExit(f"{what}: parameter {name} differs from the checkpoint after the load")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=16384, help="padded vocabulary size")
-    parser.add_argument("--precision", choices=sorted(DTYPES), default="bf16",
-                        help="fp16 needs an accelerator that supports it (DeepSpeed's CPU one refuses it)")
-    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=1, help="micro batch of the training step")
-    parser.add_argument("--seq", type=int, default=32, help="sequence length of the training step")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--dir", type=Path, help="checkpoint directory (default: a temporary one)")
-    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
-    options = parser.parse_args(argv)
-    malloc_returns_memory = return_freed_memory_to_os()
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    deepspeed_logger.setLevel("WARNING")
-    init_single_rank_world()
+def measured(call) -> dict[str, float]:
+    """Run ``call`` once: wall and CPU seconds, RSS peak and kept growth, private and PSS peak growth (MiB)."""
+    gc.collect()
+    wall, cpu = time.perf_counter(), time.process_time()
+    (_, rss), private, pss = PeakSampler().measure(lambda: measure_memory(call))
+    return {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu, "peak_rss": rss.peak_growth_mib,
+            "kept_rss": rss.retained_mib, "peak_private": private, "peak_pss": pss}
 
+
+def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
+    """Everything one rank measures; every rank runs it at the same time (loads start at a barrier)."""
     engine = build_engine(options)
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, options.vocab, (options.batch, options.seq + 1), generator=generator)
     tokens = tokens.to(engine.device)
     train_step(engine, tokens)  # warm-up, and optimizer state exists as in a real run
+    tag_dir = save_engine_checkpoint(engine, save_dir, TAG, {"iteration": 1})
+    if dist.get_rank() == 0:  # DeepSpeed's own ZeRO-3 module-only load reads `latest`
+        layout.write_latest(save_dir, TAG)
+    dist.barrier()
+    checkpoint = {k: v.clone() for k, v in read_module_weights(tag_dir).items()}
 
-    with tempfile.TemporaryDirectory(prefix="bench_module_only_") as scratch:
-        save_dir = options.dir or Path(scratch)
-        tag_dir = save_engine_checkpoint(engine, save_dir, TAG, {"iteration": 1})
-        checkpoint = {k: v.clone() for k, v in read_module_weights(tag_dir).items()}
-        files_mib = sum(p.stat().st_size for p in tag_dir.iterdir() if p.is_file()) / 2**20
+    def baseline():
+        path, _ = engine.load_checkpoint(str(save_dir), TAG, load_module_only=True,
+                                         load_optimizer_states=False, load_lr_scheduler_states=False)
+        if path is None:
+            raise SystemExit(f"DeepSpeed's load_checkpoint loaded nothing from {save_dir}/{TAG}")
 
-        def baseline():
-            path, _ = engine.load_checkpoint(str(save_dir), TAG, load_module_only=True,
-                                             load_optimizer_states=False, load_lr_scheduler_states=False)
-            if path is None:
-                raise SystemExit(f"DeepSpeed's load_checkpoint loaded nothing from {save_dir}/{TAG}")
+    def ours():
+        load_module_only(engine, read_module_weights(tag_dir), strict=True)
 
-        def ours():
-            load_module_only(engine, read_module_weights(tag_dir), strict=True)
+    def raw():
+        state = load_checkpoint_file(tag_dir / layout.model_states_name(0))["module"]
+        engine.module.load_state_dict(state, strict=False)  # without the megatron-core _extra_state keys
 
-        def raw():
-            state = load_checkpoint_file(tag_dir / layout.model_states_name(0))["module"]
-            engine.module.load_state_dict(state, strict=False)  # without the megatron-core _extra_state keys
+    loads = [("baseline", baseline), ("ours", ours)]
+    if options.zero_stage < 3:  # a ZeRO-3 module holds partitions; load_state_dict cannot fill them
+        loads.append(("raw", raw))
+    samples: dict[str, list[dict]] = {name: [] for name, _ in loads}
+    samples.update(verify=[], train_step=[])
+    for repeat in range(options.repeats):
+        for name, load in loads if repeat % 2 == 0 else loads[::-1]:
+            samples["train_step"].append(measured(lambda: train_step(engine, tokens)))
+            dist.barrier()
+            samples[name].append(measured(load))
+            if repeat < 2 and name != "raw":  # raw leaves the master stale: it is a floor, not a load
+                check_loaded(engine, checkpoint, name)
+            if name == "ours":
+                samples["verify"].append(measured(lambda: verify_master_weights(engine)))
+    files_mib = sum(p.stat().st_size for p in tag_dir.iterdir() if p.is_file()) / 2**20
+    medians = {name: {key: median([s[key] for s in runs]) for key in MEASURES} for name, runs in samples.items()}
+    return {"parameters": n_params, "checkpoint_mib": files_mib, "medians": medians,
+            "threads": torch.get_num_threads()}
 
-        loads = [("baseline", baseline), ("ours", ours)]
-        if options.zero_stage < 3:  # a ZeRO-3 module holds partitions; load_state_dict cannot fill them
-            loads.append(("raw", raw))
-        samples = {name: Samples() for name in [name for name, _ in loads] + ["verify", "train_step"]}
-        load_before = os.getloadavg()
-        for repeat in range(options.repeats):
-            for name, load in loads if repeat % 2 == 0 else loads[::-1]:
-                samples["train_step"].timed(lambda: train_step(engine, tokens))
-                samples[name].timed(load, with_memory=True)
-                if repeat < 2 and name != "raw":  # raw leaves the master stale: it is a lower bound only
-                    check_loaded(engine, checkpoint, name)
-                if name == "ours":
-                    samples["verify"].timed(lambda: verify_master_weights(engine))
-        load_after = os.getloadavg()
 
-    print(f"model: {n_params / 1e6:.1f}M parameters, {options.layers} layers, hidden {options.hidden}, "
-          f"vocab {options.vocab}; {options.precision}, ZeRO stage {options.zero_stage}; "
-          f"checkpoint tag {files_mib:.1f} MiB; train step: batch {options.batch} x {options.seq} tokens")
-    print(f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs; repeats {options.repeats}; "
-          f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+def rank_main(rank: int, options: argparse.Namespace, port: int, scratch: str) -> None:
+    init_world(rank, options.ranks, port)
+    result = measure_rank(options, Path(scratch) / "checkpoint")
+    (Path(scratch) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def setup_process(options: argparse.Namespace) -> bool:
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    deepspeed_logger.setLevel("WARNING")
+    return return_freed_memory_to_os()
+
+
+def spawned_rank(rank: int, options: argparse.Namespace, port: int, scratch: str) -> None:
+    setup_process(options)
+    rank_main(rank, options, port, scratch)
+
+
+def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[float, float],
+           malloc_returns_memory: bool) -> dict:
+    first = ranks[0]
+    names = list(first["medians"])
+
+    def slowest(name: str, key: str) -> float:
+        return max(r["medians"][name][key] for r in ranks)
+
+    def node(name: str, key: str) -> float:
+        return sum(r["medians"][name][key] for r in ranks)
+
+    print(f"model: {first['parameters'] / 1e6:.1f}M parameters, {options.layers} layers, hidden {options.hidden}, "
+          f"vocab {options.vocab}; {options.precision}, ZeRO stage {options.zero_stage}, {options.ranks} rank(s) "
+          f"on this machine; checkpoint tag {first['checkpoint_mib']:.1f} MiB; train step: batch {options.batch} "
+          f"x {options.seq} tokens")
+    print(f"torch threads {first['threads']} per rank, {os.cpu_count()} CPUs; repeats {options.repeats}; "
+          f"load average before {load_average[0]:.2f}, after {load_average[1]:.2f}")
     if not malloc_returns_memory:
         print("glibc mallopt unavailable: freed memory may be reused unseen, peak RSS growth may read low")
-    if samples["ours"].memory and not samples["ours"].memory[0].exact_peak:
-        print("peak RSS from ru_maxrss (clear_refs refused): growth beyond the earlier peak only, a lower bound")
-    print(table(["measured", "wall ms (median)", "cpu ms (median)", "peak RSS growth MiB", "RSS kept MiB"],
-                [samples[name].row(name) for name in samples]))
+    rows = [[name, 1e3 * slowest(name, "wall"), 1e3 * slowest(name, "cpu"), first["medians"][name]["peak_rss"],
+             node(name, "peak_private"), node(name, "peak_pss")] for name in names]
+    print(table(["measured", "wall ms", "cpu ms", "rank 0 peak RSS MiB", "node peak private MiB",
+                 "node peak PSS MiB"], rows))
+    ratios: dict[str, float] = {}
 
-    def wall(name: str) -> float:
-        return median(samples[name].wall_s)
+    def ratio(name: str, numerator: float, denominator: float, meaning: str) -> None:
+        print(ratio_line(name, numerator, denominator, meaning))
+        ratios[name] = numerator / denominator if denominator else float("inf")
 
-    def peak(name: str) -> float:
-        return median([m.peak_growth_mib for m in samples[name].memory])
+    ratio("ours/baseline wall", slowest("ours", "wall"), slowest("baseline", "wall"), "module-only load time")
+    ratio("ours/baseline cpu", slowest("ours", "cpu"), slowest("baseline", "cpu"), "module-only load CPU time")
+    ratio("ours/baseline peak_rss", first["medians"]["ours"]["peak_rss"], first["medians"]["baseline"]["peak_rss"],
+          "rank 0's peak RSS growth during the load")
+    ratio("ours/baseline node_private", node("ours", "peak_private"), node("baseline", "peak_private"),
+          "private memory the node's ranks need at their peaks during the load")
+    ratio("verify/train_step wall", slowest("verify", "wall"), slowest("train_step", "wall"),
+          "verify_master_weights against one forward+backward+step")
+    ratio("verify/ours wall", slowest("verify", "wall"), slowest("ours", "wall"), "share of our load spent verifying")
+    if "raw" in names:
+        ratio("ours/raw wall", slowest("ours", "wall"), slowest("raw", "wall"),
+              "against torch.load(mmap) + load_state_dict, which leaves the master stale")
+    return ratios
 
-    print(ratio_line("ours/baseline wall", wall("ours"), wall("baseline"), "module-only load time"))
-    print(ratio_line("ours/baseline cpu", median(samples["ours"].cpu_s), median(samples["baseline"].cpu_s),
-                     "module-only load CPU time"))
-    print(ratio_line("ours/baseline peak_rss", peak("ours"), peak("baseline"), "peak RSS growth during the load"))
-    print(ratio_line("verify/train_step wall", wall("verify"), wall("train_step"),
-                     "verify_master_weights against one forward+backward+step"))
-    print(ratio_line("verify/ours wall", wall("verify"), wall("ours"), "share of our load spent verifying"))
-    ratios = {"ours/baseline wall": wall("ours") / wall("baseline"),
-              "ours/baseline peak_rss": peak("ours") / peak("baseline") if peak("baseline") else None,
-              "verify/ours wall": wall("verify") / wall("ours")}
-    if "raw" in samples:
-        print(ratio_line("ours/raw wall", wall("ours"), wall("raw"),
-                         "against torch.load(mmap) + load_state_dict, which leaves the master stale"))
-        ratios["ours/raw wall"] = wall("ours") / wall("raw")
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=1, help="data-parallel ranks (processes on this machine)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=16384, help="padded vocabulary size")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16",
+                        help="fp16 needs an accelerator that supports it (DeepSpeed's CPU one refuses it)")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=1, help="micro batch of the training step")
+    parser.add_argument("--seq", type=int, default=32, help="sequence length of the training step")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch's default)")
+    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
+    options = parser.parse_args(argv)
+    malloc_returns_memory = setup_process(options)
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="bench_module_only_") as scratch:
+        port = free_port()
+        if options.ranks == 1:
+            rank_main(0, options, port, scratch)
+        else:
+            torch.multiprocessing.spawn(spawned_rank, args=(options, port, scratch), nprocs=options.ranks)
+        ranks = [json.loads((Path(scratch) / f"rank{r}.json").read_text()) for r in range(options.ranks)]
+    load_average = (load_before, os.getloadavg()[0])
+    ratios = report(options, ranks, load_average, malloc_returns_memory)
     if options.json:
         options.json.write_text(json.dumps({
             "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(options).items()},
-            "parameters": n_params, "load_average": [load_before[0], load_after[0]], "ratios": ratios,
-            "median_ms": {name: {"wall": 1e3 * median(s.wall_s), "cpu": 1e3 * median(s.cpu_s)}
-                          for name, s in samples.items()},
-        }, indent=2))
+            "load_average": load_average, "ratios": ratios, "ranks": ranks}, indent=2))
     return 0
 
 

@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
+from bench_world import init_world  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from procmem import median, ratio_line, table  # noqa: E402
-from single_rank import init_single_rank_world  # noqa: E402
 
 from megatron.model import build_model, causal_lm_loss  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if options.threads:
         torch.set_num_threads(options.threads)
     deepspeed_logger.setLevel("WARNING")
-    init_single_rank_world()
+    init_world()
 
     load_before = os.getloadavg()[0]
     results = [measure(family, precision, options) for family in options.family for precision in options.precision]

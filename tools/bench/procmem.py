@@ -121,3 +121,45 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in cells]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)
+
+
+class PeakSampler:
+    """Samples this process's private memory and PSS from smaps_rollup on a thread while a call runs.
+
+    Private = Private_Clean + Private_Dirty: pages no other process maps (anonymous memory, and file
+    pages only this process touched). Pages of a file that several ranks map are shared and counted
+    in PSS, split between them. Growth is reported against the reading before the call.
+    """
+
+    def __init__(self, interval_s: float = 0.002):
+        self.interval_s = interval_s
+
+    @staticmethod
+    def _read() -> tuple[int, int]:
+        values = smaps_rollup_kib() or {}
+        return values.get("Private_Clean", 0) + values.get("Private_Dirty", 0), values.get("Pss", 0)
+
+    def measure(self, call: Callable[[], T]) -> tuple[T, float, float]:
+        """(result, peak private growth MiB, peak PSS growth MiB)."""
+        import threading
+
+        private_before, pss_before = self._read()
+        peaks = [private_before, pss_before]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                private, pss = self._read()
+                peaks[0], peaks[1] = max(peaks[0], private), max(peaks[1], pss)
+                done.wait(self.interval_s)
+
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        try:
+            result = call()
+        finally:
+            done.set()
+            thread.join()
+        private, pss = self._read()
+        peaks[0], peaks[1] = max(peaks[0], private), max(peaks[1], pss)
+        return result, (peaks[0] - private_before) / 1024, (peaks[1] - pss_before) / 1024

@@ -1,0 +1,28 @@
+"""A gloo world of benchmark processes on this machine, with megatron-core's process groups."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import deepspeed
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_world(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port or free_port())
+    for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", world_size),
+                        ("LOCAL_SIZE", world_size)):
+        os.environ[name] = str(value)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
