@@ -12,7 +12,7 @@ import torch
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.layout import layer_file_name, model_states_name
 from megatron.checkpointing.module_load import load_module_only
-from megatron.checkpointing.module_weights import read_module_weights
+from megatron.checkpointing.module_weights import legacy_names_in_model_states_file, read_module_weights
 from megatron.data import build_data_iterators, get_batch
 from megatron.model import GPTModel, causal_lm_loss
 from megatron.neox_arguments import NeoXArgs, padded_vocab_size
@@ -131,3 +131,25 @@ def test_non_strict_load_with_an_allow_list_lists_every_key_it_did_not_load(engi
     assert torch.equal(loaded["blocks.1.down.weight"], weights["blocks.1.down.weight"])
     # One tensor of a layer missing (a bias) is listed, not refused: the layer's weight was loaded.
     assert torch.equal(loaded["blocks.0.norm.weight"], weights["blocks.0.norm.weight"])
+
+
+def test_single_file_with_old_mlp_names_reads_as_this_models_names(tmp_path):
+    """GPT-NeoX without a pipeline (pipe_parallel_size 0) keeps the module in mp_rank_00_model_states.pt."""
+    stored = {
+        "sequential.0.word_embeddings.weight": torch.randn(8, 4),
+        "sequential.2.mlp.dense_h_to_4h.weight": torch.randn(16, 4),
+        "sequential.2.mlp.dense_4h_to_h.bias": torch.randn(4),
+        "sequential.2.attention.rotary_emb.inv_freq": torch.ones(2),
+        "sequential.2.attention.dense.weight": torch.randn(4, 4),
+    }
+    tag_dir = tmp_path / "global_step3"
+    tag_dir.mkdir()
+    torch.save({"module": stored, "iteration": 3}, tag_dir / model_states_name(0))
+    read = read_module_weights(tag_dir)
+    assert list(read) == ["sequential.0.word_embeddings.weight", "sequential.2.mlp.linear1.weight",
+                          "sequential.2.mlp.linear2.bias", "sequential.2.attention.dense.weight"]
+    assert torch.equal(read["sequential.2.mlp.linear1.weight"], stored["sequential.2.mlp.dense_h_to_4h.weight"])
+    # A full resume restores the module through DeepSpeed, under the stored names: it is checked for them.
+    assert legacy_names_in_model_states_file(tag_dir) == [
+        "sequential.2.mlp.dense_h_to_4h.weight", "sequential.2.mlp.dense_4h_to_h.bias",
+        "sequential.2.attention.rotary_emb.inv_freq"]
