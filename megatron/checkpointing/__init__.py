@@ -249,6 +249,9 @@ def load_checkpoint(args, engine, plan: LoadPlan) -> LoadOutcome | None:
                 f"the files it reads are {[p.name for p in plan.files]}. Check they are readable."
             )
         client_state = ClientState.from_dict(stored or {})
+        from megatron.optimizers import replay_cpu_adam_step_count
+
+        replay_cpu_adam_step_count(engine)
     else:
         from megatron.checkpointing.module_load import load_module_only
 

@@ -82,7 +82,9 @@ def build_train_valid_test_datasets(args, train_valid_test_num_samples: tuple[in
 
 
 def _loader(dataset, sampler: DistributedBatchSampler, num_workers: int):
-    return iter(DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers))
+    # Its own generator: starting an iterator draws a seed, which from the global generator would
+    # shift every dropout mask after a resume (the RNG states are restored before the loaders start).
+    return iter(DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, generator=torch.Generator()))
 
 
 def build_data_iterators(

@@ -1,0 +1,39 @@
+"""A resumed run is bit-identical to one never stopped (CPU fp32, 1 and 2 ranks, dropout on)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.checkpointing.module_weights import read_module_weights
+from tests.e2e import run_deepy, train_lines, write_overrides
+
+pytestmark = pytest.mark.e2e
+
+TRAIN_ITERS = 12
+# lr_decay_iters fixed so both halves follow the same schedule; dropout on so RNG restoring matters.
+SCHEDULE = dict(lr_decay_iters=TRAIN_ITERS, warmup=3, eval_interval=100, hidden_dropout=0.1,
+                keep_last_n_checkpoints=None)
+
+
+def _train(tmp_path, name, save, train_iters, num_gpus, **settings):
+    overrides = write_overrides(tmp_path, name=f"{name}.yml", save=str(save), train_iters=train_iters,
+                                num_gpus=num_gpus, **SCHEDULE, **settings)
+    return train_lines(run_deepy(["configs/tiny.yml", overrides]).stdout)
+
+
+@pytest.mark.parametrize("num_gpus", [1, pytest.param(2, marks=pytest.mark.distributed)])
+def test_stop_and_resume_gives_the_bits_of_an_unbroken_run(tmp_path, num_gpus):
+    unbroken = _train(tmp_path, "unbroken", tmp_path / "unbroken", TRAIN_ITERS, num_gpus)
+    halves = tmp_path / "halves"
+    _train(tmp_path, "first", halves, TRAIN_ITERS // 2, num_gpus)
+    resumed = _train(tmp_path, "second", halves, TRAIN_ITERS, num_gpus, load=str(halves))
+
+    assert resumed[0].iteration == TRAIN_ITERS // 2 + 1
+    assert [(line.iteration, line.loss) for line in resumed] == \
+        [(line.iteration, line.loss) for line in unbroken if line.iteration > TRAIN_ITERS // 2]
+    expected = read_module_weights(tmp_path / "unbroken" / f"global_step{TRAIN_ITERS}")
+    actual = read_module_weights(halves / f"global_step{TRAIN_ITERS}")
+    differing = {name: int((expected[name] != actual[name]).sum()) for name in expected}
+    assert not any(differing.values()), f"elements that differ from the unbroken run: {differing}"
+    assert all(torch.equal(expected[name], actual[name]) for name in expected)
