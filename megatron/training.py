@@ -184,7 +184,7 @@ def setup(args):
     import deepspeed
 
     from megatron.checkpointing import check_save_dir, load_checkpoint, plan_load
-    from megatron.data import build_data_iterators
+    from megatron.data import build_data_iterators, check_data_vocabulary
     from megatron.model import build_model
     from megatron.neox_arguments import padded_vocab_size
     from megatron.tokenizer import build_tokenizer
@@ -201,6 +201,7 @@ def setup(args):
     args.padded_vocab_size = padded_vocab_size(
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.model_parallel_size
     )
+    check_data_vocabulary(args, tokenizer.vocab_size)
     plan = plan_load(args, dp_size)
     check_save_dir(args)
 

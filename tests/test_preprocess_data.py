@@ -52,6 +52,10 @@ def test_jsonl_two_keys_two_workers(tmp_path, vocab_file):
         for i, ids in enumerate(expected):
             assert data[i].tolist() == ids
         assert f"mydata_{key}_document" in result.stdout
+        # what the training run checks its tokenizer and vocabulary against
+        record = json.loads((tmp_path / "out" / f"mydata_{key}_document.meta.json").read_text())
+        assert record["vocab_size"] == oracle.get_vocab_size() == 320
+        assert record["max_token_id"] == max(max(ids) for ids in expected)
 
 
 def test_gpt2_bpe_with_gpt_neox_arguments(tmp_path, vocab_file):

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "build_data_iterators": "megatron.data.builders",
     "build_train_valid_test_datasets": "megatron.data.builders",
+    "check_data_vocabulary": "megatron.data.data_vocabulary",
     "get_batch": "megatron.data.builders",
     "DataError": "megatron.data.errors",
     "MMapIndexedDataset": "megatron.data.indexed_dataset",
@@ -20,6 +21,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from megatron.data.builders import build_data_iterators, build_train_valid_test_datasets, get_batch
+    from megatron.data.data_vocabulary import check_data_vocabulary
     from megatron.data.errors import DataError
     from megatron.data.indexed_dataset import (
         MMapIndexedDataset,
@@ -34,6 +36,7 @@ __all__ = [
     "best_fitting_dtype",
     "build_data_iterators",
     "build_train_valid_test_datasets",
+    "check_data_vocabulary",
     "get_batch",
 ]
 

@@ -162,6 +162,11 @@ class MMapIndexedDataset:
     def __getitem__(self, idx: int) -> np.ndarray:
         return self.get(idx)
 
+    def largest_token_id(self, chunk: int = 1 << 26) -> int:
+        """The largest id in the .bin (-1 when empty), read `chunk` tokens at a time."""
+        tokens = np.frombuffer(self._data, dtype=self.dtype)
+        return max((int(tokens[start:start + chunk].max()) for start in range(0, len(tokens), chunk)), default=-1)
+
     def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens offset .. offset+length of sequence idx (to its end when length is None)."""
         if not -len(self) <= idx < len(self):
@@ -186,14 +191,17 @@ class MMapIndexedDatasetBuilder:
         self._file = open(self._bin_path, "wb")  # noqa: SIM115 - closed by finalize()
         self._sizes: list[int] = []
         self._doc_idx: list[int] = [0]
+        self.max_token_id = -1  # the largest id added so far; -1 while there is none
 
     def add_item(self, tokens) -> None:
         array = np.asarray(tokens.numpy() if hasattr(tokens, "numpy") else tokens)
         if array.size and self.dtype.kind in "iu":
             info = np.iinfo(self.dtype)
-            if array.min() < info.min or array.max() > info.max:
-                raise DataError(f"token ids {array.min()}..{array.max()} do not fit {self.dtype} in "
+            smallest, largest = int(array.min()), int(array.max())
+            if smallest < info.min or largest > info.max:
+                raise DataError(f"token ids {smallest}..{largest} do not fit {self.dtype} in "
                                 f"{self._bin_path!r}; choose the dtype by vocabulary size (best_fitting_dtype)")
+            self.max_token_id = max(self.max_token_id, largest)
         self._file.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
         self._sizes.append(array.size)
 
@@ -206,6 +214,7 @@ class MMapIndexedDatasetBuilder:
         if other.dtype != self.dtype:
             raise DataError(f"cannot merge {str(prefix)!r} ({other.dtype}) into {self._bin_path!r} ({self.dtype})")
         first = len(self._sizes)
+        self.max_token_id = max(self.max_token_id, other.largest_token_id())
         self._sizes.extend(int(s) for s in other.sizes)
         self._doc_idx.extend(first + int(d) for d in other.doc_idx[1:])
         with open(data_file_path(prefix), "rb") as source:

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron.data.data_vocabulary import write_vocabulary_record
 from megatron.data.indexed_dataset import (
     MMapIndexedDatasetBuilder,
     best_fitting_dtype,
@@ -107,4 +108,5 @@ def tokenize_to_indexed_datasets(
             pool.join()
     for key, prefix in prefixes.items():
         builders[key].finalize(index_file_path(prefix))
+        write_vocabulary_record(prefix, tokenizer.vocab_size, builders[key].max_token_id, spec.tokenizer_type)
     return PreprocessResult(prefixes, documents_done, tokens_done, time.perf_counter() - start)

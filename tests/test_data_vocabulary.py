@@ -1,0 +1,91 @@
+"""Data made with another tokenizer is refused before training, naming the dataset and the fix."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron.data import DataError, MMapIndexedDatasetBuilder
+from megatron.data.data_vocabulary import (
+    check_data_vocabulary,
+    read_vocabulary_record,
+    write_vocabulary_record,
+)
+from megatron.data.indexed_dataset import data_file_path, index_file_path
+from megatron.neox_arguments import NeoXArgs
+
+MODEL = dict(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8)
+
+
+def write_dataset(prefix, documents, vocab_size=None):
+    builder = MMapIndexedDatasetBuilder(data_file_path(prefix), np.uint16)
+    for document in documents:
+        builder.add_item(np.asarray(document))
+        builder.end_document()
+    builder.finalize(index_file_path(prefix))
+    if vocab_size is not None:
+        write_vocabulary_record(prefix, vocab_size, builder.max_token_id, "HFTokenizer")
+    return str(prefix)
+
+
+def args_for(padded_vocab_size, **data):
+    args = NeoXArgs.from_dict({**MODEL, "tokenizer_type": "HFTokenizer", "vocab_file": "tok.json", **data})
+    args.padded_vocab_size = padded_vocab_size
+    return args
+
+
+def test_builder_tracks_the_largest_id_and_the_record_holds_it(tmp_path):
+    prefix = write_dataset(tmp_path / "d", [[5, 300, 7], [299]], vocab_size=320)
+    assert read_vocabulary_record(prefix) == {"vocab_size": 320, "max_token_id": 300}
+
+
+def test_data_of_another_tokenizer_names_both_vocabulary_sizes(tmp_path):
+    prefix = write_dataset(tmp_path / "d", [[5, 100]], vocab_size=320)
+    with pytest.raises(DataError) as error:
+        check_data_vocabulary(args_for(384, data_path=prefix), tokenizer_vocab_size=293)
+    message = str(error.value)
+    assert message.startswith(f"data_path: dataset {prefix} was made with a tokenizer of 320 tokens (d.meta.json), "
+                              "but the tokenizer (HFTokenizer, vocab_file tok.json) has 293")
+    assert "preprocess_data.py" in message and "\n" not in message
+    check_data_vocabulary(args_for(384, data_path=prefix), tokenizer_vocab_size=320)
+
+
+def test_ids_beyond_the_padded_vocabulary_are_refused_before_training(tmp_path):
+    """Without a record (GPT-NeoX's data): the largest id, computed once and cached next to the data."""
+    prefix = write_dataset(tmp_path / "d", [[1, 2], [3, 400], [9]])
+    with pytest.raises(DataError, match=rf"^data_path: dataset {prefix} holds token id 400, but the model has "
+                                        r"384 vocabulary rows \(the tokenizer .* has 293 tokens"):
+        check_data_vocabulary(args_for(384, data_path=prefix), tokenizer_vocab_size=293)
+    cached = list(tmp_path.glob("d_max_token_id_*"))
+    assert cached, "the largest id was not cached next to the data"
+    check_data_vocabulary(args_for(512, data_path=prefix), tokenizer_vocab_size=500)
+    assert sorted(tmp_path.glob("d_max_token_id_*")) == sorted(cached)  # read back, not rebuilt
+
+
+def test_every_dataset_of_every_split_is_checked(tmp_path):
+    good = write_dataset(tmp_path / "good", [[1, 2, 3]], vocab_size=293)
+    bad = write_dataset(tmp_path / "bad", [[1, 2, 3]], vocab_size=50277)
+    args = args_for(384, train_data_paths=[good], valid_data_paths=[good], test_data_paths=[good, bad])
+    with pytest.raises(DataError, match=rf"^test_data_paths\[1\]: dataset {bad} was made with a tokenizer of 50277"):
+        check_data_vocabulary(args, tokenizer_vocab_size=293)
+
+
+def test_a_record_of_other_files_is_not_believed(tmp_path):
+    prefix = write_dataset(tmp_path / "d", [[1, 2]], vocab_size=50277)
+    write_dataset(tmp_path / "d", [[1, 2, 3, 4]])  # the data rebuilt, the old record left behind
+    assert read_vocabulary_record(prefix) is None
+    check_data_vocabulary(args_for(384, data_path=prefix), tokenizer_vocab_size=293)
+
+
+def test_a_training_run_stops_at_setup_not_mid_run_with_an_index_error(single_rank_world, tmp_path):
+    from megatron.tokenizer import train_bpe_tokenizer
+    from megatron.training import setup
+
+    vocab_file = train_bpe_tokenizer(["def f(x):\n    return x * x\n"] * 50, tmp_path / "tok.json", vocab_size=300)
+    prefix = write_dataset(tmp_path / "other", [list(range(0, 1000, 7))] * 8)  # made with a larger vocabulary
+    args = NeoXArgs.from_dict({**MODEL, "train_iters": 2, "lr": 1e-3, "train_micro_batch_size_per_gpu": 1,
+                               "data_path": prefix, "tokenizer_type": "HFTokenizer", "vocab_file": str(vocab_file)},
+                              require_run_settings=True)
+    with pytest.raises(DataError, match=rf"^data_path: dataset {prefix} holds token id 994, but the model has "
+                                        r"\d+ vocabulary rows"):
+        setup(args)
