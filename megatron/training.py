@@ -216,6 +216,8 @@ def setup(args):
         config=args.deepspeed_config(),
         mpu=ModelParallelUnit(),
     )
+    if args.torch_compile:
+        engine.compile()  # compiles the module in place: parameter and checkpoint names stay as they are
     state = TrainState(schedule=Schedule.from_args(args))
     restored_rng = False
     if plan is not None:

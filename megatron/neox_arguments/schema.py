@@ -96,6 +96,7 @@ SETTINGS_LIST: list[Setting] = [
     _train("precision", OPT_STR, None, "training dtype; derived from fp16/bf16 when unset", choices=("fp32", "fp16", "bf16", None)),
     _train("max_nonfinite_steps", int, 20, "fp16: stop the run after more than this many steps in a row skipped for overflowing gradients (bf16/fp32 stop at the first non-finite step)"),
     _train("seed", int, 1234, "random seed (weights, data order, dropout)"),
+    _train("torch_compile", bool, False, "compile the model with torch.compile through DeepSpeed's engine.compile (the first steps take the compile time)"),
     _train("deepspeed_extra_args", (dict, type(None)), None, "DeepSpeed config keys passed through unchanged"),
     _train("fp32_allreduce", bool, False, "reduce gradients across ranks in fp32 (DeepSpeed's communication_data_type: fp32)"),
     # --- DeepSpeed config keys (written into the DeepSpeed config when not at their default) ----
