@@ -25,6 +25,7 @@ from megatron.neox_arguments import ConfigError, NeoXArgs
 from megatron.neox_arguments.dry_run import render_dry_run, tokenizer_summary
 from megatron.neox_arguments.handover import HANDOVER_FLAG, handover_argv
 from megatron.neox_arguments.world import accelerator_is_cpu
+from megatron.neox_arguments.yaml_files import gpt_neox_config_paths
 from megatron.tokenizer import TokenizerError
 
 
@@ -32,6 +33,7 @@ def parse_command_line(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("train_script", help="the script every rank runs, e.g. train.py")
     parser.add_argument("configs", nargs="+", help="YAML config files; later ones override earlier ones")
+    parser.add_argument("-d", "--conf_dir", help="directory put in front of every config path (as in GPT-NeoX)")
     parser.add_argument("--dry-run", action="store_true", help="print the resolved settings and exit")
     return parser.parse_args(argv)
 
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     command_line = parse_command_line(argv)
     send_deepspeed_logs_to_stderr()
     try:
-        args = NeoXArgs.from_yaml_files(command_line.configs)
+        args = NeoXArgs.from_yaml_files(gpt_neox_config_paths(command_line.configs, command_line.conf_dir))
         for notice in args.notices:
             print(notice, file=sys.stderr)
         tokenizer_line = tokenizer_summary(args)

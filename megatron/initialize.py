@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -16,6 +17,7 @@ def initialize_distributed(args) -> None:
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
+        _rank_environment_from_launcher(args)
         deepspeed.init_distributed(verbose=False)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
@@ -31,6 +33,20 @@ def initialize_distributed(args) -> None:
             f"data_parallel_size={args.data_parallel_size} x model_parallel_size={args.model_parallel_size}; "
             "start the run through deepy.py so both agree"
         )
+
+
+def _rank_environment_from_launcher(args) -> None:
+    """deepspeed_slurm / deepspeed_mpi: ranks started by srun or mpirun learn rank and world size
+    from SLURM's or MPI's environment, as GPT-NeoX sets them up."""
+    if args.deepspeed_mpi:
+        from deepspeed.comm import mpi_discovery
+
+        mpi_discovery(distributed_port=args.master_port)
+    if args.deepspeed_slurm:
+        os.environ["LOCAL_RANK"] = os.environ["SLURM_LOCALID"]
+        os.environ["RANK"] = os.environ["SLURM_PROCID"]
+        os.environ["WORLD_SIZE"] = os.environ.get("SLURM_NTASKS") or str(
+            int(os.environ["SLURM_NNODES"]) * int(os.environ["SLURM_NTASKS_PER_NODE"]))
 
 
 def set_seeds(seed: int) -> None:

@@ -32,6 +32,8 @@ def runner_arguments(args: NeoXArgs, user_script: str, user_args: list[str], *, 
     flags += ["--master_port", str(args.master_port)]
     if args.master_addr:
         flags += ["--master_addr", args.master_addr]
+    if args.deepspeed_slurm or args.deepspeed_mpi:
+        flags += ["--force_multi"]  # as GPT-NeoX's deepy: the multi-node runner (srun/mpirun) starts the ranks
     flags += ["--launcher", args.launcher, "--log_level", "warning"]
     return [*flags, user_script, *user_args]
 

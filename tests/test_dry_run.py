@@ -134,3 +134,22 @@ def test_launch_two_cpu_ranks_that_receive_identical_settings(tmp_path):
     assert {f["world"] for f in fields} == {"2"} and {f["global_num_gpus"] for f in fields} == {"2"}
     expected = settings_digest(NeoXArgs.from_yaml_files([config]).to_dict())
     assert {f["settings"] for f in fields} == {expected}
+
+
+GPT_NEOX_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gpt_neox"
+
+
+def test_gpt_neox_style_configs_with_conf_dir_as_gpt_neox_users_type_them():
+    result = run_deepy(RANK_ECHO, "-d", str(GPT_NEOX_FIXTURES), "small/model", "small/train_config.yml",
+                       "small/local_setup.yml", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    report = yaml.safe_load(result.stdout.split("\n", 1)[1])  # below the tokenizer line
+    settings = report["settings"]
+    assert settings["config_files"] == ["local_setup.yml", "model.yml", "train_config.yml"]
+    assert settings["sliding_window_width"] == 8 and settings["extra_save_iters"] == [0, 1, 2, 4]
+    assert settings["global_num_gpus"] == 1 and settings["hostfile"] is None
+    assert report["deepspeed_config"]["communication_data_type"] == "fp32"  # fp32_allreduce
+    notices = [line for line in result.stderr.splitlines() if line.startswith("notice:")]
+    assert any("/nonexistent/gpt-neox/hostfile' does not exist; running on this machine only" in n for n in notices)
+    assert any("layernorm_fusion has no effect here" in n for n in notices)
+    assert all("\n" not in n for n in notices)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 
 import pytest
@@ -128,3 +129,30 @@ def test_settings_survive_the_multi_node_pdsh_command(hostfile):
     rank_argv = shlex.split(remote_command)
     rank_argv = rank_argv[rank_argv.index("train.py") + 1:] + ["--local_rank=3"]
     assert load_args_on_rank(rank_argv).to_dict() == args.to_dict()
+
+
+@pytest.mark.parametrize("setting", ["deepspeed_slurm", "deepspeed_mpi"])
+def test_slurm_and_mpi_ranks_are_started_by_the_multi_node_runner(setting):
+    parsed = parsed_by_deepspeed(launch_args(**{setting: True, "launcher": "slurm"}))
+    assert parsed.force_multi and parsed.launcher == "slurm"
+    assert not parsed_by_deepspeed(launch_args()).force_multi
+
+
+def test_deepspeed_slurm_ranks_take_rank_and_world_size_from_slurm(monkeypatch):
+    from megatron.initialize import _rank_environment_from_launcher
+
+    for name, value in {"SLURM_LOCALID": "1", "SLURM_PROCID": "5", "SLURM_NNODES": "2",
+                        "SLURM_NTASKS_PER_NODE": "4"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    _rank_environment_from_launcher(launch_args(deepspeed_slurm=True))
+    assert (os.environ["LOCAL_RANK"], os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("1", "5", "8")
+
+
+def test_a_hostfile_missing_on_a_single_node_runs_here_as_deepspeed_does(tmp_path):
+    args = launch_args(hostfile=str(tmp_path / "absent"))
+    assert args.hostfile is None and args.global_num_gpus == 1
+    assert any("does not exist; running on this machine only" in notice for notice in args.notices)
+    assert "--hostfile" not in runner_arguments(args, "train.py", [], cpu_only=True)

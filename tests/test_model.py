@@ -17,6 +17,7 @@ from megatron.model import (
     derive_size_defaults,
     no_weight_decay_param_names,
 )
+from megatron.model.attention import sliding_window_mask
 from megatron.model.mlp import swiglu
 from megatron.model.rotary import RotaryEmbedding, split_qkv
 from megatron.neox_arguments import NeoXArgs
@@ -605,3 +606,56 @@ def test_swiglu_gradients_equal_autograd_through_chunk():
     (reference,) = torch.autograd.grad((F.silu(gate) * up * weight).sum(), x)
     assert torch.equal(swiglu(x), F.silu(gate) * up)
     assert torch.allclose(ours, reference, atol=1e-6)
+
+
+def test_sliding_window_mask_is_the_causal_band_of_the_given_width():
+    # width 2 over 5 positions: each query sees itself and the 2 keys before it (flash-attn's window_size=(2, -1))
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [0, 1, 1, 1, 0],
+        [0, 0, 1, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(sliding_window_mask(5, 2), expected)
+
+
+def _windowed_reference(q, k, v, allowed):
+    """reference_attention with the keys each query may see given by a hand-written mask."""
+    s, heads, d = q.shape
+    group = heads // k.shape[1]
+    out = torch.zeros(s, heads, d, dtype=torch.float64)
+    for h in range(heads):
+        for i in range(s):
+            keys = [j for j in range(s) if allowed[i][j]]
+            scores = torch.stack([q[i, h].double() @ k[j, h // group].double() for j in keys]) / math.sqrt(d)
+            probs = torch.softmax(scores, dim=0)
+            out[i, h] = sum(p * v[j, h // group].double() for p, j in zip(probs, keys, strict=True))
+    return out.reshape(s, heads * d)
+
+
+@pytest.mark.parametrize("kv_heads", [HEADS, 2], ids=["mha", "gqa"])
+def test_sliding_window_attention_sees_only_the_window(kv_heads):
+    allowed = [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0],
+               [0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1]]  # width 1
+    layer = GPTModel(tiny_args(NEOX, pos_emb="none", num_kv_heads=kv_heads, sliding_window_width=1)).layers[0]
+    randomize_(layer)
+    x = torch.randn(1, 6, HIDDEN, generator=torch.Generator().manual_seed(3))
+    q, k, v = reference_qkv(layer, x[0], HEADS, kv_heads)
+    expected = F.linear(_windowed_reference(q, k, v, allowed).float(), layer.attention.dense.weight,
+                        layer.attention.dense.bias)
+    full_causal = F.linear(reference_attention(q, k, v).float(), layer.attention.dense.weight,
+                           layer.attention.dense.bias)
+    with torch.no_grad():
+        actual = layer.attention(x, None)[0]
+    assert torch.allclose(actual, expected, atol=1e-5)
+    assert not torch.allclose(actual[2:], full_causal[2:], atol=1e-3)  # the window changed the later rows
+
+
+def test_sliding_window_at_least_the_sequence_is_plain_causal_attention():
+    args = tiny_args(NEOX, pos_emb="none")
+    plain, windowed = GPTModel(args).layers[0], GPTModel(tiny_args(NEOX, pos_emb="none", sliding_window_width=5)).layers[0]
+    windowed.load_state_dict(plain.state_dict())
+    x = torch.randn(1, 6, HIDDEN, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(plain.attention(x, None), windowed.attention(x, None))

@@ -44,6 +44,7 @@ class Architecture:
     output_layer_init_method: str
     init_method_std: float
     checkpoint_activations: bool
+    sliding_window_width: int | None = None  # Mistral: keys at most this many positions back, and the query's own
 
     @property
     def head_dim(self) -> int:
@@ -167,4 +168,12 @@ def architecture_from_args(args: Any) -> Architecture:
         output_layer_init_method=args.output_layer_init_method,
         init_method_std=float(args.init_method_std),
         checkpoint_activations=bool(args.checkpoint_activations),
+        sliding_window_width=_sliding_window_width(args),
     )
+
+
+def _sliding_window_width(args: Any) -> int | None:
+    width = getattr(args, "sliding_window_width", None)
+    if width is not None:
+        _require_positive_int("sliding_window_width", width)
+    return width

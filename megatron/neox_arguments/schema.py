@@ -51,7 +51,7 @@ SETTINGS_LIST: list[Setting] = [
     _model("intermediate_size", OPT_INT, None, "MLP inner width; unset means 4 x hidden (gelu) or Llama's 8/3 x hidden rounded to mlp_multiple_of (swiglu)"),
     _model("mlp_multiple_of", int, 256, "round the swiglu inner width up to a multiple of this when intermediate_size is unset"),
     _model("seq_length", int, None, "tokens per training sample"),
-    _model("sliding_window_width", OPT_INT, None, "Mistral's sliding window: a token attends to itself and the previous width - 1 tokens; unset: the whole causal prefix"),
+    _model("sliding_window_width", OPT_INT, None, "Mistral's sliding window: a token attends to itself and the `width` tokens before it; unset: the whole causal prefix"),
     _model("max_position_embeddings", OPT_INT, None, "longest sequence the position embedding supports; unset means seq_length"),
     _model("pos_emb", str, "learned", "position embedding", choices=("learned", "rotary", "none")),
     _model("rotary_pct", FLOAT, 1.0, "fraction of each head's dimensions that rotary embedding rotates"),

@@ -9,6 +9,7 @@ others set by earlier files.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,13 @@ def resolve_config_path(path: str | Path) -> Path:
     if under_configs.is_file():
         return under_configs
     raise ConfigError(f"config file {str(path)!r} not found (looked at {given.resolve()} and {under_configs})")
+
+
+def gpt_neox_config_paths(names: list[str], conf_dir: str | None = None) -> list[str]:
+    """Config paths as GPT-NeoX's deepy.py reads its arguments: `-d DIR` is put in front of every name,
+    and a name without .yml/.json gets .yml (`125M` is `125M.yml`)."""
+    paths = [os.path.join(conf_dir, name) if conf_dir else name for name in names]
+    return [path if path.endswith((".yml", ".json")) else path + ".yml" for path in paths]
 
 
 def parse_config_text(text: str, source: str) -> dict[str, Any]:
