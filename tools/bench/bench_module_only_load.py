@@ -1,7 +1,8 @@
 """Module-only load: ours (read_module_weights + load_module_only) against DeepSpeed's own and a raw read.
 
     python tools/bench/bench_module_only_load.py [--ranks 1|2] [--layers 4] [--hidden 512] [--vocab 16384]
-        [--precision bf16] [--zero-stage 1] [--repeats 5] [--batch 1] [--seq 32] [--threads N] [--json PATH]
+        [--precision bf16] [--zero-stage 1] [--repeats 5] [--batch 1] [--seq 32] [--threads N] [--cold]
+        [--json PATH]
 
 Builds a GPTModel inside a real DeepSpeed engine (a gloo world of ``--ranks`` processes on this
 machine, data parallel), saves one checkpoint with save_engine_checkpoint, then, alternating the
@@ -101,6 +102,17 @@ def check_loaded(engine, checkpoint: dict[str, torch.Tensor], what: str) -> None
             raise SystemExit(f"{what}: parameter {name} differs from the checkpoint after the load")
 
 
+def evict_from_page_cache(tag_dir: Path) -> None:
+    """Drop the tag's files from the page cache, so the next load reads them from the disk."""
+    for path in tag_dir.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def measured(call) -> dict[str, float]:
     """Run ``call`` once: wall and CPU seconds, RSS peak and kept growth, private and PSS peak growth (MiB)."""
     gc.collect()
@@ -145,6 +157,8 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
     for repeat in range(options.repeats):
         for name, load in loads if repeat % 2 == 0 else loads[::-1]:
             samples["train_step"].append(measured(lambda: train_step(engine, tokens)))
+            if options.cold:
+                evict_from_page_cache(tag_dir)
             dist.barrier()
             samples[name].append(measured(load))
             if repeat < 2 and name != "raw":  # raw leaves the master stale: it is a floor, not a load
@@ -189,7 +203,7 @@ def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[f
     print(f"model: {first['parameters'] / 1e6:.1f}M parameters, {options.layers} layers, hidden {options.hidden}, "
           f"vocab {options.vocab}; {options.precision}, ZeRO stage {options.zero_stage}, {options.ranks} rank(s) "
           f"on this machine; checkpoint tag {first['checkpoint_mib']:.1f} MiB; train step: batch {options.batch} "
-          f"x {options.seq} tokens")
+          f"x {options.seq} tokens; {'files evicted from the page cache before each load' if options.cold else 'files in the page cache'}")
     print(f"torch threads {first['threads']} per rank, {os.cpu_count()} CPUs; repeats {options.repeats}; "
           f"load average before {load_average[0]:.2f}, after {load_average[1]:.2f}")
     if not malloc_returns_memory:
@@ -233,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1, help="micro batch of the training step")
     parser.add_argument("--seq", type=int, default=32, help="sequence length of the training step")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch's default)")
+    parser.add_argument("--cold", action="store_true",
+                        help="evict the checkpoint's files from the page cache before every load (a first read)")
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
     options = parser.parse_args(argv)
     malloc_returns_memory = setup_process(options)
