@@ -26,6 +26,7 @@ from megatron.neox_arguments.dry_run import render_dry_run, tokenizer_summary
 from megatron.neox_arguments.handover import HANDOVER_FLAG, handover_argv
 from megatron.neox_arguments.world import accelerator_is_cpu
 from megatron.neox_arguments.yaml_files import gpt_neox_config_paths
+from megatron.run_context import resolve_run_settings
 from megatron.tokenizer import TokenizerError
 
 
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         if command_line.dry_run:
             sys.stdout.write(render_dry_run(args, tokenizer_line))
             return 0
+        args = resolve_run_settings(args)
         if not Path(command_line.train_script).is_file():
             raise ConfigError(f"train script {command_line.train_script!r} not found")
         cpu_only = accelerator_is_cpu()

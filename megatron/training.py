@@ -84,16 +84,6 @@ class RunResult:
     test_loss: float | None
 
 
-def apply_embedded_corpus(args) -> None:
-    """`embedded_corpus: true`: build (once, cached) the corpus that needs no download and use it."""
-    from megatron.data.embedded_corpus import ensure_embedded_corpus
-
-    corpus = ensure_embedded_corpus()
-    args.data_path = corpus.data_prefix
-    args.vocab_file = corpus.vocab_file
-    args.tokenizer_type = "HFTokenizer"
-
-
 def samples_per_split(args) -> tuple[int, int, int]:
     """Samples each split must provide: every train step, every evaluation, the final test eval."""
     evaluations = args.train_iters // args.eval_interval + 1
@@ -186,7 +176,7 @@ def setup(args):
     from megatron.checkpointing import check_save_dir, load_checkpoint, plan_load
     from megatron.data import build_data_iterators, check_data_vocabulary
     from megatron.model import build_model
-    from megatron.neox_arguments import padded_vocab_size
+    from megatron.neox_arguments import ConfigError
     from megatron.tokenizer import build_tokenizer
 
     if args.log_dir:
@@ -195,13 +185,10 @@ def setup(args):
     quiet_deepspeed()
     initialize_distributed(args)
     dp_rank, dp_size = data_parallel_rank_and_size()
-    if args.embedded_corpus:
-        apply_embedded_corpus(args)
-    tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = padded_vocab_size(
-        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.model_parallel_size
-    )
-    check_data_vocabulary(args, tokenizer.vocab_size)
+    if args.padded_vocab_size is None:
+        raise ConfigError("padded_vocab_size is not resolved: start training through deepy.py, which resolves the "
+                          "tokenizer and the embedded corpus once (megatron.run_context.resolve_run_settings)")
+    check_data_vocabulary(args, build_tokenizer(args).vocab_size)
     plan = plan_load(args, dp_size)
     check_save_dir(args)
 

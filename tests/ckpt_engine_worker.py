@@ -26,7 +26,7 @@ from megatron.checkpointing.engine_save import save_engine_checkpoint  # noqa: E
 from megatron.checkpointing.errors import CheckpointError  # noqa: E402
 from megatron.checkpointing.module_load import load_module_only  # noqa: E402
 from megatron.checkpointing.module_weights import read_module_weights  # noqa: E402
-from tests.ckpt_engine_common import (  # noqa: E402
+from tests.ckpt_engines import (  # noqa: E402
     batch,
     bits_equal,
     build_engine,

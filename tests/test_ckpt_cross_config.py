@@ -17,8 +17,17 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.ckpt_engine_common import bits_equal, master_weights, set_lr, training_weights
-from tests.ckpt_engines import PRECISION_DTYPE, build_engine, make_args, train_step
+from tests.ckpt_engines import (
+    DTYPES,
+    bits_equal,
+    build_engine,
+    make_args,
+    master_weights,
+    set_lr,
+    tiny_batch,
+    train_step,
+    training_weights,
+)
 from tests.conftest import declare_cpu_fp16_capable, free_port
 
 pytestmark = pytest.mark.distributed
@@ -32,7 +41,7 @@ def save_trained(args, steps: int = 2, rank: int = 0) -> dict[str, torch.Tensor]
 
     engine = build_engine(args, seed=0)
     for step in range(1, steps + 1):
-        train_step(engine, args, 100 * rank + step)
+        train_step(engine, tiny_batch(args, 100 * rank + step))
     save_checkpoint(args, engine, steps, consumed_train_samples=2 * steps)
     return {name: value.float() for name, value in training_weights(engine).items()}
 
@@ -45,8 +54,8 @@ def finetune_and_check(args, data_parallel_size: int, expected: dict[str, torch.
     engine = build_engine(args, seed=1)  # other initial weights: only the load can make them equal
     load_checkpoint(args, engine, plan)
     set_lr(engine, 0.0)
-    train_step(engine, args, 500 + rank)
-    dtype = PRECISION_DTYPE[args.precision]
+    train_step(engine, tiny_batch(args, 500 + rank))
+    dtype = DTYPES[args.precision]
     weights, masters = training_weights(engine), master_weights(engine)
     assert set(weights) == set(expected)
     for name, value in expected.items():

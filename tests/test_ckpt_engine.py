@@ -14,7 +14,7 @@ from megatron.checkpointing.engine_save import save_engine_checkpoint
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.module_load import load_module_only
 from megatron.checkpointing.module_weights import read_client_state, read_module_weights
-from tests.ckpt_engine_common import (
+from tests.ckpt_engines import (
     DTYPES,
     batch,
     bits_equal,

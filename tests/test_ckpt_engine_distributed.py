@@ -12,7 +12,7 @@ import torch
 
 from megatron.checkpointing.module_load import load_module_only
 from megatron.checkpointing.module_weights import read_module_weights
-from tests.ckpt_engine_common import (
+from tests.ckpt_engines import (
     batch,
     bits_equal,
     build_engine,

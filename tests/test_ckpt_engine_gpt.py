@@ -11,7 +11,7 @@ from megatron.checkpointing.module_load import load_module_only
 from megatron.checkpointing.module_weights import read_module_weights
 from megatron.model import GPTModel, causal_lm_loss
 from megatron.neox_arguments import NeoXArgs
-from tests.ckpt_engine_common import bits_equal, ds_config, master_weights, set_lr, training_weights
+from tests.ckpt_engines import bits_equal, ds_config, master_weights, set_lr, training_weights
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
 
@@ -19,7 +19,7 @@ VOCAB = 96
 
 
 def _gpt_engine(stage: int, seed: int, tied: bool):
-    args = NeoXArgs(
+    args = NeoXArgs.from_dict(
         dict(
             num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, padded_vocab_size=VOCAB,
             hidden_dropout=0.0, attention_dropout=0.0, pos_emb="rotary", rotary_pct=0.25,

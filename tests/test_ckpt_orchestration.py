@@ -13,9 +13,10 @@ from megatron.checkpointing import CheckpointError, LoadMode, load_checkpoint, p
 from megatron.checkpointing.rng import collect_rng_states, restore_rng_states
 from tests.ckpt_engines import (
     build_engine,
-    deepspeed_config,
+    ds_config,
     hf_settings,
     make_args,
+    tiny_batch,
     tiny_hf_model,
     train_step,
 )
@@ -39,7 +40,7 @@ def trained_and_saved(args, steps=2):
     """An engine trained `steps` steps and saved at the last one; returns it to continue training."""
     engine = build_engine(args, seed=0)
     for step in range(1, steps + 1):
-        train_step(engine, args, step)
+        train_step(engine, tiny_batch(args, step))
     save_checkpoint(args, engine, steps, consumed_train_samples=2 * steps)
     return engine
 
@@ -50,7 +51,7 @@ def test_resume_continues_exactly_like_the_uninterrupted_run(single_rank_world, 
                                                              precision):
     args = run_args(tmp_path, stage, precision)
     original = trained_and_saved(args)
-    train_step(original, args, 3)  # dropout draws from the RNG state saved at iteration 2
+    train_step(original, tiny_batch(args, 3))  # dropout draws from the RNG state saved at iteration 2
     expected = full_weights(original)
 
     plan = plan_load(args, data_parallel_size=1)
@@ -60,7 +61,7 @@ def test_resume_continues_exactly_like_the_uninterrupted_run(single_rank_world, 
     outcome = load_checkpoint(args, resumed, plan)
     assert (outcome.iteration, outcome.consumed_train_samples) == (2, 4)
     assert outcome.loaded_optimizer and outcome.restored_rng and outcome.tag == "global_step2"
-    train_step(resumed, args, 3)
+    train_step(resumed, tiny_batch(args, 3))
     for name, value in full_weights(resumed).items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
 
@@ -69,13 +70,13 @@ def test_resume_without_rng_restore_differs(single_rank_world, tmp_path):
     """The check above can fail: with no_load_rng the dropout mask, hence the step, differs."""
     args = run_args(tmp_path, no_load_rng=True)
     original = trained_and_saved(args)
-    train_step(original, args, 3)
+    train_step(original, tiny_batch(args, 3))
     expected = full_weights(original)
     resumed = build_engine(args, seed=1)
     torch.manual_seed(999)
     outcome = load_checkpoint(args, resumed, plan_load(args, 1))
     assert outcome.loaded_optimizer and not outcome.restored_rng
-    train_step(resumed, args, 3)
+    train_step(resumed, tiny_batch(args, 3))
     assert any(not torch.equal(v, expected[k]) for k, v in full_weights(resumed).items())
 
 
@@ -109,7 +110,7 @@ def test_zero3_shards_without_module_file_finetune(single_rank_world, tmp_path):
     """A ZeRO-3 tag saved by DeepSpeed alone: the weights are rebuilt from its fp32 partitions."""
     args = run_args(tmp_path, stage=3, finetune=True)
     original = build_engine(args, seed=0)
-    train_step(original, args, 1)
+    train_step(original, tiny_batch(args, 1))
     original.save_checkpoint(args.save, tag="global_step1")
     saved = full_weights(original)
     plan = plan_load(args, 1)
@@ -131,7 +132,7 @@ def test_finetune_from_hugging_face_dir_gives_the_same_logits(single_rank_world,
     plan = plan_load(args, 1)
     model = build_model(args)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=deepspeed_config(args))
+                                           config=ds_config(args.precision, args.zero_stage))
     outcome = load_checkpoint(args, engine, plan)
     assert (outcome.iteration, outcome.loaded_optimizer, outcome.tag) == (0, False, None)
 
@@ -154,7 +155,7 @@ def test_forward_pass_validation_runs_on_save_and_load(single_rank_world, tmp_pa
     def gpt_engine(args):
         model = build_model(args)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=deepspeed_config(args))
+                                               config=ds_config(args.precision, args.zero_stage))
         return engine
 
     settings = dict(finetune=True, checkpoint_validation_with_forward_pass=True, seq_length=16)
@@ -179,7 +180,7 @@ def test_save_writes_configs_latest_and_prunes(single_rank_world, tmp_path):
     engine = build_engine(args)
     root = tmp_path / "checkpoints"
     for step in (1, 2, 3):
-        train_step(engine, args, step)
+        train_step(engine, tiny_batch(args, step))
         tag_dir = save_checkpoint(args, engine, step, 2 * step, lr_schedule_start=1)
         assert tag_dir == root / f"global_step{step}"
         assert (root / "latest").read_text() == f"global_step{step}"
@@ -232,3 +233,30 @@ def test_rng_states_survive_weights_only_load(tmp_path):
 def test_incomplete_rng_states_are_refused():
     with pytest.raises(CheckpointError, match="numpy.*no_load_rng"):
         restore_rng_states({"python": random.getstate(), "torch_cpu": torch.get_rng_state()})
+
+
+def test_a_non_strict_load_says_what_it_skipped(single_rank_world, tmp_path):
+    import logging
+
+    from megatron.logging import get_logger
+
+    args = run_args(tmp_path, stage=0, finetune=True, load_module_strict=False)
+    tag_dir = save_checkpoint(args, build_engine(args, seed=0), 1, 2)
+    path = tag_dir / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=False)
+    del state["module"]["out.bias"]
+    state["module"]["head.weight"] = torch.zeros(3)
+    torch.save(state, path)
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    get_logger().addHandler(handler)
+    try:
+        outcome = load_checkpoint(args, build_engine(args, seed=1), plan_load(args, 1))
+    finally:
+        get_logger().removeHandler(handler)
+    report = outcome.module_report
+    assert (report.missing, report.unexpected) == (["out.bias"], ["head.weight"])
+    skipped = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert len(skipped) == 1 and "out.bias" in skipped[0] and "head.weight" in skipped[0]

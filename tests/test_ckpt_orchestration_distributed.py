@@ -29,13 +29,13 @@ def _rank_main(rank: int, port: int, root: str) -> None:
 
     from megatron.checkpointing import CheckpointError, load_checkpoint, plan_load, save_checkpoint
     from megatron.checkpointing.inventory import inventory_checkpoint
-    from tests.ckpt_engines import build_engine, make_args, train_step
+    from tests.ckpt_engines import build_engine, make_args, tiny_batch, train_step
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     args = make_args(stage=2, precision="bf16", save=root, load=root)
 
     def step(engine, iteration):  # each rank its own batch
-        train_step(engine, args, 100 * rank + iteration)
+        train_step(engine, tiny_batch(args, 100 * rank + iteration))
 
     original = build_engine(args, seed=0)
     torch.manual_seed(10 + rank)  # dropout differs per rank, as in training

@@ -277,9 +277,11 @@ def test_resume_with_another_precision_is_refused(checkpoints):
     assert plan_for(checkpoints["zero1"], precision="bf16", finetune=True).module_only
 
 
-def test_another_tensor_parallel_size_is_refused(checkpoints):
-    with pytest.raises(CheckpointError, match="tensor-parallel size 1.*model_parallel_size 2"):
-        plan_for(checkpoints["zero1"], model_parallel_size=2, finetune=True)
+def test_another_tensor_parallel_size_is_refused(tmp_path):
+    saved_args = {**make_args(stage=0).to_dict(), "model_parallel_size": 2}  # as a tensor-parallel run records it
+    saved_checkpoint(tmp_path, make_args(stage=0), client_state={"args": saved_args})
+    with pytest.raises(CheckpointError, match="tensor-parallel size 2.*model_parallel_size 1"):
+        plan_for(tmp_path, stage=0, finetune=True)
 
 
 def test_architecture_mismatch_names_settings_and_values(checkpoints):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -157,8 +158,8 @@ def test_blending_proportions_exact_and_deterministic(tmp_path):
 
 def test_weights_must_match_paths(tmp_path):
     path = write_documents(tmp_path / "d", random_documents(0, 10))
-    args = make_args(train_data_paths=[path])
-    args.train_data_weights = [0.5, 0.5]  # validation would refuse it; the data layer must refuse it too
+    # validation would refuse it (settings hold no such pair); the data layer must refuse it too
+    args = SimpleNamespace(**{**make_args(train_data_paths=[path]).to_dict(), "train_data_weights": [0.5, 0.5]})
     with pytest.raises(DataError, match="train_data_weights has 2 weights for 1 data paths"):
         build_train_valid_test_datasets(args, (10, 0, 0))
 

@@ -11,6 +11,7 @@ import yaml
 
 import deepy
 from megatron.neox_arguments import SETTINGS, NeoXArgs
+from megatron.run_context import resolve_run_settings
 from megatron.tokenizer import train_bpe_tokenizer
 from tests.conftest import free_port
 from tests.rank_echo import settings_digest
@@ -132,7 +133,7 @@ def test_launch_two_cpu_ranks_that_receive_identical_settings(tmp_path):
     fields = [dict(part.split("=", 1) for part in echo.split()) for echo in echoes]
     assert sorted(f["rank"] for f in fields) == ["0", "1"]
     assert {f["world"] for f in fields} == {"2"} and {f["global_num_gpus"] for f in fields} == {"2"}
-    expected = settings_digest(NeoXArgs.from_yaml_files([config]).to_dict())
+    expected = settings_digest(resolve_run_settings(NeoXArgs.from_yaml_files([config])).to_dict())
     assert {f["settings"] for f in fields} == {expected}
 
 

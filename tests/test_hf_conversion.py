@@ -23,7 +23,8 @@ from megatron.hf.convert import convert_hf_to_neox, convert_neox_to_hf
 from megatron.hf.io import iter_hf_tensors
 from megatron.hf.mapping import convert_tensors, hf_to_ours, ours_to_hf
 from megatron.model import build_model
-from megatron.neox_arguments import NeoXArgs, padded_vocab_size
+from megatron.neox_arguments import NeoXArgs
+from megatron.run_context import resolve_run_settings
 from megatron.tokenizer import build_tokenizer, train_bpe_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -96,10 +97,8 @@ def hf_reference(model) -> dict[str, torch.Tensor]:
 
 def our_args(hf_dir: Path, **overrides) -> NeoXArgs:
     spec = spec_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
-    args = NeoXArgs.from_dict({**spec.settings, "train_iters": 1, "hidden_dropout": 0.0, "attention_dropout": 0.0,
-                               **overrides})
-    args.padded_vocab_size = spec.vocab_size  # derived from the tokenizer by the training setup
-    return args
+    return NeoXArgs.from_dict({**spec.settings, "padded_vocab_size": spec.vocab_size, "train_iters": 1,
+                               "hidden_dropout": 0.0, "attention_dropout": 0.0, **overrides})
 
 
 def tokens(seed: int = 0) -> torch.Tensor:
@@ -202,9 +201,8 @@ def test_config_out_is_a_config_fragment_that_reproduces_the_model(tmp_path):
     training = tmp_path / "train.yml"
     training.write_text("train_iters: 10\ntrain_micro_batch_size_per_gpu: 1\nseq_length: 16\nlr: 0.001\ndata_path: corpus/text_document\n")
     args = NeoXArgs.from_yaml_files([yml, training])
-    tokenizer = build_tokenizer(args)
-    assert tokenizer.vocab_size < VOCAB
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
+    assert build_tokenizer(args).vocab_size < VOCAB
+    args = resolve_run_settings(args)  # padded_vocab_size from the tokenizer, as deepy.py does before the ranks start
     assert args.padded_vocab_size == VOCAB
     weights = load_hf_module_weights(hf_dir, args)  # raises on any setting that disagrees with config.json
     assert weights["sequential.0.word_embeddings.weight"].shape == (VOCAB, 64)
@@ -219,8 +217,7 @@ def test_settings_that_disagree_with_config_json_are_an_error_naming_both_values
     message = str(caught.value)
     assert "num_kv_heads: config says 4, HF" in message and "says 2" in message
     assert "rms_norm_epsilon: config says 1e-05" in message
-    args = our_args(hf_dir)
-    args.padded_vocab_size = 512
+    args = our_args(hf_dir, padded_vocab_size=512)
     with pytest.raises(HFConversionError, match="padded_vocab_size: config says 512.*says 320"):
         load_hf_module_weights(hf_dir, args)
 

@@ -25,9 +25,7 @@ def engine_args(hf_model, precision: str = "fp32", **overrides) -> NeoXArgs:
               "optimizer": {"type": "Adam", "params": {"lr": 1e-6}}, "gradient_clipping": 0.0, **overrides}
     if precision != "fp32":
         values[precision] = {"enabled": True}
-    args = NeoXArgs.from_dict(values)
-    args.padded_vocab_size = spec.vocab_size
-    return args
+    return NeoXArgs.from_dict({**values, "padded_vocab_size": spec.vocab_size})
 
 
 def build_engine(args: NeoXArgs):

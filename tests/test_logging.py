@@ -37,7 +37,8 @@ def test_durations(seconds, text):
 def test_tensorboard_receives_the_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    writer = MetricsWriter(NeoXArgs({"tensorboard_dir": str(tmp_path)}))
+    writer = MetricsWriter(NeoXArgs.from_dict({"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "seq_length": 4,
+                                                "tensorboard_dir": str(tmp_path)}))
     writer.write(SCALARS, step=3)
     writer.write({"valid/loss": 2.5}, step=4)
     writer.close()

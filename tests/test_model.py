@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -67,8 +68,7 @@ def tiny_args(family: dict | None = None, **overrides) -> NeoXArgs:
     )
     values.update(family or {})
     values.update(overrides)
-    # The constructor takes values as given (no run-level validation): the model must cope on its own.
-    return NeoXArgs(values)
+    return NeoXArgs.from_dict(values)
 
 
 def tokens(batch: int = 2, seq: int = SEQ, seed: int = 0) -> torch.Tensor:
@@ -591,9 +591,8 @@ def test_unset_sizes_get_gpt_neox_defaults():
     ],
 )
 def test_impossible_settings_are_refused_with_the_setting_named(overrides, message):
-    args = tiny_args()
-    for name, value in overrides.items():  # past the settings layer's own checks: the model checks too
-        setattr(args, name, value)
+    # past the settings layer's own checks (validated settings never hold these): the model checks too
+    args = SimpleNamespace(**{**tiny_args().to_dict(), **overrides})
     with pytest.raises(ModelConfigError, match=message):
         GPTModel(args)
 

@@ -130,10 +130,41 @@ def test_tensor_parallel_ranks_leave_the_rest_to_data_parallelism(tmp_path):
     assert padded_vocab_size(50277, 128, 2) == 50432  # each of the 2 shards a multiple of 128 rows
 
 
-def test_settings_stay_settable_attributes(tmp_path):
+def test_settings_are_read_only_after_validation(tmp_path):
     args = run_args(tmp_path)
-    args.padded_vocab_size = padded_vocab_size(50277, 128, 1)
-    assert args.to_dict()["padded_vocab_size"] == 50304
+    with pytest.raises(AttributeError, match="read-only after validation: cannot set 'hidden_size'"):
+        args.hidden_size = 256
+    with pytest.raises(AttributeError, match="read-only"):
+        args.padded_vocab_size = 64
+    assert args.hidden_size != 256 and args.padded_vocab_size is None
+    with pytest.raises(TypeError, match="built by validation"):
+        NeoXArgs({"hidden_size": 8})
+
+
+def test_with_values_validates_again_and_leaves_the_original_alone(tmp_path):
+    args = run_args(tmp_path)
+    resolved = args.with_values({"padded_vocab_size": padded_vocab_size(50277, 128, 1)}, "tokenizer x.json")
+    assert (resolved.padded_vocab_size, resolved.source_of("padded_vocab_size")) == (50304, "tokenizer x.json")
+    assert args.padded_vocab_size is None and resolved.source_of("hidden_size") == args.source_of("hidden_size")
+    with pytest.raises(ConfigError, match="hidden_size"):
+        args.with_values({"hidden_size": 66}, "test")  # not divisible by the heads: validation ran again
+
+
+def test_a_yaml_may_not_set_what_code_gives(tmp_path):
+    path = write_yaml(tmp_path, "vocab.yml", {**TINY_RUN, "padded_vocab_size": 64})
+    with pytest.raises(ConfigError, match="padded_vocab_size: is derived"):
+        NeoXArgs.from_yaml_files([path])
+
+
+def test_saved_settings_of_other_programs_restore_what_this_schema_knows():
+    saved = {"num_layers": 2, "hidden_size": 8, "num_attention_heads": 2, "seq_length": 4, "padded_vocab_size": 64,
+             "num_gpus": 8, "train_batch_size": 512, "data_parallel_size": 8, "global_num_gpus": 8,
+             "some_other_programs_key": 1, "bias_gelu_fusion": True, "hostfile": "/nowhere/hostfile"}
+    args = NeoXArgs.from_saved(saved, "ckpt/global_step5")
+    assert (args.num_layers, args.padded_vocab_size, args.train_batch_size) == (2, 64, None)
+    assert args.source_of("num_layers") == "ckpt/global_step5"
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        NeoXArgs.from_saved({**saved, "moe_num_experts": 8}, "ckpt")
 
 
 # --- validation errors name the file and the key ----------------------------------------------

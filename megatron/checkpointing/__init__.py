@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron.checkpointing import commit, layout, manifest
 from megatron.checkpointing.client_state import ClientState
@@ -22,6 +22,9 @@ from megatron.checkpointing.inventory import inventory_checkpoint
 from megatron.checkpointing.neox_config import write_neox_config
 from megatron.checkpointing.plan import LoadMode, LoadPlan, build_load_plan
 from megatron.checkpointing.rng import collect_rng_states, restore_rng_states
+
+if TYPE_CHECKING:  # module_load imports DeepSpeed's ZeRO internals; loaded only when a load needs it
+    from megatron.checkpointing.module_load import ModuleLoadReport
 
 __all__ = [
     "CheckpointError", "ClientState", "LoadMode", "LoadOutcome", "LoadPlan", "check_save_dir", "load_checkpoint",
@@ -36,6 +39,8 @@ class LoadOutcome:
     restored_rng: bool
     tag: str | None
     client_state: ClientState = field(repr=False)
+    # what a module-only load copied and skipped (None when DeepSpeed resumed the whole engine)
+    module_report: ModuleLoadReport | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -234,6 +239,7 @@ def load_checkpoint(args, engine, plan: LoadPlan) -> LoadOutcome | None:
             _verify_files(plan)
         if layout.same_directory(plan.load_dir, args.save):
             _lineages[Path(plan.load_dir).resolve()] = _Lineage(plan.tag, plan.saved_iteration)
+    module_report = None
     if plan.load_optimizer:
         _check_names_for_resume(plan, engine, args)
         load_path, stored = engine.load_checkpoint(
@@ -255,10 +261,10 @@ def load_checkpoint(args, engine, plan: LoadPlan) -> LoadOutcome | None:
     else:
         from megatron.checkpointing.module_load import load_module_only
 
-        report = load_module_only(engine, _module_weights(plan, args), strict=args.load_module_strict,
-                                  allow_random=args.load_module_allow_random or ())
-        if not report.complete:
-            _logger().info(report.describe())
+        module_report = load_module_only(engine, _module_weights(plan, args), strict=args.load_module_strict,
+                                         allow_random=args.load_module_allow_random or ())
+        if not module_report.complete:
+            _logger().info(module_report.describe())
         client_state = plan.client_state
     if args.checkpoint_validation_with_forward_pass and plan.source_format != "hf":
         forward_validation.check(engine, args, client_state.forward_validation, source=str(plan.tag_dir))
@@ -268,4 +274,5 @@ def load_checkpoint(args, engine, plan: LoadPlan) -> LoadOutcome | None:
     _logger().info(f"loaded {plan.tag_dir or plan.load_dir} ({plan.mode.value}): starting at iteration {iteration}, "
                    f"{consumed} samples consumed")
     return LoadOutcome(iteration=iteration, consumed_train_samples=consumed, loaded_optimizer=plan.load_optimizer,
-                       restored_rng=plan.restore_rng, tag=plan.tag, client_state=client_state)
+                       restored_rng=plan.restore_rng, tag=plan.tag, client_state=client_state,
+                       module_report=module_report)

@@ -36,6 +36,7 @@ from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.zero3_partition import owned_range
 
 
 @dataclass
@@ -234,8 +235,7 @@ def _zero3_fragments(optimizer, names) -> Iterator[MasterFragment]:
             partition_rank = dist.get_rank(
                 group=getattr(param, "ds_process_group", optimizer.dp_process_group)
             )
-            start = partition_rank * numel
-            owned = max(0, min(numel, param.ds_numel - start))  # the last partition may be padding
+            start, owned = owned_range(partition_rank, numel, param.ds_numel)
             master = optimizer.fp32_partitioned_groups_flat[group_index].data.narrow(0, offset, numel)
             name = _name_of(param, names)
             partition = param.ds_tensor.data.view(-1).narrow(0, 0, owned)

@@ -16,6 +16,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from megatron.checkpointing import master_weights
 from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.zero3_partition import owned_range
 
 _SHOWN_KEYS = 5
 
@@ -128,9 +129,8 @@ def _write_zero3_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     gets its full copy written, or the forward pass would keep using the old values.
     """
     partition = param.ds_tensor.data.view(-1)
-    size = partition.numel()
-    start = dist.get_rank(group=getattr(param, "ds_process_group", None)) * size
-    owned = max(0, min(size, param.ds_numel - start))
+    start, owned = owned_range(dist.get_rank(group=getattr(param, "ds_process_group", None)), partition.numel(),
+                               param.ds_numel)
     partition.narrow(0, 0, owned).copy_(value.reshape(-1).narrow(0, start, owned))
     if param.ds_status == ZeroParamStatus.AVAILABLE:
         param.data.copy_(value.view(param.ds_shape))

@@ -28,6 +28,7 @@ import torch
 from megatron.checkpointing import layout, manifest
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.legacy_names import is_legacy_buffer_key, translate_legacy_key
+from megatron.checkpointing.zero3_partition import partition_numel
 
 
 def load_checkpoint_file(path: Path) -> dict:
@@ -109,7 +110,7 @@ def read_client_state(tag_dir: str | Path, mp_rank: int = 0) -> dict:
     tag_dir = Path(tag_dir)
     candidates = [
         tag_dir / layout.model_states_name(mp_rank),
-        tag_dir / f"zero_pp_rank_0_mp_rank_{mp_rank:02d}_model_states.pt",
+        tag_dir / layout.zero3_model_states_name(0, mp_rank),
     ]
     for path in candidates:
         if path.is_file():
@@ -206,7 +207,7 @@ def _module_from_zero3_shards(
     for group_shapes in first_model["param_shapes"]:
         for name, shape in group_shapes.items():
             numel = math.prod(shape)
-            partition = math.ceil(numel / dp_size)
+            partition = partition_numel(numel, dp_size)
             pieces = [stream.narrow(0, offset, partition) for stream in rank_streams]
             module[name] = torch.cat(pieces)[:numel].view(tuple(shape)).clone()
             offset += partition

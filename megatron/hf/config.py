@@ -36,9 +36,9 @@ class HFModelSpec:
 def architecture_of(values: dict[str, Any]) -> Architecture:
     """Our Architecture for a dict of settings (missing ones take their schema defaults).
 
-    Built with the plain NeoXArgs constructor: an architecture alone is no complete run configuration.
+    Validated as saved settings: an architecture alone is no complete run configuration.
     """
-    return architecture_from_args(NeoXArgs(values))
+    return architecture_from_args(NeoXArgs.from_saved(values, "<model settings>"))
 
 
 def _rope(hf: dict[str, Any], family: str, source: str) -> tuple[float, float]:

@@ -11,39 +11,65 @@ from megatron.neox_arguments.derived import derive_all
 from megatron.neox_arguments.errors import ConfigError
 from megatron.neox_arguments.foreign import canonical_names, take_foreign_settings
 from megatron.neox_arguments.schema import SETTINGS
-from megatron.neox_arguments.validation import check_settings
+from megatron.neox_arguments.validation import check_setting, check_settings
 from megatron.neox_arguments.yaml_files import merge_config_files, normalise_key
 
 DEFAULT_SOURCE = "default"
 DERIVED_SOURCE = "derived"
-# derived settings the loader never computes: the trainer sets them (padded_vocab_size comes from the
-# tokenizer), so library code may pass them to from_dict; a YAML may not set them
-SET_BY_CALLER = ("padded_vocab_size",)
+# Derived settings the loader does not compute from other settings: code that knows them may state
+# them in from_dict (the vocabulary a model was built with; the text of the run's YAML files), and the
+# run context resolves padded_vocab_size from the tokenizer. A YAML file may not set them.
+GIVEN_BY_CODE = ("padded_vocab_size", "config_files")
+# Settings of a saved run that do not describe its model and would not hold for another run: where
+# and on how many ranks it ran (the batch triple depends on that rank count).
+NOT_RESTORED = ("num_gpus", "num_nodes", "hostfile", "include", "exclude", "master_port", "master_addr",
+                "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 class NeoXArgs:
-    """Every setting of the schema as an attribute; unset ones hold their default.
+    """Every setting of the schema as an attribute; unset ones hold their default. Read-only.
 
-    Build one with `from_yaml_files` or `from_dict` (validated, derived values filled in). The
-    constructor itself takes values as they are; it is how already validated settings are restored.
+    Built only by validation: `from_yaml_files`, `from_dict`, `from_saved` (settings a checkpoint
+    recorded), or `with_values` (the same given values plus more, validated again).
     """
 
-    def __init__(self, values: dict[str, Any], sources: dict[str, str] | None = None,
-                 notices: list[str] | None = None):
-        for name, setting in SETTINGS.items():
-            setattr(self, name, copy.deepcopy(setting.default))
-        for name, value in values.items():
-            setattr(self, name, value)
-        self._sources = dict(sources) if sources is not None else dict.fromkeys(values, "<constructor>")
-        self._notices = list(notices or [])
+    def __init__(self, *_args, **_kwargs):
+        raise TypeError("NeoXArgs is built by validation: use NeoXArgs.from_yaml_files, from_dict or from_saved")
+
+    @classmethod
+    def _create(cls, values: dict[str, Any], sources: dict[str, str], notices: list[str],
+                given: dict[str, Any], require_run_settings: bool) -> NeoXArgs:
+        args = object.__new__(cls)
+        for name in SETTINGS:
+            object.__setattr__(args, name, copy.deepcopy(values[name]))
+        object.__setattr__(args, "_sources", dict(sources))
+        object.__setattr__(args, "_notices", list(notices))
+        object.__setattr__(args, "_given", copy.deepcopy(given))
+        object.__setattr__(args, "_require_run_settings", require_run_settings)
+        return args
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"settings are read-only after validation: cannot set {name!r}. Set it in a config file, or build "
+            "new settings with args.with_values({...}) (validated again)"
+        )
+
+    def __delattr__(self, name: str) -> None:
+        self.__setattr__(name, None)
+
+    def __deepcopy__(self, memo) -> NeoXArgs:
+        return self  # read-only: a copy would be the same object
 
     @classmethod
     def from_yaml_files(cls, paths: list[str | Path]) -> NeoXArgs:
         """Merge the files (later ones override earlier ones key by key), validate, derive."""
         merged = merge_config_files(paths)
-        args = cls._validated(merged.values, merged.sources, require_run_settings=True, allowed_derived=())
-        args.config_files = merged.texts
-        return args
+        for name in GIVEN_BY_CODE:
+            if name in merged.values:
+                check_setting(name, merged.values[name], merged.sources)  # raises: derived, not for a YAML
+        given = {**merged.values, "config_files": merged.texts}
+        sources = {**merged.sources, "config_files": DERIVED_SOURCE}
+        return cls._validated(given, sources, require_run_settings=True)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], source: str = "<dict>", *,
@@ -52,28 +78,71 @@ class NeoXArgs:
 
         By default a model-only dict is enough (library code, tests): what a training run needs
         besides the model (train_iters, lr, batch sizes, data) is checked only when given, unless
-        `require_run_settings` (what from_yaml_files always does). padded_vocab_size may be given.
+        `require_run_settings` (what from_yaml_files always does). GIVEN_BY_CODE settings may be given.
         """
         given = canonical_names({normalise_key(k): v for k, v in values.items()}, source)
-        return cls._validated(given, dict.fromkeys(given, source), require_run_settings, SET_BY_CALLER)
+        return cls._validated(given, dict.fromkeys(given, source), require_run_settings)
+
+    @classmethod
+    def from_saved(cls, saved: dict[str, Any], source: str, *, require_model: bool = True) -> NeoXArgs:
+        """The settings a checkpoint recorded (ours or another program's), as a model-only dict.
+
+        Names this schema does not know, derived values other than padded_vocab_size, and what only
+        held for the saving run (NOT_RESTORED) are dropped; GPT-NeoX settings with no effect here
+        are dropped; what remains is validated like any config. GPT-NeoX records no seq_length: no
+        weight depends on it, max_position_embeddings stands in. Without `require_model` the model's
+        shape may be missing (a checkpoint that recorded none).
+        """
+        values = canonical_names({normalise_key(str(k)): v for k, v in saved.items()}, source)
+        take_foreign_settings(values, dict.fromkeys(values, source))  # an unsupported feature that is on raises
+        kept = {name: value for name, value in values.items()
+                if name in SETTINGS and name not in NOT_RESTORED and name != "config_files"
+                and (not SETTINGS[name].derived or name in GIVEN_BY_CODE)}
+        if kept.get("seq_length") is None and kept.get("max_position_embeddings") is not None:
+            kept["seq_length"] = kept["max_position_embeddings"]
+        return cls._validated(kept, dict.fromkeys(kept, source), False, require_model)
+
+    def with_values(self, values: dict[str, Any], source: str) -> NeoXArgs:
+        """These settings plus `values` (set by `source`), validated again from what was given."""
+        given = {**self._given, **values}
+        sources = {name: self._sources[name] for name in self._given}
+        sources.update(dict.fromkeys(values, source))
+        return self._validated(given, sources, self._require_run_settings)
 
     @classmethod
     def _validated(cls, given: dict[str, Any], sources: dict[str, str], require_run_settings: bool,
-                   allowed_derived: tuple[str, ...]) -> NeoXArgs:
+                   require_model: bool = True) -> NeoXArgs:
         given = copy.deepcopy(given)
+        sources = dict(sources)
         notices = take_foreign_settings(given, sources)
-        checked = check_settings(given, sources, allowed_derived)
+        checked = check_settings(given, sources, GIVEN_BY_CODE)
         sources = {name: sources[name] for name in checked}
         values = {name: copy.deepcopy(setting.default) for name, setting in SETTINGS.items()}
         values.update(checked)
-        derive_all(values, sources, require_run_settings, notices)
+        derive_all(values, sources, require_run_settings, notices, require_model)
         if values["train_batch_size"] is not None and values["lr"] is not None:
             build_deepspeed_config(values)  # its conflicts are config errors too; raise them now
         for name, setting in SETTINGS.items():
             if name not in sources:
                 changed = setting.derived or values[name] != setting.default
                 sources[name] = DERIVED_SOURCE if changed else DEFAULT_SOURCE
-        return cls(values, sources, notices)
+        return cls._create(values, sources, notices, checked, require_run_settings)
+
+    @classmethod
+    def _restore(cls, values: dict[str, Any], sources: dict[str, str], notices: list[str],
+                 given: dict[str, Any], require_run_settings: bool) -> NeoXArgs:
+        """Settings validated by another process (deepy.py hands them to every rank); not checked again."""
+        return cls._create({**{n: s.default for n, s in SETTINGS.items()}, **values}, sources, notices, given,
+                           require_run_settings)
+
+    @property
+    def given(self) -> dict[str, Any]:
+        """The values the config files (or dict) gave, before derivation."""
+        return copy.deepcopy(self._given)
+
+    @property
+    def requires_run_settings(self) -> bool:
+        return self._require_run_settings
 
     def to_dict(self) -> dict[str, Any]:
         return {name: copy.deepcopy(getattr(self, name)) for name in SETTINGS}

@@ -14,6 +14,8 @@ from megatron.neox_arguments.errors import ConfigError, where
 from megatron.neox_arguments.world import count_ranks
 from megatron.tokenizer.tokenizer import TOKENIZER_FILES
 
+# The source of data_path/vocab_file/tokenizer_type when the run context points them at the embedded corpus.
+EMBEDDED_CORPUS_SOURCE = "embedded_corpus (resolved)"
 MODEL_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 RUN_REQUIRED = ("train_iters",)
 # what GPT-NeoX trains with when neither optimizer.params.lr nor lr is given
@@ -40,16 +42,19 @@ def tensor_parallel_split_problem(tp: int, heads: int, kv_heads: int, intermedia
 
 
 def derive_all(v: dict[str, Any], sources: dict[str, str], require_run_settings: bool,
-               notices: list[str] | None = None) -> None:
+               notices: list[str] | None = None, require_model: bool = True) -> None:
     """Fill in derived settings of `v` in place; raise ConfigError on impossible combinations.
 
     What is accepted but worth a line to the user (a hostfile that is not there) goes to `notices`.
 
     Without `require_run_settings` (a model-only dict: library code, tests) the settings only a
     training run needs (train_iters, lr, batch sizes, data) may be missing; what is given is
-    still checked and derived by the same rules.
+    still checked and derived by the same rules. Without `require_model` (what a checkpoint of
+    another program recorded) the model's shape may be missing too, and is then not derived.
     """
-    for name in MODEL_REQUIRED + (RUN_REQUIRED if require_run_settings else ()):
+    model_given = all(v[name] is not None for name in MODEL_REQUIRED)
+    required = (MODEL_REQUIRED if require_model else ()) + (RUN_REQUIRED if require_run_settings else ())
+    for name in required:
         if v[name] is None:
             raise ConfigError(f"{name}: required but not set in any config file; add `{name}: <value>`")
     _check_ranges(v, sources)
@@ -58,7 +63,8 @@ def derive_all(v: dict[str, Any], sources: dict[str, str], require_run_settings:
     _derive_optimizer(v, sources, require_run_settings)
     _derive_world(v, sources, notices if notices is not None else [])
     _derive_batch(v, sources, require_run_settings)
-    _derive_model_shape(v, sources)
+    if model_given:
+        _derive_model_shape(v, sources)
     _derive_schedule(v, sources)
     _derive_checkpointing(v, sources)
     _check_profiling(v, sources)
@@ -337,7 +343,8 @@ def _check_profiling(v: dict[str, Any], sources: dict[str, str]) -> None:
 
 
 def _check_data(v: dict[str, Any], sources: dict[str, str]) -> None:
-    given = [name for name in ("data_path", "train_data_paths", "embedded_corpus") if v[name]]
+    given = [name for name in ("data_path", "train_data_paths", "embedded_corpus") if v[name]
+             and sources.get(name) != EMBEDDED_CORPUS_SOURCE]
     if not given:
         raise ConfigError(
             "data_path / train_data_paths / embedded_corpus: no training data; set data_path (a .bin/.idx "

@@ -21,7 +21,8 @@ MAX_PAYLOAD_CHARS = 120_000
 
 
 def encode_args(args: NeoXArgs) -> str:
-    payload = {"values": args.to_dict(), "sources": args.sources, "notices": args.notices}
+    payload = {"values": args.to_dict(), "sources": args.sources, "notices": args.notices, "given": args.given,
+               "require_run_settings": args.requires_run_settings}
     text = base64.urlsafe_b64encode(zlib.compress(json.dumps(payload).encode(), 9)).decode("ascii")
     if len(text) > MAX_PAYLOAD_CHARS:
         raise ConfigError(
@@ -36,7 +37,8 @@ def decode_args(text: str) -> NeoXArgs:
         payload = json.loads(zlib.decompress(base64.urlsafe_b64decode(text.encode("ascii"))))
     except (ValueError, zlib.error) as err:
         raise ConfigError(f"{HANDOVER_FLAG}: not a settings payload written by deepy.py ({err})") from None
-    return NeoXArgs(payload["values"], payload["sources"], payload["notices"])
+    return NeoXArgs._restore(payload["values"], payload["sources"], payload["notices"], payload["given"],
+                             payload["require_run_settings"])
 
 
 def handover_argv(args: NeoXArgs) -> list[str]:

@@ -31,7 +31,7 @@ with contextlib.redirect_stdout(sys.stderr):
     from megatron.checkpointing.module_weights import read_module_weights
     from megatron.checkpointing.plan import LoadMode, build_load_plan
     from megatron.hf.load import read_hf_model
-    from megatron.neox_arguments.arguments import NeoXArgs
+    from megatron.neox_arguments import ConfigError, NeoXArgs
 
 MODE_FLAGS = {
     LoadMode.RESUME: {},
@@ -85,8 +85,8 @@ def load_modes(
     result = {}
     for mode, flags in MODE_FLAGS.items():
         try:
-            plan = build_load_plan(NeoXArgs({**values, **flags}), inventory, dp_size)
-        except CheckpointError as refusal:
+            plan = build_load_plan(NeoXArgs.from_saved({**values, **flags}, str(inventory.root), require_model=False), inventory, dp_size)
+        except (CheckpointError, ConfigError) as refusal:
             result[mode.value] = {"possible": False, "reason": str(refusal)}
         else:
             result[mode.value] = {"possible": True, "plan": plan.describe()}
