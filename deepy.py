@@ -21,12 +21,12 @@ import sys
 from pathlib import Path
 
 from megatron.launcher import launch_command, launcher_environment
-from megatron.neox_arguments import ConfigError, NeoXArgs
+from megatron.neox_arguments import ConfigError
 from megatron.neox_arguments.dry_run import render_dry_run, tokenizer_summary
 from megatron.neox_arguments.handover import HANDOVER_FLAG, handover_argv
 from megatron.neox_arguments.world import accelerator_is_cpu
 from megatron.neox_arguments.yaml_files import gpt_neox_config_paths
-from megatron.run_context import resolve_run_settings
+from megatron.run_context import resolve_run_settings, settings_for_run
 from megatron.tokenizer import TokenizerError
 
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     command_line = parse_command_line(argv)
     send_deepspeed_logs_to_stderr()
     try:
-        args = NeoXArgs.from_yaml_files(gpt_neox_config_paths(command_line.configs, command_line.conf_dir))
+        args = settings_for_run(gpt_neox_config_paths(command_line.configs, command_line.conf_dir))
         for notice in args.notices:
             print(notice, file=sys.stderr)
         tokenizer_line = tokenizer_summary(args)

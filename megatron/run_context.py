@@ -1,5 +1,7 @@
-"""The settings that depend on files, resolved once, before any rank starts (deepy.py calls this).
+"""The settings that depend on files, resolved once, before any rank starts (deepy.py calls both steps).
 
+`settings_for_run` validates the config files, taking the model from the checkpoint named by `load`
+when the files do not give its shape. `resolve_run_settings` then resolves what files decide:
 `embedded_corpus: true` points data_path, vocab_file and tokenizer_type at the embedded corpus
 (built once and cached); the tokenizer gives padded_vocab_size. Both go through validation again
 (`NeoXArgs.with_values`), and every rank receives the complete, read-only result: no rank changes a
@@ -9,8 +11,13 @@ readable where deepy.py runs (and, on several nodes, at the same path on each: a
 
 from __future__ import annotations
 
-from megatron.neox_arguments import ConfigError, NeoXArgs, padded_vocab_size
-from megatron.neox_arguments.derived import EMBEDDED_CORPUS_SOURCE
+from pathlib import Path
+from typing import Any
+
+from megatron.checkpointing import layout
+from megatron.neox_arguments import SETTINGS, ConfigError, NeoXArgs, padded_vocab_size
+from megatron.neox_arguments.derived import EMBEDDED_CORPUS_SOURCE, MODEL_REQUIRED
+from megatron.neox_arguments.yaml_files import merge_config_files
 
 
 def resolve_run_settings(args: NeoXArgs) -> NeoXArgs:
@@ -32,3 +39,61 @@ def resolve_run_settings(args: NeoXArgs) -> NeoXArgs:
     padded = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.model_parallel_size)
     return args.with_values({"padded_vocab_size": padded},
                             f"tokenizer {args.vocab_file or args.tokenizer_type} ({tokenizer.vocab_size} tokens)")
+
+
+# What a run that names a checkpoint but not the model's shape takes from the checkpoint: every
+# setting of the model (the architecture and its vocabulary padding) and the tokenizer.
+TOKENIZER_SETTINGS = ("tokenizer_type", "vocab_file", "merge_file")
+
+
+def settings_for_run(paths: list[str]) -> NeoXArgs:
+    """The validated settings of the config files; the model from the checkpoint when the files omit its shape.
+
+    With `load` set and a model-shape setting (num_layers, hidden_size, ...) in no file, every model
+    and tokenizer setting that no file sets comes from the settings the checkpoint recorded (or an
+    HF folder's config.json); a setting a file does set is compared with the checkpoint by the load plan.
+    """
+    merged = merge_config_files(paths)
+    load = merged.values.get("load")
+    if not load or all(merged.values.get(name) is not None for name in MODEL_REQUIRED):
+        return NeoXArgs.from_yaml_files(paths)
+    saved, source = _checkpoint_model_settings(Path(load).expanduser(), merged.values.get("iteration"))
+    return NeoXArgs.from_yaml_files(paths, underlay=saved, underlay_source=source)
+
+
+def _checkpoint_model_settings(load: Path, iteration: int | None) -> tuple[dict[str, Any], str]:
+    from megatron.checkpointing.inventory import inventory_checkpoint
+
+    inventory = inventory_checkpoint(load)
+    if inventory.is_hf:
+        return _hf_model_settings(load)
+    tag_name = layout.tag_for_iteration(iteration) if iteration is not None else inventory.latest
+    tag = inventory.tags.get(tag_name) if tag_name else None
+    settings = tag.metadata.saved_args if tag is not None and tag.metadata is not None else None
+    if not settings:
+        where = f"{tag.path} records no settings" if tag is not None else f"{load} holds no tag {tag_name or '(no latest)'}"
+        raise ConfigError(
+            f"the config files do not give the model's shape ({', '.join(MODEL_REQUIRED)}) and {where} to take "
+            "it from; add the model's settings (e.g. the checkpoint's configs/*.yml) to the command line"
+        )
+    model = NeoXArgs.from_saved(settings, str(tag.path))
+    names = [name for name, setting in SETTINGS.items() if setting.group == "model"]
+    taken = {name: getattr(model, name) for name in names if model.source_of(name) == str(tag.path)}
+    taken.update({name: settings[name] for name in TOKENIZER_SETTINGS if settings.get(name) is not None})
+    return taken, f"{tag.path} (saved settings)"
+
+
+def _hf_model_settings(hf_dir: Path) -> tuple[dict[str, Any], str]:
+    from megatron.hf.config import spec_from_hf_config
+    from megatron.hf.errors import HFConversionError
+    from megatron.hf.io import TOKENIZER_NAME, read_hf_config
+
+    try:
+        spec = spec_from_hf_config(read_hf_config(hf_dir), str(hf_dir / "config.json"))
+    except HFConversionError as err:
+        raise ConfigError(str(err)) from None
+    # Padding to exactly the folder's vocab_size keeps its embedding shape for any tokenizer that fits.
+    taken = {**spec.settings, "make_vocab_size_divisible_by": spec.vocab_size}
+    if (hf_dir / TOKENIZER_NAME).is_file():
+        taken.update(tokenizer_type="HFTokenizer", vocab_file=str((hf_dir / TOKENIZER_NAME).resolve()))
+    return taken, str(hf_dir / "config.json")

@@ -66,3 +66,39 @@ def test_load_pointing_at_nothing_is_an_error_not_a_fresh_start(tmp_path):
     output = result.stdout + result.stderr
     assert str(missing) in output
     assert TRAIN_LINE.search(output) is None
+
+
+SHORT_FINETUNE = {"finetune": True, "embedded_corpus": True, "train_iters": 3, "eval_interval": 1000,
+                  "optimizer": {"type": "Adam", "params": {"lr": 0.0001}}}
+
+
+def test_one_short_finetune_file_takes_the_model_from_the_checkpoint(pretrained, tmp_path):
+    """`python deepy.py train.py finetune.yml` with no model setting: the shape comes from the checkpoint."""
+    save, pretrain_lines = pretrained
+    finetune = write_overrides(tmp_path, name="finetune.yml", load=str(save), save=str(tmp_path / "out"),
+                               **SHORT_FINETUNE)
+    result = run_deepy([finetune])
+    lines = train_lines(result.stdout)
+    assert lines[0].iteration == 1 and len(lines) == 3
+    assert lines[0].loss < pretrain_lines[0].loss - 1.0, "did not start from the pretrained weights"
+    assert "model settings taken from" in result.stdout and "num_layers" in result.stdout
+
+    result = run_deepy([finetune, write_overrides(tmp_path, name="wider.yml", hidden_size=256)],
+                       expect_success=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "hidden_size: saved 128, now 256" in output
+    assert TRAIN_LINE.search(output) is None
+
+
+def test_one_short_finetune_file_takes_the_model_from_a_hugging_face_folder(tmp_path):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    hf_dir = tmp_path / "hf"
+    config = GPTNeoXConfig(vocab_size=4096, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, max_position_embeddings=64)  # 4096: the embedded corpus's tokens
+    GPTNeoXForCausalLM(config).save_pretrained(hf_dir)
+    finetune = write_overrides(tmp_path, name="finetune.yml", load=str(hf_dir), save=str(tmp_path / "out"),
+                               **SHORT_FINETUNE)
+    result = run_deepy([finetune])
+    assert [line.iteration for line in train_lines(result.stdout)] == [1, 2, 3]
+    assert f"model settings taken from {hf_dir / 'config.json'}" in result.stdout

@@ -53,7 +53,8 @@ def test_tensorboard_receives_the_scalars(tmp_path):
 
 def test_the_line_averages_throughput_over_the_steps_since_the_previous_line(caplog):
     """Steps of 1 s, 3 s, then 0.5 s and 0.5 s: each line shows its own window, not the last step."""
-    args = NeoXArgs({"train_iters": 4, "log_interval": 2, "train_batch_size": 2, "seq_length": 50})
+    args = NeoXArgs.from_dict({"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "train_iters": 4,
+                               "log_interval": 2, "train_micro_batch_size_per_gpu": 2, "seq_length": 50})
     progress = ProgressReporter(args, first_iteration=0)
     windows = [progress.step(i + 1, {**SCALARS, "train/step_seconds": seconds})
                for i, seconds in enumerate([1.0, 3.0, 0.5, 0.5])]

@@ -191,7 +191,17 @@ def _hf_plan(args, inventory: CheckpointInventory, mode: LoadMode) -> LoadPlan:
 
     check_hf_settings(root, args)
     return LoadPlan(mode=mode, load_dir=root, source_format=FORMAT_HF, strict=bool(args.load_module_strict),
-                    files=(root / "config.json", *inventory.hf_weight_files))
+                    files=(root / "config.json", *inventory.hf_weight_files),
+                    notes=tuple(_model_from_checkpoint_note(args, root)))
+
+
+def _model_from_checkpoint_note(args, root: Path) -> list[str]:
+    """Which settings came from the checkpoint itself (megatron.run_context.settings_for_run)."""
+    sources = getattr(args, "sources", {})
+    taken = [name for name, source in sources.items() if str(source).startswith(str(root))]
+    if not taken:
+        return []
+    return [f"model settings taken from {sources[taken[0]]}, as no config file sets them: {', '.join(taken)}"]
 
 
 def _skipped_notes(inventory: CheckpointInventory) -> list[str]:
@@ -265,7 +275,7 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         iteration_from_checkpoint=mode is not LoadMode.FINETUNE,
         restore_rng=restore_rng,
         files=files,
-        notes=tuple(notes),
+        notes=tuple(_model_from_checkpoint_note(args, root) + notes),
         strict=bool(args.load_module_strict),
         tag_inventory=tag,
     )

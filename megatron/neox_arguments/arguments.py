@@ -61,14 +61,20 @@ class NeoXArgs:
         return self  # read-only: a copy would be the same object
 
     @classmethod
-    def from_yaml_files(cls, paths: list[str | Path]) -> NeoXArgs:
-        """Merge the files (later ones override earlier ones key by key), validate, derive."""
+    def from_yaml_files(cls, paths: list[str | Path], underlay: dict[str, Any] | None = None,
+                        underlay_source: str = "") -> NeoXArgs:
+        """Merge the files (later ones override earlier ones key by key), validate, derive.
+
+        `underlay` holds values for settings no file sets (the model a checkpoint recorded), set by
+        `underlay_source`; a file that sets one of them wins.
+        """
         merged = merge_config_files(paths)
         for name in GIVEN_BY_CODE:
             if name in merged.values:
                 check_setting(name, merged.values[name], merged.sources)  # raises: derived, not for a YAML
-        given = {**merged.values, "config_files": merged.texts}
-        sources = {**merged.sources, "config_files": DERIVED_SOURCE}
+        filled = {name: value for name, value in (underlay or {}).items() if name not in merged.values}
+        given = {**filled, **merged.values, "config_files": merged.texts}
+        sources = {**dict.fromkeys(filled, underlay_source), **merged.sources, "config_files": DERIVED_SOURCE}
         return cls._validated(given, sources, require_run_settings=True)
 
     @classmethod

@@ -1,0 +1,72 @@
+"""The model from the checkpoint: a config that names a checkpoint but not the model's shape gets it
+from the checkpoint's saved settings or a Hugging Face folder's config.json; a given shape setting
+that differs is refused by the load plan."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from megatron.checkpointing import CheckpointError
+from megatron.checkpointing.inventory import inventory_checkpoint
+from megatron.checkpointing.plan import build_load_plan
+from megatron.neox_arguments import ConfigError
+from megatron.run_context import settings_for_run
+from tests.ckpt_engines import make_args, saved_checkpoint, tiny_hf_model
+
+RUN = {"finetune": True, "train_iters": 5, "train_micro_batch_size_per_gpu": 2, "lr": 0.001,
+       "data_path": "data/text_document", "tokenizer_type": "ByteLevelTokenizer"}
+
+
+def finetune_yml(tmp_path, **settings):
+    path = tmp_path / "finetune.yml"
+    path.write_text(yaml.safe_dump({**RUN, **settings}))
+    return [str(path)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, single_rank_world):
+    root = tmp_path_factory.mktemp("ckpt")
+    saved_checkpoint(root, make_args(stage=0, norm="rmsnorm", rotary_emb_base=500000))
+    return root
+
+
+def test_the_model_comes_from_the_checkpoints_saved_settings(checkpoint, tmp_path):
+    args = settings_for_run(finetune_yml(tmp_path, load=str(checkpoint)))
+    saved = make_args(stage=0, norm="rmsnorm", rotary_emb_base=500000)
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "norm", "rotary_emb_base"):
+        assert getattr(args, name) == getattr(saved, name), name
+        assert args.source_of(name) == f"{checkpoint / 'global_step1'} (saved settings)"
+    assert args.source_of("train_iters").endswith("finetune.yml")  # the run's own settings stay the file's
+    plan = build_load_plan(args, inventory_checkpoint(checkpoint), 1)
+    assert "model settings taken from" in plan.describe() and "num_layers" in plan.describe()
+
+
+def test_a_given_shape_setting_wins_and_the_plan_refuses_the_difference(checkpoint, tmp_path):
+    args = settings_for_run(finetune_yml(tmp_path, load=str(checkpoint), hidden_size=16))
+    assert args.hidden_size == 16 and args.num_layers == 2
+    with pytest.raises(CheckpointError, match="hidden_size: saved 8, now 16"):
+        build_load_plan(args, inventory_checkpoint(checkpoint), 1)
+
+
+def test_without_load_the_shape_is_required_as_before(tmp_path):
+    with pytest.raises(ConfigError, match="num_layers: required"):
+        settings_for_run(finetune_yml(tmp_path, finetune=False))
+
+
+def test_a_checkpoint_without_settings_says_what_to_add(tmp_path):
+    root = tmp_path / "ckpt"
+    saved_checkpoint(root, make_args(stage=0), client_state={"args": None})
+    with pytest.raises(ConfigError, match="records no settings"):
+        settings_for_run(finetune_yml(tmp_path, load=str(root)))
+
+
+def test_the_model_of_a_hugging_face_folder_comes_from_its_config_json(tmp_path):
+    hf_dir = tiny_hf_model(tmp_path / "hf")
+    args = settings_for_run(finetune_yml(tmp_path, load=str(hf_dir)))
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.intermediate_size) == (2, 16, 2, 64)
+    assert args.make_vocab_size_divisible_by == 32 and args.source_of("num_layers") == str(hf_dir / "config.json")
+    args = settings_for_run(finetune_yml(tmp_path, load=str(hf_dir), num_layers=3))
+    args = args.with_values({"padded_vocab_size": 32}, "a tokenizer of at most 32 tokens")
+    with pytest.raises(CheckpointError, match="num_layers"):
+        build_load_plan(args, inventory_checkpoint(hf_dir), 1)
