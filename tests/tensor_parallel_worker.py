@@ -56,7 +56,8 @@ def set_tensor_parallel_size(size: int) -> None:
 
 
 def model_args(family: str, tp: int) -> NeoXArgs:
-    return NeoXArgs({**BASE, **FAMILIES[family], "model_parallel_size": tp})
+    # num_gpus: the worker's world (validation counts it against model_parallel_size)
+    return NeoXArgs.from_dict({**BASE, **FAMILIES[family], "model_parallel_size": tp, "num_gpus": dist.get_world_size()})
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,9 +29,8 @@ def write_dataset(prefix, documents, vocab_size=None):
 
 
 def args_for(padded_vocab_size, **data):
-    args = NeoXArgs.from_dict({**MODEL, "tokenizer_type": "HFTokenizer", "vocab_file": "tok.json", **data})
-    args.padded_vocab_size = padded_vocab_size
-    return args
+    return NeoXArgs.from_dict({**MODEL, "tokenizer_type": "HFTokenizer", "vocab_file": "tok.json",
+                               "padded_vocab_size": padded_vocab_size, **data})
 
 
 def test_builder_tracks_the_largest_id_and_the_record_holds_it(tmp_path):
@@ -79,13 +78,14 @@ def test_a_record_of_other_files_is_not_believed(tmp_path):
 
 def test_a_training_run_stops_at_setup_not_mid_run_with_an_index_error(single_rank_world, tmp_path):
     from megatron.tokenizer import train_bpe_tokenizer
+    from megatron.run_context import resolve_run_settings
     from megatron.training import setup
 
     vocab_file = train_bpe_tokenizer(["def f(x):\n    return x * x\n"] * 50, tmp_path / "tok.json", vocab_size=300)
     prefix = write_dataset(tmp_path / "other", [list(range(0, 1000, 7))] * 8)  # made with a larger vocabulary
-    args = NeoXArgs.from_dict({**MODEL, "train_iters": 2, "lr": 1e-3, "train_micro_batch_size_per_gpu": 1,
-                               "data_path": prefix, "tokenizer_type": "HFTokenizer", "vocab_file": str(vocab_file)},
-                              require_run_settings=True)
+    args = resolve_run_settings(NeoXArgs.from_dict(
+        {**MODEL, "train_iters": 2, "lr": 1e-3, "train_micro_batch_size_per_gpu": 1, "data_path": prefix,
+         "tokenizer_type": "HFTokenizer", "vocab_file": str(vocab_file)}, require_run_settings=True))
     with pytest.raises(DataError, match=rf"^data_path: dataset {prefix} holds token id 994, but the model has "
                                         r"\d+ vocabulary rows"):
         setup(args)
