@@ -77,8 +77,8 @@ def test_a_record_of_other_files_is_not_believed(tmp_path):
 
 
 def test_a_training_run_stops_at_setup_not_mid_run_with_an_index_error(single_rank_world, tmp_path):
-    from megatron.tokenizer import train_bpe_tokenizer
     from megatron.run_context import resolve_run_settings
+    from megatron.tokenizer import train_bpe_tokenizer
     from megatron.training import setup
 
     vocab_file = train_bpe_tokenizer(["def f(x):\n    return x * x\n"] * 50, tmp_path / "tok.json", vocab_size=300)
