@@ -26,7 +26,28 @@ OLD_MLP_NAMES = {"mlp.linear1.": "mlp.dense_h_to_4h.", "mlp.linear2.": "mlp.dens
 SAVED_ITERATION = 50
 
 
-def write_gpt_neox_pipeline_checkpoint(model: GPTModel, root: Path) -> Path:
+def old_mlp_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    renamed = {}
+    for name, tensor in state.items():
+        for new, old in OLD_MLP_NAMES.items():
+            name = name.replace(new, old)
+        renamed[name] = tensor
+    return renamed
+
+
+def old_llama_mlp_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPT-NeoX's first Llama MLP: silu(w1(x)) * w3(x) through w2, where linear1 now stacks up (w3) and gate (w1)."""
+    renamed = {}
+    for name, tensor in state.items():
+        if name == "mlp.linear1.weight":
+            up, gate = tensor.chunk(2)
+            renamed["mlp.w1.weight"], renamed["mlp.w3.weight"] = gate.clone(), up.clone()
+        else:
+            renamed[name.replace("mlp.linear2.", "mlp.w2.")] = tensor
+    return renamed
+
+
+def write_gpt_neox_pipeline_checkpoint(model: GPTModel, root: Path, rename=old_mlp_names) -> Path:
     """The layout GPT-NeoX's PipelineModule saves: one file per pipeline position that holds weights
     (0 embedding, 2.. transformer layers, num_layers + 3 final norm, num_layers + 4 untied output layer),
     keys relative to that layer, older MLP names, the rotary inv_freq buffer it kept in every layer, and
@@ -36,9 +57,8 @@ def write_gpt_neox_pipeline_checkpoint(model: GPTModel, root: Path) -> Path:
     layers: dict[int, dict[str, torch.Tensor]] = {}
     for name, tensor in model.state_dict().items():
         _, position, rest = name.split(".", 2)
-        for new, old in OLD_MLP_NAMES.items():
-            rest = rest.replace(new, old)
         layers.setdefault(int(position), {})[rest] = tensor.clone()
+    layers = {position: rename(state) for position, state in layers.items()}
     rotary_dims = model.arch.rotary_ndims
     inv_freq = 1.0 / (model.arch.rotary_emb_base ** (torch.arange(0, rotary_dims, 2).float() / rotary_dims))
     for position, state in layers.items():
@@ -151,3 +171,20 @@ def test_single_file_with_old_mlp_names_reads_as_this_models_names(tmp_path):
     assert legacy_names_in_model_states_file(tag_dir) == [
         "sequential.2.mlp.dense_h_to_4h.weight", "sequential.2.mlp.dense_4h_to_h.bias",
         "sequential.2.attention.rotary_emb.inv_freq"]
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_pipeline_layer_files_of_gpt_neox_first_llama_mlp_read_as_linear1_and_linear2(tmp_path):
+    args = NeoXArgs.from_dict({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 2,
+                               "seq_length": 16, "norm": "rmsnorm", "activation": "swiglu", "pos_emb": "rotary",
+                               "use_bias_in_norms": False, "use_bias_in_attn_linear": False, "use_bias_in_mlp": False,
+                               "no_weight_tying": True, "train_iters": 1, "embedded_corpus": True,
+                               "optimizer": {"type": "Adam", "params": {"lr": 0.001}},
+                               "train_micro_batch_size_per_gpu": 1, "padded_vocab_size": 128})
+    torch.manual_seed(0)
+    model = GPTModel(args)
+    tag_dir = write_gpt_neox_pipeline_checkpoint(model, tmp_path, rename=old_llama_mlp_names)
+    assert "mlp.w3.weight" in torch.load(tag_dir / layer_file_name(2, 0), weights_only=True)
+    read = read_module_weights(tag_dir)
+    assert list(read) and sorted(read) == sorted(model.state_dict())
+    assert all(torch.equal(read[name], tensor) for name, tensor in model.state_dict().items())

@@ -10,8 +10,9 @@ Sources, the first one present wins:
    plus names and shapes from ``zero_pp_rank_<DP>_mp_rank_<MP>_model_states.pt``.
 
 Whatever the source, the names come back as this model's: GPT-NeoX's older MLP names
-(``mlp.dense_h_to_4h`` / ``mlp.dense_4h_to_h``) as ``mlp.linear1`` / ``mlp.linear2``, and the rotary
-frequencies GPT-NeoX stored as a buffer dropped (computed from the settings here).
+(``mlp.dense_h_to_4h`` / ``mlp.dense_4h_to_h``; the Llama MLP's ``mlp.w1`` / ``w3`` / ``w2``) as
+``mlp.linear1`` / ``mlp.linear2``, and the rotary frequencies GPT-NeoX stored as a buffer dropped
+(computed from the settings here); see legacy_names.py.
 
 The ``latest`` file is never read, and no optimizer file is opened while a module source exists.
 Each file read is first checked against the tag's manifest, where the tag has one.
@@ -27,7 +28,7 @@ import torch
 
 from megatron.checkpointing import layout, manifest
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.legacy_names import is_legacy_buffer_key, translate_legacy_key
+from megatron.checkpointing.legacy_names import is_legacy_key, translate_legacy_module
 from megatron.checkpointing.zero3_partition import partition_numel
 
 
@@ -54,15 +55,14 @@ def load_checkpoint_file(path: Path) -> dict:
 def read_module_weights(tag_dir: str | Path, mp_rank: int = 0) -> dict[str, torch.Tensor]:
     """The module state dict stored in ``tag_dir`` (exactly that directory), keys as in this model's
     ``state_dict()`` (GPT-NeoX's older names translated)."""
-    return {translate_legacy_key(name): tensor for name, tensor in _stored_module_weights(tag_dir, mp_rank).items()
-            if not is_legacy_buffer_key(name)}
+    return translate_legacy_module(_stored_module_weights(tag_dir, mp_rank))
 
 
 def legacy_names_in_model_states_file(tag_dir: str | Path, mp_rank: int = 0) -> list[str]:
     """The keys of the tag's model-states file that read_module_weights renames or drops (GPT-NeoX's older
     names); DeepSpeed's own load, which a full resume uses, would look for them under those names."""
     module = _module_from_model_states_file(Path(tag_dir) / layout.model_states_name(mp_rank)) or {}
-    return [name for name in module if is_legacy_buffer_key(name) or translate_legacy_key(name) != name]
+    return [name for name in module if is_legacy_key(name)]
 
 
 def _stored_module_weights(tag_dir: str | Path, mp_rank: int) -> dict[str, torch.Tensor]:
