@@ -56,11 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         args = settings_for_run(gpt_neox_config_paths(command_line.configs, command_line.conf_dir))
         for notice in args.notices:
             print(notice, file=sys.stderr)
-        tokenizer_line = tokenizer_summary(args)
         if command_line.dry_run:
-            sys.stdout.write(render_dry_run(args, tokenizer_line))
+            sys.stdout.write(render_dry_run(args, tokenizer_summary(args)))
             return 0
-        args = resolve_run_settings(args)
+        args = resolve_run_settings(args)  # builds the tokenizer: a file it cannot read stops here
         if not Path(command_line.train_script).is_file():
             raise ConfigError(f"train script {command_line.train_script!r} not found")
         cpu_only = accelerator_is_cpu()

@@ -81,6 +81,10 @@ def test_dry_run_fails_on_a_tokenizer_that_cannot_be_loaded(tmp_path, tokenizer_
     assert result.stderr.strip().splitlines()[-1] == (
         f"deepy.py: config error: merge_file {str(tmp_path / 'merges.txt')!r} (for tokenizer_type GPT2BPETokenizer) "
         "does not exist or is not a file; set merge_file to GPT-2's merges.txt")
+    result = run_deepy(RANK_ECHO, str(config))  # a launch stops there too, before any rank starts
+    assert result.returncode == 2 and "RANK_ECHO" not in result.stdout and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("deepy.py: config error: ") and "merges.txt' (for tokenizer_type GPT2BPETokenizer)" in last
 
 
 @pytest.mark.parametrize("overlay", OVERLAY_CONFIGS, ids=lambda p: p.name)
