@@ -78,11 +78,6 @@ def learning_rate_at(
     return max(lr, min_lr)
 
 
-def learning_rate_for_args(args, step: int) -> float:
-    """The LR of optimizer step ``step`` under the run's settings."""
-    return Schedule.from_args(args).lr_at(step)
-
-
 def set_learning_rate(optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

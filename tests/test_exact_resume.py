@@ -12,7 +12,7 @@ pytestmark = pytest.mark.e2e
 
 TRAIN_ITERS = 12
 # lr_decay_iters fixed so both halves follow the same schedule; dropout on so RNG restoring matters.
-SCHEDULE = dict(lr_decay_iters=TRAIN_ITERS, warmup=3, eval_interval=100, hidden_dropout=0.1,
+SCHEDULE = dict(lr_decay_iters=TRAIN_ITERS, warmup=3 / TRAIN_ITERS, eval_interval=100, hidden_dropout=0.1,
                 keep_last_n_checkpoints=None)
 
 
