@@ -234,6 +234,11 @@ GPT_NEOX_ONLY_VALUES: dict[str, dict[Any, str]] = {
                     ("orthogonal", "scaled_orthogonal", "xavier_uniform", "xavier_normal",
                      "single_residual_scaled_normal")},
     "data_impl": {"cached": "the legacy cached indexed-dataset format (preprocess into mmap .bin/.idx files)"},
+    # Both fetch their vocabulary over the network while the run starts.
+    "tokenizer_type": {"HFGPT2Tokenizer": "HFGPT2Tokenizer, which downloads GPT-2's tokenizer from the Hugging "
+                                          "Face Hub (use GPT2BPETokenizer with GPT-2's vocab.json and merges.txt)",
+                       "TiktokenTokenizer": "TiktokenTokenizer, which downloads its encoding when first used "
+                                            "(use HFTokenizer or GPT2BPETokenizer with local files)"},
 }
 GPT_NEOX_ONLY_VALUES["output_layer_init_method"] = GPT_NEOX_ONLY_VALUES["init_method"]
 
