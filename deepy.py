@@ -8,6 +8,10 @@ key (a nested dict such as zero_optimization is replaced as a whole, as in GPT-N
 prints the resolved settings and the DeepSpeed config and starts nothing. Every rank receives
 the validated settings in one argv flag and reads them with
 megatron.neox_arguments.load_args_on_rank().
+
+The launcher runs in its own process group: a SIGTERM or SIGINT (Ctrl-C) to deepy.py is passed on to
+the ranks, which finish their step, save a checkpoint and exit 0; a second one stops them at once.
+No process of the run outlives deepy.py (megatron/supervision.py).
 """
 
 from __future__ import annotations
@@ -16,17 +20,18 @@ import argparse
 import contextlib
 import logging
 import os
-import subprocess
+import signal
 import sys
 from pathlib import Path
 
-from megatron.launcher import launch_command, launcher_environment
+from megatron.launcher import launch_command, launcher_environment, rendezvous_port
 from megatron.neox_arguments import ConfigError
 from megatron.neox_arguments.dry_run import render_dry_run, tokenizer_summary
 from megatron.neox_arguments.handover import HANDOVER_FLAG, handover_argv
-from megatron.neox_arguments.world import accelerator_is_cpu
+from megatron.neox_arguments.world import accelerator_is_cpu, check_precision_on_cpu
 from megatron.neox_arguments.yaml_files import gpt_neox_config_paths
 from megatron.run_context import resolve_run_settings, settings_for_run
+from megatron.supervision import Supervisor
 from megatron.tokenizer import TokenizerError
 
 
@@ -63,14 +68,21 @@ def main(argv: list[str] | None = None) -> int:
         if not Path(command_line.train_script).is_file():
             raise ConfigError(f"train script {command_line.train_script!r} not found")
         cpu_only = accelerator_is_cpu()
+        check_precision_on_cpu(args)
+        port = rendezvous_port(args)
+        if port != args.master_port:
+            args = args.with_values({"master_port": port}, source="deepy.py (a free port on this machine)")
         command = launch_command(args, command_line.train_script, handover_argv(args), cpu_only=cpu_only)
     except (ConfigError, TokenizerError) as err:
         print(f"deepy.py: config error: {err}", file=sys.stderr)
         return 2
     shown = [part if not part.startswith(HANDOVER_FLAG) else f"{HANDOVER_FLAG}=<settings>" for part in command]
     print("deepy.py: " + " ".join(shown), file=sys.stderr, flush=True)
-    return subprocess.call(command, env=launcher_environment(dict(os.environ), cpu_only=cpu_only))
+    return Supervisor(command, launcher_environment(dict(os.environ), cpu_only=cpu_only)).run()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C before the run started: nothing to stop, nothing to report
+        sys.exit(128 + signal.SIGINT)

@@ -1,12 +1,22 @@
 """Entry point of every rank, started by deepy.py through the DeepSpeed launcher."""
 
+import sys
 import warnings
+
+from megatron.stop_signals import StopSignals
+
+if __name__ == "__main__":
+    # first thing: a SIGTERM during the imports below must not kill the rank before it can save
+    stop_signals = StopSignals()
+    stop_signals.install()
 
 # megatron-core announces at import that NVIDIA's optional fused kernels are absent; we do not use them.
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 from megatron.neox_arguments import load_args_on_rank  # noqa: E402
+from megatron.rank_errors import run_rank  # noqa: E402
 from megatron.training import pretrain  # noqa: E402
 
 if __name__ == "__main__":
-    pretrain(load_args_on_rank())
+    sys.exit(run_rank(lambda: pretrain(load_args_on_rank(), stop_signals),
+                      stop_requested=lambda: stop_signals.received is not None))

@@ -14,10 +14,11 @@ import math
 import torch
 import torch.distributed as dist
 
+from megatron.errors import ExpectedError
 from megatron.initialize import current_device
 
 
-class DivergenceError(RuntimeError):
+class DivergenceError(ExpectedError, RuntimeError):
     """Training produced NaN or infinity; the run stops without saving that state."""
 
 

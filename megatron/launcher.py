@@ -5,12 +5,21 @@ Pure functions of the settings, so the exact command is testable without startin
 
 from __future__ import annotations
 
+import contextlib
+import io
+import socket
 import sys
 
-from megatron.neox_arguments import NeoXArgs
+from megatron.neox_arguments import ConfigError, NeoXArgs
+from megatron.neox_arguments.world import effective_hostfile
+
+# DeepSpeed's launcher logs the full rank command (our settings blob) with a failing rank's exit
+# code at level ERROR; the rank has already said what went wrong in one line.
+LAUNCHER_LOG_LEVEL = "critical"
 
 
-def runner_arguments(args: NeoXArgs, user_script: str, user_args: list[str], *, cpu_only: bool) -> list[str]:
+def runner_arguments(args: NeoXArgs, user_script: str, user_args: list[str], *, cpu_only: bool,
+                     runner_takes_log_level: bool = True) -> list[str]:
     """argv for `deepspeed` (deepspeed.launcher.runner) that starts exactly `args.global_num_gpus` ranks.
 
     With no num_gpus and no hostfile, a CPU-only machine runs one rank: DeepSpeed itself would
@@ -34,7 +43,9 @@ def runner_arguments(args: NeoXArgs, user_script: str, user_args: list[str], *, 
         flags += ["--master_addr", args.master_addr]
     if args.deepspeed_slurm or args.deepspeed_mpi:
         flags += ["--force_multi"]  # as GPT-NeoX's deepy: the multi-node runner (srun/mpirun) starts the ranks
-    flags += ["--launcher", args.launcher, "--log_level", "warning"]
+    flags += ["--launcher", args.launcher]
+    if runner_takes_log_level:
+        flags += ["--log_level", LAUNCHER_LOG_LEVEL]
     return [*flags, user_script, *user_args]
 
 
@@ -46,8 +57,53 @@ def launcher_environment(environ: dict[str, str], *, cpu_only: bool) -> dict[str
     return dict(environ)
 
 
+def runner_accepts_log_level() -> bool:
+    """Whether the installed DeepSpeed runner has --log_level (releases before 0.17 do not), asked of its parser."""
+    from deepspeed.launcher import runner
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            runner.parse_args(["--log_level", LAUNCHER_LOG_LEVEL, "train.py"])
+        except SystemExit:
+            return False
+    return True
+
+
 def launch_command(args: NeoXArgs, user_script: str, user_args: list[str], *, cpu_only: bool,
                    python: str = sys.executable) -> list[str]:
     """The full command line: DeepSpeed's launcher run by this Python (same environment as deepy)."""
     return [python, "-m", "deepspeed.launcher.runner",
-            *runner_arguments(args, user_script, user_args, cpu_only=cpu_only)]
+            *runner_arguments(args, user_script, user_args, cpu_only=cpu_only,
+                              runner_takes_log_level=runner_accepts_log_level())]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's rendezvous store binds
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def rendezvous_port(args: NeoXArgs) -> int:
+    """The master_port for this run. On a single node: a free port unless the user set one, and a
+    user's port must be free; on several nodes the setting as it is (the master is another machine)."""
+    single_node = effective_hostfile(args.hostfile) is None and not (args.deepspeed_slurm or args.deepspeed_mpi)
+    if not single_node:
+        return args.master_port
+    if not args.set_by_user("master_port"):
+        return free_port()
+    if not port_is_free(args.master_port):
+        raise ConfigError(
+            f"{args.source_of('master_port')}: master_port: port {args.master_port} is already in use on this "
+            "machine (another run?); choose another port, or remove master_port and a free one is picked"
+        )
+    return args.master_port

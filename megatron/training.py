@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from megatron.checkpointing.layout import tag_for_iteration
 from megatron.diagnostics import StepProfiler, parameter_norms
 from megatron.divergence import NonFiniteWatch, check_weights_finite
 from megatron.initialize import (
@@ -28,6 +30,7 @@ from megatron.logging import (
     tee_output_to,
 )
 from megatron.optimizers import build_param_groups
+from megatron.stop_signals import StopSignals, hold_before_save, signal_name
 
 
 @dataclass
@@ -161,12 +164,24 @@ def _should_save(args, iteration: int) -> bool:
         args.checkpoint_factor) and iteration % args.checkpoint_factor == 0
 
 
-def _save(args, engine, state: TrainState) -> None:
+def _save(args, engine, state: TrainState) -> Path:
     from megatron.checkpointing import save_checkpoint
 
     check_weights_finite(engine, state.iteration, args)
-    save_checkpoint(args, engine, state.iteration, state.consumed_train_samples, state.lr_schedule_start,
-                    lr_schedule=state.schedule.to_dict())
+    return save_checkpoint(args, engine, state.iteration, state.consumed_train_samples, state.lr_schedule_start,
+                           lr_schedule=state.schedule.to_dict())
+
+
+def _stop_after_signal(args, engine, state: TrainState, signum: int, saved_at: int | None) -> None:
+    """The graceful end of a run stopped by SIGTERM/SIGINT: a checkpoint of this step, one line."""
+    if not args.save:
+        outcome = "no checkpoint saved (`save` is not set)"
+    elif saved_at == state.iteration:
+        outcome = f"checkpoint saved to {Path(args.save) / tag_for_iteration(state.iteration)}"
+    else:
+        hold_before_save()
+        outcome = f"checkpoint saved to {_save(args, engine, state)}"
+    get_logger().info(f"stopped by {signal_name(signum)} at iteration {state.iteration}; {outcome}")
 
 
 def setup(args):
@@ -221,13 +236,14 @@ def setup(args):
     return engine, state, iterators
 
 
-def train(args, engine, state: TrainState, iterators) -> RunResult:
+def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals | None = None) -> RunResult:
     train_iterator, valid_iterator, test_iterator = iterators
     metrics = MetricsWriter(args)
     progress = ProgressReporter(args, first_iteration=state.iteration)
     watch = NonFiniteWatch(args)
     last_train_loss = last_valid_loss = None
     start_iteration = state.iteration
+    saved_at = None
     state.schedule = state.schedule or Schedule.from_args(args)
     profiler = StepProfiler(args, current_rank())
     norms: dict[str, float] = {}
@@ -267,6 +283,14 @@ def train(args, engine, state: TrainState, iterators) -> RunResult:
                              f"perplexity {_perplexity(last_valid_loss):.2f}")
         if _should_save(args, step) and step != args.train_iters:
             _save(args, engine, state)
+            saved_at = step
+        stop = stop_signals.agreed_stop(current_device()) if stop_signals is not None else None
+        if stop is not None:
+            progress.close()
+            profiler.close()
+            _stop_after_signal(args, engine, state, stop, saved_at)
+            metrics.close()
+            return RunResult(state.iteration, last_train_loss, last_valid_loss, None)
     progress.close()
     profiler.close()
     if args.save and state.iteration > start_iteration:
@@ -284,6 +308,10 @@ def _perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
 
 
-def pretrain(args) -> RunResult:
+def pretrain(args, stop_signals: StopSignals | None = None) -> RunResult:
+    """Set up and train; `stop_signals` (installed here when not given) ends the run after a step."""
+    if stop_signals is None:
+        stop_signals = StopSignals()
+        stop_signals.install()
     engine, state, iterators = setup(args)
-    return train(args, engine, state, iterators)
+    return train(args, engine, state, iterators, stop_signals)

@@ -226,8 +226,12 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
     if not inventory.exists or inventory.is_empty:
         if auto_resume:
             return LoadPlan(mode=LoadMode.FIRST_RUN, load_dir=root, notes=tuple(skipped))
-        where = f"{root} does not exist" if not inventory.exists else (
-            f"{root} holds no checkpoint (no global_step<N> folders, no `{layout.LATEST_FILE}` file)")
+        if root.is_file():
+            where = f"{root} is a file, not a checkpoint directory"
+        elif not inventory.exists:
+            where = f"{root} does not exist"
+        else:
+            where = f"{root} holds no checkpoint (no global_step<N> folders, no `{layout.LATEST_FILE}` file)"
         raise CheckpointError(
             f"`load: {args.load}` is set but {where}. Fix the path; unset `load` to train from scratch; "
             "or set `load` and `save` to the same directory to resume automatically when a checkpoint exists."

@@ -1,5 +1,7 @@
 """The one exception class of the data area."""
 
+from megatron.errors import ExpectedError
 
-class DataError(RuntimeError):
+
+class DataError(ExpectedError, RuntimeError):
     """A dataset cannot be read, written or sampled as asked; the message says what, where and what to do."""

@@ -159,6 +159,10 @@ class NeoXArgs:
             raise KeyError(f"{name!r} is not a setting")
         return self._sources.get(name, DEFAULT_SOURCE)
 
+    def set_by_user(self, name: str) -> bool:
+        """Whether a config file (not a default or a derivation) gave `name` its value."""
+        return self.source_of(name) not in (DEFAULT_SOURCE, DERIVED_SOURCE)
+
     @property
     def sources(self) -> dict[str, str]:
         return {name: self.source_of(name) for name in SETTINGS}

@@ -21,6 +21,8 @@ RUN_REQUIRED = ("train_iters",)
 # what GPT-NeoX trains with when neither optimizer.params.lr nor lr is given
 GPT_NEOX_DEFAULT_LR = 0.001
 OPTIMIZER_TYPES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
+# the data order is drawn from numpy.random.RandomState(seed), which takes 0 .. 2**32 - 1
+MAX_SEED = 2**32 - 1
 # the GPT-NeoX fp16 dict carries its own on-switch, which DeepSpeed's fp16 section does not know
 NEOX_ONLY_FP16_KEYS = ("fp16", "type")
 
@@ -105,6 +107,8 @@ def _check_ranges(v: dict[str, Any], sources: dict[str, str]) -> None:
         raise _fail(sources, "pipe_parallel_size", "pipeline parallelism is not supported; use 0 or 1")
     if v["eval_interval"] < 1 or v["eval_iters"] < 0:
         raise _fail(sources, "eval_interval", "eval_interval must be at least 1 and eval_iters not negative")
+    if not 0 <= v["seed"] <= MAX_SEED:
+        raise _fail(sources, "seed", f"must be between 0 and {MAX_SEED} (NumPy's seed range), got {v['seed']}")
 
 
 def _enabled(section: dict | None) -> bool:
@@ -352,6 +356,8 @@ def _check_data(v: dict[str, Any], sources: dict[str, str]) -> None:
         )
     if len(given) > 1:
         raise ConfigError(" and ".join(where(sources, name) for name in given) + ": set only one data source")
+    if v["data_path"] or v["embedded_corpus"]:
+        _check_split(v["split"], sources, v["train_iters"])
     for split in ("train", "valid", "test"):
         paths, weights = v[f"{split}_data_paths"], v[f"{split}_data_weights"]
         if weights is not None and (paths is None or len(weights) != len(paths)):
@@ -362,3 +368,16 @@ def _check_data(v: dict[str, Any], sources: dict[str, str]) -> None:
             if not v[name]:
                 default = "" if "tokenizer_type" in sources else " (GPT-NeoX's default tokenizer_type)"
                 raise _fail(sources, name, f"tokenizer_type {kind}{default} needs {name} ({what})")
+
+
+def _check_split(split: str, sources: dict[str, str], train_iters: int | None) -> None:
+    from megatron.data.builders import parse_split
+    from megatron.data.errors import DataError
+
+    try:
+        train_share = parse_split(split)[0]
+    except DataError as err:
+        raise _fail(sources, "split", str(err)) from None
+    if train_share == 0 and train_iters:
+        raise _fail(sources, "split", f"{split!r} gives the training split no documents; give it a share "
+                    "(the first number), e.g. '969, 30, 1'")

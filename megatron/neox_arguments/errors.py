@@ -1,7 +1,9 @@
 """The settings area's one exception class."""
 
+from megatron.errors import ExpectedError
 
-class ConfigError(Exception):
+
+class ConfigError(ExpectedError):
     """A setting is wrong: the message names the file, the key, what is wrong and what to do."""
 
 

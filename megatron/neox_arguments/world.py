@@ -21,6 +21,20 @@ def accelerator_is_cpu() -> bool:
     return get_accelerator().device_name() == "cpu"
 
 
+def check_precision_on_cpu(args) -> None:
+    """DeepSpeed's CPU accelerator refuses fp16 inside every rank; say so before any rank starts."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if args.precision != "fp16" or accelerator.device_name() != "cpu" or accelerator.is_fp16_supported():
+        return
+    set_by = [f"{args.source_of(name)}: {name}" for name in ("precision", "fp16") if args.set_by_user(name)]
+    raise ConfigError(
+        f"{' and '.join(set_by) or 'precision'}: fp16 is not supported by DeepSpeed on a CPU (this machine has "
+        "no GPU); use bf16 or fp32 here, fp16 on a GPU machine"
+    )
+
+
 def default_local_ranks() -> int:
     """Ranks on this machine when num_gpus is unset: every visible GPU, or 1 CPU rank."""
     from deepspeed.accelerator import get_accelerator

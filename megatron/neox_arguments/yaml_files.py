@@ -52,10 +52,33 @@ def gpt_neox_config_paths(names: list[str], conf_dir: str | None = None) -> list
     return [path if path.endswith((".yml", ".json")) else path + ".yml" for path in paths]
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, line: int):
+        super().__init__(f"key {key!r} is set twice (the second time on line {line}); keep one")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML keeps the last of two equal keys in a mapping without a word; here it is an error."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may override what it merges
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, str | int | float | bool) or key is None:
+                if key in seen:
+                    raise _DuplicateKey(key, key_node.start_mark.line + 1)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def parse_config_text(text: str, source: str) -> dict[str, Any]:
     """Top-level keys normalised to underscores; the same key written twice is an error."""
     try:
-        loaded = yaml.safe_load(text)
+        loaded = yaml.load(text, Loader=_UniqueKeyLoader)
+    except _DuplicateKey as err:
+        raise ConfigError(f"{source}: {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{source}: not valid YAML: {err}") from None
     if loaded is None:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the engine-path checkpoint tests against stock DeepSpeed releases, one virtualenv per release.
+# Run the engine-path checkpoint tests and a real launch through deepy.py against stock DeepSpeed
+# releases, one virtualenv per release.
 #
 #   tools/compat/check_deepspeed_releases.sh [--one-rank] [VERSION ...]
 #
@@ -7,8 +8,11 @@
 # $TORCH_VERSION, that DeepSpeed release, megatron-core $MEGATRON_CORE_VERSION and the test
 # dependencies; DeepSpeed's compiled ops go to <venv>/ext, not to the shared torch-extensions cache.
 # Then tests/test_ckpt_engine.py, tests/test_ckpt_engine_gpt.py and (unless --one-rank)
-# tests/test_ckpt_engine_distributed.py (2 CPU ranks) run in it, and one verdict line per release is
-# printed. Logs: <venv>/check-<test file>.log. Exit status: 0 when every release passed.
+# tests/test_ckpt_engine_distributed.py (2 CPU ranks) run in it, then three runs of
+# `python deepy.py train.py configs/tiny.yml ...` as a user starts them (2 CPU ranks, or 1 with
+# --one-rank): a short run that saves, a resume of it, and a fine-tune from it; each must exit 0 and
+# leave the expected `latest`. One verdict line per release is printed. Logs: <venv>/check-*.log.
+# Exit status: 0 when every release passed.
 #
 # Without VERSION it checks the releases the README claims (the oldest, newest and one per minor
 # line in between); a green run means the claim still holds. Known failures with torch 2.13 on CPU:
@@ -31,11 +35,12 @@ MEGATRON_CORE_VERSION=${MEGATRON_CORE_VERSION:-0.16.1}
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 
 test_files=(tests/test_ckpt_engine.py tests/test_ckpt_engine_gpt.py tests/test_ckpt_engine_distributed.py)
+launch_ranks=2
 versions=()
 for arg in "$@"; do
     case "$arg" in
-        --one-rank) test_files=(tests/test_ckpt_engine.py tests/test_ckpt_engine_gpt.py) ;;
-        -h|--help) sed -n '2,23p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        --one-rank) test_files=(tests/test_ckpt_engine.py tests/test_ckpt_engine_gpt.py); launch_ranks=1 ;;
+        -h|--help) sed -n '2,27p' "${BASH_SOURCE[0]}"; exit 0 ;;
         -*) echo "unknown option $arg (see --help)" >&2; exit 2 ;;
         *) versions+=("$arg") ;;
     esac
@@ -59,6 +64,30 @@ summary_of() {
     local line
     line=$(grep -E '^(=+ )?([0-9]+ [a-z]+(, )?)+.* in [0-9.]+s|no tests ran' "$1" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
     echo "${line:-no summary}"
+}
+
+# One deepy.py run in the release's venv; fails unless it exits 0 and `latest` in $3 names tag $4.
+deepy_run() {
+    local venv=$1 config=$2 save=$3 tag=$4 log=$5
+    (cd "$REPO_ROOT" && TORCH_EXTENSIONS_DIR="$venv/ext" PYTHONPATH="$REPO_ROOT" \
+        "$venv/bin/python" deepy.py train.py configs/tiny.yml "$config") >>"$log" 2>&1 &&
+        [ "$(cat "$save/latest" 2>/dev/null)" = "$tag" ]
+}
+
+# Start (4 steps, saved), resume (to step 6, same directory), fine-tune (2 steps from step 4's weights).
+launch_check() {
+    local venv=$1 log=$2 work=$1/launch-check
+    rm -rf "$work" && mkdir -p "$work"
+    local common="log_interval: 1, eval_interval: 100, eval_iters: 1, train_micro_batch_size_per_gpu: 2, num_gpus: $launch_ranks"
+    echo "{$common, train_iters: 4, save: $work/run, load: $work/run}" >"$work/start.yml"
+    echo "{$common, train_iters: 6, save: $work/run, load: $work/run}" >"$work/resume.yml"
+    echo "{$common, train_iters: 2, load: $work/run, iteration: 4, finetune: true, save: $work/finetuned}" >"$work/finetune.yml"
+    : >"$log"
+    deepy_run "$venv" "$work/start.yml" "$work/run" global_step4 "$log" || { echo "start failed"; return 1; }
+    deepy_run "$venv" "$work/resume.yml" "$work/run" global_step6 "$log" || { echo "resume failed"; return 1; }
+    grep -qE "iteration +5/6" "$log" || { echo "resume did not continue at iteration 5"; return 1; }
+    deepy_run "$venv" "$work/finetune.yml" "$work/finetuned" global_step2 "$log" || { echo "fine-tune failed"; return 1; }
+    echo "start, resume, fine-tune passed"
 }
 
 verdicts=()
@@ -90,6 +119,11 @@ for version in "${versions[@]}"; do
         [ $status -ne 0 ] && release_passed=0
         results+=("$(basename "$test_file" .py): $(summary_of "$log")")
     done
+    launch_log="$venv/check-launch.log"
+    if ! launch_result=$(launch_check "$venv" "$launch_log"); then
+        release_passed=0
+    fi
+    results+=("deepy.py launch with $launch_ranks rank(s): $launch_result")
     verdict="PASS"
     if [ $release_passed -eq 0 ]; then
         verdict="FAIL"
@@ -100,6 +134,6 @@ for version in "${versions[@]}"; do
     echo "${verdicts[-1]}" >&2
 done
 
-echo "DeepSpeed releases against the engine-path tests (torch $TORCH_VERSION):"
+echo "DeepSpeed releases against the engine-path tests and a deepy.py launch (torch $TORCH_VERSION):"
 printf '  %s\n' "${verdicts[@]}"
 [ $all_passed -eq 1 ]

@@ -1,0 +1,119 @@
+"""Mistakes a user makes, run through deepy.py as the user would: each gives one line saying what is
+wrong and where, no traceback, and never DeepSpeed's launcher line with the settings blob."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from megatron.checkpointing import CheckpointError
+from megatron.data.errors import DataError
+from megatron.hf.errors import HFConversionError
+from megatron.launcher import port_is_free, rendezvous_port
+from megatron.model.errors import ModelConfigError
+from megatron.neox_arguments import ConfigError
+from megatron.rank_errors import EXIT_EXPECTED_ERROR, expected_error_line, run_rank
+from megatron.tokenizer.errors import TokenizerError
+from tests.e2e import run_deepy, write_overrides
+from tests.test_launcher import launch_args
+
+pytestmark = pytest.mark.e2e
+
+
+def error_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if "error" in line.lower() and "WARNING" not in line]
+
+
+def assert_one_line(result, *fragments: str) -> str:
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output and "--neox_args=eNq" not in output, output[-4000:]
+    lines = error_lines(output)
+    assert len(lines) == 1, output[-4000:]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("settings", "fragments"),
+    [
+        ({"split": "0, 50, 50"}, ["overrides.yml: split", "training split no documents"]),
+        ({"split": "90, ten"}, ["overrides.yml: split", "comma-separated numbers"]),
+        ({"seed": -1}, ["overrides.yml: seed", "must be between 0 and"]),
+        ({"precision": "fp16"}, ["overrides.yml: precision", "fp16 is not supported by DeepSpeed on a CPU"]),
+    ],
+)
+def test_settings_mistakes_are_one_line_before_anything_starts(tmp_path, settings, fragments):
+    result = run_deepy(["configs/tiny.yml", write_overrides(tmp_path, **settings)], expect_success=False)
+    assert result.returncode == 2
+    assert_one_line(result, "deepy.py: config error", *fragments)
+
+
+def test_a_key_written_twice_in_one_file_is_an_error_naming_file_and_key(tmp_path):
+    config = write_overrides(tmp_path, train_iters=10)
+    config.write_text(config.read_text() + "train_iters: 20\n")
+    result = run_deepy(["configs/tiny.yml", config], expect_success=False)
+    assert_one_line(result, f"{config}: key 'train_iters' is set twice")
+
+
+def test_a_master_port_in_use_is_an_error_naming_the_port(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_deepy(["configs/tiny.yml", write_overrides(tmp_path, master_port=port)], expect_success=False)
+    assert_one_line(result, "master_port", f"port {port} is already in use")
+
+
+def test_without_master_port_a_single_node_run_gets_a_free_port_not_29500():
+    args = launch_args()
+    assert not args.set_by_user("master_port") and args.master_port == 29500
+    with socket.socket() as taken:  # another run holding GPT-NeoX's default port
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            taken.bind(("", 29500))
+            taken.listen()
+        except OSError:
+            pass  # held by someone else already: the same situation
+        port = rendezvous_port(args)
+        assert port != 29500 and port_is_free(port)
+
+
+def test_a_user_master_port_is_kept_when_free():
+    port = rendezvous_port(launch_args(master_port=29611))
+    assert port == 29611 or not port_is_free(29611)
+
+
+@pytest.mark.distributed
+def test_a_load_that_is_a_file_is_one_line_from_rank_zero_of_two(tmp_path):
+    not_a_directory = tmp_path / "model.pt"
+    not_a_directory.write_bytes(b"weights?")
+    config = write_overrides(tmp_path, load=str(not_a_directory), num_gpus=2, train_iters=5)
+    result = run_deepy(["configs/tiny.yml", config], expect_success=False)
+    assert result.returncode == EXIT_EXPECTED_ERROR
+    line = assert_one_line(result, f"{not_a_directory} is a file, not a checkpoint directory")
+    assert line.startswith("error: ")
+
+
+def test_out_of_memory_is_one_line_with_a_hint(capsys):
+    assert run_rank(lambda: torch.empty(2**60, dtype=torch.uint8)) == EXIT_EXPECTED_ERROR
+    line, = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: out of memory") and "train_micro_batch_size_per_gpu" in line
+
+
+def test_a_bug_keeps_its_traceback():
+    def buggy():
+        return {}["missing"]
+
+    assert expected_error_line(KeyError("missing")) is None
+    with pytest.raises(KeyError):
+        run_rank(buggy)
+
+
+@pytest.mark.parametrize(
+    "error_class", [ConfigError, CheckpointError, DataError, ModelConfigError, TokenizerError, HFConversionError])
+def test_every_area_error_is_reported_as_one_line(error_class):
+    assert expected_error_line(error_class("what is wrong\nwhat to do")) == "what is wrong what to do"
