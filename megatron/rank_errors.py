@@ -5,8 +5,9 @@ cause: out of memory, the rendezvous port taken, a peer rank gone. Anything else
 keeps its traceback.
 
 Rank 0 speaks at once. The other ranks usually fail the same way and are stopped by DeepSpeed's
-launcher within a second or two of rank 0's exit, so they wait a little before speaking: only an
-error rank 0 did not have (a shard only another rank reads) reaches the user from them.
+launcher within a second or two of rank 0's exit, so they stay quiet for a while first (ranks can
+reach the same point many seconds apart on a busy machine): only an error rank 0 did not have (a
+shard only another rank reads) reaches the user from them, late.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from megatron.errors import ExpectedError
 EXIT_EXPECTED_ERROR = 1
 # How long a rank other than 0 stays quiet before reporting its error (DeepSpeed's launcher polls
 # its ranks once a second and stops the others when one exits with an error).
-OTHER_RANKS_QUIET_SECONDS = 5.0
+OTHER_RANKS_QUIET_SECONDS = 30.0
 
 _OUT_OF_MEMORY_HINT = ("lower train_micro_batch_size_per_gpu (raise gradient_accumulation_steps to keep the batch), "
                        "use a higher ZeRO stage, a shorter seq_length, or more ranks")

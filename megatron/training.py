@@ -160,8 +160,8 @@ def _grad_norm(engine) -> float | None:
 def _should_save(args, iteration: int) -> bool:
     if not args.save:
         return False
-    return iteration in (args.extra_save_iters or ()) or bool(
-        args.checkpoint_factor) and iteration % args.checkpoint_factor == 0
+    every_factor = bool(args.checkpoint_factor) and iteration > 0 and iteration % args.checkpoint_factor == 0
+    return every_factor or iteration in (args.extra_save_iters or ())
 
 
 def _save(args, engine, state: TrainState) -> Path:

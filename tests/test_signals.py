@@ -93,10 +93,13 @@ class DeepyRun:
         assert processes_with_marker(self.marker) == [], "processes of the run outlived deepy.py"
 
 
+# Long enough never to end before the signal; the resume keeps the LR schedule (lr_decay_iters).
+RUN_SETTINGS = dict(train_iters=2000, lr_decay_iters=2000, checkpoint_factor=1000, eval_interval=1000,
+                    train_micro_batch_size_per_gpu=2)
+
+
 def stop_config(tmp_path: Path, save: Path, **settings) -> Path:
-    return write_overrides(tmp_path, name="stop.yml", save=str(save), load=str(save), train_iters=2000,
-                           checkpoint_factor=1000, eval_interval=1000, train_micro_batch_size_per_gpu=2,
-                           **settings)
+    return write_overrides(tmp_path, name="stop.yml", save=str(save), load=str(save), **{**RUN_SETTINGS, **settings})
 
 
 def assert_graceful_stop(run: DeepyRun, save: Path, signum: int, ranks: int) -> int:
@@ -117,8 +120,7 @@ def assert_graceful_stop(run: DeepyRun, save: Path, signum: int, ranks: int) -> 
 
 def assert_resumes_from(tmp_path: Path, save: Path, iteration: int) -> None:
     config = write_overrides(tmp_path, name="resume.yml", save=str(save), load=str(save),
-                             train_iters=iteration + 2, checkpoint_factor=1000, eval_interval=1000,
-                             train_micro_batch_size_per_gpu=2)
+                             **{**RUN_SETTINGS, "train_iters": iteration + 2})
     run = DeepyRun(["configs/tiny.yml", config])
     assert run.finish() == 0, run.output[-6000:]
     assert train_lines(run.output)[0].iteration == iteration + 1
