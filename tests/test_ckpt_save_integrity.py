@@ -165,7 +165,7 @@ def test_save_dir_checks_before_the_first_step(tmp_path):
     a_file.write_text("x")
     with pytest.raises(CheckpointError, match=r"`save: .*file` is a file, not a directory"):
         commit.check_save_dir(a_file)
-    with pytest.raises(CheckpointError, match=r"cannot be written"):
+    with pytest.raises(CheckpointError, match=r"cannot be created \(Not a directory\)"):
         commit.check_save_dir(a_file / "below")
     commit.check_save_dir(tmp_path / "new" / "dir")
     assert (tmp_path / "new" / "dir").is_dir() and not list((tmp_path / "new" / "dir").iterdir())

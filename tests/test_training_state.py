@@ -74,3 +74,14 @@ def test_use_checkpoint_lr_scheduler_takes_the_checkpoints_schedule():
 def test_an_unchanged_schedule_or_one_never_recorded_resumes_without_a_flag():
     assert _resume(_run_settings(lr=0.002)).schedule.peak_lr == 0.002
     assert _resume(_run_settings(), saved=None).schedule.peak_lr == 0.001
+
+
+def test_periodic_saves_start_after_the_first_step_and_extra_save_iters_may_ask_for_iteration_0():
+    from types import SimpleNamespace
+
+    from megatron.training import _should_save
+
+    periodic = SimpleNamespace(save="ckpt", checkpoint_factor=2, extra_save_iters=None)
+    assert [step for step in range(5) if _should_save(periodic, step)] == [2, 4]
+    extra = SimpleNamespace(save="ckpt", checkpoint_factor=2, extra_save_iters=[0, 3])
+    assert [step for step in range(5) if _should_save(extra, step)] == [0, 2, 3, 4]

@@ -238,7 +238,9 @@ def load_checkpoint(args, engine, plan: LoadPlan) -> LoadOutcome | None:
         if plan.load_optimizer:  # the module-only path checks the files it reads itself
             _verify_files(plan)
         if layout.same_directory(plan.load_dir, args.save):
-            _lineages[Path(plan.load_dir).resolve()] = _Lineage(plan.tag, plan.saved_iteration)
+            # a fine-tune counts from 0 again: the tags before the one it loaded are not its history
+            ancestors_up_to = plan.saved_iteration if plan.iteration_from_checkpoint else None
+            _lineages[Path(plan.load_dir).resolve()] = _Lineage(plan.tag, ancestors_up_to)
     module_report = None
     if plan.load_optimizer:
         _check_names_for_resume(plan, engine, args)

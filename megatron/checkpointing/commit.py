@@ -60,13 +60,9 @@ def check_save_dir(save_dir: str | Path, rank: int = 0) -> None:
         raise CheckpointError(f"{where} is a file, not a directory; point `save` at a directory.")
     try:
         save_dir.mkdir(parents=True, exist_ok=True)
-        probe = save_dir / f"{_PROBE_PREFIX}.{os.getpid()}.{rank}"
-        probe.write_bytes(b"0")
-        probe.unlink()
     except OSError as err:
         raise CheckpointError(
-            f"{where} cannot be written ({err.strerror or err}); fix its permissions or point `save` at a "
-            "writable directory."
+            f"{where} cannot be created ({err.strerror or err}); fix the path or its permissions."
         ) from err
     newest = newest_tag_size(save_dir)
     if newest is not None:
@@ -77,6 +73,15 @@ def check_save_dir(save_dir: str | Path, rank: int = 0) -> None:
                 f"{where} has {_size(free)} free, but one more checkpoint needs about {_size(need)} (the size of "
                 f"{tag}); free space there or point `save` at a directory with room."
             )
+    try:
+        probe = save_dir / f"{_PROBE_PREFIX}.{os.getpid()}.{rank}"
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as err:
+        raise CheckpointError(
+            f"{where} cannot be written ({err.strerror or err}); fix its permissions, free space there, or point "
+            "`save` at a writable directory."
+        ) from err
 
 
 def start_tag(save_dir: Path, tag: str) -> Path:

@@ -15,6 +15,7 @@ from megatron.checkpointing import layout
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.module_weights import read_client_state, read_module_weights
+from megatron.fsio import write_atomically
 from megatron.hf.config import (
     FAMILIES,
     architecture_of,
@@ -85,9 +86,7 @@ def convert_hf_to_neox(
         "ds_version": deepspeed.__version__,
         **client_state.to_dict(),
     }
-    partial = tag_dir / (layout.model_states_name(0) + ".partial")
-    torch.save(state, partial)
-    partial.replace(tag_dir / layout.model_states_name(0))
+    write_atomically(tag_dir / layout.model_states_name(0), lambda path: torch.save(state, path))
     layout.write_latest(out_dir, CONVERTED_TAG)
     if config_out is not None:
         config_out = Path(config_out)

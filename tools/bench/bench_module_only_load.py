@@ -14,7 +14,9 @@ order every repeat, measures on every rank at once:
   ``verify_master_weights`` included);
 * raw (ZeRO 0-2): ``torch.load(model file, mmap=True)`` + ``module.load_state_dict``: the floor any
   load has to pay, though it leaves the optimizer's master weights stale;
-* ``verify_master_weights(engine)`` alone, against one training step (forward + backward + step).
+* ``verify_master_weights(engine)`` alone, against one training step (forward + backward + step);
+* the manifest check alone (SHA-256 of the model-states file against the tag's manifest.json), which
+  ``read_module_weights`` runs before reading, so it is part of "ours".
 
 A training step runs before every load so each load has changed weights to overwrite; after the
 first loads of each kind the engine's weights are checked against the checkpoint. Prints medians
@@ -42,7 +44,7 @@ from bench_world import free_port, init_world  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from procmem import PeakSampler, measure_memory, median, ratio_line, return_freed_memory_to_os, table  # noqa: E402
 
-from megatron.checkpointing import layout  # noqa: E402
+from megatron.checkpointing import layout, manifest  # noqa: E402
 from megatron.checkpointing.engine_save import save_engine_checkpoint  # noqa: E402
 from megatron.checkpointing.master_weights import verify_master_weights  # noqa: E402
 from megatron.checkpointing.module_load import load_module_only  # noqa: E402
@@ -133,6 +135,8 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
     tag_dir = save_engine_checkpoint(engine, save_dir, TAG, {"iteration": 1})
     if dist.get_rank() == 0:  # DeepSpeed's own ZeRO-3 module-only load reads `latest`
         layout.write_latest(save_dir, TAG)
+        manifest.write_manifest(tag_dir, {name: manifest.record_file(tag_dir / name)
+                                          for name in manifest.tag_file_names(tag_dir)})
     dist.barrier()
     checkpoint = {k: v.clone() for k, v in read_module_weights(tag_dir).items()}
 
@@ -153,7 +157,8 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
     if options.zero_stage < 3:  # a ZeRO-3 module holds partitions; load_state_dict cannot fill them
         loads.append(("raw", raw))
     samples: dict[str, list[dict]] = {name: [] for name, _ in loads}
-    samples.update(verify=[], train_step=[])
+    samples.update(verify=[], checksum=[], train_step=[])
+    module_file = tag_dir / layout.model_states_name(0)
     for repeat in range(options.repeats):
         for name, load in loads if repeat % 2 == 0 else loads[::-1]:
             samples["train_step"].append(measured(lambda: train_step(engine, tokens)))
@@ -165,6 +170,7 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
                 check_loaded(engine, checkpoint, name)
             if name == "ours":
                 samples["verify"].append(measured(lambda: verify_master_weights(engine)))
+                samples["checksum"].append(measured(lambda: manifest.verify_files(tag_dir, [module_file])))
     files_mib = sum(p.stat().st_size for p in tag_dir.iterdir() if p.is_file()) / 2**20
     medians = {name: {key: median([s[key] for s in runs]) for key in MEASURES} for name, runs in samples.items()}
     return {"parameters": n_params, "checkpoint_mib": files_mib, "medians": medians,
@@ -227,6 +233,10 @@ def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[f
     ratio("verify/train_step wall", slowest("verify", "wall"), slowest("train_step", "wall"),
           "verify_master_weights against one forward+backward+step")
     ratio("verify/ours wall", slowest("verify", "wall"), slowest("ours", "wall"), "share of our load spent verifying")
+    ratio("checksum/ours wall", slowest("checksum", "wall"), slowest("ours", "wall"),
+          "share of our load spent on the manifest check of the module file")
+    ratio("checksum/baseline wall", slowest("checksum", "wall"), slowest("baseline", "wall"),
+          "manifest check against DeepSpeed's whole module-only load")
     if "raw" in names:
         ratio("ours/raw wall", slowest("ours", "wall"), slowest("raw", "wall"),
               "against torch.load(mmap) + load_state_dict, which leaves the master stale")

@@ -1,0 +1,127 @@
+"""End to end: training processes killed inside a save, and a disk that fills, then the same command again.
+
+The kill is a real SIGKILL of the training process at a chosen moment of the save (the test-only
+NEOX_TEST_SIGKILL_DURING_SAVE hook picks the moment); the full disk is a real, small tmpfs mounted in
+a private mount namespace.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from megatron.checkpointing.commit import KILL_DURING_SAVE_ENV
+from tests.e2e import REPO_ROOT, run_deepy, train_lines, write_overrides
+
+pytestmark = pytest.mark.e2e
+
+QUICK = dict(eval_interval=1000, eval_iters=1, checkpoint_factor=2)
+
+
+def killed_run(configs, moment: str):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", KILL_DURING_SAVE_ENV: moment}
+    result = subprocess.run([sys.executable, "deepy.py", "train.py", *map(str, configs)], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode != 0, f"the run was not killed:\n{result.stdout[-3000:]}"
+    return result
+
+
+def losses(output: str) -> dict[int, float]:
+    return {line.iteration: line.loss for line in train_lines(output)}
+
+
+def directories(path) -> list[str]:
+    return sorted(p.name for p in path.iterdir() if p.is_dir())
+
+
+def test_kill_during_the_first_save_then_the_same_command_starts_from_scratch(tmp_path):
+    save = tmp_path / "ckpt"
+    overrides = write_overrides(tmp_path, save=str(save), load=str(save), train_iters=4, **QUICK)
+    killed = killed_run(["configs/tiny.yml", overrides], "files_written@2")
+    assert directories(save) == ["global_step2.partial"] and not (save / "latest").exists()
+
+    again = run_deepy(["configs/tiny.yml", overrides])
+    assert "skipped global_step2.partial" in again.stdout
+    resumed = losses(again.stdout)
+    assert min(resumed) == 1  # from scratch: nothing complete was there
+    before = losses(killed.stdout)
+    assert {step: resumed[step] for step in before} == before  # same seed, same data: the same curve
+    assert directories(save) == ["global_step2", "global_step4"]
+    assert (save / "latest").read_text() == "global_step4"
+
+
+@pytest.mark.distributed
+def test_kill_between_rename_and_latest_resumes_from_latest_and_continues_the_loss_curve(tmp_path):
+    save = tmp_path / "ckpt"
+    overrides = write_overrides(tmp_path, save=str(save), load=str(save), train_iters=6, num_gpus=2, **QUICK)
+    killed = killed_run(["configs/tiny.yml", overrides], "renamed@4")
+    # global_step4 is complete on disk, but `latest` had not moved yet
+    assert directories(save) == ["global_step2", "global_step4"]
+    assert (save / "latest").read_text() == "global_step2"
+
+    again = run_deepy(["configs/tiny.yml", overrides])
+    resumed = losses(again.stdout)
+    assert min(resumed) == 3
+    before = losses(killed.stdout)
+    assert set(before) == {1, 2, 3, 4}
+    assert resumed[3] == before[3] and resumed[4] == before[4]
+    assert directories(save) == ["global_step2", "global_step4", "global_step6"]
+    assert (save / "latest").read_text() == "global_step6"
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    """In a private mount namespace: a first save on a 12 MiB tmpfs fails while writing; on a larger one
+    global_step2 is saved; then, during the resumed run, another process fills the disk before its save."""
+    save = tmp_path / "small_disk"
+    save.mkdir()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    # one LR schedule (lr_decay_iters) for both lengths, so the longer run may resume the shorter one
+    first = write_overrides(tmp_path, name="first.yml", save=str(save), load=str(save), train_iters=2,
+                            lr_decay_iters=12, **QUICK)
+    longer = write_overrides(tmp_path, name="longer.yml", save=str(save), load=str(save), train_iters=12,
+                             lr_decay_iters=12, checkpoint_factor=100, eval_interval=1000, eval_iters=1)
+    deepy = f"{shlex.quote(sys.executable)} deepy.py train.py configs/tiny.yml"
+    verify = (f"{shlex.quote(sys.executable)} -c \"from megatron.checkpointing import manifest; "
+              f"from pathlib import Path; t = Path('{save}/global_step2'); "
+              f"manifest.verify_files(t, [t / n for n in manifest.tag_file_names(t)]); print('INTACT')\"")
+    script = f"""
+set -u
+mount -t tmpfs -o size=12m tmpfs {save} || exit 77
+{deepy} {first} > {logs}/tiny_disk.log 2>&1; echo "exit $?" >> {logs}/tiny_disk.log
+ls -a {save} > {logs}/after_tiny_disk.txt
+mount -o remount,size=100m {save}
+{deepy} {first} > {logs}/first.log 2>&1 || exit 1
+{deepy} {longer} > {logs}/filled.log 2>&1 &
+until grep -q "iteration *3/" {logs}/filled.log; do sleep 0.2; kill -0 $! 2>/dev/null || break; done
+dd if=/dev/zero of={save}/filler bs=1M count=200 2>/dev/null
+wait $!; echo "exit $?" >> {logs}/filled.log
+rm {save}/filler
+cat {save}/latest > {logs}/latest.txt; ls -a {save} > {logs}/after_filled.txt
+{verify} > {logs}/verify.txt 2>&1
+"""
+    try:
+        result = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", script],
+                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    except FileNotFoundError:
+        pytest.skip("unshare is not installed")
+    if result.returncode == 77 or "unshare:" in result.stderr:
+        pytest.skip(f"cannot mount a small filesystem here: {result.stderr.strip()}")
+    assert result.returncode == 0, result.stderr + (logs / "first.log").read_text()[-3000:]
+
+    tiny = (logs / "tiny_disk.log").read_text()
+    assert f"no space left in {save} while saving global_step2: it needs more than" in tiny
+    assert "no earlier checkpoint was there" in tiny and "exit 0" not in tiny
+    assert (logs / "after_tiny_disk.txt").read_text().split() == [".", ".."]  # the partial tag was removed
+
+    filled = (logs / "filled.log").read_text()
+    assert f"`save: {save}` has" in filled and "needs about" in filled and "(the size of global_step2)" in filled, \
+        filled[-3000:]
+    assert "exit 0" not in filled
+    assert (logs / "latest.txt").read_text() == "global_step2"
+    assert "global_step12.partial" not in (logs / "after_filled.txt").read_text()
+    assert "INTACT" in (logs / "verify.txt").read_text()
