@@ -23,7 +23,7 @@ from megatron.checkpointing import (
     plan_load,
     save_checkpoint,
 )
-from tests.ckpt_engines import build_engine, make_args, train_step
+from tests.ckpt_engines import build_engine, make_args, tiny_batch, train_step
 from tests.e2e import REPO_ROOT
 
 CONFIGS = {"tiny.yml": "num_layers: 2\n"}
@@ -37,7 +37,7 @@ def run_args(tmp_path, stage=1, **settings):
 def save_steps(args, steps, engine=None):
     engine = engine or build_engine(args)
     for step in steps:
-        train_step(engine, args, step)
+        train_step(engine, tiny_batch(args, step))
         save_checkpoint(args, engine, step, 2 * step)
     return engine
 
