@@ -148,5 +148,5 @@ def test_two_ranks_stop_together_at_the_first_nonfinite_step_and_keep_the_last_g
     assert result.returncode != 0, output[-4000:]
     diverged = int(re.search(r"iteration (\d+) \(fp32\): loss \S+, gradient norm \S+.* The run diverged", output)[1])
     saved = sorted(int(p.name.removeprefix("global_step")) for p in save.glob("global_step*"))
-    assert saved == list(range(1, diverged)), f"saved {saved}, diverged at {diverged}"
+    assert [tag for tag in saved if tag] == list(range(1, diverged)), f"saved {saved}, diverged at {diverged}"
     assert (save / "latest").read_text().strip() == f"global_step{diverged - 1}"
