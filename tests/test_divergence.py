@@ -12,6 +12,7 @@ import torch
 from megatron.checkpointing.module_weights import read_module_weights
 from megatron.divergence import DivergenceError
 from megatron.neox_arguments import NeoXArgs
+from megatron.run_context import resolve_run_settings
 from megatron.training import setup, train
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
@@ -28,7 +29,7 @@ def run_settings(save, precision="fp32", stage=1, lr=DIVERGING_LR, **overrides) 
     if precision in ("fp16", "bf16"):
         values[precision] = {"enabled": True}
     values.update(overrides)
-    return NeoXArgs.from_dict(values, require_run_settings=True)
+    return resolve_run_settings(NeoXArgs.from_dict(values, require_run_settings=True))  # as deepy.py does
 
 
 def train_until_stopped(args, before_training=None) -> str:
