@@ -190,6 +190,7 @@ def setup(args):
 
     from megatron.checkpointing import check_save_dir, load_checkpoint, plan_load
     from megatron.data import build_data_iterators, check_data_vocabulary
+    from megatron.hf import HF_FOLDER
     from megatron.model import build_model
     from megatron.neox_arguments import ConfigError
     from megatron.tokenizer import build_tokenizer
@@ -204,11 +205,11 @@ def setup(args):
         raise ConfigError("padded_vocab_size is not resolved: start training through deepy.py, which resolves the "
                           "tokenizer and the embedded corpus once (megatron.run_context.resolve_run_settings)")
     check_data_vocabulary(args, build_tokenizer(args).vocab_size)
-    plan = plan_load(args, dp_size)
+    plan = plan_load(args, dp_size, hf_source=HF_FOLDER)
     check_save_dir(args)
 
     set_seeds(args.seed)
-    model = build_model(args)
+    model = build_model(args.architecture(), args.seed)
     log.info(f"model: {sum(p.numel() for p in model.parameters()):,} parameters per rank, precision "
              f"{args.precision}, ZeRO stage {args.zero_stage}, {dp_size} data-parallel rank(s) x "
              f"{args.model_parallel_size} tensor-parallel")

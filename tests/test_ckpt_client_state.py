@@ -14,7 +14,7 @@ def test_what_is_written_reads_back():
                         rng_states=[collect_rng_states()], lr_schedule_start=3,
                         forward_validation={"precision": "fp32"})
     written = state.to_dict()
-    assert written["checkpoint_format_version"] == 1 and written["lr_schedule_start_iteration"] == 3
+    assert written["checkpoint_format_version"] == 2 and written["lr_schedule_start_iteration"] == 3
     assert "converted_from" not in written  # unset optional fields are not written
     assert ClientState.from_dict(written) == state
 
@@ -27,6 +27,18 @@ def test_format_1_checkpoint_without_schedule_start_reads():
     assert (state.iteration, state.consumed_train_samples, state.lr_schedule_start) == (20, 160, 0)
     assert state.settings == {"num_layers": 2} and len(state.rng_states) == 1 and state.format_version == 1
     state.check_readable("file")
+
+
+def test_format_1_settings_read_in_gpt_neox_meaning():
+    # format 1 saved the MLP width per projection as built; GPT-NeoX's rule builds it from 3x with multiple 1
+    swiglu = ClientState.from_dict({"checkpoint_format_version": 1,
+                                    "args": {"activation": "swiglu", "intermediate_size": 40, "mlp_multiple_of": 256}})
+    assert (swiglu.settings["intermediate_size"], swiglu.settings["mlp_multiple_of"]) == (120, 1)
+    gelu = ClientState.from_dict({"checkpoint_format_version": 1, "args": {"activation": "gelu", "intermediate_size": 64}})
+    assert (gelu.settings["intermediate_size"], gelu.settings["mlp_multiple_of"]) == (64, 1)
+    current = {"activation": "swiglu", "intermediate_size": 40, "mlp_multiple_of": 8}
+    assert ClientState.from_dict({"checkpoint_format_version": 2, "args": current}).settings == current
+    assert ClientState.from_dict({"args": current}).settings == current  # GPT-NeoX's own: its meaning already
 
 
 def test_gpt_neox_client_state_reads_as_far_as_its_keys_go():

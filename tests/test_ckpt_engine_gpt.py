@@ -27,7 +27,7 @@ def _gpt_engine(stage: int, seed: int, tied: bool):
         )
     )  # fmt: skip
     torch.manual_seed(seed)
-    model = GPTModel(args)
+    model = GPTModel(args.architecture())
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=ds_config("bf16", stage)
     )

@@ -78,7 +78,7 @@ def test_pipeline_layer_files_with_old_mlp_names_fine_tune_from_their_weights(tm
                                 finetune=True, train_iters=2, checkpoint_factor=2, eval_interval=1000)
     args = resolve_run_settings(NeoXArgs.from_yaml_files([REPO_ROOT / "configs/tiny.yml", overrides]))
     torch.manual_seed(args.seed + 7)  # not the weights the run would start from on its own
-    model = GPTModel(args)
+    model = GPTModel(args.architecture())
     with torch.no_grad():  # a model whose MLPs matter: its loss moves far when they are re-drawn
         for layer in model.layers:
             layer.mlp.linear2.weight.mul_(20)

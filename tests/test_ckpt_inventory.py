@@ -17,6 +17,7 @@ from megatron.checkpointing.inventory import (
     FORMAT_ZERO3,
     inventory_checkpoint,
 )
+from megatron.hf import HF_FOLDER
 from tests.ckpt_engines import make_args, saved_checkpoint
 
 
@@ -105,15 +106,16 @@ def test_tensor_parallel_size_from_mp_rank_files(tmp_path):
 def test_hf_model_dir(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 8}))
     save_file({"gpt_neox.embed_in.weight": torch.zeros(4, 8)}, str(tmp_path / "model.safetensors"))
-    inventory = inventory_checkpoint(tmp_path)
+    inventory = inventory_checkpoint(tmp_path, HF_FOLDER)
     assert inventory.is_hf and inventory.format == FORMAT_HF
-    assert [p.name for p in inventory.hf_weight_files] == ["model.safetensors"]
+    assert [p.name for p in inventory.hf_files] == ["config.json", "model.safetensors"]
     assert inventory.tags == {}
+    assert not inventory_checkpoint(tmp_path).is_hf  # checkpointing reads HF folders only through a source
 
 
 def test_safetensors_without_config_is_not_hf(tmp_path):
     save_file({"w": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
-    inventory = inventory_checkpoint(tmp_path)
+    inventory = inventory_checkpoint(tmp_path, HF_FOLDER)
     assert not inventory.is_hf and inventory.is_empty
 
 

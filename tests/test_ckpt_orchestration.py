@@ -11,6 +11,7 @@ from deepspeed import zero
 
 from megatron.checkpointing import CheckpointError, LoadMode, load_checkpoint, plan_load, save_checkpoint
 from megatron.checkpointing.rng import collect_rng_states, restore_rng_states
+from megatron.hf import HF_FOLDER
 from tests.ckpt_engines import (
     build_engine,
     ds_config,
@@ -129,8 +130,8 @@ def test_finetune_from_hugging_face_dir_gives_the_same_logits(single_rank_world,
 
     hf_dir = tiny_hf_model(tmp_path / "hf")
     args = make_args(stage=1, finetune=True, load=str(hf_dir), **hf_settings(hf_dir))
-    plan = plan_load(args, 1)
-    model = build_model(args)
+    plan = plan_load(args, 1, hf_source=HF_FOLDER)
+    model = build_model(args.architecture(), args.seed)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=ds_config(args.precision, args.zero_stage))
     outcome = load_checkpoint(args, engine, plan)
@@ -153,7 +154,7 @@ def test_forward_pass_validation_runs_on_save_and_load(single_rank_world, tmp_pa
     from megatron.model import build_model
 
     def gpt_engine(args):
-        model = build_model(args)
+        model = build_model(args.architecture(), args.seed)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                config=ds_config(args.precision, args.zero_stage))
         return engine
@@ -191,7 +192,7 @@ def test_save_writes_configs_latest_and_prunes(single_rank_world, tmp_path):
     client = torch.load(root / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)
     assert (client["iteration"], client["consumed_train_samples"]) == (3, 6)
     assert client["args"]["hidden_size"] == args.hidden_size and len(client["rng_states"]) == 1
-    assert (client["checkpoint_format_version"], client["lr_schedule_start_iteration"]) == (1, 1)
+    assert (client["checkpoint_format_version"], client["lr_schedule_start_iteration"]) == (2, 1)
 
 
 def test_auto_resume_first_run_loads_nothing(single_rank_world, tmp_path):

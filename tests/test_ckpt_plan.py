@@ -19,6 +19,7 @@ from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.inventory import inventory_checkpoint
 from megatron.checkpointing.plan import LoadMode, build_load_plan
 from megatron.checkpointing.rng import collect_rng_states
+from megatron.hf import HF_FOLDER
 from tests.ckpt_engines import hf_settings, make_args, saved_checkpoint, tiny_hf_model
 
 
@@ -48,7 +49,7 @@ def plan_for(load, dp=1, **settings):
     stage = settings.pop("stage", 1)
     precision = settings.pop("precision", "fp32")
     args = make_args(stage=stage, precision=precision, load=str(load), **settings)
-    return build_load_plan(args, inventory_checkpoint(load), dp)
+    return build_load_plan(args, inventory_checkpoint(load, HF_FOLDER), dp)
 
 
 # --- the table, row by row ---------------------------------------------------------------

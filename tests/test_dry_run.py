@@ -121,11 +121,11 @@ def test_bad_config_exits_nonzero_with_the_error_and_starts_nothing(tmp_path):
 
 
 def test_inert_settings_print_one_notice_line_each(tmp_path):
-    config = write_yaml(tmp_path, "fused.yml", {**TINY_RUN, "bias_gelu_fusion": True, "rope_fusion": True})
+    config = write_yaml(tmp_path, "fused.yml", {**TINY_RUN, "bias_dropout_fusion": True, "rope_fusion": True})
     result = run_deepy(RANK_ECHO, str(config), "--dry-run")
     assert result.returncode == 0, result.stderr
     notices = [line for line in result.stderr.splitlines() if line.startswith("notice:")]
-    assert len(notices) == 2 and "bias_gelu_fusion" in notices[0] and "rope_fusion" in notices[1]
+    assert len(notices) == 2 and "bias_dropout_fusion" in notices[0] and "rope_fusion" in notices[1]
 
 
 @pytest.mark.distributed

@@ -10,8 +10,8 @@ import pytest
 import torch
 import yaml
 
+from megatron.architecture import architecture_mismatches, fields_of_settings
 from megatron.checkpointing.module_weights import read_client_state, read_module_weights
-from megatron.checkpointing.preflight import architecture_mismatches
 from megatron.learning_rates import learning_rate_at
 from megatron.neox_arguments import NeoXArgs, padded_vocab_size
 from megatron.tokenizer import build_tokenizer
@@ -74,14 +74,15 @@ def assert_gpt_neox_config_describes_the_files(tag_dir: Path) -> dict:
     assert config["max_position_embeddings"] >= config["seq_length"]
     # Our own loader reads it back as the run that saved it.
     reread = NeoXArgs.from_yaml_files([tag_dir / "configs" / "neox_config.yml"])
-    assert architecture_mismatches(read_client_state(tag_dir)["args"], reread.to_dict()) == []
+    reread.padded_vocab_size = padded
+    assert architecture_mismatches(fields_of_settings(read_client_state(tag_dir)["args"]), reread.architecture()) == []
     return config
 
 
 # The Llama family on the same data: RMSNorm, SwiGLU, grouped-query attention, no biases, full rotary.
 LLAMA_SETTINGS = dict(norm="rmsnorm", activation="swiglu", num_kv_heads=2, rotary_pct=1.0, gpt_j_residual=False,
                       use_bias_in_norms=False, use_bias_in_attn_linear=False, use_bias_in_mlp=False,
-                      rms_norm_epsilon=1.0e-6, intermediate_size=344)
+                      rms_norm_epsilon=1.0e-6, intermediate_size=3 * 344)  # 344 per projection
 
 
 @pytest.mark.distributed

@@ -15,6 +15,7 @@ GPT_NEOX_DEFAULTS = {
     "num_layers": None,
     "hidden_size": None,
     "intermediate_size": None,
+    "mlp_multiple_of": 1,
     "num_attention_heads": None,
     "num_kv_heads": None,
     "seq_length": None,
@@ -27,6 +28,8 @@ GPT_NEOX_DEFAULTS = {
     "no_weight_tying": False,
     "make_vocab_size_divisible_by": 128,
     "activation": "gelu",
+    "bias_gelu_fusion": False,
+    "onnx_safe": False,
     "init_method_std": 0.02,
     "rotary_pct": 1.0,
     "rotary_emb_base": 10000,
@@ -130,21 +133,11 @@ GPT_NEOX_DEFAULTS = {
     "launcher": "pdsh",
 }
 
-# Shared settings whose default another change brings in line (the shape rule of the gated MLP); strict, so this fails as soon as the default is GPT-NeoX's and the
-# entry must move into the table above.
-PENDING = {"mlp_multiple_of": 1}
-
 
 @pytest.mark.parametrize("name", sorted(GPT_NEOX_DEFAULTS))
 def test_shared_setting_has_gpt_neox_default(name):
     assert name in SETTINGS, f"{name} is a GPT-NeoX setting missing from the schema"
     assert SETTINGS[name].default == GPT_NEOX_DEFAULTS[name]
-
-
-@pytest.mark.parametrize("name", sorted(PENDING))
-@pytest.mark.xfail(strict=True, reason="default not yet GPT-NeoX's")
-def test_pending_shared_setting_has_gpt_neox_default(name):
-    assert SETTINGS[name].default == PENDING[name]
 
 
 def test_gradient_accumulation_default_is_one_step_as_in_gpt_neox(tmp_path):

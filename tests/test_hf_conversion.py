@@ -135,8 +135,8 @@ def test_our_logits_equal_hf_logits_after_direct_load(kind, tmp_path):
     model = make_hf_model(kind)
     hf_dir = save_hf(model, tmp_path / "hf")
     args = our_args(hf_dir)
-    ours = build_model(args).eval()
-    ours.load_state_dict(load_hf_module_weights(hf_dir, args), strict=True)
+    ours = build_model(args.architecture(), args.seed).eval()
+    ours.load_state_dict(load_hf_module_weights(hf_dir, args.architecture()), strict=True)
     with torch.no_grad():
         expected = model(tokens()).logits
         actual = logits_of(ours, tokens())
@@ -150,11 +150,11 @@ def test_fused_qkv_layout_is_what_the_logits_check_catches(tmp_path):
     model = make_hf_model("llama_gqa")
     hf_dir = save_hf(model, tmp_path / "hf")
     args = our_args(hf_dir)
-    weights = load_hf_module_weights(hf_dir, args)
+    weights = load_hf_module_weights(hf_dir, args.architecture())
     key = "sequential.2.attention.query_key_value.weight"
     q, k, v = weights[key].split([64, 32, 32])
     weights[key] = torch.cat([q, v, k])
-    ours = build_model(args).eval()
+    ours = build_model(args.architecture(), args.seed).eval()
     ours.load_state_dict(weights)
     with torch.no_grad():
         assert not torch.allclose(logits_of(ours, tokens()), model(tokens()).logits, atol=1e-3)
@@ -204,7 +204,7 @@ def test_config_out_is_a_config_fragment_that_reproduces_the_model(tmp_path):
     assert build_tokenizer(args).vocab_size < VOCAB
     args = resolve_run_settings(args)  # padded_vocab_size from the tokenizer, as deepy.py does before the ranks start
     assert args.padded_vocab_size == VOCAB
-    weights = load_hf_module_weights(hf_dir, args)  # raises on any setting that disagrees with config.json
+    weights = load_hf_module_weights(hf_dir, args.architecture())  # raises on any setting that disagrees with config.json
     assert weights["sequential.0.word_embeddings.weight"].shape == (VOCAB, 64)
 
 
@@ -213,13 +213,13 @@ def test_settings_that_disagree_with_config_json_are_an_error_naming_both_values
     hf_dir = save_hf(make_hf_model("llama_gqa"), tmp_path / "hf")
     args = our_args(hf_dir, num_kv_heads=4, rms_norm_epsilon=1e-5)
     with pytest.raises(HFConversionError) as caught:
-        load_hf_module_weights(hf_dir, args)
+        load_hf_module_weights(hf_dir, args.architecture())
     message = str(caught.value)
-    assert "num_kv_heads: config says 4, HF" in message and "says 2" in message
-    assert "rms_norm_epsilon: config says 1e-05" in message
+    assert "num_kv_heads: config.json says 2, the settings say 4" in message
+    assert "norm_epsilon: config.json says 1e-06, the settings say 1e-05 (set by layernorm_epsilon or rms_norm_epsilon)" in message
     args = our_args(hf_dir, padded_vocab_size=512)
-    with pytest.raises(HFConversionError, match="padded_vocab_size: config says 512.*says 320"):
-        load_hf_module_weights(hf_dir, args)
+    with pytest.raises(HFConversionError, match="vocab_size: config.json says 320, the settings say 512 .*padded_vocab_size"):
+        load_hf_module_weights(hf_dir, args.architecture())
 
 
 @pytest.mark.parametrize(
@@ -228,7 +228,7 @@ def test_settings_that_disagree_with_config_json_are_an_error_naming_both_values
         (dict(model_type="gpt2"), "model_type 'gpt2' is not supported"),
         (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "rope_type 'linear'"),
         (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_type 'dynamic'"),
-        (dict(hidden_act="gelu_new"), "hidden_act 'gelu_new'"),
+        (dict(hidden_act="gelu_10"), "hidden_act 'gelu_10'"),
     ],
 )
 def test_unsupported_architectures_are_refused(change, expected, tmp_path):

@@ -8,6 +8,7 @@ import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from megatron.checkpointing import load_checkpoint, plan_load, save_checkpoint
+from megatron.hf import HF_FOLDER
 from megatron.hf.config import spec_from_hf_config
 from megatron.hf.convert import convert_hf_to_neox, convert_neox_to_hf
 from megatron.model import build_model, causal_lm_loss
@@ -29,7 +30,7 @@ def engine_args(hf_model, precision: str = "fp32", **overrides) -> NeoXArgs:
 
 
 def build_engine(args: NeoXArgs):
-    model = build_model(args)
+    model = build_model(args.architecture(), args.seed)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=build_param_groups(model, args.weight_decay), config=args.deepspeed_config()
     )
@@ -76,7 +77,7 @@ def test_bf16_zero2_finetune_starts_at_the_hf_loss_and_stays_there(load_from, tm
         convert_hf_to_neox(hf_dir, tmp_path / "ckpt", dtype="bf16")
         load = tmp_path / "ckpt"
     args = engine_args(hf_model, "bf16", load=str(load), finetune=True)
-    plan = plan_load(args, data_parallel_size=1)
+    plan = plan_load(args, data_parallel_size=1, hf_source=HF_FOLDER)
     engine = build_engine(args)
     batch = tokens(seed=3)
     with torch.no_grad():

@@ -15,7 +15,6 @@ from megatron.model import (
     ModelConfigError,
     build_model,
     causal_lm_loss,
-    derive_size_defaults,
     no_weight_decay_param_names,
 )
 from megatron.model.attention import sliding_window_mask
@@ -47,7 +46,7 @@ LLAMA = dict(
     norm="rmsnorm",
     rms_norm_epsilon=1e-6,
     activation="swiglu",
-    intermediate_size=96,
+    intermediate_size=3 * 96,  # GPT-NeoX's rule: 96 per projection
     num_kv_heads=2,
     use_bias_in_norms=False,
     use_bias_in_attn_linear=False,
@@ -149,7 +148,7 @@ def reference_mlp(layer, x: torch.Tensor, activation: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", [NEOX, LLAMA], ids=["neox", "llama"])
 def test_forward_gives_logits_of_padded_vocab_in_param_dtype(family):
-    model = build_model(tiny_args(family))
+    model = build_model(tiny_args(family).architecture(), 1234)
     logits = model(tokens())
     assert logits.shape == (2, SEQ, VOCAB)
     assert logits.dtype == torch.float32
@@ -161,7 +160,7 @@ def test_forward_gives_logits_of_padded_vocab_in_param_dtype(family):
     "family", [NEOX, LLAMA, dict(NEOX, pos_emb="learned")], ids=["neox", "llama", "learned"]
 )
 def test_changing_a_later_token_never_changes_an_earlier_logit(family):
-    model = build_model(tiny_args(family)).eval()
+    model = build_model(tiny_args(family).architecture(), 1234).eval()
     randomize_(model)
     ids = tokens(batch=1)
     changed = ids.clone()
@@ -194,14 +193,14 @@ def expected_names(num_layers: int, llama: bool, tied: bool, learned: bool = Fal
 @pytest.mark.parametrize("llama", [False, True], ids=["neox", "llama"])
 def test_state_dict_holds_exactly_gpt_neox_parameter_names(llama, tied):
     family = LLAMA if llama else NEOX
-    model = GPTModel(tiny_args(family, num_layers=3, no_weight_tying=not tied))
+    model = GPTModel(tiny_args(family, num_layers=3, no_weight_tying=not tied).architecture())
     assert set(model.state_dict()) == expected_names(3, llama, tied)
     assert {name for name, _ in model.named_parameters()} == expected_names(3, llama, tied)
     model.load_state_dict(model.state_dict(), strict=True)
 
 
 def test_learned_position_embedding_is_named_like_gpt_neox_and_sized_by_max_positions():
-    model = GPTModel(tiny_args(NEOX, pos_emb="learned", max_position_embeddings=20))
+    model = GPTModel(tiny_args(NEOX, pos_emb="learned", max_position_embeddings=20).architecture())
     assert set(model.state_dict()) == expected_names(2, llama=False, tied=False, learned=True)
     assert model.state_dict()["sequential.0.position_embeddings.weight"].shape == (20, HIDDEN)
     with pytest.raises(ModelConfigError, match="max_position_embeddings=20"):
@@ -209,7 +208,7 @@ def test_learned_position_embedding_is_named_like_gpt_neox_and_sized_by_max_posi
 
 
 def test_tied_logits_use_the_word_embedding():
-    model = build_model(tiny_args(LLAMA, no_weight_tying=False)).eval()
+    model = build_model(tiny_args(LLAMA, no_weight_tying=False).architecture(), 1234).eval()
     randomize_(model)
     with torch.no_grad():
         hidden = model.embedding(tokens(), torch.arange(SEQ).unsqueeze(0))
@@ -227,7 +226,7 @@ def test_tied_logits_use_the_word_embedding():
 @pytest.mark.parametrize("kv_heads", [HEADS, 2, 1], ids=["mha", "gqa2", "mqa"])
 def test_fused_qkv_layout_matches_reference_attention_from_separate_slices(kv_heads):
     args = tiny_args(NEOX, pos_emb="none", num_kv_heads=kv_heads, use_bias_in_attn_linear=True)
-    layer = GPTModel(args).layers[0]
+    layer = GPTModel(args.architecture()).layers[0]
     randomize_(layer)
     x = torch.randn(1, 6, HIDDEN, generator=torch.Generator().manual_seed(3))
     q, k, v = reference_qkv(layer, x[0], HEADS, kv_heads)
@@ -241,7 +240,7 @@ def test_fused_qkv_layout_matches_reference_attention_from_separate_slices(kv_he
 @pytest.mark.parametrize("kv_heads", [HEADS, 2], ids=["mha", "gqa"])
 def test_rotary_attention_matches_reference_rotation(kv_heads):
     args = tiny_args(NEOX, rotary_pct=0.5, rotary_emb_base=100, num_kv_heads=kv_heads)
-    model = GPTModel(args)
+    model = GPTModel(args.architecture())
     layer = model.layers[0]
     randomize_(layer)
     x = torch.randn(1, 5, HIDDEN, generator=torch.Generator().manual_seed(4))
@@ -322,7 +321,7 @@ def test_split_qkv_forward_and_gradients_equal_the_autograd_formulation(kv_heads
 
 
 def test_swiglu_linear1_holds_up_then_gate():
-    layer = GPTModel(tiny_args(LLAMA)).layers[0]
+    layer = GPTModel(tiny_args(LLAMA).architecture()).layers[0]
     randomize_(layer)
     assert layer.mlp.linear1.weight.shape == (2 * 96, HIDDEN)
     x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(6))
@@ -337,9 +336,9 @@ def test_swiglu_linear1_holds_up_then_gate():
 
 def test_grouped_query_attention_equals_full_attention_with_repeated_key_value_heads():
     """A GQA model (2 kv heads) and a full-attention model whose k/v heads repeat each group's: same logits."""
-    gqa = build_model(tiny_args(LLAMA, num_kv_heads=2)).eval()
+    gqa = build_model(tiny_args(LLAMA, num_kv_heads=2).architecture(), 1234).eval()
     randomize_(gqa)
-    full = build_model(tiny_args(LLAMA, num_kv_heads=HEADS)).eval()
+    full = build_model(tiny_args(LLAMA, num_kv_heads=HEADS).architecture(), 1234).eval()
     state = gqa.state_dict()
     d, group = HEAD_DIM, HEADS // 2
     for i in range(2):
@@ -356,7 +355,7 @@ def test_grouped_query_attention_equals_full_attention_with_repeated_key_value_h
 
 
 def test_grouped_layout_with_as_many_kv_heads_as_heads_equals_the_per_head_layout():
-    model = build_model(tiny_args(NEOX)).eval()
+    model = build_model(tiny_args(NEOX).architecture(), 1234).eval()
     randomize_(model)
     with torch.no_grad():
         expected = model(tokens())
@@ -376,7 +375,7 @@ def test_grouped_layout_with_as_many_kv_heads_as_heads_equals_the_per_head_layou
 @pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "sequential"])
 def test_layer_output_matches_hand_computation_from_its_weights(parallel):
     args = tiny_args(NEOX, pos_emb="none", gpt_j_residual=parallel)
-    layer = GPTModel(args).layers[0]
+    layer = GPTModel(args.architecture()).layers[0]
     randomize_(layer)
     x = torch.randn(1, 5, HIDDEN, generator=torch.Generator().manual_seed(8))
 
@@ -404,7 +403,7 @@ def test_layer_output_matches_hand_computation_from_its_weights(parallel):
 
 
 def test_rmsnorm_layer_matches_hand_computation():
-    layer = GPTModel(tiny_args(LLAMA, pos_emb="none")).layers[0]
+    layer = GPTModel(tiny_args(LLAMA, pos_emb="none").architecture()).layers[0]
     randomize_(layer)
     x = torch.randn(1, 4, HIDDEN, generator=torch.Generator().manual_seed(9))
 
@@ -422,7 +421,7 @@ def test_rmsnorm_layer_matches_hand_computation():
 
 
 def test_loss_falls_on_a_repeated_batch():
-    model = build_model(tiny_args(LLAMA))
+    model = build_model(tiny_args(LLAMA).architecture(), 1234)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     batch = tokens(seed=11)
     inputs, labels = batch[:, :-1], batch[:, 1:]
@@ -440,9 +439,7 @@ def test_loss_falls_on_a_repeated_batch():
 @pytest.mark.parametrize("family", [NEOX, LLAMA], ids=["neox", "llama"])
 def test_activation_checkpointing_gives_the_same_gradients(family):
     def grads(checkpoint: bool) -> dict[str, torch.Tensor]:
-        model = build_model(
-            tiny_args(family, checkpoint_activations=checkpoint, hidden_dropout=0.1, attention_dropout=0.1)
-        )
+        model = build_model(tiny_args(family, checkpoint_activations=checkpoint, hidden_dropout=0.1, attention_dropout=0.1).architecture(), 1234)
         model.train()
         torch.manual_seed(99)  # same dropout masks in both runs
         batch = tokens(seed=12)
@@ -456,7 +453,7 @@ def test_activation_checkpointing_gives_the_same_gradients(family):
 
 
 def test_dropout_is_active_in_training_and_off_in_eval():
-    model = build_model(tiny_args(NEOX, hidden_dropout=0.3, attention_dropout=0.3))
+    model = build_model(tiny_args(NEOX, hidden_dropout=0.3, attention_dropout=0.3).architecture(), 1234)
     batch = tokens()
     with torch.no_grad():
         model.train()
@@ -498,7 +495,7 @@ def test_init_methods_draw_with_gpt_neox_standard_deviations(method, expected_st
         output_layer_init_method=method,
         intermediate_size=512,
     )
-    model = build_model(args)
+    model = build_model(args.architecture(), args.seed)
     params = dict(model.named_parameters())
     for name in (
         "sequential.0.word_embeddings.weight",
@@ -515,7 +512,7 @@ def test_init_methods_draw_with_gpt_neox_standard_deviations(method, expected_st
 
 def test_output_layer_init_method_applies_to_attention_dense_and_mlp_linear2_only():
     args = tiny_args(NEOX, num_layers=8, init_method="normal", output_layer_init_method="scaled_normal")
-    params = dict(build_model(args).named_parameters())
+    params = dict(build_model(args.architecture(), args.seed).named_parameters())
     scaled = 0.02 / math.sqrt(16)
     for name in ("attention.dense", "mlp.linear2"):
         assert params[f"sequential.2.{name}.weight"].std().item() == pytest.approx(scaled, rel=0.15)
@@ -527,10 +524,10 @@ def test_build_model_is_seeded_and_leaves_the_global_rng_alone():
     torch.manual_seed(5)
     before = torch.rand(1)
     torch.manual_seed(5)
-    a = build_model(tiny_args(LLAMA, seed=1))
+    a = build_model(tiny_args(LLAMA, seed=1).architecture(), 1)
     assert torch.equal(torch.rand(1), before)
-    b = build_model(tiny_args(LLAMA, seed=1))
-    c = build_model(tiny_args(LLAMA, seed=2))
+    b = build_model(tiny_args(LLAMA, seed=1).architecture(), 1)
+    c = build_model(tiny_args(LLAMA, seed=2).architecture(), 2)
     for (name, pa), pb, pc in zip(
         a.state_dict().items(), b.state_dict().values(), c.state_dict().values(), strict=True
     ):
@@ -541,7 +538,7 @@ def test_build_model_is_seeded_and_leaves_the_global_rng_alone():
 
 @pytest.mark.parametrize("family", [NEOX, LLAMA], ids=["neox", "llama"])
 def test_no_weight_decay_names_are_the_biases_and_norm_weights(family):
-    model = GPTModel(tiny_args(family))
+    model = GPTModel(tiny_args(family).architecture())
     expected = {
         name
         for name, _ in model.named_parameters()
@@ -562,22 +559,20 @@ def test_translate_legacy_key_renames_the_old_mlp_names_only():
 def test_gpt_neox_rotary_frequency_buffers_are_recognised_and_not_stored():
     assert is_legacy_buffer_key("sequential.4.attention.rotary_emb.inv_freq")
     assert not is_legacy_buffer_key("sequential.4.attention.dense.weight")
-    assert not any(is_legacy_buffer_key(name) for name in GPTModel(tiny_args(NEOX)).state_dict())
+    assert not any(is_legacy_buffer_key(name) for name in GPTModel(tiny_args(NEOX).architecture()).state_dict())
 
 
 def test_unset_sizes_get_gpt_neox_defaults():
     def sizes(**kw):
-        return derive_size_defaults(tiny_args(**kw))
+        arch = tiny_args(**kw).architecture()
+        return arch.num_kv_heads, arch.intermediate_size, arch.max_position_embeddings
 
-    assert sizes() == {"num_kv_heads": HEADS, "intermediate_size": 4 * HIDDEN, "max_position_embeddings": SEQ}
-    # swiglu: int(2 * 4 * 64 / 3) = 170, rounded up to a multiple of 256 / of 32
-    assert sizes(activation="swiglu")["intermediate_size"] == 256
-    assert sizes(activation="swiglu", mlp_multiple_of=32)["intermediate_size"] == 192
-    assert sizes(intermediate_size=100, num_kv_heads=2, max_position_embeddings=50) == {
-        "num_kv_heads": 2,
-        "intermediate_size": 100,
-        "max_position_embeddings": 50,
-    }
+    assert sizes() == (HEADS, 4 * HIDDEN, SEQ)
+    # swiglu: int(4 * 64 * 2 / 3) = 170 for gate + up, 85 each
+    assert sizes(activation="swiglu")[1] == 85
+    # rounded up: linear1 to a multiple of 2 x 32 (192), linear2's input to one of 32 (96)
+    assert sizes(activation="swiglu", mlp_multiple_of=32)[1] == 96
+    assert sizes(intermediate_size=100, num_kv_heads=2, max_position_embeddings=50) == (2, 100, 50)
 
 
 @pytest.mark.parametrize(
@@ -594,7 +589,7 @@ def test_impossible_settings_are_refused_with_the_setting_named(overrides, messa
     # past the settings layer's own checks (validated settings never hold these): the model checks too
     args = SimpleNamespace(**{**tiny_args().to_dict(), **overrides})
     with pytest.raises(ModelConfigError, match=message):
-        GPTModel(args)
+        GPTModel(args.architecture())
 
 
 def test_swiglu_gradients_equal_autograd_through_chunk():

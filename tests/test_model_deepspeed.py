@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("single_rank_world")
 
 
 def test_trains_under_zero3_bf16_with_tied_embeddings_and_activation_checkpointing():
-    model = build_model(tiny_args(LLAMA, no_weight_tying=False, checkpoint_activations=True))
+    model = build_model(tiny_args(LLAMA, no_weight_tying=False, checkpoint_activations=True).architecture(), 1234)
     groups = build_param_groups(model, weight_decay=0.01)
     config = {
         "train_micro_batch_size_per_gpu": 2,

@@ -110,7 +110,8 @@ def test_gpt_neox_logits_equal_hugging_face(parallel_residual, rotary_pct):
             norm="layernorm",
             layernorm_epsilon=1e-5,
             activation="gelu",
-        )
+        ).architecture(),
+        seed=1234,
     )
     ours.load_state_dict(neox_state_from_hf(hf), strict=True)
     assert_same_logits(ours, hf)
@@ -146,12 +147,13 @@ def test_llama_logits_equal_hugging_face(kv_heads, tied):
             norm="rmsnorm",
             rms_norm_epsilon=1e-6,
             activation="swiglu",
-            intermediate_size=96,
+            intermediate_size=3 * 96,  # GPT-NeoX's rule: 96 per projection, as in the HF config
             num_kv_heads=kv_heads,
             use_bias_in_norms=False,
             use_bias_in_attn_linear=False,
             use_bias_in_mlp=False,
-        )
+        ).architecture(),
+        seed=1234,
     )
     ours.load_state_dict(llama_state_from_hf(hf, kv_heads, tied), strict=True)
     assert_same_logits(ours, hf)

@@ -116,7 +116,7 @@ def test_from_dict_validates_with_the_same_rules():
 def test_from_dict_accepts_a_model_only_dict_but_a_run_needs_more():
     model_only = {key: TINY_RUN[key] for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")}
     args = NeoXArgs.from_dict({**model_only, "padded_vocab_size": 256})
-    assert args.padded_vocab_size == 256 and args.intermediate_size == 4 * 64
+    assert args.padded_vocab_size == 256 and args.architecture().intermediate_size == 4 * 64
     with pytest.raises(ConfigError, match="train_iters: required"):
         NeoXArgs.from_dict(model_only, require_run_settings=True)
     with pytest.raises(ConfigError, match="no DeepSpeed config without train_batch_size and lr"):
@@ -266,7 +266,6 @@ def test_error_names_the_file_that_set_the_key(tmp_path):
 def test_inert_gpt_neox_settings_are_accepted_with_one_notice_each(tmp_path):
     inert = {
         "scaled_upper_triang_masked_softmax_fusion": True,
-        "bias_gelu_fusion": True,
         "bias_dropout_fusion": True,
         "rope_fusion": False,
         "partition_activations": True,
@@ -351,15 +350,33 @@ def test_checkpoint_factor_and_save_interval_are_one_setting(tmp_path):
     assert run_args(tmp_path, checkpoint_factor=30).save_interval == 30
 
 
-def test_intermediate_size_follows_known_models(tmp_path):
-    # facts from the published Hugging Face configs of these models
-    pythia = run_args(tmp_path, hidden_size=768, num_attention_heads=12)
-    assert pythia.intermediate_size == 3072
-    llama_7b = run_args(tmp_path, hidden_size=4096, num_attention_heads=32, activation="swiglu")
-    assert llama_7b.intermediate_size == 11008 and llama_7b.num_kv_heads == 32
-    tiny_llama = run_args(tmp_path, hidden_size=2048, num_attention_heads=32, num_kv_heads=4, activation="swiglu")
-    assert tiny_llama.intermediate_size == 5632 and tiny_llama.num_kv_heads == 4
-    assert run_args(tmp_path, activation="swiglu", intermediate_size=100).intermediate_size == 100
+def test_mlp_width_follows_known_models(tmp_path):
+    """Published per-projection widths (Hugging Face configs) from the settings GPT-NeoX's configs give them."""
+    def built(**settings):
+        args = run_args(tmp_path, **settings)
+        args.padded_vocab_size = 256
+        return args.architecture().intermediate_size
+
+    assert built(hidden_size=768, num_attention_heads=12) == 3072  # Pythia-160M: 4 x hidden
+    assert built(hidden_size=4096, num_attention_heads=32, activation="swiglu", intermediate_size=32768,
+                 mlp_multiple_of=256) == 11008  # Llama-7B
+    assert built(hidden_size=2048, num_attention_heads=32, num_kv_heads=4, activation="swiglu",
+                 intermediate_size=16384, mlp_multiple_of=256) == 5632  # TinyLlama-1.1B
+    message = config_error(tmp_path, activation="swiglu", intermediate_size=98)  # int(65.3): linear1 66, linear2 32
+    assert "run.yml: intermediate_size: intermediate_size=98 with mlp_multiple_of=1" in message
+
+
+def test_bias_gelu_fusion_and_onnx_safe_select_gpt_neox_gelus(tmp_path):
+    def approximation(**settings):
+        args = run_args(tmp_path, **settings)
+        args.padded_vocab_size = 256
+        return args.architecture().gelu_approximation
+
+    assert approximation() == "none"
+    assert approximation(bias_gelu_fusion=True) == "tanh"
+    assert approximation(onnx_safe=True) == "onnx_erf"
+    assert approximation(bias_gelu_fusion=True, activation="relu") == "none"  # GPT-NeoX: gelu only
+    assert "bias_gelu_fusion and onnx_safe" in config_error(tmp_path, bias_gelu_fusion=True, onnx_safe=True)
 
 
 @pytest.mark.parametrize(("vocab", "divisible_by", "mp"), [(50277, 128, 1), (32000, 128, 1), (50277, 128, 2), (5, 1, 1)])

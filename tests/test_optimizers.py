@@ -14,7 +14,7 @@ def _names(model, params):
 
 @pytest.mark.parametrize("family", [{}, LLAMA], ids=["gpt-neox", "llama"])
 def test_biases_and_norm_weights_get_no_weight_decay(family):
-    model = build_model(tiny_args(family))
+    model = build_model(tiny_args(family).architecture(), 1234)
     groups = build_param_groups(model, weight_decay=0.1)
     decayed = _names(model, groups[0]["params"])
     exempt = _names(model, groups[1]["params"]) if len(groups) > 1 else set()
@@ -29,7 +29,7 @@ def test_biases_and_norm_weights_get_no_weight_decay(family):
 
 
 def test_frozen_parameters_are_left_out():
-    model = build_model(tiny_args())
+    model = build_model(tiny_args().architecture(), 1234)
     model.get_parameter("sequential.0.word_embeddings.weight").requires_grad_(False)
     groups = build_param_groups(model, weight_decay=0.1)
     assert "sequential.0.word_embeddings.weight" not in _names(model, [p for g in groups for p in g["params"]])

@@ -22,6 +22,7 @@ from megatron.checkpointing.inventory import inventory_checkpoint
 from megatron.checkpointing.neox_config import write_neox_config
 from megatron.checkpointing.plan import LoadMode, LoadPlan, build_load_plan
 from megatron.checkpointing.rng import collect_rng_states, restore_rng_states
+from megatron.checkpointing.weights_source import WeightsSource
 
 if TYPE_CHECKING:  # module_load imports DeepSpeed's ZeRO internals; loaded only when a load needs it
     from megatron.checkpointing.module_load import ModuleLoadReport
@@ -154,28 +155,22 @@ def check_save_dir(args) -> None:
         commit.check_save_dir(args.save, _rank())
 
 
-def plan_load(args, data_parallel_size: int) -> LoadPlan | None:
+def plan_load(args, data_parallel_size: int, hf_source: WeightsSource | None = None) -> LoadPlan | None:
     """Inspect `args.load` and decide what to load; call before deepspeed.initialize so bad loads fail fast.
 
-    None when `load` is unset. Raises CheckpointError when the plan cannot be carried out.
+    None when `load` is unset. Raises CheckpointError when the plan cannot be carried out. With
+    `hf_source` (megatron.hf.HF_FOLDER) `load` may name a Hugging Face model folder.
     """
     if not args.load:
         return None
-    plan = build_load_plan(args, inventory_checkpoint(args.load), data_parallel_size)
+    plan = build_load_plan(args, inventory_checkpoint(args.load, hf_source), data_parallel_size)
     _logger().info(plan.describe())
     return plan
 
 
 def _module_weights(plan: LoadPlan, args):
-    if plan.source_format == "hf":
-        try:
-            from megatron.hf import load_hf_module_weights
-        except ImportError as error:
-            raise CheckpointError(
-                f"`load: {plan.load_dir}` is a Hugging Face model folder, but this installation cannot read "
-                f"one (megatron.hf.load_hf_module_weights is missing: {error}). Convert it with tools/ckpts first."
-            ) from error
-        return load_hf_module_weights(plan.load_dir, args)
+    if plan.hf_source is not None:
+        return plan.hf_source.read_weights(plan.load_dir, args.architecture())
     from megatron.checkpointing.module_weights import read_module_weights
 
     return read_module_weights(plan.tag_dir)

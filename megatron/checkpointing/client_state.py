@@ -12,6 +12,9 @@ written by another program, and is read as far as its keys go):
    converted_from (checkpoints written by the HF converter), lr_schedule (peak_lr, min_lr,
    warmup_iters, decay_iters, decay_style: what resumes check against the configs; absent in
    checkpoints saved before it was recorded).
+2. args: intermediate_size has GPT-NeoX's meaning (the width before GPT-NeoX's MLP rule, see
+   megatron/architecture.py); in format 1 it was the MLP width per projection as built, and
+   ``settings`` reads it in today's meaning.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron.architecture import GATED_ACTIVATIONS
 from megatron.checkpointing.errors import CheckpointError
 
-FORMAT_VERSION = 1  # raise when the meaning of a stored key changes; describe the change above
+FORMAT_VERSION = 2  # raise when the meaning of a stored key changes; describe the change above
 FORMAT_VERSION_KEY = "checkpoint_format_version"
 ITERATION_KEY = "iteration"
 CONSUMED_SAMPLES_KEY = "consumed_train_samples"
@@ -38,7 +42,7 @@ CONVERTED_FROM_KEY = "converted_from"
 class ClientState:
     iteration: int | None = None
     consumed_train_samples: int | None = None  # GPT-NeoX does not record it
-    settings: dict[str, Any] | None = None  # every setting of the run that saved it
+    settings: dict[str, Any] | None = None  # every setting of the run that saved it, in today's meaning
     rng_states: list[dict[str, Any]] | None = None  # megatron.checkpointing.rng states, by global rank
     # The iteration the LR schedule counts from (see megatron.training.TrainState); 0 when not recorded.
     lr_schedule_start: int = 0
@@ -75,7 +79,7 @@ class ClientState:
         return cls(
             iteration=integer(ITERATION_KEY),
             consumed_train_samples=integer(CONSUMED_SAMPLES_KEY),
-            settings=_settings_dict(stored.get(SETTINGS_KEY)),
+            settings=_settings_today(_settings_dict(stored.get(SETTINGS_KEY)), integer(FORMAT_VERSION_KEY)),
             rng_states=list(rng_states) if rng_states else None,
             lr_schedule_start=integer(LR_SCHEDULE_START_KEY) or 0,
             lr_schedule=stored.get(LR_SCHEDULE_KEY),
@@ -101,3 +105,12 @@ def _settings_dict(saved: Any) -> dict[str, Any] | None:
     if saved is not None and hasattr(saved, "__dict__"):
         return dict(vars(saved))
     return None
+
+
+def _settings_today(settings: dict[str, Any] | None, version: int | None) -> dict[str, Any] | None:
+    """Settings of an older format of ours in today's meaning (see the format list above)."""
+    if settings is None or version is None or version >= 2 or settings.get("intermediate_size") is None:
+        return settings
+    width = settings["intermediate_size"]  # per projection, as built: GPT-NeoX's rule builds it from these
+    gated = settings.get("activation") in GATED_ACTIVATIONS
+    return {**settings, "intermediate_size": 3 * width if gated else width, "mlp_multiple_of": 1}

@@ -15,11 +15,13 @@ from typing import Any
 from megatron.checkpointing import layout
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.weights_source import WeightsSource
+from megatron.optimizer_layout import precision_of, zero_stage_of
 
 FORMAT_DEEPSPEED = "deepspeed"  # mp_rank_XX_model_states.pt holds the module
 FORMAT_PIPELINE = "pipeline"  # GPT-NeoX layer_XX-model_YY-model_states.pt files hold it
 FORMAT_ZERO3 = "zero3"  # only ZeRO-3 partitions: zero_pp_rank_X_mp_rank_YY_model_states.pt
-FORMAT_HF = "hf"  # a Hugging Face model folder: config.json + weights
+FORMAT_HF = "hf"  # a Hugging Face model folder: config.json + weights, read through a WeightsSource
 FORMAT_INCOMPLETE = "incomplete"  # a tag folder without any module file
 
 # Keys DeepSpeed itself writes into a model-states file; every other key is client state.
@@ -49,14 +51,6 @@ class SavedMetadata:
         return self.client_state.settings
 
 
-def _precision_from_ds_config(ds_config: dict) -> str:
-    if (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled"):
-        return "bf16"
-    if (ds_config.get("fp16") or {}).get("enabled"):
-        return "fp16"
-    return "fp32"
-
-
 def _holds_weights(module: Any) -> bool:
     if not isinstance(module, dict):
         return False
@@ -75,8 +69,9 @@ def _read_metadata_cached(path: str, _mtime_ns: int, _size: int) -> SavedMetadat
     ds_config = state.get("ds_config") if isinstance(state.get("ds_config"), dict) else {}
     client_state = ClientState.from_dict({key: value for key, value in state.items() if key not in DEEPSPEED_KEYS})
     saved_args = client_state.settings or {}
-    zero_stage = (ds_config.get("zero_optimization") or {}).get("stage", saved_args.get("zero_stage", 0))
-    precision = saved_args.get("precision") or _precision_from_ds_config(ds_config)
+    zero_stage = zero_stage_of(ds_config.get("zero_optimization"), saved_args.get("zero_stage", 0))
+    precision = precision_of(saved_args.get("precision"), ds_config.get("fp16"),
+                             ds_config.get("bf16") or ds_config.get("bfloat16"))
     return SavedMetadata(
         source=Path(path),
         zero_stage=int(zero_stage),
@@ -187,12 +182,13 @@ class CheckpointInventory:
     exists: bool
     latest: str | None
     tags: dict[str, TagInventory]  # oldest first
-    hf_weight_files: tuple[Path, ...] = ()
+    hf_files: tuple[Path, ...] = ()  # what a load reads: config.json, then the weights
+    hf_source: WeightsSource | None = field(default=None, repr=False, compare=False)  # what reads them
     partial_tags: tuple[str, ...] = ()  # `<tag>.partial` folders of interrupted saves, never loaded
 
     @property
     def is_hf(self) -> bool:
-        return bool(self.hf_weight_files)
+        return bool(self.hf_files)
 
     @property
     def format(self) -> str | None:
@@ -237,15 +233,11 @@ def inventory_tag(root: Path, tag: str) -> TagInventory:
     )
 
 
-def _hf_weight_files(root: Path) -> tuple[Path, ...]:
-    # Imported here: megatron.hf imports this package's errors module.
-    from megatron.hf.io import is_hf_model_dir, weight_files
+def inventory_checkpoint(load_dir: str | Path, hf_source: WeightsSource | None = None) -> CheckpointInventory:
+    """Describe `load_dir` without touching any engine; weights are never read.
 
-    return tuple(weight_files(root)) if is_hf_model_dir(root) else ()
-
-
-def inventory_checkpoint(load_dir: str | Path) -> CheckpointInventory:
-    """Describe `load_dir` without touching any engine; weights are never read."""
+    With `hf_source` (megatron.hf.HF_FOLDER), a Hugging Face model folder is recognised too.
+    """
     root = Path(load_dir).expanduser()
     if not root.is_dir():
         return CheckpointInventory(root=root, exists=False, latest=None, tags={})
@@ -254,6 +246,8 @@ def inventory_checkpoint(load_dir: str | Path) -> CheckpointInventory:
     if latest is not None and latest not in names and (root / latest).is_dir():
         names.append(latest)  # a tag named otherwise than global_step<N>
     tags = {name: inventory_tag(root, name) for name in names}
-    return CheckpointInventory(root=root, exists=True, latest=latest, tags=tags,
-                               hf_weight_files=_hf_weight_files(root),
-                               partial_tags=tuple(layout.list_partial_tags(root)))
+    partial_tags = tuple(layout.list_partial_tags(root))
+    if hf_source is not None and hf_source.detect(root):
+        return CheckpointInventory(root=root, exists=True, latest=latest, tags=tags, partial_tags=partial_tags,
+                                   hf_files=hf_source.files(root), hf_source=hf_source)
+    return CheckpointInventory(root=root, exists=True, latest=latest, tags=tags, partial_tags=partial_tags)

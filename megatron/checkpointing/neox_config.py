@@ -8,9 +8,10 @@ one describes the files of the tag as written:
   GPT-NeoX's layout for a model without a pipeline; GPT-NeoX's tools take pipe_parallel_size >= 1 to
   mean one layer_<II>-model_<MP>-model_states.pt file per layer, which are not written.
 - model_parallel_size: the number of mp_rank files.
-- sizes left unset (intermediate_size, num_kv_heads, max_position_embeddings) as resolved, because
-  GPT-NeoX's tools do not derive them; settings left unset otherwise are omitted, so a reader's default
-  applies.
+- sizes left unset (intermediate_size: 4 x hidden, num_kv_heads, max_position_embeddings) as the
+  architecture resolves them, because GPT-NeoX's tools do not derive them; intermediate_size keeps
+  GPT-NeoX's meaning (the width before GPT-NeoX's MLP rule, megatron/architecture.py). Settings left
+  unset otherwise are omitted, so a reader's default applies.
 - the tokenizer the run used (tokenizer_type, vocab_file, merge_file), its files as absolute paths; a
   run on the embedded corpus is written as a run on that corpus's dataset and tokenizer file.
 - fp16 / bf16 sections that say the precision, which GPT-NeoX's tools read from them.
@@ -21,20 +22,22 @@ Our own loader reads it back as the same run (derived settings are left out: the
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import yaml
 
+from megatron.architecture import architecture_from_settings, ungated_mlp_width
+
 
 def resolved_neox_config(settings: dict[str, Any]) -> dict[str, Any]:
     """The YAML content for `settings` (NeoXArgs.to_dict() of the run, after its tokenizer is chosen)."""
-    from megatron.model.architecture import derive_size_defaults
     from megatron.neox_arguments import SETTINGS
 
     values = {name: value for name, value in settings.items()
               if value is not None and name in SETTINGS and not SETTINGS[name].derived}
-    values.update(derive_size_defaults(SimpleNamespace(**{**{n: s.default for n, s in SETTINGS.items()}, **settings})))
+    arch = architecture_from_settings({**{n: s.default for n, s in SETTINGS.items()}, **settings})
+    values.update(intermediate_size=ungated_mlp_width(arch.hidden_size, settings.get("intermediate_size")),
+                  num_kv_heads=arch.num_kv_heads, max_position_embeddings=arch.max_position_embeddings)
     values["pipe_parallel_size"] = 0
     values["model_parallel_size"] = int(settings.get("model_parallel_size") or 1)
     for name in ("vocab_file", "merge_file"):

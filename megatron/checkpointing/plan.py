@@ -28,6 +28,7 @@ from megatron.checkpointing.inventory import (
     CheckpointInventory,
     TagInventory,
 )
+from megatron.checkpointing.weights_source import WeightsSource
 
 
 class LoadMode(str, enum.Enum):
@@ -52,6 +53,7 @@ class LoadPlan:
     notes: tuple[str, ...] = ()
     strict: bool = True  # load_module_strict
     tag_inventory: TagInventory | None = field(default=None, repr=False, compare=False)
+    hf_source: WeightsSource | None = field(default=None, repr=False, compare=False)  # reads a FORMAT_HF folder
 
     @property
     def nothing_to_load(self) -> bool:
@@ -187,11 +189,9 @@ def _hf_plan(args, inventory: CheckpointInventory, mode: LoadMode) -> LoadPlan:
             f"`load: {root}` is a Hugging Face model folder: it holds weights only, no optimizer states, "
             "iteration or RNG states. Set `finetune: true` (and leave `iteration` unset) to start from its weights."
         )
-    from megatron.hf import check_hf_settings
-
-    check_hf_settings(root, args)
+    inventory.hf_source.check_architecture(root, args.architecture())
     return LoadPlan(mode=mode, load_dir=root, source_format=FORMAT_HF, strict=bool(args.load_module_strict),
-                    files=(root / "config.json", *inventory.hf_weight_files),
+                    files=inventory.hf_files, hf_source=inventory.hf_source,
                     notes=tuple(_model_from_checkpoint_note(args, root)))
 
 
@@ -202,6 +202,19 @@ def _model_from_checkpoint_note(args, root: Path) -> list[str]:
     if not taken:
         return []
     return [f"model settings taken from {sources[taken[0]]}, as no config file sets them: {', '.join(taken)}"]
+
+
+def _check_iterations_left(plan: LoadPlan, args) -> None:
+    """A run that continues the checkpoint's iteration count must have steps left to train."""
+    if not plan.iteration_from_checkpoint or args.train_iters is None or plan.saved_iteration is None:
+        return
+    if args.train_iters <= plan.saved_iteration:
+        raise CheckpointError(
+            f"{args.source_of('train_iters')}: train_iters is {args.train_iters}, but {plan.tag_dir} was saved at "
+            f"iteration {plan.saved_iteration}, so there is nothing left to train. Raise train_iters above "
+            f"{plan.saved_iteration} to train further, load an earlier tag with `iteration: N`, or set "
+            "`finetune: true` to train its weights from iteration 0."
+        )
 
 
 def _skipped_notes(inventory: CheckpointInventory) -> list[str]:
@@ -283,5 +296,6 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         strict=bool(args.load_module_strict),
         tag_inventory=tag,
     )
-    preflight.check_plan(plan, tag, args, data_parallel_size)
+    _check_iterations_left(plan, args)
+    preflight.check_plan(files, load_optimizer, tag, args, data_parallel_size)
     return plan

@@ -8,61 +8,18 @@ checks name the cause in terms of settings, and catch what the engine would miss
 from __future__ import annotations
 
 import zipfile
-from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from pathlib import Path
 
+from megatron.architecture import architecture_mismatches, fields_of_settings
 from megatron.checkpointing import layout
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.inventory import FORMAT_PIPELINE, TagInventory
+from megatron.optimizer_layout import precision_of, zero_stage_of
 
-if TYPE_CHECKING:
-    from megatron.checkpointing.plan import LoadPlan
-
-# Settings that decide the names and shapes of the weights (or what they compute).
-ARCHITECTURE_SETTINGS = (
-    "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "intermediate_size",
-    "padded_vocab_size", "norm", "activation", "pos_emb", "rotary_pct", "no_weight_tying",
-    "gpt_j_residual", "use_bias_in_norms", "use_bias_in_attn_linear", "use_bias_in_mlp",
-    "max_position_embeddings",
-)
 _SHOWN_MISMATCHES = 3
 _MODULE_ONLY_HINT = ("set `no_load_optim: true` (keep iteration and data position, fresh optimizer) "
                      "or `finetune: true` (weights only, start at iteration 0)")
-
-
-def current_zero_stage(args) -> int:
-    stage = (args.zero_optimization or {}).get("stage")
-    return int(stage if stage is not None else getattr(args, "zero_stage", 0) or 0)
-
-
-def current_precision(args) -> str:
-    if args.precision:
-        return args.precision
-    if (args.bf16 or {}).get("enabled"):
-        return "bf16"
-    if (args.fp16 or {}).get("enabled"):
-        return "fp16"
-    return "fp32"
-
-
-def _architecture(values: dict[str, Any]) -> dict[str, Any]:
-    from megatron.model.architecture import derive_size_defaults
-
-    arch = {name: values.get(name) for name in ARCHITECTURE_SETTINGS}
-    try:  # unset sizes mean their defaults (num_kv_heads: one per query head, ...)
-        arch.update(derive_size_defaults(SimpleNamespace(**values)))
-    except (AttributeError, TypeError):
-        pass  # settings saved by another program: compare what is there
-    if arch["pos_emb"] != "learned":
-        arch["max_position_embeddings"] = None  # no weight depends on it
-    return arch
-
-
-def architecture_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(setting, saved value, current value) for each architecture setting both sides know and differ on."""
-    theirs, ours = _architecture(saved), _architecture(current)
-    return [(name, theirs[name], ours[name]) for name in ARCHITECTURE_SETTINGS
-            if theirs[name] is not None and ours[name] is not None and theirs[name] != ours[name]]
 
 
 def _check_tensor_parallel(tag: TagInventory, args) -> None:
@@ -78,12 +35,12 @@ def _check_tensor_parallel(tag: TagInventory, args) -> None:
 
 
 def _check_architecture(tag: TagInventory, args) -> None:
-    saved_args = tag.metadata.saved_args if tag.metadata else None
-    if not saved_args or not args.load_module_strict:
+    saved_settings = tag.metadata.saved_args if tag.metadata else None  # in today's meaning (client_state.py)
+    if not saved_settings or not args.load_module_strict:
         return
-    mismatches = architecture_mismatches(saved_args, args.to_dict())
+    mismatches = architecture_mismatches(fields_of_settings(saved_settings), args.architecture())
     if mismatches:
-        shown = "; ".join(f"{name}: saved {old!r}, now {new!r}" for name, old, new in mismatches[:_SHOWN_MISMATCHES])
+        shown = "; ".join(m.describe() for m in mismatches[:_SHOWN_MISMATCHES])
         more = f" (and {len(mismatches) - _SHOWN_MISMATCHES} more)" if len(mismatches) > _SHOWN_MISMATCHES else ""
         raise CheckpointError(
             f"the model does not match the checkpoint {tag.path}: {shown}{more}. Use the architecture "
@@ -114,7 +71,8 @@ def _check_resume(tag: TagInventory, args, data_parallel_size: int) -> None:
     meta = tag.metadata
     universal = tag.universal and bool(((args.deepspeed_extra_args or {}).get("checkpoint") or {}).get("load_universal"))
     saved_stage, saved_precision = meta.zero_stage, meta.precision
-    stage, precision = current_zero_stage(args), current_precision(args)
+    stage = zero_stage_of(args.zero_optimization, args.zero_stage)
+    precision = precision_of(args.precision, args.fp16, args.bf16)
     if not universal:
         if saved_stage != stage:
             raise CheckpointError(
@@ -174,24 +132,11 @@ def check_files_intact(paths) -> None:
             )
 
 
-def _check_iterations_left(plan: LoadPlan, args) -> None:
-    """A run that continues the checkpoint's iteration count must have steps left to train."""
-    if not plan.iteration_from_checkpoint or args.train_iters is None or plan.saved_iteration is None:
-        return
-    if args.train_iters <= plan.saved_iteration:
-        raise CheckpointError(
-            f"{args.source_of('train_iters')}: train_iters is {args.train_iters}, but {plan.tag_dir} was saved at "
-            f"iteration {plan.saved_iteration}, so there is nothing left to train. Raise train_iters above "
-            f"{plan.saved_iteration} to train further, load an earlier tag with `iteration: N`, or set "
-            "`finetune: true` to train its weights from iteration 0."
-        )
-
-
-def check_plan(plan: LoadPlan, tag: TagInventory, args, data_parallel_size: int) -> None:
-    """Raise CheckpointError when `plan` cannot be carried out with these settings."""
-    _check_iterations_left(plan, args)
-    check_files_intact(plan.files)
+def check_plan(files: Iterable[Path], load_optimizer: bool, tag: TagInventory, args, data_parallel_size: int) -> None:
+    """Raise CheckpointError when a plan reading `files` (and the optimizer states when `load_optimizer`)
+    cannot be carried out with these settings."""
+    check_files_intact(files)
     _check_tensor_parallel(tag, args)
     _check_architecture(tag, args)
-    if plan.load_optimizer:
+    if load_optimizer:
         _check_resume(tag, args, data_parallel_size)

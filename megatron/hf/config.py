@@ -10,13 +10,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from megatron.architecture import GELU_EXACT, GELU_TANH, Architecture, ModelConfigError
 from megatron.hf.errors import HFConversionError
-from megatron.model.architecture import Architecture, architecture_from_args
 from megatron.neox_arguments.arguments import NeoXArgs
 
 FAMILIES = ("gpt_neox", "llama")
 HF_CLASS_NAMES = {"gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM"}
-GPT_NEOX_ACTIVATIONS = ("gelu", "relu", "silu")  # HF hidden_act values with an identical activation of ours
+# HF hidden_act -> our (activation, bias_gelu_fusion); each computes the same function as ours
+GPT_NEOX_ACTIVATIONS = {
+    "gelu": ("gelu", False),
+    "gelu_pytorch_tanh": ("gelu", True),
+    "gelu_new": ("gelu", True),
+    "gelu_fast": ("gelu", True),
+    "relu": ("relu", False),
+    "silu": ("silu", False),
+}
+# our (activation, gelu_approximation) -> the HF hidden_act written for it
+HF_ACTIVATION_NAMES = {("gelu", GELU_EXACT): "gelu", ("gelu", GELU_TANH): "gelu_pytorch_tanh",
+                       ("relu", GELU_EXACT): "relu", ("silu", GELU_EXACT): "silu"}
 DEFAULT_ROPE_THETA = 10000.0
 DEFAULT_PARTIAL_ROTARY = {"gpt_neox": 0.25, "llama": 1.0}  # transformers' defaults when the key is absent
 
@@ -38,7 +49,20 @@ def architecture_of(values: dict[str, Any]) -> Architecture:
 
     Validated as saved settings: an architecture alone is no complete run configuration.
     """
-    return architecture_from_args(NeoXArgs.from_saved(values, "<model settings>"))
+    return NeoXArgs.from_saved(values, "<model settings>").architecture()
+
+
+def intermediate_settings(width: int, gated: bool, source: str) -> dict[str, int]:
+    """intermediate_size and mlp_multiple_of with which GPT-NeoX's MLP rule builds exactly ``width`` per projection.
+
+    Gated: int(3 * width * 2 / 3) = 2 * width for gate + up, half of it for linear2; ungated: width itself.
+    """
+    if not gated and width % 2:
+        raise HFConversionError(
+            f"{source}: intermediate_size={width} is odd; GPT-NeoX's MLP rule builds only even widths for "
+            "an ungated MLP (linear1 is rounded up to a multiple of 2 x mlp_multiple_of)"
+        )
+    return {"intermediate_size": 3 * width if gated else width, "mlp_multiple_of": 1}
 
 
 def _rope(hf: dict[str, Any], family: str, source: str) -> tuple[float, float]:
@@ -90,7 +114,6 @@ def spec_from_hf_config(hf: dict[str, Any], source: str = "config.json") -> HFMo
         "num_layers": _require(hf, "num_hidden_layers", source),
         "hidden_size": hidden,
         "num_attention_heads": heads,
-        "intermediate_size": _require(hf, "intermediate_size", source),
         "seq_length": max_positions,
         "max_position_embeddings": max_positions,
         "pos_emb": "rotary",
@@ -100,18 +123,22 @@ def spec_from_hf_config(hf: dict[str, Any], source: str = "config.json") -> HFMo
         "attention_dropout": float(hf.get("attention_dropout") or 0.0),
     }
     act = hf.get("hidden_act", "gelu" if family == "gpt_neox" else "silu")
+    width = _require(hf, "intermediate_size", source)
     if family == "gpt_neox":
         if act not in GPT_NEOX_ACTIVATIONS:
             raise HFConversionError(
                 f"{source}: hidden_act {act!r} is not supported for gpt_neox; supported are "
-                f"{', '.join(GPT_NEOX_ACTIVATIONS)} (an approximate GELU would change the model)"
+                f"{', '.join(GPT_NEOX_ACTIVATIONS)}"
             )
+        activation, tanh_gelu = GPT_NEOX_ACTIVATIONS[act]
+        settings.update(intermediate_settings(width, False, source))
         settings.update(
             num_kv_heads=None,
             gpt_j_residual=bool(hf.get("use_parallel_residual", True)),
             norm="layernorm",
             layernorm_epsilon=float(hf.get("layer_norm_eps", 1e-5)),
-            activation=act,
+            activation=activation,
+            bias_gelu_fusion=tanh_gelu,
             use_bias_in_norms=True,
             use_bias_in_attn_linear=bool(hf.get("attention_bias", True)),
             use_bias_in_mlp=True,
@@ -128,6 +155,7 @@ def spec_from_hf_config(hf: dict[str, Any], source: str = "config.json") -> HFMo
             )
         if rotary_pct != 1.0:
             raise HFConversionError(f"{source}: partial_rotary_factor={rotary_pct} is not supported for llama")
+        settings.update(intermediate_settings(width, True, source))
         settings.update(
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             gpt_j_residual=False,
@@ -142,7 +170,7 @@ def spec_from_hf_config(hf: dict[str, Any], source: str = "config.json") -> HFMo
     spec = HFModelSpec(family, settings, _require(hf, "vocab_size", source))
     try:
         spec.architecture()
-    except ValueError as err:
+    except ModelConfigError as err:
         raise HFConversionError(f"{source}: the model it describes is not valid for us: {err}") from None
     return spec
 
@@ -159,8 +187,9 @@ def unrepresentable(arch: Architecture, family: str) -> list[str]:
         problems.append(f"pos_emb={arch.pos_emb!r} (both families use rotary)")
     if family == "gpt_neox":
         wanted = {"norm": "layernorm", "bias_in_norms": True, "bias_in_mlp": True}
-        if arch.activation not in GPT_NEOX_ACTIVATIONS:
-            problems.append(f"activation={arch.activation!r} (gpt_neox has {', '.join(GPT_NEOX_ACTIVATIONS)})")
+        if (arch.activation, arch.gelu_approximation) not in HF_ACTIVATION_NAMES:
+            problems.append(f"activation={arch.activation!r} with GELU approximation {arch.gelu_approximation!r} "
+                            f"(gpt_neox has {', '.join(GPT_NEOX_ACTIVATIONS)})")
         if arch.num_kv_heads != arch.num_attention_heads:
             problems.append(f"num_kv_heads={arch.num_kv_heads} (gpt_neox has no grouped-query attention)")
     elif family == "llama":
@@ -198,7 +227,7 @@ def hf_config_from_architecture(arch: Architecture, family: str, dtype: str) -> 
         rope["partial_rotary_factor"] = arch.rotary_pct
         return {
             **common,
-            "hidden_act": arch.activation,
+            "hidden_act": HF_ACTIVATION_NAMES[arch.activation, arch.gelu_approximation],
             "layer_norm_eps": arch.norm_epsilon,
             "use_parallel_residual": arch.parallel_residual,
             "hidden_dropout": arch.hidden_dropout,
@@ -217,42 +246,3 @@ def hf_config_from_architecture(arch: Architecture, family: str, dtype: str) -> 
         "rope_parameters": rope,
         "rope_theta": arch.rotary_emb_base,  # transformers 4's name
     }
-
-
-# Architecture field -> (our setting name, how the setting shows the field's value)
-_COMPARED_FIELDS: dict[str, tuple[str, Any]] = {
-    "num_layers": ("num_layers", None),
-    "hidden_size": ("hidden_size", None),
-    "num_attention_heads": ("num_attention_heads", None),
-    "num_kv_heads": ("num_kv_heads", None),
-    "intermediate_size": ("intermediate_size", None),
-    "vocab_size": ("padded_vocab_size", None),
-    "pos_emb": ("pos_emb", None),
-    "rotary_pct": ("rotary_pct", None),
-    "rotary_emb_base": ("rotary_emb_base", None),
-    "tied_embeddings": ("no_weight_tying", lambda tied: not tied),
-    "parallel_residual": ("gpt_j_residual", None),
-    "norm": ("norm", None),
-    "norm_epsilon": ("layernorm_epsilon", None),
-    "activation": ("activation", None),
-    "bias_in_norms": ("use_bias_in_norms", None),
-    "bias_in_attn_linear": ("use_bias_in_attn_linear", None),
-    "bias_in_mlp": ("use_bias_in_mlp", None),
-}
-
-
-def architecture_mismatches(ours: Architecture, theirs: Architecture, source: str) -> list[str]:
-    """One line per architecture setting on which our settings and a config.json disagree."""
-    lines = []
-    for field, (setting, shown) in _COMPARED_FIELDS.items():
-        if field == "bias_in_norms" and ours.norm == theirs.norm == "rmsnorm":
-            continue  # RMSNorm has no bias either way
-        mine, other = getattr(ours, field), getattr(theirs, field)
-        if mine == other:
-            continue
-        if field == "norm_epsilon" and ours.norm == "rmsnorm":
-            setting = "rms_norm_epsilon"
-        if shown is not None:
-            mine, other = shown(mine), shown(other)
-        lines.append(f"{setting}: config says {mine!r}, HF {source} says {other!r}")
-    return lines

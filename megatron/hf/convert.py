@@ -11,6 +11,7 @@ import deepspeed
 import torch
 import yaml
 
+from megatron.architecture import ModelConfigError
 from megatron.checkpointing import layout
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
@@ -147,7 +148,7 @@ def convert_neox_to_hf(
         settings["padded_vocab_size"] = embedding.shape[0]
     try:
         arch = architecture_of(settings)
-    except ValueError as err:  # the model's own check of the settings
+    except ModelConfigError as err:  # the model's own check of the settings
         raise HFConversionError(f"{tag_dir}: the saved settings do not describe a valid model: {err}") from None
     family = architecture or family_of(arch)
     problems = unrepresentable(arch, family)

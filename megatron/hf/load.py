@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from megatron.hf.config import HFModelSpec, architecture_mismatches, spec_from_hf_config
+from megatron.architecture import Architecture, architecture_mismatches
+from megatron.hf.config import HFModelSpec, spec_from_hf_config
 from megatron.hf.errors import HFConversionError
-from megatron.hf.io import CONFIG_NAME, iter_hf_tensors, read_hf_config
+from megatron.hf.io import CONFIG_NAME, is_hf_model_dir, iter_hf_tensors, read_hf_config, weight_files
 from megatron.hf.mapping import convert_tensors, hf_to_ours
-from megatron.model.architecture import architecture_from_args
 
 
 def read_hf_model(
@@ -24,21 +23,40 @@ def read_hf_model(
     return spec, convert_tensors(iter_hf_tensors(hf_dir, progress), direction, str(hf_dir), dtype)
 
 
-def check_hf_settings(hf_dir: Path, args: Any) -> None:
-    """HFConversionError unless ``args`` describes the model in ``hf_dir``; it names each differing setting."""
+def check_hf_settings(hf_dir: Path, arch: Architecture) -> None:
+    """HFConversionError unless ``arch`` is the model in ``hf_dir``; it names each differing field and both values."""
     hf_dir = Path(hf_dir)
     source = str(hf_dir / CONFIG_NAME)
     theirs = spec_from_hf_config(read_hf_config(hf_dir), source).architecture()
-    mismatches = architecture_mismatches(architecture_from_args(args), theirs, source)
+    mismatches = architecture_mismatches(theirs.compared_fields(), arch)
     if mismatches:
         raise HFConversionError(
             f"the model settings do not describe the Hugging Face model in {hf_dir}:\n  "
-            + "\n  ".join(mismatches)
+            + "\n  ".join(m.describe(f"{CONFIG_NAME} says", "the settings say") for m in mismatches)
             + "\nUse the settings that tools/ckpts/convert_hf_to_neox.py --config-out writes for this model."
         )
 
 
-def load_hf_module_weights(hf_dir: Path, args: Any) -> dict[str, torch.Tensor]:
-    """Our-named fp32 tensors of the HF model in ``hf_dir``, after checking ``args`` describes that model."""
-    check_hf_settings(hf_dir, args)
+def load_hf_module_weights(hf_dir: Path, arch: Architecture) -> dict[str, torch.Tensor]:
+    """Our-named fp32 tensors of the HF model in ``hf_dir``, after checking ``arch`` is that model."""
+    check_hf_settings(hf_dir, arch)
     return read_hf_model(hf_dir, torch.float32)[1]
+
+
+class HFFolder:
+    """A Hugging Face model folder as a checkpoint the load plan can read (checkpointing's WeightsSource)."""
+
+    def detect(self, path: Path) -> bool:
+        return is_hf_model_dir(path)
+
+    def files(self, path: Path) -> tuple[Path, ...]:
+        return (Path(path) / CONFIG_NAME, *weight_files(path))
+
+    def check_architecture(self, path: Path, arch: Architecture) -> None:
+        check_hf_settings(path, arch)
+
+    def read_weights(self, path: Path, arch: Architecture) -> dict[str, torch.Tensor]:
+        return load_hf_module_weights(path, arch)
+
+
+HF_FOLDER = HFFolder()

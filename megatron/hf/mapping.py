@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.architecture import Architecture
 from megatron.checkpointing.legacy_names import is_legacy_buffer_key, translate_legacy_key
 from megatron.hf.errors import HFConversionError
-from megatron.model.architecture import Architecture
 from megatron.model.gpt_model import layer_key
 
 Convert = Callable[[list[torch.Tensor]], list[torch.Tensor]]

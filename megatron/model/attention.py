@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron.model.architecture import Architecture
+from megatron.architecture import Architecture
 from megatron.model.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,

@@ -13,16 +13,13 @@ checkpoints one to one:
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from deepspeed.accelerator import get_accelerator
 
-from megatron.model.architecture import Architecture, architecture_from_args
+from megatron.architecture import Architecture, ModelConfigError
 from megatron.model.embedding import Embedding
-from megatron.model.errors import ModelConfigError
 from megatron.model.init_methods import init_std, initialise_parameters, normal_init
 from megatron.model.norms import build_norm
 from megatron.model.parallel_layers import (
@@ -70,9 +67,8 @@ def layer_key(index: int) -> str:
 
 
 class GPTModel(torch.nn.Module):
-    def __init__(self, args: Any):
+    def __init__(self, arch: Architecture):
         super().__init__()
-        arch = architecture_from_args(args)
         self.arch = arch
         init_method = normal_init(
             init_std(arch.init_method, arch.init_method_std, arch.num_layers, arch.hidden_size)
@@ -140,12 +136,12 @@ class GPTModel(torch.nn.Module):
         return logits if parallel_output else gather_last_dim(logits)
 
 
-def build_model(args: Any) -> GPTModel:
-    """GPTModel with weights drawn from ``args.seed`` (same seed, same weights), on the accelerator.
+def build_model(arch: Architecture, seed: int) -> GPTModel:
+    """GPTModel with weights drawn from ``seed`` (same seed, same weights), on the accelerator.
 
     The global RNG state is left as it was.
     """
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(args.seed)
-        model = GPTModel(args)
+        torch.manual_seed(seed)
+        model = GPTModel(arch)
     return model.to(get_accelerator().current_device_name())

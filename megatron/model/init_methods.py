@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import torch
 
+from megatron.architecture import Architecture
 from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
-from megatron.model.architecture import Architecture
 from megatron.model.partitioning import (
     INITIALISED_WEIGHTS,
     OUTPUT_WEIGHTS,

@@ -1,7 +1,8 @@
 """The feed-forward block: ``linear1`` -> activation -> ``linear2`` (GPT-NeoX's names).
 
-For swiglu, ``linear1`` holds the up projection then the gate projection stacked along its output
-dimension (per tensor-parallel partition), and the activation is silu(gate) * up (Llama's MLP).
+Widths follow GPT-NeoX's rule (megatron/architecture.py). For swiglu, ``linear1`` holds the up
+projection then the gate projection stacked along its output dimension (per tensor-parallel
+partition), and the activation is silu(gate) * up (GPT-NeoX's gated activation, Llama's MLP).
 """
 
 from __future__ import annotations
@@ -9,18 +10,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron.model.architecture import Architecture
+from megatron.architecture import GELU_EXACT, GELU_ONNX_ERF, GELU_TANH, Architecture
 from megatron.model.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     model_parallel_config,
 )
 
-_ACTIVATIONS = {
-    "gelu": F.gelu,  # exact (erf) GELU, Hugging Face GPTNeoX's "gelu"
-    "relu": F.relu,
-    "silu": F.silu,
-}
+
+def _tanh_gelu(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def _onnx_erf_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GPT-NeoX's onnx_safe GELU: the erf form with 1.41421 where exact GELU has sqrt(2)."""
+    return x * 0.5 * (torch.erf(x / 1.41421) + 1.0)
+
+
+_GELUS = {GELU_EXACT: F.gelu, GELU_TANH: _tanh_gelu, GELU_ONNX_ERF: _onnx_erf_gelu}
+_ACTIVATIONS = {"relu": F.relu, "silu": F.silu}
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -52,11 +60,13 @@ class MLP(torch.nn.Module):
     def __init__(self, arch: Architecture, init_method, output_init_method):
         super().__init__()
         config = model_parallel_config()
-        gated = arch.activation == "swiglu"
-        self.activation = swiglu if gated else _ACTIVATIONS[arch.activation]
+        if arch.activation == "gelu":
+            self.activation = _GELUS[arch.gelu_approximation]
+        else:
+            self.activation = swiglu if arch.gated else _ACTIVATIONS[arch.activation]
         self.linear1 = ColumnParallelLinear(
             arch.hidden_size,
-            (2 if gated else 1) * arch.intermediate_size,
+            arch.linear1_width,
             config=config,
             init_method=init_method,
             bias=arch.bias_in_mlp,

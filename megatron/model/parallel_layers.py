@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from megatron.architecture import ModelConfigError
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.model.errors import ModelConfigError
 
 
 def model_parallel_config() -> ModelParallelConfig:

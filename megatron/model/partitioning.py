@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.model.architecture import Architecture
+from megatron.architecture import Architecture
 
 
 @dataclass(frozen=True)

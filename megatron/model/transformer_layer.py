@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron.model.architecture import Architecture
+from megatron.architecture import Architecture
 from megatron.model.attention import SelfAttention
 from megatron.model.mlp import MLP
 from megatron.model.norms import build_norm

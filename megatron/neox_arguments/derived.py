@@ -10,8 +10,15 @@ import math
 from pathlib import Path
 from typing import Any
 
+from megatron.architecture import (
+    ModelConfigError,
+    built_intermediate_size,
+    gelu_approximation,
+    tensor_parallel_split_problem,
+)
 from megatron.neox_arguments.errors import ConfigError, where
 from megatron.neox_arguments.world import count_ranks
+from megatron.optimizer_layout import precision_of, zero_stage_of
 from megatron.tokenizer.tokenizer import TOKENIZER_FILES
 
 # The source of data_path/vocab_file/tokenizer_type when the run context points them at the embedded corpus.
@@ -31,16 +38,6 @@ def padded_vocab_size(orig_vocab_size: int, divisible_by: int, model_parallel_si
     """The vocabulary padded so each tensor-parallel shard holds a multiple of `divisible_by` rows."""
     multiple = divisible_by * model_parallel_size
     return int(math.ceil(orig_vocab_size / multiple) * multiple)
-
-
-def tensor_parallel_split_problem(tp: int, heads: int, kv_heads: int, intermediate_size: int) -> str | None:
-    """Why the model cannot be split over ``tp`` tensor-parallel ranks, or None when it can."""
-    for name, value in (("num_attention_heads", heads), ("num_kv_heads", kv_heads),
-                        ("intermediate_size", intermediate_size)):
-        if value % tp:
-            return (f"{name}={value} is not divisible by model_parallel_size={tp}; each tensor-parallel "
-                    f"rank holds an equal share of it, so choose a model_parallel_size that divides {value}")
-    return None
 
 
 def derive_all(v: dict[str, Any], sources: dict[str, str], require_run_settings: bool,
@@ -121,7 +118,7 @@ def _derive_precision(v: dict[str, Any], sources: dict[str, str]) -> None:
         raise ConfigError(
             f"{where(sources, 'fp16')} and {where(sources, 'bf16')}: both enabled; enable at most one"
         )
-    from_sections = "fp16" if fp16_on else "bf16" if bf16_on else "fp32"
+    from_sections = precision_of(None, v["fp16"], v["bf16"])
     precision = v["precision"]
     if precision is None:
         precision = from_sections
@@ -144,7 +141,7 @@ def _explicitly_off(v: dict[str, Any], precision: str) -> bool:
 
 def _derive_zero_stage(v: dict[str, Any], sources: dict[str, str]) -> None:
     zero = dict(v["zero_optimization"] or {})
-    stage = zero.get("stage", 0)
+    stage = zero_stage_of(zero)
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise _fail(sources, "zero_optimization", f"stage must be 0, 1, 2 or 3, got {stage!r}")
     zero["stage"] = stage
@@ -261,13 +258,6 @@ def _derive_batch(v: dict[str, Any], sources: dict[str, str], require_run_settin
     v["train_micro_batch_size_per_gpu"], v["gradient_accumulation_steps"], v["train_batch_size"] = micro, accum, total
 
 
-def default_intermediate_size(hidden_size: int, activation: str, multiple_of: int) -> int:
-    """4 x hidden, or for swiglu Llama's int(2 * 4 * hidden / 3) rounded up to a multiple of multiple_of."""
-    if activation != "swiglu":
-        return 4 * hidden_size
-    return -(-int(2 * 4 * hidden_size / 3) // multiple_of) * multiple_of
-
-
 def _derive_model_shape(v: dict[str, Any], sources: dict[str, str]) -> None:
     hidden, heads = v["hidden_size"], v["num_attention_heads"]
     if hidden % heads:
@@ -285,11 +275,15 @@ def _derive_model_shape(v: dict[str, Any], sources: dict[str, str]) -> None:
         rotary_dims = int(hidden // heads * v["rotary_pct"])
         if rotary_dims < 2 or rotary_dims % 2:
             raise _fail(sources, "rotary_pct", f"rotates {rotary_dims} of {hidden // heads} head dims; needs an even number >= 2")
-    if v["intermediate_size"] is None:
-        v["intermediate_size"] = default_intermediate_size(hidden, v["activation"], v["mlp_multiple_of"])
-    problem = tensor_parallel_split_problem(
-        v["model_parallel_size"], heads, v["num_kv_heads"], v["intermediate_size"]
-    )
+    try:
+        width = built_intermediate_size(hidden, v["intermediate_size"], v["activation"], v["mlp_multiple_of"])
+    except ModelConfigError as err:
+        raise _fail(sources, "intermediate_size", str(err)) from None
+    try:
+        gelu_approximation(v["activation"], v["bias_gelu_fusion"], v["onnx_safe"])
+    except ModelConfigError as err:
+        raise ConfigError(f"{where(sources, 'bias_gelu_fusion')} and {where(sources, 'onnx_safe')}: {err}") from None
+    problem = tensor_parallel_split_problem(v["model_parallel_size"], heads, v["num_kv_heads"], width)
     if problem:
         raise _fail(sources, "model_parallel_size", problem)
     v["max_position_embeddings"] = v["max_position_embeddings"] or v["seq_length"]

@@ -39,7 +39,6 @@ def _only_with(feature: str) -> str:
 INERT: dict[str, str] = {
     "scaled_upper_triang_masked_softmax_fusion": _KERNEL,
     "scaled_masked_softmax_fusion": _KERNEL,
-    "bias_gelu_fusion": _KERNEL,
     "bias_dropout_fusion": _KERNEL,
     "rope_fusion": _KERNEL,
     "layernorm_fusion": _KERNEL,
@@ -77,7 +76,6 @@ INERT: dict[str, str] = {
     "deepspeed": "training always runs on DeepSpeed",
     "deepscale": "a deprecated GPT-NeoX flag without effect",
     "deepscale_config": "a deprecated GPT-NeoX flag without effect",
-    "onnx_safe": "only matters for ONNX export",
     "wall_clock_breakdown": "DeepSpeed's timing breakdown is always off; the trainer logs its own timings",
     "wandb_host": "W&B uses its own environment (WANDB_BASE_URL)",
     "wandb_team": "W&B uses its own environment (WANDB_ENTITY)",

@@ -71,7 +71,7 @@ def build_engine(options: argparse.Namespace):
             "padded_vocab_size": options.vocab,
         }
     )
-    model = build_model(args)
+    model = build_model(args.architecture(), args.seed)
     config = {
         "train_micro_batch_size_per_gpu": options.batch,
         "gradient_accumulation_steps": 1,

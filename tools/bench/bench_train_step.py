@@ -47,7 +47,8 @@ def our_model(family: str, options: argparse.Namespace) -> torch.nn.Module:
                         use_bias_in_attn_linear=False, use_bias_in_mlp=False)
     else:
         settings.update(rotary_pct=0.25, gpt_j_residual=True)
-    return build_model(NeoXArgs.from_dict(settings))
+    args = NeoXArgs.from_dict(settings)
+    return build_model(args.architecture(), args.seed)
 
 
 def hf_model(family: str, options: argparse.Namespace, mlp_width: int) -> torch.nn.Module:

@@ -30,7 +30,7 @@ with contextlib.redirect_stdout(sys.stderr):
     from megatron.checkpointing.inventory import CheckpointInventory, TagInventory, inventory_checkpoint
     from megatron.checkpointing.module_weights import read_module_weights
     from megatron.checkpointing.plan import LoadMode, build_load_plan
-    from megatron.hf.load import read_hf_model
+    from megatron.hf.load import HF_FOLDER, read_hf_model
     from megatron.neox_arguments import ConfigError, NeoXArgs
 
 MODE_FLAGS = {
@@ -94,7 +94,7 @@ def load_modes(
 
 
 def describe(root: Path, tag_name: str | None) -> dict[str, Any]:
-    inventory = inventory_checkpoint(root)
+    inventory = inventory_checkpoint(root, HF_FOLDER)
     if not inventory.exists:
         raise CheckpointError(f"{root} does not exist")
     report: dict[str, Any] = {
@@ -133,7 +133,7 @@ def describe(root: Path, tag_name: str | None) -> dict[str, Any]:
 def diff(root: Path, tag_name: str | None, other_root: Path, other_tag: str | None) -> dict[str, Any]:
     sides = []
     for path, name in ((root, tag_name), (other_root, other_tag)):
-        inventory = inventory_checkpoint(path)
+        inventory = inventory_checkpoint(path, HF_FOLDER)
         sides.append(module_weights(inventory, chosen_tag(inventory, name)))
     mine, theirs = sides
     common = sorted(set(mine) & set(theirs))

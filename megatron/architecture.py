@@ -1,0 +1,385 @@
+"""The model's architecture: one contract, resolved once from plain setting values.
+
+Every part that needs the model's shape takes an ``Architecture``: ``build_model``, the load
+plan's compatibility check, the Hugging Face config mapping and the converters. It is resolved by
+``architecture_from_settings`` from a mapping of settings (names and meanings as in GPT-NeoX).
+This module imports nothing from the rest of the package but its error base (megatron/errors.py),
+so any layer may depend on it.
+
+A load is refused when a field of ``FIELDS_THAT_REFUSE_A_LOAD`` differs between the checkpoint
+(or Hugging Face config.json) and the run, whatever the checkpoint's source:
+
+| field                   | from the settings                                  | compared when           |
+|-------------------------|----------------------------------------------------|-------------------------|
+| num_layers              | num_layers                                         | always                  |
+| hidden_size             | hidden_size                                        | always                  |
+| num_attention_heads     | num_attention_heads                                | always                  |
+| num_kv_heads            | num_kv_heads (unset: one per query head)           | always                  |
+| intermediate_size       | GPT-NeoX's MLP rule (``mlp_widths``), as built     | always                  |
+| vocab_size              | padded_vocab_size                                  | always                  |
+| max_position_embeddings | max_position_embeddings (unset: seq_length)        | pos_emb is learned      |
+| pos_emb                 | pos_emb                                            | always                  |
+| rotary_pct              | rotary_pct                                         | pos_emb is rotary       |
+| rotary_emb_base         | rotary_emb_base                                    | pos_emb is rotary       |
+| norm                    | norm                                               | always                  |
+| norm_epsilon            | layernorm_epsilon or rms_norm_epsilon, per norm    | always                  |
+| activation              | activation                                         | always                  |
+| gelu_approximation      | bias_gelu_fusion (tanh), onnx_safe (erf, GPT-NeoX) | activation is gelu      |
+| bias_in_norms           | use_bias_in_norms                                  | norm is layernorm       |
+| bias_in_attn_linear     | use_bias_in_attn_linear                            | always                  |
+| bias_in_mlp             | use_bias_in_mlp                                    | always                  |
+| tied_embeddings         | not no_weight_tying                                | always                  |
+| parallel_residual       | gpt_j_residual                                     | always                  |
+| sliding_window_width    | sliding_window_width (unset: no window; Mistral)   | the setting is known    |
+
+Settings saved by another program may lack some keys: a field whose settings are missing is not
+compared (``fields_of_settings``). The other fields (dropout, initialisation, activation
+recomputation, tensor-parallel size) shape how the model trains or is laid out, not the function
+its weights compute, and never refuse a load here.
+
+GPT-NeoX's MLP rule (``ParallelMLP``): ``intermediate_size`` (unset: 4 x hidden_size) is the
+ungated width; a gated activation (swiglu) takes ``int(intermediate_size * 2 / 3)`` for the fused
+gate + up projection ``linear1``, rounded up to a multiple of ``2 * mlp_multiple_of``, and half of
+it, rounded up to ``mlp_multiple_of``, as ``linear2``'s input. Llama-7B's ``intermediate_size:
+32768`` with ``mlp_multiple_of: 256`` builds 11008 per projection. ``Architecture.intermediate_size``
+is that built width per projection (Hugging Face's ``intermediate_size``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from megatron.errors import ExpectedError
+
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "relu", "silu", "swiglu")
+GATED_ACTIVATIONS = ("swiglu",)
+POSITION_EMBEDDINGS = ("learned", "rotary", "none")
+INIT_METHODS = ("normal", "small_init", "wang_init", "scaled_normal")
+# GELU as GPT-NeoX computes it: exact (erf), tanh (bias_gelu_fusion), or erf with 1.41421 for sqrt(2) (onnx_safe)
+GELU_EXACT, GELU_TANH, GELU_ONNX_ERF = "none", "tanh", "onnx_erf"
+
+
+class ModelConfigError(ExpectedError, ValueError):
+    """The settings do not describe a model that can be built; the message says which and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    intermediate_size: int  # MLP inner width per projection, as built (linear2's input)
+    vocab_size: int
+    max_position_embeddings: int | None
+    pos_emb: str
+    rotary_pct: float
+    rotary_emb_base: float
+    tied_embeddings: bool
+    parallel_residual: bool
+    norm: str
+    norm_epsilon: float
+    activation: str
+    gelu_approximation: str
+    bias_in_norms: bool
+    bias_in_attn_linear: bool
+    bias_in_mlp: bool
+    hidden_dropout: float
+    attention_dropout: float
+    init_method: str
+    output_layer_init_method: str
+    init_method_std: float
+    checkpoint_activations: bool
+    model_parallel_size: int = 1
+    sliding_window_width: int | None = None  # Mistral: keys at most this many positions back, and the query's own
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_ndims(self) -> int:
+        return int(self.head_dim * self.rotary_pct) if self.pos_emb == "rotary" else 0
+
+    @property
+    def gated(self) -> bool:
+        return self.activation in GATED_ACTIVATIONS
+
+    @property
+    def linear1_width(self) -> int:
+        """Output width of the MLP's first projection (gate and up stacked for gated activations)."""
+        return (2 if self.gated else 1) * self.intermediate_size
+
+    def compared_fields(self) -> dict[str, Any]:
+        """The fields of FIELDS_THAT_REFUSE_A_LOAD that matter for this model (see the table above)."""
+        return _relevant(dataclasses.asdict(self))
+
+
+# field -> the settings a user changes to match it (shown when a load is refused)
+FIELDS_THAT_REFUSE_A_LOAD: dict[str, str] = {
+    "num_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_kv_heads": "num_kv_heads",
+    "intermediate_size": "intermediate_size, mlp_multiple_of",
+    "vocab_size": "padded_vocab_size, from the tokenizer and make_vocab_size_divisible_by",
+    "max_position_embeddings": "max_position_embeddings",
+    "pos_emb": "pos_emb",
+    "rotary_pct": "rotary_pct",
+    "rotary_emb_base": "rotary_emb_base",
+    "norm": "norm",
+    "norm_epsilon": "layernorm_epsilon or rms_norm_epsilon",
+    "activation": "activation",
+    "gelu_approximation": "bias_gelu_fusion, onnx_safe",
+    "bias_in_norms": "use_bias_in_norms",
+    "bias_in_attn_linear": "use_bias_in_attn_linear",
+    "bias_in_mlp": "use_bias_in_mlp",
+    "tied_embeddings": "no_weight_tying",
+    "parallel_residual": "gpt_j_residual",
+    "sliding_window_width": "sliding_window_width",
+}
+_UNSET_IS_A_VALUE = ("sliding_window_width",)  # None means "no window", not "unknown"
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def ungated_mlp_width(hidden_size: int, intermediate_size: int | None) -> int:
+    """intermediate_size, or GPT-NeoX's default for it: 4 x hidden_size."""
+    return intermediate_size or 4 * hidden_size
+
+
+def mlp_widths(hidden_size: int, intermediate_size: int | None, activation: str, multiple_of: int) -> tuple[int, int]:
+    """(linear1's output width, linear2's input width) by GPT-NeoX's rule; see the module docstring."""
+    width = ungated_mlp_width(hidden_size, intermediate_size)
+    inner = width
+    if activation in GATED_ACTIVATIONS:
+        width = int(width * 2 / 3)
+        inner = width // 2
+    return _round_up(width, 2 * multiple_of), _round_up(inner, multiple_of)
+
+
+def built_intermediate_size(hidden_size: int, intermediate_size: int | None, activation: str, multiple_of: int) -> int:
+    """The MLP width per projection GPT-NeoX builds; ModelConfigError where its two projections would not fit."""
+    linear1, linear2_in = mlp_widths(hidden_size, intermediate_size, activation, multiple_of)
+    gated = activation in GATED_ACTIVATIONS
+    if linear1 != (2 if gated else 1) * linear2_in:
+        raise ModelConfigError(
+            f"intermediate_size={intermediate_size} with mlp_multiple_of={multiple_of} and activation={activation!r} "
+            f"gives linear1 {linear1} wide but linear2 {linear2_in} wide under GPT-NeoX's MLP rule"
+            f"{' (gate + up: twice linear2)' if gated else ''}, which cannot be built; choose an intermediate_size "
+            f"that {'gives an even int(intermediate_size * 2 / 3)' if gated else 'is a multiple of 2 x mlp_multiple_of'}"
+        )
+    return linear2_in
+
+
+def gelu_approximation(activation: str, bias_gelu_fusion: bool, onnx_safe: bool) -> str:
+    """GPT-NeoX's GELU variant: bias_gelu_fusion selects the tanh form, onnx_safe an erf form; only for gelu."""
+    if activation != "gelu":
+        return GELU_EXACT
+    if bias_gelu_fusion and onnx_safe:
+        raise ModelConfigError("bias_gelu_fusion and onnx_safe select different GELUs (as in GPT-NeoX); set at most one")
+    if bias_gelu_fusion:
+        return GELU_TANH
+    return GELU_ONNX_ERF if onnx_safe else GELU_EXACT
+
+
+_MISSING = object()
+
+
+def _fields(values: Mapping[str, Any], strict: bool = True) -> dict[str, Any]:
+    """Every field these settings determine; a field whose settings are missing (or None) is _MISSING.
+
+    Not ``strict``: a field whose settings another program saved in a form we cannot read is _MISSING too.
+    """
+
+    def get(name: str) -> Any:
+        value = values.get(name, _MISSING)
+        return _MISSING if value is None else value
+
+    def derive(fn, *names: str) -> Any:
+        given = [get(name) for name in names]
+        if any(value is _MISSING for value in given):
+            return _MISSING
+        try:
+            return fn(*given)
+        except (TypeError, ValueError):
+            if strict:
+                raise
+            return _MISSING
+
+    heads = get("num_attention_heads")
+    kv_heads = get("num_kv_heads")
+    norm = get("norm")
+    epsilon_name = {"layernorm": "layernorm_epsilon", "rmsnorm": "rms_norm_epsilon"}.get(norm)
+    seq_length = get("seq_length")
+    max_positions = get("max_position_embeddings")
+    return {
+        "num_layers": get("num_layers"),
+        "hidden_size": get("hidden_size"),
+        "num_attention_heads": heads,
+        "num_kv_heads": heads if kv_heads is _MISSING else kv_heads,
+        "intermediate_size": derive(
+            lambda hidden, activation, multiple_of: built_intermediate_size(
+                hidden, values.get("intermediate_size"), activation, multiple_of),
+            "hidden_size", "activation", "mlp_multiple_of"),
+        "vocab_size": get("padded_vocab_size"),
+        "max_position_embeddings": seq_length if max_positions is _MISSING else max_positions,
+        "pos_emb": get("pos_emb"),
+        "rotary_pct": derive(float, "rotary_pct"),
+        "rotary_emb_base": derive(float, "rotary_emb_base"),
+        "tied_embeddings": derive(lambda untied: not untied, "no_weight_tying"),
+        "parallel_residual": derive(bool, "gpt_j_residual"),
+        "norm": norm,
+        "norm_epsilon": derive(float, epsilon_name) if epsilon_name else _MISSING,
+        "activation": get("activation"),
+        "gelu_approximation": derive(
+            lambda activation: gelu_approximation(
+                activation, bool(values.get("bias_gelu_fusion")), bool(values.get("onnx_safe"))),
+            "activation"),
+        "bias_in_norms": derive(lambda bias, kind: bool(bias) and kind == "layernorm", "use_bias_in_norms", "norm"),
+        "bias_in_attn_linear": derive(bool, "use_bias_in_attn_linear"),
+        "bias_in_mlp": derive(bool, "use_bias_in_mlp"),
+        "hidden_dropout": derive(float, "hidden_dropout"),
+        "attention_dropout": derive(float, "attention_dropout"),
+        "init_method": get("init_method"),
+        "output_layer_init_method": get("output_layer_init_method"),
+        "init_method_std": derive(float, "init_method_std"),
+        "checkpoint_activations": derive(bool, "checkpoint_activations"),
+        "model_parallel_size": values.get("model_parallel_size") or 1,
+        "sliding_window_width": values.get("sliding_window_width", _MISSING),
+    }
+
+
+def _relevant(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The compared fields that are known and matter, given the others (see the table above)."""
+    known = {name: fields[name] for name in FIELDS_THAT_REFUSE_A_LOAD
+             if fields.get(name, _MISSING) is not _MISSING
+             and (fields[name] is not None or name in _UNSET_IS_A_VALUE)}
+    pos_emb = known.get("pos_emb")
+    if pos_emb != "learned":
+        known.pop("max_position_embeddings", None)
+    if pos_emb is not None and pos_emb != "rotary":
+        known.pop("rotary_pct", None)
+        known.pop("rotary_emb_base", None)
+    if known.get("activation", "gelu") != "gelu":
+        known.pop("gelu_approximation", None)
+    if known.get("norm", "layernorm") != "layernorm":
+        known.pop("bias_in_norms", None)
+    return known
+
+
+def fields_of_settings(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The compared fields that ``values`` (settings, possibly partial: saved by another program) determine.
+
+    Fields whose settings are missing are left out, so partial settings are compared on what is there.
+    """
+    return _relevant(_fields(values, strict=False))
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    field: str
+    theirs: Any
+    ours: Any
+
+    def describe(self, theirs_label: str = "saved", ours_label: str = "now") -> str:
+        settings = FIELDS_THAT_REFUSE_A_LOAD[self.field]
+        hint = "" if settings == self.field else f" (set by {settings})"
+        return f"{self.field}: {theirs_label} {self.theirs!r}, {ours_label} {self.ours!r}{hint}"
+
+
+def architecture_mismatches(theirs: Mapping[str, Any], ours: Architecture) -> list[Mismatch]:
+    """Each field of FIELDS_THAT_REFUSE_A_LOAD on which ``theirs`` (compared fields, possibly partial) and ``ours`` differ."""
+    mine = ours.compared_fields()
+    return [Mismatch(name, theirs[name], mine[name]) for name in FIELDS_THAT_REFUSE_A_LOAD
+            if name in theirs and name in mine and theirs[name] != mine[name]]
+
+
+def tensor_parallel_split_problem(tp: int, heads: int, kv_heads: int, intermediate_size: int) -> str | None:
+    """Why the model cannot be split over ``tp`` tensor-parallel ranks, or None when it can.
+
+    ``intermediate_size`` is the MLP width per projection as built.
+    """
+    for name, value in (("num_attention_heads", heads), ("num_kv_heads", kv_heads),
+                        ("intermediate_size", intermediate_size)):
+        if value % tp:
+            return (f"{name}={value}{' (the MLP width as built)' if name == 'intermediate_size' else ''} is not "
+                    f"divisible by model_parallel_size={tp}; each tensor-parallel rank holds an equal share of it, "
+                    f"so choose a model_parallel_size that divides {value}")
+    return None
+
+
+def _require_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ModelConfigError(f"model setting {name}={value!r} is not supported; use one of {', '.join(choices)}")
+
+
+def _require_positive_int(name: str, value: Any, hint: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ModelConfigError(f"model setting {name}={value!r} must be a positive integer{hint}")
+
+
+def architecture_from_settings(values: Mapping[str, Any]) -> Architecture:
+    """Validate the model settings in ``values`` (every model setting present) and resolve them into an Architecture."""
+    for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        _require_positive_int(name, values.get(name))
+    _require_positive_int(
+        "padded_vocab_size", values.get("padded_vocab_size"),
+        "; the caller sets it from the tokenizer's vocabulary padded to make_vocab_size_divisible_by",
+    )
+    for name, choices in (("norm", NORMS), ("activation", ACTIVATIONS), ("pos_emb", POSITION_EMBEDDINGS),
+                          ("init_method", INIT_METHODS), ("output_layer_init_method", INIT_METHODS)):
+        _require_choice(name, values.get(name), choices)
+    hidden, heads = values["hidden_size"], values["num_attention_heads"]
+    if hidden % heads:
+        raise ModelConfigError(
+            f"hidden_size={hidden} is not divisible by num_attention_heads={heads}; "
+            "choose sizes so that every head has the same width"
+        )
+    if values.get("intermediate_size") is not None:
+        _require_positive_int("intermediate_size", values["intermediate_size"])
+    _require_positive_int("mlp_multiple_of", values.get("mlp_multiple_of"))
+    fields = _fields(values)
+    kv_heads = fields["num_kv_heads"]
+    _require_positive_int("num_kv_heads", kv_heads)
+    if kv_heads > heads or heads % kv_heads:
+        raise ModelConfigError(
+            f"num_kv_heads={kv_heads} must divide num_attention_heads={heads} "
+            "(each key/value head serves the same number of query heads)"
+        )
+    if fields["pos_emb"] == "learned":
+        _require_positive_int("max_position_embeddings", fields["max_position_embeddings"],
+                              " for learned position embeddings; set it or seq_length")
+    if fields["pos_emb"] == "rotary":
+        pct = fields["rotary_pct"]
+        if not 0 < pct <= 1:
+            raise ModelConfigError(f"rotary_pct={pct} must lie in (0, 1]")
+        rotary_ndims = int(hidden // heads * pct)
+        if rotary_ndims < 2 or rotary_ndims % 2:
+            raise ModelConfigError(
+                f"rotary_pct={pct} of head width {hidden // heads} gives {rotary_ndims} "
+                "rotary dimensions; rotary embedding needs an even number of at least 2"
+            )
+    if fields["sliding_window_width"] is _MISSING:
+        fields["sliding_window_width"] = None
+    if fields["sliding_window_width"] is not None:
+        _require_positive_int("sliding_window_width", fields["sliding_window_width"])
+    tp = fields["model_parallel_size"]
+    problem = tensor_parallel_split_problem(tp, heads, kv_heads, fields["intermediate_size"])
+    if problem is None and fields["vocab_size"] % tp:
+        problem = (f"padded_vocab_size={fields['vocab_size']} is not divisible by model_parallel_size={tp}; the "
+                   "vocabulary is padded to a multiple of make_vocab_size_divisible_by x model_parallel_size")
+    if problem:
+        raise ModelConfigError(problem)
+    missing = [name for name, value in fields.items() if value is _MISSING and name != "max_position_embeddings"]
+    if missing:
+        raise ModelConfigError(f"model settings {', '.join(missing)} are not set; the model cannot be built without them")
+    if fields["max_position_embeddings"] is _MISSING:
+        fields["max_position_embeddings"] = None
+    return Architecture(**fields)

@@ -1,0 +1,30 @@
+"""How the checkpointing layer reads a model folder in another program's format (a Hugging Face folder).
+
+Checkpointing defines the interface and never imports the code that implements it: the caller
+(``megatron.training``, the tools) passes an implementation in (``megatron.hf.HF_FOLDER``). The load
+plan then treats such a folder as one more checkpoint format, whose weights load module-only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from megatron.architecture import Architecture
+
+
+class WeightsSource(Protocol):
+    def detect(self, path: Path) -> bool:
+        """Whether ``path`` is a folder in this format."""
+
+    def files(self, path: Path) -> tuple[Path, ...]:
+        """The files a load reads: the description of the model first, then the weights."""
+
+    def check_architecture(self, path: Path, arch: Architecture) -> None:
+        """Raise a CheckpointError naming each field in which the folder's model differs from ``arch``."""
+
+    def read_weights(self, path: Path, arch: Architecture) -> dict[str, torch.Tensor]:
+        """The weights under our parameter names, in fp32, after check_architecture."""
