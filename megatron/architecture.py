@@ -169,11 +169,13 @@ def built_intermediate_size(hidden_size: int, intermediate_size: int | None, act
     linear1, linear2_in = mlp_widths(hidden_size, intermediate_size, activation, multiple_of)
     gated = activation in GATED_ACTIVATIONS
     if linear1 != (2 if gated else 1) * linear2_in:
+        given = f"intermediate_size={intermediate_size}" if intermediate_size else f"intermediate_size unset (4 x hidden = {4 * hidden_size})"
         raise ModelConfigError(
-            f"intermediate_size={intermediate_size} with mlp_multiple_of={multiple_of} and activation={activation!r} "
-            f"gives linear1 {linear1} wide but linear2 {linear2_in} wide under GPT-NeoX's MLP rule"
-            f"{' (gate + up: twice linear2)' if gated else ''}, which cannot be built; choose an intermediate_size "
-            f"that {'gives an even int(intermediate_size * 2 / 3)' if gated else 'is a multiple of 2 x mlp_multiple_of'}"
+            f"{given} with mlp_multiple_of={multiple_of} and activation={activation!r} gives linear1 {linear1} wide "
+            f"but linear2 {linear2_in} wide under GPT-NeoX's MLP rule{' (gate + up: twice linear2)' if gated else ''}, "
+            f"which GPT-NeoX cannot build either; set intermediate_size so that "
+            f"{'int(intermediate_size * 2 / 3) is even' if gated else 'it is a multiple of 2 x mlp_multiple_of'}, "
+            "or raise mlp_multiple_of"
         )
     return linear2_in
 

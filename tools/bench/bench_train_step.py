@@ -44,7 +44,7 @@ def our_model(family: str, options: argparse.Namespace) -> torch.nn.Module:
     }
     if family == "llama":
         settings.update(norm="rmsnorm", activation="swiglu", num_kv_heads=options.kv_heads, use_bias_in_norms=False,
-                        use_bias_in_attn_linear=False, use_bias_in_mlp=False)
+                        use_bias_in_attn_linear=False, use_bias_in_mlp=False, mlp_multiple_of=256)  # as Llama's configs
     else:
         settings.update(rotary_pct=0.25, gpt_j_residual=True)
     args = NeoXArgs.from_dict(settings)
