@@ -39,7 +39,7 @@ FAMILIES = {
     # Llama: RMSNorm, SwiGLU, grouped-query attention, no biases, untied output.
     "llama": dict(pos_emb="rotary", rotary_pct=1.0, rotary_emb_base=10000, gpt_j_residual=False,
                   no_weight_tying=True, norm="rmsnorm", rms_norm_epsilon=1e-6, activation="swiglu",
-                  intermediate_size=80, num_kv_heads=2, use_bias_in_norms=False,
+                  intermediate_size=3 * 80, num_kv_heads=2, use_bias_in_norms=False,
                   use_bias_in_attn_linear=False, use_bias_in_mlp=False),
 }
 
@@ -80,7 +80,8 @@ def full(named: dict[str, torch.Tensor], arch) -> dict[str, torch.Tensor]:
 
 def loss_and_grads(family: str, tp: int) -> tuple[torch.Tensor, dict, dict, torch.Tensor]:
     set_tensor_parallel_size(tp)
-    model = build_model(model_args(family, tp))
+    args = model_args(family, tp)
+    model = build_model(args.architecture(), args.seed)
     tokens, labels = batch()
     loss = causal_lm_loss(model(tokens, parallel_output=True), labels, vocab_parallel=True)
     loss.backward()
@@ -110,7 +111,8 @@ def same_model_same_loss_and_gradients() -> None:
 
 def engine_step(family: str, tp: int, stage: int) -> tuple[float | None, dict]:
     set_tensor_parallel_size(tp)
-    model = build_model(model_args(family, tp))
+    args = model_args(family, tp)
+    model = build_model(args.architecture(), args.seed)
     config = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "eps": 1.0}}, "gradient_clipping": 0.05,
               "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
