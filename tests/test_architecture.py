@@ -50,8 +50,7 @@ GPT_NEOX_LLAMA_STYLE = """
 def test_gpt_neox_llama_style_config_builds_the_shapes_gpt_neox_builds(tmp_path):
     config = tmp_path / "llama-style.yml"
     config.write_text(GPT_NEOX_LLAMA_STYLE)
-    args = NeoXArgs.from_dict(yaml.safe_load(config.read_text()), source=str(config))
-    args.padded_vocab_size = 128
+    args = NeoXArgs.from_dict({**yaml.safe_load(config.read_text()), "padded_vocab_size": 128}, source=str(config))
     shapes = {name: tuple(p.shape) for name, p in GPTModel(args.architecture()).named_parameters()}
     # int(512 * 2 / 3) = 341 -> up to a multiple of 2 x 16: 352 for gate + up; 341 // 2 = 170 -> up to 16: 176
     layer = {
@@ -146,10 +145,11 @@ def test_every_field_of_the_list_is_checked_here():
 
 def _save_native(root, settings):
     """A checkpoint of ours as save_checkpoint lays it out: the weights plus the run's settings."""
-    model = GPTModel(NeoXArgs(settings).architecture())
+    args = NeoXArgs.from_dict(settings)
+    model = GPTModel(args.architecture())
     tag = root / "global_step1"
     tag.mkdir(parents=True)
-    torch.save({"module": model.state_dict(), "iteration": 1, "args": NeoXArgs(settings).to_dict(),
+    torch.save({"module": model.state_dict(), "iteration": 1, "args": args.to_dict(),
                 FORMAT_VERSION_KEY: FORMAT_VERSION}, tag / "mp_rank_00_model_states.pt")
     (root / "latest").write_text("global_step1")
     return root
@@ -166,7 +166,7 @@ def sources(single_rank_world, tmp_path_factory):
 
 
 def _plan(load, settings):
-    args = NeoXArgs({**settings, "load": str(load), "finetune": True})
+    args = NeoXArgs.from_dict({**settings, "load": str(load), "finetune": True})
     return build_load_plan(args, inventory_checkpoint(load, HF_FOLDER), 1)
 
 

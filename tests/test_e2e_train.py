@@ -73,8 +73,8 @@ def assert_gpt_neox_config_describes_the_files(tag_dir: Path) -> dict:
     assert qkv.shape[0] == (config["num_attention_heads"] + 2 * config["num_kv_heads"]) * head_dim
     assert config["max_position_embeddings"] >= config["seq_length"]
     # Our own loader reads it back as the run that saved it.
-    reread = NeoXArgs.from_yaml_files([tag_dir / "configs" / "neox_config.yml"])
-    reread.padded_vocab_size = padded
+    reread = NeoXArgs.from_yaml_files([tag_dir / "configs" / "neox_config.yml"]).with_values(
+        {"padded_vocab_size": padded}, "test")
     assert architecture_mismatches(fields_of_settings(read_client_state(tag_dir)["args"]), reread.architecture()) == []
     return config
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.architecture import architecture_from_settings
 from megatron.checkpointing.legacy_names import is_legacy_buffer_key, translate_legacy_key
 from megatron.model import (
     GPTModel,
@@ -587,9 +587,9 @@ def test_unset_sizes_get_gpt_neox_defaults():
 )
 def test_impossible_settings_are_refused_with_the_setting_named(overrides, message):
     # past the settings layer's own checks (validated settings never hold these): the model checks too
-    args = SimpleNamespace(**{**tiny_args().to_dict(), **overrides})
+    settings = {**tiny_args().to_dict(), **overrides}
     with pytest.raises(ModelConfigError, match=message):
-        GPTModel(args.architecture())
+        GPTModel(architecture_from_settings(settings))
 
 
 def test_swiglu_gradients_equal_autograd_through_chunk():
@@ -632,7 +632,7 @@ def _windowed_reference(q, k, v, allowed):
 def test_sliding_window_attention_sees_only_the_window(kv_heads):
     allowed = [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0],
                [0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1]]  # width 1
-    layer = GPTModel(tiny_args(NEOX, pos_emb="none", num_kv_heads=kv_heads, sliding_window_width=1)).layers[0]
+    layer = GPTModel(tiny_args(NEOX, pos_emb="none", num_kv_heads=kv_heads, sliding_window_width=1).architecture()).layers[0]
     randomize_(layer)
     x = torch.randn(1, 6, HIDDEN, generator=torch.Generator().manual_seed(3))
     q, k, v = reference_qkv(layer, x[0], HEADS, kv_heads)
@@ -648,7 +648,7 @@ def test_sliding_window_attention_sees_only_the_window(kv_heads):
 
 def test_sliding_window_at_least_the_sequence_is_plain_causal_attention():
     args = tiny_args(NEOX, pos_emb="none")
-    plain, windowed = GPTModel(args).layers[0], GPTModel(tiny_args(NEOX, pos_emb="none", sliding_window_width=5)).layers[0]
+    plain, windowed = GPTModel(args.architecture()).layers[0], GPTModel(tiny_args(NEOX, pos_emb="none", sliding_window_width=5).architecture()).layers[0]
     windowed.load_state_dict(plain.state_dict())
     x = torch.randn(1, 6, HIDDEN, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():

@@ -45,7 +45,7 @@ def test_a_compiled_engine_computes_what_the_eager_one_does():
     batch = tokens(seed=4)
     losses, names = {}, {}
     for compiled in (False, True):
-        model = build_model(tiny_args(LLAMA, num_layers=1))
+        model = build_model(tiny_args(LLAMA, num_layers=1).architecture(), 1234)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         if compiled:
             engine.compile()

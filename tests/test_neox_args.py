@@ -353,8 +353,7 @@ def test_checkpoint_factor_and_save_interval_are_one_setting(tmp_path):
 def test_mlp_width_follows_known_models(tmp_path):
     """Published per-projection widths (Hugging Face configs) from the settings GPT-NeoX's configs give them."""
     def built(**settings):
-        args = run_args(tmp_path, **settings)
-        args.padded_vocab_size = 256
+        args = run_args(tmp_path, **settings).with_values({"padded_vocab_size": 256}, "test")
         return args.architecture().intermediate_size
 
     assert built(hidden_size=768, num_attention_heads=12) == 3072  # Pythia-160M: 4 x hidden
@@ -368,8 +367,7 @@ def test_mlp_width_follows_known_models(tmp_path):
 
 def test_bias_gelu_fusion_and_onnx_safe_select_gpt_neox_gelus(tmp_path):
     def approximation(**settings):
-        args = run_args(tmp_path, **settings)
-        args.padded_vocab_size = 256
+        args = run_args(tmp_path, **settings).with_values({"padded_vocab_size": 256}, "test")
         return args.architecture().gelu_approximation
 
     assert approximation() == "none"
