@@ -63,8 +63,9 @@ def settings_for_run(paths: list[str]) -> NeoXArgs:
 
 def _checkpoint_model_settings(load: Path, iteration: int | None) -> tuple[dict[str, Any], str]:
     from megatron.checkpointing.inventory import inventory_checkpoint
+    from megatron.hf import HF_FOLDER
 
-    inventory = inventory_checkpoint(load)
+    inventory = inventory_checkpoint(load, HF_FOLDER)
     if inventory.is_hf:
         return _hf_model_settings(load)
     tag_name = layout.tag_for_iteration(iteration) if iteration is not None else inventory.latest

@@ -10,6 +10,7 @@ import yaml
 from megatron.checkpointing import CheckpointError
 from megatron.checkpointing.inventory import inventory_checkpoint
 from megatron.checkpointing.plan import build_load_plan
+from megatron.hf import HF_FOLDER
 from megatron.neox_arguments import ConfigError
 from megatron.run_context import settings_for_run
 from tests.ckpt_engines import make_args, saved_checkpoint, tiny_hf_model
@@ -69,4 +70,4 @@ def test_the_model_of_a_hugging_face_folder_comes_from_its_config_json(tmp_path)
     args = settings_for_run(finetune_yml(tmp_path, load=str(hf_dir), num_layers=3))
     args = args.with_values({"padded_vocab_size": 32}, "a tokenizer of at most 32 tokens")
     with pytest.raises(CheckpointError, match="num_layers"):
-        build_load_plan(args, inventory_checkpoint(hf_dir), 1)
+        build_load_plan(args, inventory_checkpoint(hf_dir, HF_FOLDER), 1)
