@@ -296,11 +296,11 @@ class Mismatch:
         return f"{self.field}: {theirs_label} {self.theirs!r}, {ours_label} {self.ours!r}{hint}"
 
 
-def architecture_mismatches(theirs: Mapping[str, Any], ours: Architecture) -> list[Mismatch]:
-    """Each field of FIELDS_THAT_REFUSE_A_LOAD on which ``theirs`` (compared fields, possibly partial) and ``ours`` differ."""
-    mine = ours.compared_fields()
-    return [Mismatch(name, theirs[name], mine[name]) for name in FIELDS_THAT_REFUSE_A_LOAD
-            if name in theirs and name in mine and theirs[name] != mine[name]]
+def architecture_mismatches(theirs: Mapping[str, Any], ours: Mapping[str, Any]) -> list[Mismatch]:
+    """Each field of FIELDS_THAT_REFUSE_A_LOAD on which two sets of compared fields (``fields_of_settings``,
+    ``Architecture.compared_fields``; possibly partial) differ."""
+    return [Mismatch(name, theirs[name], ours[name]) for name in FIELDS_THAT_REFUSE_A_LOAD
+            if name in theirs and name in ours and theirs[name] != ours[name]]
 
 
 def tensor_parallel_split_problem(tp: int, heads: int, kv_heads: int, intermediate_size: int) -> str | None:

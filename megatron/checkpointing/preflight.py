@@ -38,7 +38,7 @@ def _check_architecture(tag: TagInventory, args) -> None:
     saved_settings = tag.metadata.saved_args if tag.metadata else None  # in today's meaning (client_state.py)
     if not saved_settings or not args.load_module_strict:
         return
-    mismatches = architecture_mismatches(fields_of_settings(saved_settings), args.architecture())
+    mismatches = architecture_mismatches(fields_of_settings(saved_settings), fields_of_settings(args.to_dict()))
     if mismatches:
         shown = "; ".join(m.describe() for m in mismatches[:_SHOWN_MISMATCHES])
         more = f" (and {len(mismatches) - _SHOWN_MISMATCHES} more)" if len(mismatches) > _SHOWN_MISMATCHES else ""

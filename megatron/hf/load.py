@@ -28,7 +28,7 @@ def check_hf_settings(hf_dir: Path, arch: Architecture) -> None:
     hf_dir = Path(hf_dir)
     source = str(hf_dir / CONFIG_NAME)
     theirs = spec_from_hf_config(read_hf_config(hf_dir), source).architecture()
-    mismatches = architecture_mismatches(theirs.compared_fields(), arch)
+    mismatches = architecture_mismatches(theirs.compared_fields(), arch.compared_fields())
     if mismatches:
         raise HFConversionError(
             f"the model settings do not describe the Hugging Face model in {hf_dir}:\n  "
