@@ -8,11 +8,11 @@ import socket
 import pytest
 import torch
 
+from megatron.architecture import ModelConfigError
 from megatron.checkpointing import CheckpointError
 from megatron.data.errors import DataError
 from megatron.hf.errors import HFConversionError
 from megatron.launcher import port_is_free, rendezvous_port
-from megatron.model.errors import ModelConfigError
 from megatron.neox_arguments import ConfigError
 from megatron.rank_errors import EXIT_EXPECTED_ERROR, expected_error_line, run_rank
 from megatron.tokenizer.errors import TokenizerError
