@@ -182,7 +182,7 @@ def test_pipeline_layer_files_of_gpt_neox_first_llama_mlp_read_as_linear1_and_li
                                "optimizer": {"type": "Adam", "params": {"lr": 0.001}},
                                "train_micro_batch_size_per_gpu": 1, "padded_vocab_size": 128})
     torch.manual_seed(0)
-    model = GPTModel(args)
+    model = GPTModel(args.architecture())
     tag_dir = write_gpt_neox_pipeline_checkpoint(model, tmp_path, rename=old_llama_mlp_names)
     assert "mlp.w3.weight" in torch.load(tag_dir / layer_file_name(2, 0), weights_only=True)
     read = read_module_weights(tag_dir)
