@@ -278,11 +278,24 @@ def test_resume_with_another_precision_is_refused(checkpoints):
     assert plan_for(checkpoints["zero1"], precision="bf16", finetune=True).module_only
 
 
-def test_another_tensor_parallel_size_is_refused(tmp_path):
-    saved_args = {**make_args(stage=0).to_dict(), "model_parallel_size": 2}  # as a tensor-parallel run records it
-    saved_checkpoint(tmp_path, make_args(stage=0), client_state={"args": saved_args})
-    with pytest.raises(CheckpointError, match="tensor-parallel size 2.*model_parallel_size 1"):
-        plan_for(tmp_path, stage=0, finetune=True)
+def test_full_resume_at_another_tensor_parallel_size_is_refused_with_the_way_out(checkpoints):
+    with pytest.raises(CheckpointError, match=r"tensor-parallel size 1 .*model_parallel_size 2; its optimizer "
+                                              r"shards cannot be re-split.*no_load_optim: true.*finetune: true"):
+        plan_for(checkpoints["zero1"], model_parallel_size=2, num_gpus=2)
+
+
+@pytest.mark.parametrize("mode", [{"finetune": True}, {"no_load_optim": True}])
+def test_module_only_load_at_another_tensor_parallel_size_re_splits_every_mp_file(checkpoints, mode):
+    plan = plan_for(checkpoints["zero1"], model_parallel_size=2, num_gpus=2, **mode)
+    assert "re-split from tensor-parallel size 1 to 2" in plan.describe()
+    assert [p.name for p in plan.files] == ["mp_rank_00_model_states.pt"]
+
+
+def test_a_size_change_that_pads_the_vocabulary_otherwise_names_the_setting_to_change(checkpoints):
+    saved = inventory_checkpoint(checkpoints["zero1"]).tags["global_step2"].metadata.saved_args
+    with pytest.raises(CheckpointError, match=r"pads the vocabulary to .* rows.*make_vocab_size_divisible_by"):
+        plan_for(checkpoints["zero1"], model_parallel_size=2, num_gpus=2, finetune=True,
+                 padded_vocab_size=saved["padded_vocab_size"] + 2)
 
 
 def test_architecture_mismatch_names_settings_and_values(checkpoints):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron.checkpointing import commit, layout, manifest
+from megatron.checkpointing import commit, layout, manifest, preflight
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.collective import all_gather, barrier
 from megatron.checkpointing.errors import CheckpointError
@@ -170,10 +170,33 @@ def plan_load(args, data_parallel_size: int, hf_source: WeightsSource | None = N
 
 def _module_weights(plan: LoadPlan, args):
     if plan.hf_source is not None:
-        return plan.hf_source.read_weights(plan.load_dir, args.architecture())
+        return _this_ranks_part([plan.hf_source.read_weights(plan.load_dir, args.architecture())], args)
     from megatron.checkpointing.module_weights import read_module_weights
 
-    return read_module_weights(plan.tag_dir)
+    rank, size = _tensor_parallel_rank_and_size()
+    saved = preflight.saved_tensor_parallel_size(plan.tag_inventory)
+    if saved == size:
+        return read_module_weights(plan.tag_dir, rank)
+    return _this_ranks_part([read_module_weights(plan.tag_dir, mp) for mp in range(saved)], args)
+
+
+def _tensor_parallel_rank_and_size() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _this_ranks_part(parts: list[dict], args) -> dict:
+    """This tensor-parallel rank's slices of weights saved by ``len(parts)`` ranks (memory-mapped parts are
+    read only where the slices lie)."""
+    from megatron.model.partitioning import repartition_state_dict
+
+    rank, size = _tensor_parallel_rank_and_size()
+    if len(parts) == size:
+        return parts[rank]
+    return repartition_state_dict(parts, args.architecture(), rank, size)
 
 
 def _saved_progress(plan: LoadPlan, client_state: ClientState, args) -> tuple[int, int]:
@@ -203,7 +226,7 @@ def _check_names_for_resume(plan: LoadPlan, engine, args) -> None:
         )
     if not args.load_module_strict:
         targets = engine.module.state_dict(keep_vars=True)
-        report = compare_module_keys(targets, read_module_weights(plan.tag_dir))
+        report = compare_module_keys(targets, read_module_weights(plan.tag_dir, _tensor_parallel_rank_and_size()[0]))
         check_random_layers(report, targets, args.load_module_allow_random or ())
         if not report.complete:
             _logger().info(report.describe())

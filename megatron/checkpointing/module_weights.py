@@ -101,6 +101,15 @@ def _stored_module_weights(tag_dir: str | Path, mp_rank: int) -> dict[str, torch
     )
 
 
+def read_full_module_weights(tag_dir: str | Path, tensor_parallel_size: int, arch) -> dict[str, torch.Tensor]:
+    """The module of ``tag_dir`` as whole tensors: the ``tensor_parallel_size`` ranks' parts joined
+    along their split dimensions (``arch``, a megatron.model Architecture, says which)."""
+    from megatron.model.partitioning import repartition_state_dict
+
+    parts = [read_module_weights(tag_dir, mp) for mp in range(tensor_parallel_size)]
+    return parts[0] if tensor_parallel_size == 1 else repartition_state_dict(parts, arch, 0, 1)
+
+
 def read_client_state(tag_dir: str | Path, mp_rank: int = 0) -> dict:
     """Everything in the tag's model-states file except the module weights (iteration, args, rng, ...).
 

@@ -151,7 +151,7 @@ def _module_files(tag: TagInventory) -> tuple[Path, ...]:
     if tag.format == FORMAT_PIPELINE:
         return tag.layer_files
     if tag.metadata is not None and tag.metadata.has_module_weights and tag.model_states_files:
-        return (tag.model_states_files[min(tag.model_states_files)],)
+        return tuple(tag.model_states_files.values())  # one per tensor-parallel rank
     if tag.zero3_model_states_files and tag.optimizer_files:
         # No full module file: the weights are rebuilt from the ZeRO-3 fp32 partitions.
         return tuple(tag.zero3_model_states_files.values()) + tuple(tag.optimizer_files.values())
@@ -278,6 +278,10 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         )
     if tag.format == FORMAT_ZERO3 and not load_optimizer:
         notes.append("no full module file: weights are rebuilt from the ZeRO-3 fp32 partitions")
+    saved_tp, wanted_tp = preflight.saved_tensor_parallel_size(tag), args.model_parallel_size or 1
+    if saved_tp != wanted_tp and not load_optimizer:
+        notes.append(f"weights re-split from tensor-parallel size {saved_tp} to {wanted_tp} while loading "
+                     "(each rank reads only its slices)")
     notes.append(f"files checked against {layout.MANIFEST_FILE} before they are read" if tag.has_manifest else
                  f"no {layout.MANIFEST_FILE} (saved by another program or an older version): files are not checksummed")
     notes += skipped

@@ -22,15 +22,32 @@ _MODULE_ONLY_HINT = ("set `no_load_optim: true` (keep iteration and data positio
                      "or `finetune: true` (weights only, start at iteration 0)")
 
 
-def _check_tensor_parallel(tag: TagInventory, args) -> None:
-    wanted = args.model_parallel_size or 1
+def saved_tensor_parallel_size(tag: TagInventory) -> int:
     saved_args = (tag.metadata.saved_args if tag.metadata else None) or {}
-    saved = max(tag.saved_tp_size, saved_args.get("model_parallel_size") or 1)
-    if saved != wanted:
+    return max(tag.saved_tp_size, saved_args.get("model_parallel_size") or 1)
+
+
+def _check_tensor_parallel(tag: TagInventory, args, load_optimizer: bool) -> None:
+    """A module-only load re-splits the weights to this run's size; optimizer shards cannot be re-split."""
+    wanted, saved = args.model_parallel_size or 1, saved_tensor_parallel_size(tag)
+    if saved == wanted:
+        return
+    if load_optimizer:
         raise CheckpointError(
             f"{tag.path} was saved with tensor-parallel size {saved} (mp_rank files for ranks "
-            f"{list(tag.mp_ranks)}), this run has model_parallel_size {wanted}. Set "
-            f"`model_parallel_size: {saved}`, or convert the checkpoint first."
+            f"{list(tag.mp_ranks)}), this run has model_parallel_size {wanted}; its optimizer shards cannot be "
+            f"re-split. Set `model_parallel_size: {saved}` to resume, or {_MODULE_ONLY_HINT} (the weights are "
+            "re-split while loading)."
+        )
+    saved_args = (tag.metadata.saved_args if tag.metadata else None) or {}
+    saved_vocab, vocab = saved_args.get("padded_vocab_size"), args.padded_vocab_size
+    if saved_vocab and vocab and saved_vocab != vocab:
+        multiple = (saved_args.get("make_vocab_size_divisible_by") or 1) * saved
+        hint = (f"set `make_vocab_size_divisible_by: {multiple // wanted}` so this run pads the same way"
+                if multiple % wanted == 0 else f"use a model_parallel_size that divides {multiple}")
+        raise CheckpointError(
+            f"{tag.path} pads the vocabulary to {saved_vocab} rows (make_vocab_size_divisible_by x tensor-parallel "
+            f"size {saved}), this run to {vocab} (x {wanted}); the padding rows would not match. {hint[0].upper()}{hint[1:]}."
         )
 
 
@@ -136,7 +153,7 @@ def check_plan(files: Iterable[Path], load_optimizer: bool, tag: TagInventory, a
     """Raise CheckpointError when a plan reading `files` (and the optimizer states when `load_optimizer`)
     cannot be carried out with these settings."""
     check_files_intact(files)
-    _check_tensor_parallel(tag, args)
+    _check_tensor_parallel(tag, args, load_optimizer)
     _check_architecture(tag, args)
     if load_optimizer:
         _check_resume(tag, args, data_parallel_size)

@@ -15,7 +15,12 @@ from megatron.architecture import ModelConfigError
 from megatron.checkpointing import layout
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.module_weights import read_client_state, read_module_weights
+from megatron.checkpointing.inventory import inventory_tag
+from megatron.checkpointing.module_weights import (
+    read_client_state,
+    read_full_module_weights,
+    read_module_weights,
+)
 from megatron.fsio import write_atomically
 from megatron.hf.config import (
     FAMILIES,
@@ -28,6 +33,8 @@ from megatron.hf.errors import HFConversionError
 from megatron.hf.io import DEFAULT_MAX_SHARD_BYTES, TOKENIZER_NAME, write_hf_dir
 from megatron.hf.load import read_hf_model
 from megatron.hf.mapping import convert_tensors, ours_to_hf
+from megatron.model.partitioning import partition, partitioning
+from megatron.neox_arguments.derived import tensor_parallel_split_problem
 from megatron.neox_arguments.yaml_files import merge_config_files
 from megatron.tokenizer import EOD_TOKEN, PAD_TOKEN
 
@@ -54,13 +61,26 @@ def _yaml_settings(spec_settings: dict[str, Any], vocab_size: int, tokenizer: Pa
 
 
 def convert_hf_to_neox(
-    hf_dir: Path, out_dir: Path, dtype: str = "fp32", config_out: Path | None = None, progress: bool = False
+    hf_dir: Path,
+    out_dir: Path,
+    dtype: str = "fp32",
+    config_out: Path | None = None,
+    progress: bool = False,
+    model_parallel_size: int = 1,
 ) -> ConvertedCheckpoint:
-    """Write ``out_dir/latest`` and ``out_dir/global_step0/mp_rank_00_model_states.pt`` (module only)."""
+    """Write ``out_dir/latest`` and ``out_dir/global_step0/mp_rank_<MP>_model_states.pt``, one per
+    tensor-parallel rank of ``model_parallel_size`` (module only)."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if dtype not in DTYPES:
         raise HFConversionError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     spec, module = read_hf_model(hf_dir, DTYPES[dtype], progress)
+    arch = spec.architecture()
+    problem = tensor_parallel_split_problem(model_parallel_size, arch.num_attention_heads, arch.num_kv_heads,
+                                            arch.intermediate_size)
+    if problem is None and spec.vocab_size % model_parallel_size:
+        problem = f"vocab_size={spec.vocab_size} is not divisible by model_parallel_size={model_parallel_size}"
+    if problem:
+        raise HFConversionError(f"{hf_dir} cannot be split for --model-parallel-size {model_parallel_size}: {problem}")
     tag_dir = out_dir / CONVERTED_TAG
     tag_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = None
@@ -71,23 +91,26 @@ def convert_hf_to_neox(
     client_state = ClientState(
         iteration=0,
         consumed_train_samples=0,
-        settings={**settings, "padded_vocab_size": spec.vocab_size, "precision": dtype},
+        settings={**settings, "padded_vocab_size": spec.vocab_size, "precision": dtype,
+                  "model_parallel_size": model_parallel_size},
         converted_from=str(hf_dir.resolve()),
     )
-    state = {
-        "module": module,
-        "buffer_names": [],
-        "optimizer": None,
-        "lr_scheduler": None,
-        "global_steps": 0,
-        "global_samples": 0,
-        "skipped_steps": 0,
-        "dp_world_size": 1,
-        "mp_world_size": 1,
-        "ds_version": deepspeed.__version__,
-        **client_state.to_dict(),
-    }
-    write_atomically(tag_dir / layout.model_states_name(0), lambda path: torch.save(state, path))
+    for mp in range(model_parallel_size):
+        state = {
+            "module": {name: partition(value, partitioning(name, arch), mp, model_parallel_size).clone()
+                       for name, value in module.items()},
+            "buffer_names": [],
+            "optimizer": None,
+            "lr_scheduler": None,
+            "global_steps": 0,
+            "global_samples": 0,
+            "skipped_steps": 0,
+            "dp_world_size": 1,
+            "mp_world_size": model_parallel_size,
+            "ds_version": deepspeed.__version__,
+            **client_state.to_dict(),
+        }
+        write_atomically(tag_dir / layout.model_states_name(mp), lambda path, state=state: torch.save(state, path))
     layout.write_latest(out_dir, CONVERTED_TAG)
     if config_out is not None:
         config_out = Path(config_out)
@@ -139,17 +162,19 @@ def convert_neox_to_hf(
     if tag is None:
         raise HFConversionError(f"{ckpt_dir} has no `latest` file; name the tag to convert with --tag")
     tag_dir = ckpt_dir / tag
-    module = read_module_weights(tag_dir)
+    tp_size = inventory_tag(ckpt_dir, tag).saved_tp_size
+    first_part = read_module_weights(tag_dir)
     settings = _settings_of_checkpoint(tag_dir, config_files)
-    embedding = module.get("sequential.0.word_embeddings.weight")
+    embedding = first_part.get("sequential.0.word_embeddings.weight")
     if embedding is None:
         raise HFConversionError(f"{tag_dir}: no sequential.0.word_embeddings.weight; not a checkpoint of this model")
     if settings.get("padded_vocab_size") is None:
-        settings["padded_vocab_size"] = embedding.shape[0]
-    try:
-        arch = architecture_of(settings)
+        settings["padded_vocab_size"] = embedding.shape[0] * tp_size
+    try:  # the whole model: its parts are joined below
+        arch = architecture_of({**settings, "model_parallel_size": 1})
     except ModelConfigError as err:  # the model's own check of the settings
         raise HFConversionError(f"{tag_dir}: the saved settings do not describe a valid model: {err}") from None
+    module = read_full_module_weights(tag_dir, tp_size, arch)
     family = architecture or family_of(arch)
     problems = unrepresentable(arch, family)
     if problems:

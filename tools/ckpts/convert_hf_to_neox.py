@@ -1,9 +1,10 @@
 """Convert a Hugging Face GPTNeoXForCausalLM / LlamaForCausalLM folder into a module-only checkpoint of ours.
 
     python tools/ckpts/convert_hf_to_neox.py --input HF_DIR --output OUT_DIR [--dtype fp32|bf16|fp16]
-                                             [--config-out FILE.yml]
+                                             [--config-out FILE.yml] [--model-parallel-size N]
 
-Writes OUT_DIR/latest, OUT_DIR/global_step0/mp_rank_00_model_states.pt (no optimizer states) and,
+Writes OUT_DIR/latest, OUT_DIR/global_step0/mp_rank_<MP>_model_states.pt for each of the N
+tensor-parallel ranks (default 1; no optimizer states) and,
 with --config-out, a YAML of the settings that reproduce the model (fine-tune with `load: OUT_DIR`
 and `finetune: true`).
 """
@@ -26,9 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, type=Path, help="checkpoint folder to write")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="dtype of the saved weights")
     parser.add_argument("--config-out", type=Path, help="write the model's settings as YAML here")
+    parser.add_argument("--model-parallel-size", type=int, default=1,
+                        help="tensor-parallel ranks to split the weights for (one mp_rank file each)")
     options = parser.parse_args(argv)
     try:
-        result = convert_hf_to_neox(options.input, options.output, options.dtype, options.config_out, progress=True)
+        result = convert_hf_to_neox(options.input, options.output, options.dtype, options.config_out, progress=True,
+                                    model_parallel_size=options.model_parallel_size)
     except HFConversionError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

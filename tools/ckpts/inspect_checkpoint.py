@@ -28,8 +28,9 @@ with contextlib.redirect_stdout(sys.stderr):
     from megatron.checkpointing import layout
     from megatron.checkpointing.errors import CheckpointError
     from megatron.checkpointing.inventory import CheckpointInventory, TagInventory, inventory_checkpoint
-    from megatron.checkpointing.module_weights import read_module_weights
+    from megatron.checkpointing.module_weights import read_full_module_weights, read_module_weights
     from megatron.checkpointing.plan import LoadMode, build_load_plan
+    from megatron.hf.config import architecture_of
     from megatron.hf.load import HF_FOLDER, read_hf_model
     from megatron.neox_arguments import ConfigError, NeoXArgs
 
@@ -57,7 +58,15 @@ def module_weights(inventory: CheckpointInventory, tag: TagInventory | None) -> 
     """The weights under our names: a tag's module, or an HF folder converted on the fly."""
     if tag is None:
         return read_hf_model(inventory.root)[1]
-    return read_module_weights(tag.path)
+    return tag_weights(tag)
+
+
+def tag_weights(tag: TagInventory) -> dict[str, torch.Tensor]:
+    """The whole tensors of a tag, its tensor-parallel ranks' parts joined (by the saved architecture)."""
+    settings = tag.metadata.saved_args if tag.metadata else None
+    if tag.saved_tp_size == 1 or not settings:
+        return read_module_weights(tag.path)
+    return read_full_module_weights(tag.path, tag.saved_tp_size, architecture_of({**settings, "model_parallel_size": 1}))
 
 
 def parameter_summary(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -108,8 +117,8 @@ def describe(root: Path, tag_name: str | None) -> dict[str, Any]:
         spec, weights = read_hf_model(inventory.root)
         report.update(hf_family=spec.family, saved_settings={**spec.settings, "padded_vocab_size": spec.vocab_size})
     else:
-        weights = read_module_weights(tag.path)
         metadata = tag.metadata
+        weights = tag_weights(tag)
         saved_iteration = metadata.client_state.iteration if metadata else None
         report.update(
             tag=tag.tag,
@@ -118,6 +127,7 @@ def describe(root: Path, tag_name: str | None) -> dict[str, Any]:
             zero_stage=metadata.zero_stage if metadata else None,
             precision=metadata.precision if metadata else None,
             dp_world_size=metadata.dp_world_size if metadata else None,
+            tensor_parallel_size=tag.saved_tp_size,
             optimizer_states={
                 "in_model_states_file": bool(metadata and metadata.has_optimizer_in_file),
                 "zero_shard_dp_ranks": list(tag.optimizer_dp_ranks),
@@ -160,7 +170,8 @@ def print_report(report: dict[str, Any]) -> None:
     if "tag" in report:
         print(f"tag {report['tag']} ({report['tag_format']}): iteration {report['iteration']}, "
               f"ZeRO stage {report['zero_stage']}, precision {report['precision']}, "
-              f"saved by {report['dp_world_size']} data-parallel rank(s)")
+              f"saved by {report['dp_world_size']} data-parallel rank(s) x {report['tensor_parallel_size']} "
+              "tensor-parallel")
         optim = report["optimizer_states"]
         print(f"  optimizer states: in model-states file {optim['in_model_states_file']}, "
               f"ZeRO shards for DP ranks {optim['zero_shard_dp_ranks'] or 'none'}, universal {optim['universal']}")
