@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 # Llama family with grouped-query attention, in bf16 under ZeRO-1, 2 ranks forming one tensor-parallel group.
 TP_RUN = dict(norm="rmsnorm", activation="swiglu", num_kv_heads=2, rotary_pct=1.0, gpt_j_residual=False,
               use_bias_in_norms=False, use_bias_in_attn_linear=False, use_bias_in_mlp=False,
-              rms_norm_epsilon=1.0e-6, intermediate_size=344, num_layers=2, seq_length=64,
+              rms_norm_epsilon=1.0e-6, intermediate_size=3 * 344, num_layers=2, seq_length=64,
               max_position_embeddings=64, train_micro_batch_size_per_gpu=4, eval_interval=100, eval_iters=1,
               precision="bf16", bf16={"enabled": True}, zero_optimization={"stage": 1},
               checkpoint_validation_with_forward_pass=True)
