@@ -6,7 +6,7 @@ after a checkpoint saved at ``iteration``). GPT-NeoX's scheduler has taken ``n =
 when optimizer step ``step`` runs, and sets the LR from ``n``:
 
 - warmup (``n <= warmup_iters``, when ``warmup_iters > 0``): ``peak * max(1, n) / warmup_iters``; the
-  first two steps share the smallest warmup LR.
+  first two steps share the smallest warmup LR. A warmup shorter than one step gives the peak.
 - decay, with ``d = n - warmup_iters`` and ``span = decay_iters - warmup_iters``:
   linear ``peak * (span - d) / span``; cosine ``min + (peak - min) * (1 + cos(pi * d / span)) / 2``;
   exponential ``peak * exp(-0.693 * d / span)`` (half the peak at the end of the span); constant ``peak``.
@@ -62,7 +62,8 @@ def learning_rate_at(
         raise ValueError(f"steps are counted from 1, got {step}")
     taken = step - 1
     if warmup_iters > 0 and taken <= warmup_iters:
-        return peak_lr * max(1, taken) / warmup_iters
+        # A warmup shorter than one step (a small fraction of a short run) ends at the peak, never above it.
+        return peak_lr * min(max(1, taken), warmup_iters) / warmup_iters
     into_decay = taken - warmup_iters
     span = decay_iters - warmup_iters
     if span <= 0 and decay_style != "constant":

@@ -27,6 +27,12 @@ def test_fractional_warmup_is_not_rounded():
     assert lr(3, "constant", warmup=1.5, decay=150) == PEAK
 
 
+def test_a_warmup_shorter_than_one_step_never_exceeds_the_peak():
+    # warmup 0.01 of a 2-step fine-tune = 0.02 iterations: the first step trains at the peak, not 50x it
+    assert lr(1, "constant", warmup=0.02, decay=2) == PEAK
+    assert lr(1, "linear", warmup=0.5, decay=2) == PEAK
+
+
 def test_cosine_midpoint_and_quarter():
     assert lr(61) == pytest.approx((PEAK + MIN) / 2)  # n = 60: half of the 100 decay iterations
     assert lr(36) == pytest.approx(MIN + (PEAK - MIN) * (1 + math.cos(math.pi / 4)) / 2)
