@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -11,14 +12,13 @@ import torch
 
 def initialize_distributed(args) -> None:
     """DeepSpeed's process group (NCCL on GPU, gloo on CPU) and megatron-core's model-parallel groups."""
-    import deepspeed
     import torch.distributed as dist
 
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
         _rank_environment_from_launcher(args)
-        deepspeed.init_distributed(verbose=False)
+        init_deepspeed_distributed()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=args.model_parallel_size,
@@ -33,6 +33,28 @@ def initialize_distributed(args) -> None:
             f"data_parallel_size={args.data_parallel_size} x model_parallel_size={args.model_parallel_size}; "
             "start the run through deepy.py so both agree"
         )
+
+
+def init_deepspeed_distributed(**kwargs) -> None:
+    """``deepspeed.init_distributed(**kwargs)``, then drop the names of DeepSpeed's shared-memory buffers.
+
+    With all ranks on one CPU node, DeepSpeed's shared-memory allreduce creates one file per rank in
+    /dev/shm and never removes it, so every run, and every killed one, would leave tens of MB of
+    memory behind until the machine restarts. Each rank maps every rank's buffer before the init
+    returns; after a barrier (so no rank still waits to open one) the names are no longer needed and
+    the mappings live on until the processes end.
+    """
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(verbose=False, **kwargs)
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    shm = Path("/dev/shm")
+    if not (address and port and shm.is_dir()):
+        return
+    dist.barrier()
+    # DeepSpeed's name: deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>
+    (shm / f"deepspeed_allreduce_buffer_{os.getuid()}_{address}_{port}_{dist.get_rank()}").unlink(missing_ok=True)
 
 
 def _rank_environment_from_launcher(args) -> None:

@@ -9,13 +9,13 @@ values each checkpoint must hold to <work dir>/<name>-expected.pt for the one-ra
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
@@ -26,6 +26,7 @@ from megatron.checkpointing.engine_save import save_engine_checkpoint  # noqa: E
 from megatron.checkpointing.errors import CheckpointError  # noqa: E402
 from megatron.checkpointing.module_load import load_module_only  # noqa: E402
 from megatron.checkpointing.module_weights import read_module_weights  # noqa: E402
+from megatron.initialize import init_deepspeed_distributed  # noqa: E402
 from tests.ckpt_engines import (  # noqa: E402
     batch,
     bits_equal,
@@ -131,8 +132,11 @@ def module_only_round_trip(work_dir: Path, name: str) -> None:
 def main() -> None:
     work_dir = Path(sys.argv[1])
     deepspeed_logger.setLevel(logging.ERROR)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    init_deepspeed_distributed(dist_backend="gloo")
     check(dist.get_world_size() == 2, "expects 2 ranks")
+    dist.barrier()  # every rank has removed its own buffer's name
+    left = list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{os.environ['MASTER_PORT']}_*"))
+    check(not left, f"DeepSpeed's shared-memory buffer names outlive the start-up: {left}")
     for name in CASES:
         module_only_round_trip(work_dir, name)
         if dist.get_rank() == 0:

@@ -55,9 +55,10 @@ def single_rank_world():
 
     Real DeepSpeed engines need an initialised process group; one per test session suffices.
     """
-    import deepspeed
     import torch.distributed as dist
     from megatron.core import parallel_state
+
+    from megatron.initialize import init_deepspeed_distributed
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -65,7 +66,7 @@ def single_rank_world():
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        init_deepspeed_distributed(dist_backend="gloo")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     yield

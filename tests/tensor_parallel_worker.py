@@ -20,7 +20,7 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
-from megatron.initialize import ModelParallelUnit  # noqa: E402
+from megatron.initialize import ModelParallelUnit, init_deepspeed_distributed  # noqa: E402
 from megatron.model import build_model, causal_lm_loss  # noqa: E402
 from megatron.model.partitioning import partitioning, repartition  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
@@ -153,7 +153,7 @@ CHECKS = {"equivalence": same_model_same_loss_and_gradients, "deepspeed": deepsp
 def main() -> None:
     name = sys.argv[1]
     deepspeed_logger.setLevel(logging.ERROR)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    init_deepspeed_distributed(dist_backend="gloo")
     check(dist.get_world_size() == 2, "expects 2 ranks")
     CHECKS[name]()
     dist.barrier()

@@ -32,7 +32,9 @@ WORKER = Path(__file__).with_name("ckpt_engine_worker.py")
 @pytest.fixture(scope="module")
 def two_rank_checkpoints(tmp_path_factory):
     work_dir = tmp_path_factory.mktemp("two_ranks")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # LOCAL_SIZE, as DeepSpeed's launcher sets it: all ranks on this node, so DeepSpeed takes its
+    # shared-memory path, whose buffer names the worker checks are gone after start-up
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_SIZE": "2"}
     for variable in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(variable, None)
     command = [

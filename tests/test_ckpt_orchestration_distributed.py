@@ -25,13 +25,12 @@ def _full_weights(engine) -> dict[str, torch.Tensor]:
 def _rank_main(rank: int, port: int, root: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD_SIZE))
-    import deepspeed
-
     from megatron.checkpointing import CheckpointError, load_checkpoint, plan_load, save_checkpoint
     from megatron.checkpointing.inventory import inventory_checkpoint
+    from megatron.initialize import init_deepspeed_distributed
     from tests.ckpt_engines import build_engine, make_args, tiny_batch, train_step
 
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    init_deepspeed_distributed(dist_backend="gloo")
     args = make_args(stage=2, precision="bf16", save=root, load=root)
 
     def step(engine, iteration):  # each rank its own batch

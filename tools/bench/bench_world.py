@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import socket
 
-import deepspeed
 import torch.distributed as dist
 from megatron.core import parallel_state
+
+from megatron.initialize import init_deepspeed_distributed
 
 
 def free_port() -> int:
@@ -23,6 +24,6 @@ def init_world(rank: int = 0, world_size: int = 1, port: int | None = None) -> N
                         ("LOCAL_SIZE", world_size)):
         os.environ[name] = str(value)
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        init_deepspeed_distributed(dist_backend="gloo")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
