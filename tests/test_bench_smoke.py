@@ -40,7 +40,7 @@ def test_module_only_load_bench_prints_its_ratios(zero_stage):
         "--seq", "8", "--repeats", "2", "--precision", "bf16", "--zero-stage", zero_stage,
     )
     expected = {"ours/baseline wall", "ours/baseline cpu", "ours/baseline peak_rss", "ours/baseline node_private",
-                "verify/train_step wall", "verify/ours wall"}
+                "verify/train_step wall", "verify/ours wall", "checksum/ours wall", "checksum/baseline wall"}
     assert_ratios(ratios, expected | ({"ours/raw wall"} if zero_stage != "3" else set()))
 
 
