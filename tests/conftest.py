@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -15,11 +14,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
+from megatron.launcher import free_port  # noqa: E402  (re-exported: tests import it from here)
 
 # Elements in a ZeRO-3 engine's gradient-reduction bucket for tests (DeepSpeed's default is 5e8).
 TEST_ZERO3_REDUCE_BUCKET = 1_000_000

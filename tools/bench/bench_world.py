@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron.initialize import init_deepspeed_distributed
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from megatron.launcher import free_port
 
 
 def init_world(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
