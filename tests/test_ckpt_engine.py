@@ -150,6 +150,24 @@ def test_verification_fails_without_master_refresh(tmp_path, monkeypatch, precis
         load_module_only(engine_b, read_module_weights(tag_dir))
 
 
+def test_verification_finds_one_changed_element_anywhere(tmp_path):
+    """One flipped bit at either end of any fragment, where the word-wise comparison has its unaligned edges."""
+    config = ds_config("bf16", 1)
+    _, tag_dir, _ = _save_trained(tmp_path, config)
+    engine = build_engine(config, seed=2)
+    load_module_only(engine, read_module_weights(tag_dir))
+    fragments = list(master_weights_module.master_fragments(engine))
+    assert any(fragment.trained.storage_offset() % 4 for fragment in fragments), "some must start mid-word"
+    for fragment in fragments:
+        bits = fragment.trained.view(torch.int16)
+        for position in {0, bits.numel() - 1}:
+            bits[position] ^= 1
+            with pytest.raises(CheckpointError, match=rf"'{fragment.name}' \(1 of {bits.numel()} local elements\)"):
+                master_weights_module.verify_master_weights(engine)
+            bits[position] ^= 1
+    master_weights_module.verify_master_weights(engine)
+
+
 def test_stale_master_really_undoes_the_load(tmp_path, monkeypatch):
     """The failure the guard exists for: without refresh and check, one lr-0 step restores the random init."""
     config = ds_config("bf16", 2)

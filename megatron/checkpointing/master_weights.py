@@ -128,7 +128,8 @@ def verify_master_weights(engine) -> None:
 
 # Elements cast and compared at a time: a reused buffer this size stays in the CPU's cache, where a
 # cast of a whole tensor would allocate (and page in) a fresh temporary as large as the tensor.
-_VERIFY_CHUNK = 1 << 22
+_VERIFY_CHUNK = 1 << 20
+_WORD = 8  # bytes compared at a time: torch.equal on 64-bit integers is ~3x faster than on 16-bit ones
 
 
 def _count_differing(fragment: MasterFragment, buffers: dict[tuple, torch.Tensor]) -> int:
@@ -136,15 +137,31 @@ def _count_differing(fragment: MasterFragment, buffers: dict[tuple, torch.Tensor
     trained = fragment.trained
     key = (trained.dtype, trained.device)
     if key not in buffers:
-        buffers[key] = torch.empty(_VERIFY_CHUNK, dtype=trained.dtype, device=trained.device)
-    buffer, total, differing = buffers[key], fragment.master.numel(), 0
+        buffers[key] = torch.empty(_VERIFY_CHUNK + _WORD, dtype=trained.dtype, device=trained.device)
+    # The cast lands at the same offset modulo a word as the trained values, so both compare word by word.
+    phase = trained.storage_offset() % (_WORD // trained.element_size())
+    buffer, total, differing = buffers[key].narrow(0, phase, _VERIFY_CHUNK), fragment.master.numel(), 0
     for start in range(0, total, _VERIFY_CHUNK):
         length = min(_VERIFY_CHUNK, total - start)
-        cast = _bits(buffer.narrow(0, 0, length).copy_(fragment.master.narrow(0, start, length)))
-        expected = _bits(trained.narrow(0, start, length))
-        if not torch.equal(cast, expected):  # the common case, several times faster than counting
-            differing += int((cast != expected).sum())
+        cast = buffer.narrow(0, 0, length).copy_(fragment.master.narrow(0, start, length))
+        expected = trained.narrow(0, start, length)
+        if not _same_bits(cast, expected):  # the common case needs no count
+            differing += int((_bits(cast) != _bits(expected)).sum())
     return differing
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous 1-D tensors of one dtype hold the same bytes: a word at a time where both
+    are aligned alike (the buffers of _count_differing are), element by element otherwise."""
+    a_bytes, b_bytes = a.view(torch.uint8), b.view(torch.uint8)
+    size = a_bytes.numel()
+    head = min(-a_bytes.storage_offset() % _WORD, size)
+    if head != min(-b_bytes.storage_offset() % _WORD, size):
+        return torch.equal(_bits(a), _bits(b))
+    end = head + (size - head) // _WORD * _WORD
+    return (torch.equal(a_bytes[:head], b_bytes[:head])
+            and torch.equal(a_bytes[head:end].view(torch.int64), b_bytes[head:end].view(torch.int64))
+            and torch.equal(a_bytes[end:], b_bytes[end:]))
 
 
 def _optimizes_module_params_directly(engine) -> bool:
