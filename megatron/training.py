@@ -209,15 +209,17 @@ def setup(args):
     check_save_dir(args)
 
     set_seeds(args.seed)
-    model = build_model(args.architecture(), args.seed)
-    log.info(f"model: {sum(p.numel() for p in model.parameters()):,} parameters per rank, precision "
-             f"{args.precision}, ZeRO stage {args.zero_stage}, {dp_size} data-parallel rank(s) x "
-             f"{args.model_parallel_size} tensor-parallel")
+    ds_config, mpu = args.deepspeed_config(), ModelParallelUnit()
+    # Under ZeRO-3 no rank ever holds the whole model: it is built partitioned over the data-parallel group.
+    partitioned_by = (deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=mpu,
+                                          data_parallel_group=mpu.get_data_parallel_group())
+                      if args.zero_stage == 3 else None)
+    model = build_model(args.architecture(), args.seed, partitioned_by=partitioned_by)
+    log.info(f"model: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} parameters per "
+             f"tensor-parallel rank, precision {args.precision}, ZeRO stage {args.zero_stage}, {dp_size} "
+             f"data-parallel rank(s) x {args.model_parallel_size} tensor-parallel")
     engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        model_parameters=build_param_groups(model, args.weight_decay),
-        config=args.deepspeed_config(),
-        mpu=ModelParallelUnit(),
+        model=model, model_parameters=build_param_groups(model, args.weight_decay), config=ds_config, mpu=mpu
     )
     if args.torch_compile:
         engine.compile()  # compiles the module in place: parameter and checkpoint names stay as they are

@@ -51,7 +51,7 @@ def test_gpt_neox_llama_style_config_builds_the_shapes_gpt_neox_builds(tmp_path)
     config = tmp_path / "llama-style.yml"
     config.write_text(GPT_NEOX_LLAMA_STYLE)
     args = NeoXArgs.from_dict({**yaml.safe_load(config.read_text()), "padded_vocab_size": 128}, source=str(config))
-    shapes = {name: tuple(p.shape) for name, p in GPTModel(args.architecture()).named_parameters()}
+    shapes = {name: tuple(p.shape) for name, p in build_model(args.architecture(), 0).named_parameters()}
     # int(512 * 2 / 3) = 341 -> up to a multiple of 2 x 16: 352 for gate + up; 341 // 2 = 170 -> up to 16: 176
     layer = {
         "input_layernorm.scale": (64,),
@@ -146,7 +146,7 @@ def test_every_field_of_the_list_is_checked_here():
 def _save_native(root, settings):
     """A checkpoint of ours as save_checkpoint lays it out: the weights plus the run's settings."""
     args = NeoXArgs.from_dict(settings)
-    model = GPTModel(args.architecture())
+    model = build_model(args.architecture(), 0)
     tag = root / "global_step1"
     tag.mkdir(parents=True)
     torch.save({"module": model.state_dict(), "iteration": 1, "args": args.to_dict(),

@@ -9,7 +9,7 @@ import torch
 from megatron.checkpointing.engine_save import save_engine_checkpoint
 from megatron.checkpointing.module_load import load_module_only
 from megatron.checkpointing.module_weights import read_module_weights
-from megatron.model import GPTModel, causal_lm_loss
+from megatron.model import build_model, causal_lm_loss
 from megatron.neox_arguments import NeoXArgs
 from tests.ckpt_engines import bits_equal, ds_config, master_weights, set_lr, training_weights
 
@@ -26,8 +26,7 @@ def _gpt_engine(stage: int, seed: int, tied: bool):
             gpt_j_residual=True, no_weight_tying=not tied, norm="layernorm", activation="gelu", seed=seed,
         )
     )  # fmt: skip
-    torch.manual_seed(seed)
-    model = GPTModel(args.architecture())
+    model = build_model(args.architecture(), seed)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=ds_config("bf16", stage)
     )

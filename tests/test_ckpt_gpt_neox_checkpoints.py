@@ -14,7 +14,7 @@ from megatron.checkpointing.layout import layer_file_name, model_states_name
 from megatron.checkpointing.module_load import load_module_only
 from megatron.checkpointing.module_weights import legacy_names_in_model_states_file, read_module_weights
 from megatron.data import build_data_iterators, get_batch
-from megatron.model import GPTModel, causal_lm_loss
+from megatron.model import GPTModel, build_model, causal_lm_loss
 from megatron.neox_arguments import NeoXArgs
 from megatron.run_context import resolve_run_settings
 from megatron.training import samples_per_split
@@ -77,8 +77,7 @@ def test_pipeline_layer_files_with_old_mlp_names_fine_tune_from_their_weights(tm
     overrides = write_overrides(tmp_path, "finetune.yml", load=str(tmp_path / "neox"), save=str(tmp_path / "ours"),
                                 finetune=True, train_iters=2, checkpoint_factor=2, eval_interval=1000)
     args = resolve_run_settings(NeoXArgs.from_yaml_files([REPO_ROOT / "configs/tiny.yml", overrides]))
-    torch.manual_seed(args.seed + 7)  # not the weights the run would start from on its own
-    model = GPTModel(args.architecture())
+    model = build_model(args.architecture(), args.seed + 7)  # not the weights the run would start from on its own
     with torch.no_grad():  # a model whose MLPs matter: its loss moves far when they are re-drawn
         for layer in model.layers:
             layer.mlp.linear2.weight.mul_(20)
@@ -181,8 +180,7 @@ def test_pipeline_layer_files_of_gpt_neox_first_llama_mlp_read_as_linear1_and_li
                                "no_weight_tying": True, "train_iters": 1, "embedded_corpus": True,
                                "optimizer": {"type": "Adam", "params": {"lr": 0.001}},
                                "train_micro_batch_size_per_gpu": 1, "padded_vocab_size": 128})
-    torch.manual_seed(0)
-    model = GPTModel(args.architecture())
+    model = build_model(args.architecture(), 0)
     tag_dir = write_gpt_neox_pipeline_checkpoint(model, tmp_path, rename=old_llama_mlp_names)
     assert "mlp.w3.weight" in torch.load(tag_dir / layer_file_name(2, 0), weights_only=True)
     read = read_module_weights(tag_dir)

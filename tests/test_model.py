@@ -193,14 +193,14 @@ def expected_names(num_layers: int, llama: bool, tied: bool, learned: bool = Fal
 @pytest.mark.parametrize("llama", [False, True], ids=["neox", "llama"])
 def test_state_dict_holds_exactly_gpt_neox_parameter_names(llama, tied):
     family = LLAMA if llama else NEOX
-    model = GPTModel(tiny_args(family, num_layers=3, no_weight_tying=not tied).architecture())
+    model = build_model(tiny_args(family, num_layers=3, no_weight_tying=not tied).architecture(), 0)
     assert set(model.state_dict()) == expected_names(3, llama, tied)
     assert {name for name, _ in model.named_parameters()} == expected_names(3, llama, tied)
     model.load_state_dict(model.state_dict(), strict=True)
 
 
 def test_learned_position_embedding_is_named_like_gpt_neox_and_sized_by_max_positions():
-    model = GPTModel(tiny_args(NEOX, pos_emb="learned", max_position_embeddings=20).architecture())
+    model = build_model(tiny_args(NEOX, pos_emb="learned", max_position_embeddings=20).architecture(), 0)
     assert set(model.state_dict()) == expected_names(2, llama=False, tied=False, learned=True)
     assert model.state_dict()["sequential.0.position_embeddings.weight"].shape == (20, HIDDEN)
     with pytest.raises(ModelConfigError, match="max_position_embeddings=20"):
@@ -226,7 +226,7 @@ def test_tied_logits_use_the_word_embedding():
 @pytest.mark.parametrize("kv_heads", [HEADS, 2, 1], ids=["mha", "gqa2", "mqa"])
 def test_fused_qkv_layout_matches_reference_attention_from_separate_slices(kv_heads):
     args = tiny_args(NEOX, pos_emb="none", num_kv_heads=kv_heads, use_bias_in_attn_linear=True)
-    layer = GPTModel(args.architecture()).layers[0]
+    layer = build_model(args.architecture(), 0).layers[0]
     randomize_(layer)
     x = torch.randn(1, 6, HIDDEN, generator=torch.Generator().manual_seed(3))
     q, k, v = reference_qkv(layer, x[0], HEADS, kv_heads)
@@ -240,7 +240,7 @@ def test_fused_qkv_layout_matches_reference_attention_from_separate_slices(kv_he
 @pytest.mark.parametrize("kv_heads", [HEADS, 2], ids=["mha", "gqa"])
 def test_rotary_attention_matches_reference_rotation(kv_heads):
     args = tiny_args(NEOX, rotary_pct=0.5, rotary_emb_base=100, num_kv_heads=kv_heads)
-    model = GPTModel(args.architecture())
+    model = build_model(args.architecture(), 0)
     layer = model.layers[0]
     randomize_(layer)
     x = torch.randn(1, 5, HIDDEN, generator=torch.Generator().manual_seed(4))
@@ -321,7 +321,7 @@ def test_split_qkv_forward_and_gradients_equal_the_autograd_formulation(kv_heads
 
 
 def test_swiglu_linear1_holds_up_then_gate():
-    layer = GPTModel(tiny_args(LLAMA).architecture()).layers[0]
+    layer = build_model(tiny_args(LLAMA).architecture(), 0).layers[0]
     randomize_(layer)
     assert layer.mlp.linear1.weight.shape == (2 * 96, HIDDEN)
     x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(6))
@@ -375,7 +375,7 @@ def test_grouped_layout_with_as_many_kv_heads_as_heads_equals_the_per_head_layou
 @pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "sequential"])
 def test_layer_output_matches_hand_computation_from_its_weights(parallel):
     args = tiny_args(NEOX, pos_emb="none", gpt_j_residual=parallel)
-    layer = GPTModel(args.architecture()).layers[0]
+    layer = build_model(args.architecture(), 0).layers[0]
     randomize_(layer)
     x = torch.randn(1, 5, HIDDEN, generator=torch.Generator().manual_seed(8))
 
@@ -403,7 +403,7 @@ def test_layer_output_matches_hand_computation_from_its_weights(parallel):
 
 
 def test_rmsnorm_layer_matches_hand_computation():
-    layer = GPTModel(tiny_args(LLAMA, pos_emb="none").architecture()).layers[0]
+    layer = build_model(tiny_args(LLAMA, pos_emb="none").architecture(), 0).layers[0]
     randomize_(layer)
     x = torch.randn(1, 4, HIDDEN, generator=torch.Generator().manual_seed(9))
 
@@ -538,7 +538,7 @@ def test_build_model_is_seeded_and_leaves_the_global_rng_alone():
 
 @pytest.mark.parametrize("family", [NEOX, LLAMA], ids=["neox", "llama"])
 def test_no_weight_decay_names_are_the_biases_and_norm_weights(family):
-    model = GPTModel(tiny_args(family).architecture())
+    model = build_model(tiny_args(family).architecture(), 0)
     expected = {
         name
         for name, _ in model.named_parameters()
@@ -559,7 +559,7 @@ def test_translate_legacy_key_renames_the_old_mlp_names_only():
 def test_gpt_neox_rotary_frequency_buffers_are_recognised_and_not_stored():
     assert is_legacy_buffer_key("sequential.4.attention.rotary_emb.inv_freq")
     assert not is_legacy_buffer_key("sequential.4.attention.dense.weight")
-    assert not any(is_legacy_buffer_key(name) for name in GPTModel(tiny_args(NEOX).architecture()).state_dict())
+    assert not any(is_legacy_buffer_key(name) for name in build_model(tiny_args(NEOX).architecture(), 0).state_dict())
 
 
 def test_unset_sizes_get_gpt_neox_defaults():
@@ -632,7 +632,7 @@ def _windowed_reference(q, k, v, allowed):
 def test_sliding_window_attention_sees_only_the_window(kv_heads):
     allowed = [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0],
                [0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1]]  # width 1
-    layer = GPTModel(tiny_args(NEOX, pos_emb="none", num_kv_heads=kv_heads, sliding_window_width=1).architecture()).layers[0]
+    layer = build_model(tiny_args(NEOX, pos_emb="none", num_kv_heads=kv_heads, sliding_window_width=1).architecture(), 0).layers[0]
     randomize_(layer)
     x = torch.randn(1, 6, HIDDEN, generator=torch.Generator().manual_seed(3))
     q, k, v = reference_qkv(layer, x[0], HEADS, kv_heads)
@@ -648,7 +648,7 @@ def test_sliding_window_attention_sees_only_the_window(kv_heads):
 
 def test_sliding_window_at_least_the_sequence_is_plain_causal_attention():
     args = tiny_args(NEOX, pos_emb="none")
-    plain, windowed = GPTModel(args.architecture()).layers[0], GPTModel(tiny_args(NEOX, pos_emb="none", sliding_window_width=5).architecture()).layers[0]
+    plain, windowed = build_model(args.architecture(), 0).layers[0], build_model(tiny_args(NEOX, pos_emb="none", sliding_window_width=5).architecture(), 0).layers[0]
     windowed.load_state_dict(plain.state_dict())
     x = torch.randn(1, 6, HIDDEN, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():

@@ -12,6 +12,7 @@ from deepspeed.utils import safe_get_full_fp32_param
 from megatron.checkpointing import layout
 from megatron.checkpointing.module_weights import load_checkpoint_file
 from megatron.fsio import write_atomically
+from megatron.zero3_partition import is_partitioned
 
 
 def save_engine_checkpoint(engine, save_dir: str | Path, tag: str, client_state: dict) -> Path:
@@ -71,7 +72,7 @@ def _gather_full_module(module: torch.nn.Module, keep: bool) -> dict[str, torch.
     full = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
         if id(tensor) not in gathered:
-            value = _gather_param(tensor) if hasattr(tensor, "ds_id") else tensor.detach()
+            value = _gather_param(tensor) if is_partitioned(tensor) else tensor.detach()
             gathered[id(tensor)] = value.cpu().clone() if keep else value
         full[name] = gathered[id(tensor)]
     return full if keep else None

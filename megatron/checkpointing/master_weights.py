@@ -36,7 +36,7 @@ from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.zero3_partition import owned_range
+from megatron.zero3_partition import owned_range
 
 
 @dataclass

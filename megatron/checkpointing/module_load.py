@@ -11,12 +11,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from megatron.checkpointing import master_weights
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.zero3_partition import owned_range
+from megatron.zero3_partition import is_partitioned, write_whole_value
 
 _SHOWN_KEYS = 5
 
@@ -112,28 +110,14 @@ def load_module_only(engine, state_dict: dict[str, torch.Tensor], strict: bool =
 
 
 def _full_shape(target: torch.Tensor) -> tuple[int, ...]:
-    return tuple(target.ds_shape) if hasattr(target, "ds_shape") else tuple(target.shape)
+    return tuple(target.ds_shape) if is_partitioned(target) else tuple(target.shape)
 
 
 def _write(target: torch.Tensor, value: torch.Tensor) -> None:
-    if hasattr(target, "ds_id"):
-        _write_zero3_param(target, value)
+    if is_partitioned(target):
+        write_whole_value(target, value)
     else:
         target.data.copy_(value)
-
-
-def _write_zero3_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    """Write this rank's partition (the last rank's may end in padding, left as it is).
-
-    A parameter that is currently whole on every rank (ZeRO-3 keeps small ones "persistent") also
-    gets its full copy written, or the forward pass would keep using the old values.
-    """
-    partition = param.ds_tensor.data.view(-1)
-    start, owned = owned_range(dist.get_rank(group=getattr(param, "ds_process_group", None)), partition.numel(),
-                               param.ds_numel)
-    partition.narrow(0, 0, owned).copy_(value.reshape(-1).narrow(0, start, owned))
-    if param.ds_status == ZeroParamStatus.AVAILABLE:
-        param.data.copy_(value.view(param.ds_shape))
 
 
 def _raise_on_architecture_mismatch(report: ModuleLoadReport) -> None:

@@ -29,7 +29,7 @@ import torch
 from megatron.checkpointing import layout, manifest
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.legacy_names import is_legacy_key, translate_legacy_module
-from megatron.checkpointing.zero3_partition import partition_numel
+from megatron.zero3_partition import partition_numel
 
 
 def load_checkpoint_file(path: Path) -> dict:

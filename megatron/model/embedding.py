@@ -17,8 +17,10 @@ class Embedding(torch.nn.Module):
             arch.vocab_size, arch.hidden_size, init_method=init_method, config=model_parallel_config()
         )
         if arch.pos_emb == "learned":
-            self.position_embeddings = torch.nn.Embedding(arch.max_position_embeddings, arch.hidden_size)
-            init_method(self.position_embeddings.weight.data)
+            # Drawn with the other weights (init_methods.initialise_parameters), not here.
+            self.position_embeddings = torch.nn.Embedding.from_pretrained(
+                torch.empty(arch.max_position_embeddings, arch.hidden_size), freeze=False
+            )
         else:
             self.position_embeddings = None
 

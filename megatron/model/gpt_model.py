@@ -13,6 +13,8 @@ checkpoints one to one:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -67,6 +69,8 @@ def layer_key(index: int) -> str:
 
 
 class GPTModel(torch.nn.Module):
+    """The decoder's structure; ``initialise_weights`` draws its weights (``build_model`` does both)."""
+
     def __init__(self, arch: Architecture):
         super().__init__()
         self.arch = arch
@@ -86,9 +90,11 @@ class GPTModel(torch.nn.Module):
         self.rotary = (
             RotaryEmbedding(arch.rotary_ndims, arch.rotary_emb_base) if arch.pos_emb == "rotary" else None
         )
-        initialise_parameters(
-            self, arch, init_method, output_init_method, tensor_parallel_rank(), tensor_parallel_size()
-        )
+        self._init_methods = (init_method, output_init_method)
+
+    def initialise_weights(self) -> None:
+        """Draw every weight from the current RNG state (init_methods.initialise_parameters)."""
+        initialise_parameters(self, self.arch, *self._init_methods, tensor_parallel_rank(), tensor_parallel_size())
 
     @property
     def embedding(self) -> Embedding:
@@ -136,12 +142,19 @@ class GPTModel(torch.nn.Module):
         return logits if parallel_output else gather_last_dim(logits)
 
 
-def build_model(arch: Architecture, seed: int) -> GPTModel:
+def build_model(arch: Architecture, seed: int, partitioned_by=None) -> GPTModel:
     """GPTModel with weights drawn from ``seed`` (same seed, same weights), on the accelerator.
 
-    The global RNG state is left as it was.
+    ``partitioned_by``, a ``deepspeed.zero.Init`` context, builds the model ZeRO-3-partitioned: each
+    module's parameters are partitioned as soon as the module exists, so no rank holds the whole model,
+    and the weights are then drawn one at a time, each rank keeping its partition. The weights are the
+    same as without it. The global RNG state is left as it was.
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = GPTModel(arch)
-    return model.to(get_accelerator().current_device_name())
+        with partitioned_by or contextlib.nullcontext():
+            model = GPTModel(arch)
+        # Outside the context: inside it, DeepSpeed makes every new float tensor the training dtype,
+        # and the draws must be fp32 to be the same for every precision.
+        model.initialise_weights()
+    return model if partitioned_by else model.to(get_accelerator().current_device_name())

@@ -17,6 +17,7 @@ from megatron.model.partitioning import (
     partition,
     partitioning,
 )
+from megatron.zero3_partition import is_partitioned, write_whole_value
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 
@@ -46,22 +47,35 @@ def initialise_parameters(
 ) -> None:
     """Draw the weights of ``model`` (built without initialisation) as a pure function of the RNG state.
 
-    Each weight is drawn whole, in registration order, then this rank keeps its part: every
-    tensor-parallel size gives the same full model, and size 1 the same draws as a plain build.
-    Biases of split layers start at zero; norms keep the ones/zeros their modules made. Split
-    parameters get megatron-core's tensor-parallel attributes, which DeepSpeed's gradient norm reads.
+    Each weight is drawn whole in fp32, in registration order, then this rank keeps its part: every
+    tensor-parallel size and every ZeRO-3 partitioning gives the same full model, and size 1 the same
+    draws as a plain build. Only one whole weight exists at a time. Biases of split layers start at
+    zero; norms keep the ones/zeros their modules made. Split parameters get megatron-core's
+    tensor-parallel attributes, which DeepSpeed's gradient norm reads.
     """
     with torch.no_grad():
         for name, param in model.named_parameters():
             p = partitioning(name, arch)
             if name.endswith(INITIALISED_WEIGHTS):
-                full = torch.empty(_full_shape(param.shape, p, size), dtype=torch.float32)
+                full = torch.empty(_full_shape(_local_shape(param), p, size), dtype=torch.float32)
                 (output_init_method if name.endswith(OUTPUT_WEIGHTS) else init_method)(full)
-                param.copy_(partition(full, p, rank, size))
+                _set(param, partition(full, p, rank, size))
             elif name.endswith(PARALLEL_BIASES):
-                param.zero_()
+                _set(param, torch.zeros(_local_shape(param)))
             if p.dim is not None and not hasattr(param, "tensor_model_parallel"):
                 set_tensor_model_parallel_attributes(param, True, p.dim, 1)
+
+
+def _local_shape(param: torch.nn.Parameter) -> torch.Size:
+    """The shape of this tensor-parallel rank's part (whole over the ZeRO-3 partitions)."""
+    return param.ds_shape if is_partitioned(param) else param.shape
+
+
+def _set(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    if is_partitioned(param):
+        write_whole_value(param, value)
+    else:
+        param.copy_(value)
 
 
 def _full_shape(shape: torch.Size, p: Partitioning, size: int) -> tuple[int, ...]:
