@@ -69,7 +69,8 @@ def module_only_round_trip(work_dir: Path, name: str) -> None:
     config = CASES[name]
     engine_a = build_engine(config, seed=1)
     train_step(engine_a, batch(10 + rank))
-    tag_dir = save_engine_checkpoint(engine_a, work_dir / name, "global_step1", {"iteration": 1})
+    assert save_engine_checkpoint(engine_a, work_dir / name, "global_step1", {"iteration": 1}) is None
+    tag_dir = work_dir / name / "global_step1"
     expected = expected_values(engine_a)
     fixed = batch(20 + rank)
     loss_a = eval_loss(engine_a, fixed)

@@ -78,7 +78,8 @@ def _save_trained(tmp_path, config, tag="global_step1", seed=1):
     train_step(engine, batch(0))
     # Client state like the trainer's: numpy's RNG state is what the weights-only unpickler refuses.
     client_state = {"iteration": 1, "numpy_rng": np.random.get_state()}
-    tag_dir = save_engine_checkpoint(engine, tmp_path, tag, client_state)
+    assert save_engine_checkpoint(engine, tmp_path, tag, client_state) is None
+    tag_dir = tmp_path / tag
     return engine, tag_dir, _checkpoint_values(engine)
 
 
@@ -202,7 +203,8 @@ def test_zero3_reads_the_requested_tag_not_latest(tmp_path):
     config = ds_config("bf16", 3)
     engine_a = build_engine(config, seed=1)
     train_step(engine_a, batch(0))
-    old_dir = save_engine_checkpoint(engine_a, tmp_path, "global_step1", {"iteration": 1})
+    assert save_engine_checkpoint(engine_a, tmp_path, "global_step1", {"iteration": 1}) is None
+    old_dir = tmp_path / "global_step1"
     old = master_weights(engine_a)
     train_step(engine_a, batch(1))
     save_engine_checkpoint(engine_a, tmp_path, "global_step2", {"iteration": 2})
@@ -240,7 +242,8 @@ def test_frozen_parameters_load_without_a_master(tmp_path, stage, shards_only):
     frozen = ("final_norm.weight", "blocks.0.up.bias")
     engine_a = build_engine(config, seed=1, frozen=frozen)
     train_step(engine_a, batch(0))
-    tag_dir = save_engine_checkpoint(engine_a, tmp_path, "global_step1", {"iteration": 1})
+    assert save_engine_checkpoint(engine_a, tmp_path, "global_step1", {"iteration": 1}) is None
+    tag_dir = tmp_path / "global_step1"
     trained = training_weights(engine_a)
     if shards_only:
         (tag_dir / "mp_rank_00_model_states.pt").unlink()

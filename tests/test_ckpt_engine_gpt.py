@@ -52,7 +52,8 @@ def _step(engine, tokens: torch.Tensor) -> None:
 def test_gpt_module_only_load(tmp_path, stage, tied):
     engine_a = _gpt_engine(stage, seed=1, tied=tied)
     _step(engine_a, _tokens(0))
-    tag_dir = save_engine_checkpoint(engine_a, tmp_path, "global_step1", {"iteration": 1})
+    assert save_engine_checkpoint(engine_a, tmp_path, "global_step1", {"iteration": 1}) is None
+    tag_dir = tmp_path / "global_step1"
     saved = (
         master_weights(engine_a)
         if stage == 3

@@ -2,7 +2,8 @@
 
 The kill is a real SIGKILL of the training process at a chosen moment of the save (the test-only
 NEOX_TEST_SIGKILL_DURING_SAVE hook picks the moment); the full disk is a real, small tmpfs mounted in
-a private mount namespace.
+a private mount namespace; a write that fails on one rank only is a real file-size limit (prlimit) set
+on that running rank.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import os
 import shlex
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from megatron.checkpointing import manifest
 from megatron.checkpointing.commit import KILL_DURING_SAVE_ENV
 from tests.e2e import REPO_ROOT, run_deepy, train_lines, write_overrides
 
@@ -125,3 +129,79 @@ cat {save}/latest > {logs}/latest.txt; ls -a {save} > {logs}/after_filled.txt
     assert (logs / "latest.txt").read_text() == "global_step2"
     assert "global_step12.partial" not in (logs / "after_filled.txt").read_text()
     assert "INTACT" in (logs / "verify.txt").read_text()
+
+
+def _descendant_rank_pids(parent: int) -> dict[int, int]:
+    """{RANK: pid} of the training processes below process `parent`."""
+    parents, ranks = {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        rank = next((item[5:] for item in environ if item.startswith(b"RANK=")), None)
+        if rank is not None and b"train.py" in (entry / "cmdline").read_bytes():
+            ranks[int(entry.name)] = int(rank)
+    found = {}
+    for pid, rank in ranks.items():
+        ancestor = pid
+        while ancestor in parents and ancestor != parent:
+            ancestor = parents[ancestor]
+        if ancestor == parent:
+            found[rank] = pid
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.distributed
+def test_a_write_that_fails_on_one_rank_only_stops_every_rank_in_one_line(tmp_path):
+    """Rank 1 alone gets a real 1 MiB file-size limit while it starts, so at the save of step 4 its
+    optimizer shard (about 11 MiB) cannot be written while rank 0's files can: the run must stop on both
+    ranks with one line, keep global_step2 and `latest`, and leave no rank behind."""
+    if subprocess.run(["prlimit", "--version"], capture_output=True).returncode != 0:
+        pytest.skip("prlimit is not installed")
+    save = tmp_path / "ckpt"
+    settings = dict(save=str(save), load=str(save), num_gpus=2, lr_decay_iters=6, **QUICK)
+    run_deepy(["configs/tiny.yml", write_overrides(tmp_path, name="first.yml", train_iters=2, **settings)])
+    longer = write_overrides(tmp_path, name="longer.yml", train_iters=6, **settings)
+    log = tmp_path / "longer.log"
+    with open(log, "w") as out:
+        run = subprocess.Popen([sys.executable, "deepy.py", "train.py", "configs/tiny.yml", str(longer)],
+                               cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        ranks = {}
+        while 1 not in ranks and run.poll() is None:
+            ranks = _descendant_rank_pids(run.pid)
+            time.sleep(0.05)
+        assert 1 in ranks, log.read_text()[-3000:]
+        subprocess.run(["prlimit", f"--pid={ranks[1]}", f"--fsize={1 << 20}"], check=True)
+        run.wait(timeout=600)  # a rank left waiting for another would hang here
+    finally:
+        run.kill()
+    output = log.read_text()
+    assert run.returncode != 0
+    shard = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    errors = [line for line in output.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, output[-4000:]
+    assert errors[0].startswith(
+        f"error: rank 1: cannot write {shard} of global_step4 in {save}: this process may write files of at most "
+        "1.0 MiB (its file-size limit, `ulimit -f`), the checkpoint needs about "), errors[0]
+    assert "(the size of global_step2)" in errors[0]
+    assert f"The run stopped; {save / 'global_step2'} is intact." in errors[0]
+    assert "Traceback" not in output
+    assert not any(_alive(pid) for pid in ranks.values())
+    assert directories(save) == ["global_step2"]
+    assert (save / "latest").read_text() == "global_step2"
+    tag = save / "global_step2"
+    manifest.verify_files(tag, [tag / name for name in manifest.tag_file_names(tag)])

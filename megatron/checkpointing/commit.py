@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron.checkpointing import layout, manifest
@@ -118,15 +120,43 @@ def seal_tag(save_dir: Path, tag: str, iteration: int) -> Path:
     return final
 
 
-def save_failed(save_dir: Path, tag: str, err: BaseException) -> CheckpointError | None:
-    """The one-line error for a failed write of `tag`; None when `err` is no write failure (a bug)."""
+def is_write_error(err: BaseException) -> bool:
+    """An error writing a file: an OSError, or torch's zip writer's RuntimeError (it reports a full disk
+    or a file-size limit without an errno)."""
+    return isinstance(err, OSError) or (isinstance(err, RuntimeError) and "inline_container" in str(err))
+
+
+@dataclass
+class WriteFailure:
+    """A write of one rank that failed, kept until every rank has left the save's collectives."""
+
+    path: Path
+    error: BaseException
+
+
+def stop_if_any_rank_failed(save_dir: Path, tag: str, failure: WriteFailure | None) -> None:
+    """Collective, once every rank's writes of `tag` are done: when any rank's write failed, every rank
+    raises the same one-line error (the first failed rank's), so none waits for another in a later collective."""
+    line = str(save_failed(save_dir, tag, failure.error, failure.path)) if failure else None
+    failed = [(rank, text) for rank, text in enumerate(all_gather(line)) if text]
+    if failed:
+        rank, text = failed[0]
+        world = rank_and_world()[1]
+        raise CheckpointError(f"rank {rank}: {text}" if world > 1 else text)
+
+
+def _file_size_limit() -> int | None:
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def save_failed(save_dir: Path, tag: str, err: BaseException, path: Path | None = None) -> CheckpointError | None:
+    """The one-line error for a failed write of `tag` (of the file `path`, where known); None when `err` is
+    no write failure (a bug)."""
+    if not is_write_error(err):
+        return None
     partial = save_dir / layout.partial_tag(tag)
     written = tree_size(partial) if partial.is_dir() else 0
-    is_oserror = isinstance(err, OSError)
-    # torch's zip writer reports a full disk as a RuntimeError without an errno
-    is_torch_write = isinstance(err, RuntimeError) and "inline_container" in str(err)
-    if not (is_oserror or is_torch_write):
-        return None
     try:
         previous = layout.read_latest(save_dir)
     except CheckpointError:
@@ -138,6 +168,16 @@ def save_failed(save_dir: Path, tag: str, err: BaseException) -> CheckpointError
         free = None
     newest = newest_tag_size(save_dir)
     need = newest[1] if newest else None
+    limit = _file_size_limit()
+    if limit is not None and (getattr(err, "errno", None) == errno.EFBIG or (
+            path is not None and path.is_file() and path.stat().st_size >= limit)):
+        needed = f"about {_size(need)} (the size of {newest[0]})" if need else "more"
+        file = f"{path.name} of {tag}" if path is not None else tag
+        return CheckpointError(
+            f"cannot write {file} in {save_dir}: this process may write files of at most {_size(limit)} (its "
+            f"file-size limit, `ulimit -f`), the checkpoint needs {needed}. The run stopped; {kept}. Raise the "
+            "limit (`ulimit -f unlimited` before starting), then run again."
+        )
     full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (
         free is not None and free < max((need or 0) - written, 1 << 20))
     if full:
@@ -147,7 +187,7 @@ def save_failed(save_dir: Path, tag: str, err: BaseException) -> CheckpointError
             f"no space left in {save_dir} while saving {tag}: it needs {needed}, {_size(free or 0)} are free. "
             f"The run stopped; {kept}. Free space there or point `save` at a directory with room, then run again."
         )
-    reason = err.strerror if is_oserror and err.strerror else str(err)
+    reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
     return CheckpointError(
         f"cannot write checkpoint {tag} in {save_dir}: {reason}. The run stopped; {kept}. "
         "Fix the directory (permissions, mount) or point `save` elsewhere, then run again."

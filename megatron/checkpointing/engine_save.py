@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -10,13 +12,18 @@ from deepspeed import zero
 from deepspeed.utils import safe_get_full_fp32_param
 
 from megatron.checkpointing import layout
+from megatron.checkpointing.commit import WriteFailure, is_write_error
 from megatron.checkpointing.module_weights import load_checkpoint_file
 from megatron.fsio import write_atomically
 from megatron.zero3_partition import is_partitioned
 
 
-def save_engine_checkpoint(engine, save_dir: str | Path, tag: str, client_state: dict) -> Path:
-    """Save tag ``tag`` under ``save_dir`` on every rank (collective); return the tag directory.
+def save_engine_checkpoint(engine, save_dir: str | Path, tag: str, client_state: dict) -> WriteFailure | None:
+    """Save tag ``tag`` under ``save_dir`` on every rank (collective); return this rank's failed write, if any.
+
+    A write that fails (a full disk, a file-size limit) does not leave this rank halfway through the
+    save while the others wait for it in the save's collectives: this rank writes nothing more, goes
+    through the rest of the save, and returns the failure (commit.stop_if_any_rank_failed tells all ranks).
 
     What DeepSpeed 0.19.8 writes into ``<save_dir>/<tag>/`` (``bf16_`` prefixes the optimizer files
     of bf16 runs; MP is the model-parallel rank, DP the data-parallel rank):
@@ -36,21 +43,52 @@ def save_engine_checkpoint(engine, save_dir: str | Path, tag: str, client_state:
     Neither ``latest`` nor a manifest is written here (megatron.checkpointing.commit does that).
     """
     save_dir = Path(save_dir)
-    tag_dir = save_dir / tag
-    engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
+    failures: list[WriteFailure] = []
+    with _writes_recording_failures(engine.checkpoint_engine, failures):
+        engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
     if engine.zero_optimization_partition_weights():
-        _write_full_module_file(engine, tag_dir)
-    return tag_dir
+        _write_full_module_file(engine, save_dir / tag, failures)
+    return failures[0] if failures else None
 
 
-def _write_full_module_file(engine, tag_dir: Path) -> None:
+@contextmanager
+def _writes_recording_failures(checkpoint_engine, failures: list[WriteFailure]) -> Iterator[None]:
+    """Make ``checkpoint_engine.save`` (every file DeepSpeed writes goes through it) append a failed write
+    to `failures` instead of raising, and write nothing after one."""
+    write = checkpoint_engine.save
+
+    def save(state_dict, path, *args, **kwargs):
+        if failures:
+            return None
+        try:
+            return write(state_dict, path, *args, **kwargs)
+        except Exception as err:
+            if not is_write_error(err):
+                raise
+            failures.append(WriteFailure(Path(path), err))
+            return None
+
+    checkpoint_engine.save = save
+    try:
+        yield
+    finally:
+        del checkpoint_engine.save  # the class's method again
+
+
+def _write_full_module_file(engine, tag_dir: Path, failures: list[WriteFailure]) -> None:
     dp_group = getattr(engine.optimizer, "dp_process_group", None)
     module = _gather_full_module(engine.module, keep=dist.get_rank(group=dp_group) == 0)
-    if module is not None:
+    if module is not None and not failures:
         mp_rank = _model_parallel_rank(engine)
         state = load_checkpoint_file(tag_dir / layout.zero3_model_states_name(0, mp_rank))
         state["module"] = module
-        write_atomically(tag_dir / layout.model_states_name(mp_rank), lambda path: torch.save(state, path))
+        path = tag_dir / layout.model_states_name(mp_rank)
+        try:
+            write_atomically(path, lambda tmp: torch.save(state, tmp))
+        except Exception as err:
+            if not is_write_error(err):
+                raise
+            failures.append(WriteFailure(path, err))
     dist.barrier()
 
 
