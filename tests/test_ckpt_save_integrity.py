@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import zipfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -68,13 +69,15 @@ def test_save_writes_a_manifest_of_every_file_and_leaves_no_partial_folder(singl
     save_steps(args, [1])
     root = tmp_path / "checkpoints"
     tag_dir = root / "global_step1"
-    recorded = json.loads((tag_dir / "manifest.json").read_text())["files"]
+    stored = json.loads((tag_dir / "manifest.json").read_text())
+    assert stored["manifest_version"] == 2
+    recorded = stored["files"]
     on_disk = sorted(p.relative_to(tag_dir).as_posix() for p in tag_dir.rglob("*")
                      if p.is_file() and p.name != "manifest.json")
     assert sorted(recorded) == on_disk and "configs/tiny.yml" in on_disk
     for name, entry in recorded.items():
         data = (tag_dir / name).read_bytes()
-        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert entry == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
     assert not [p for p in root.iterdir() if p.name.endswith(".partial")]
     assert (root / "latest").read_text() == "global_step1"
 
@@ -97,6 +100,24 @@ def test_damage_inside_a_file_is_refused_naming_it_and_the_older_tag_still_loads
     assert str(tag_dir / damaged) in one_line(raised)
     older = run_args(tmp_path, stage=stage, finetune=finetune, iteration=1)
     assert load_checkpoint(older, build_engine(older, seed=1), plan_load(older, 1)).tag == "global_step1"
+
+
+@pytest.mark.parametrize("finetune", [True, False], ids=["module-only", "resume"])
+def test_a_sha256_manifest_of_an_earlier_save_still_verifies_and_catches_damage(single_rank_world, tmp_path, finetune):
+    args = run_args(tmp_path, finetune=finetune)
+    save_steps(args, [1])
+    tag_dir = tmp_path / "checkpoints" / "global_step1"
+    files = {path.relative_to(tag_dir).as_posix(): path.read_bytes() for path in tag_dir.rglob("*")
+             if path.is_file() and path.name != "manifest.json"}
+    earlier = {"manifest_version": 1, "files": {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                                                 for name, data in files.items()}}
+    (tag_dir / "manifest.json").write_text(json.dumps(earlier))
+    assert load_checkpoint(args, build_engine(args, seed=1), plan_load(args, 1)).tag == "global_step1"
+
+    overwrite_inside_largest_tensor(tag_dir / "mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError, match="is damaged: its SHA-256 differs") as raised:
+        load_checkpoint(args, build_engine(args, seed=1), plan_load(args, 1))
+    assert str(tag_dir / "mp_rank_00_model_states.pt") in one_line(raised)
 
 
 def test_without_the_manifest_the_same_damage_loads_silently(single_rank_world, tmp_path):

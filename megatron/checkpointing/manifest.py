@@ -1,14 +1,19 @@
-"""The manifest of a tag: size and SHA-256 of each of its files, written last when the tag is saved.
+"""The manifest of a tag: size and checksum of each of its files, written last when the tag is saved.
 
 A file is checked against it before it is read, so damage inside a file (bytes overwritten, not
 only a cut-off end) is a clear error instead of a run that trains from damaged weights or states.
 Tags without a manifest (GPT-NeoX's, converted ones, ours from before manifests) load unchecked.
+
+Each entry names its checksum by its key: saves write CRC-32 (manifest version 2), earlier saves
+wrote SHA-256 (version 1), and both are checked. CRC-32 guards against damage, not tampering, and
+runs about three times as fast as SHA-256 here; the check is part of every load.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,22 +21,43 @@ from megatron.checkpointing import layout
 from megatron.checkpointing.errors import CheckpointError
 from megatron.fsio import fsync_path, write_text_atomically
 
-MANIFEST_VERSION = 1
-_CHUNK_BYTES = 16 << 20
+MANIFEST_VERSION = 2
+CHECKSUM = "crc32"  # what saves record
+# Read into one reused buffer, small enough to stay in the CPU's cache while it is checksummed.
+_CHUNK_BYTES = 1 << 20
+
+
+class _Crc32:
+    def __init__(self):
+        self._value = 0
+
+    def update(self, data) -> None:
+        self._value = zlib.crc32(data, self._value)
+
+    def hexdigest(self) -> str:
+        return f"{self._value:08x}"
+
+
+# manifest key -> (name in messages, running checksum)
+_CHECKSUMS = {"crc32": ("CRC-32", _Crc32), "sha256": ("SHA-256", hashlib.sha256)}
 
 
 @dataclass(frozen=True)
 class FileRecord:
     size: int
-    sha256: str
+    checksum: str  # a key of _CHECKSUMS
+    digest: str
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
+def file_checksum(path: Path, checksum: str = CHECKSUM) -> str:
+    """The hex digest of the file's bytes by `checksum` (a key of _CHECKSUMS)."""
+    running = _CHECKSUMS[checksum][1]()
+    buffer = bytearray(_CHUNK_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as handle:
+        while length := handle.readinto(buffer):
+            running.update(view[:length])
+    return running.hexdigest()
 
 
 def tag_file_names(tag_dir: Path) -> list[str]:
@@ -44,11 +70,11 @@ def tag_file_names(tag_dir: Path) -> list[str]:
 def record_file(path: Path) -> FileRecord:
     """Flush one freshly written file to the disk and describe it for the manifest."""
     fsync_path(path)
-    return FileRecord(size=path.stat().st_size, sha256=file_sha256(path))
+    return FileRecord(size=path.stat().st_size, checksum=CHECKSUM, digest=file_checksum(path))
 
 
 def write_manifest(tag_dir: Path, records: dict[str, FileRecord]) -> None:
-    files = {name: {"size": record.size, "sha256": record.sha256} for name, record in sorted(records.items())}
+    files = {name: {"size": record.size, record.checksum: record.digest} for name, record in sorted(records.items())}
     text = json.dumps({"manifest_version": MANIFEST_VERSION, "files": files}, indent=1)
     write_text_atomically(Path(tag_dir) / layout.MANIFEST_FILE, text + "\n")
 
@@ -60,12 +86,19 @@ def read_manifest(tag_dir: Path) -> dict[str, FileRecord] | None:
         return None
     try:
         stored = json.loads(path.read_text())
-        return {name: FileRecord(int(entry["size"]), str(entry["sha256"])) for name, entry in stored["files"].items()}
+        return {name: _record(name, entry) for name, entry in stored["files"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointError(
             f"{path} is damaged ({type(err).__name__}: {err}), so the files of {Path(tag_dir).name} cannot be "
             "checked. Load another tag with `iteration: N`, or delete the manifest to load the tag unchecked."
         ) from err
+
+
+def _record(name: str, entry: dict) -> FileRecord:
+    known = [checksum for checksum in _CHECKSUMS if checksum in entry]
+    if not known:
+        raise ValueError(f"the entry of {name} has none of the checksums {', '.join(_CHECKSUMS)}")
+    return FileRecord(int(entry["size"]), known[0], str(entry[known[0]]))
 
 
 def check_file(path: Path, records: dict[str, FileRecord] | None, tag_dir: Path) -> str | None:
@@ -84,9 +117,9 @@ def check_file(path: Path, records: dict[str, FileRecord] | None, tag_dir: Path)
         size = Path(path).stat().st_size
         if size != record.size:
             return f"checkpoint file {path} has {size} bytes, but {manifest} recorded {record.size} when it was saved. {fix}"
-        if file_sha256(path) != record.sha256:
-            return (f"checkpoint file {path} is damaged: its SHA-256 differs from the one {manifest} recorded "
-                    f"when it was saved. {fix}")
+        if file_checksum(path, record.checksum) != record.digest:
+            return (f"checkpoint file {path} is damaged: its {_CHECKSUMS[record.checksum][0]} differs from the one "
+                    f"{manifest} recorded when it was saved. {fix}")
     except OSError as err:
         return f"cannot read checkpoint file {path}: {err.strerror or err}. {fix}"
     return None

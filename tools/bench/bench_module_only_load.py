@@ -15,7 +15,7 @@ order every repeat, measures on every rank at once:
 * raw (ZeRO 0-2): ``torch.load(model file, mmap=True)`` + ``module.load_state_dict``: the floor any
   load has to pay, though it leaves the optimizer's master weights stale;
 * ``verify_master_weights(engine)`` alone, against one training step (forward + backward + step);
-* the manifest check alone (SHA-256 of the model-states file against the tag's manifest.json), which
+* the manifest check alone (the checksum of the model-states file against the tag's manifest.json), which
   ``read_module_weights`` runs before reading, so it is part of "ours".
 
 A training step runs before every load so each load has changed weights to overwrite; after the
