@@ -1,4 +1,5 @@
-"""A resumed run is bit-identical to one never stopped (CPU fp32, 1 and 2 ranks, dropout on)."""
+"""A resumed run is bit-identical to one never stopped (CPU fp32, 1 and 2 ranks, dropout on; DeepSpeed's
+FusedAdam and ZeRO-Offload's DeepSpeedCPUAdam)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,20 @@ def _train(tmp_path, name, save, train_iters, num_gpus, **settings):
     return train_lines(run_deepy(["configs/tiny.yml", overrides]).stdout)
 
 
-@pytest.mark.parametrize("num_gpus", [1, pytest.param(2, marks=pytest.mark.distributed)])
-def test_stop_and_resume_gives_the_bits_of_an_unbroken_run(tmp_path, num_gpus):
-    unbroken = _train(tmp_path, "unbroken", tmp_path / "unbroken", TRAIN_ITERS, num_gpus)
+# ZeRO-Offload: the optimizer step runs in DeepSpeedCPUAdam, not FusedAdam
+OFFLOAD = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+
+
+@pytest.mark.parametrize("num_gpus, settings", [
+    pytest.param(1, {}, id="1"),
+    pytest.param(2, {}, id="2", marks=pytest.mark.distributed),
+    pytest.param(1, OFFLOAD, id="1-zero_offload"),
+])
+def test_stop_and_resume_gives_the_bits_of_an_unbroken_run(tmp_path, num_gpus, settings):
+    unbroken = _train(tmp_path, "unbroken", tmp_path / "unbroken", TRAIN_ITERS, num_gpus, **settings)
     halves = tmp_path / "halves"
-    _train(tmp_path, "first", halves, TRAIN_ITERS // 2, num_gpus)
-    resumed = _train(tmp_path, "second", halves, TRAIN_ITERS, num_gpus, load=str(halves))
+    _train(tmp_path, "first", halves, TRAIN_ITERS // 2, num_gpus, **settings)
+    resumed = _train(tmp_path, "second", halves, TRAIN_ITERS, num_gpus, load=str(halves), **settings)
 
     assert resumed[0].iteration == TRAIN_ITERS // 2 + 1
     assert [(line.iteration, line.loss) for line in resumed] == \
