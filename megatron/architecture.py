@@ -306,14 +306,19 @@ def architecture_mismatches(theirs: Mapping[str, Any], ours: Mapping[str, Any]) 
 def tensor_parallel_split_problem(tp: int, heads: int, kv_heads: int, intermediate_size: int) -> str | None:
     """Why the model cannot be split over ``tp`` tensor-parallel ranks, or None when it can.
 
-    ``intermediate_size`` is the MLP width per projection as built.
+    ``intermediate_size`` is the MLP width per projection as built. Fewer key/value heads than ranks
+    are replicated, so ``kv_heads`` need only divide ``tp`` or be divisible by it.
     """
-    for name, value in (("num_attention_heads", heads), ("num_kv_heads", kv_heads),
-                        ("intermediate_size", intermediate_size)):
+    for name, value in (("num_attention_heads", heads), ("intermediate_size", intermediate_size)):
         if value % tp:
             return (f"{name}={value}{' (the MLP width as built)' if name == 'intermediate_size' else ''} is not "
                     f"divisible by model_parallel_size={tp}; each tensor-parallel rank holds an equal share of it, "
                     f"so choose a model_parallel_size that divides {value}")
+    if kv_heads % tp and tp % kv_heads:
+        return (f"num_kv_heads={kv_heads} neither divides nor is divisible by model_parallel_size={tp}; each "
+                f"tensor-parallel rank holds an equal share of the key/value heads, or one head shared with its "
+                f"neighbours when there are fewer heads than ranks, so choose a model_parallel_size that "
+                f"{kv_heads} divides or that divides {kv_heads}")
     return None
 
 

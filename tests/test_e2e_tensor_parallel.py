@@ -93,3 +93,26 @@ def test_module_only_loads_move_the_weights_from_tp2_to_tp1_and_back_without_los
         assert halves[mp].keys() == again[mp].keys()
         for name, value in halves[mp].items():
             assert torch.equal(again[mp][name], value), (mp, name)
+
+
+def test_a_multi_query_model_moves_from_tp1_to_tp2_with_its_key_value_head_on_both_ranks(tmp_path):
+    """One key/value head, two tensor-parallel ranks: the module-only load gives each rank its two query
+    heads and the shared head, checks the stored logits and the fp32 masters, and saves them unchanged."""
+    mqa = {**TP_RUN, "num_kv_heads": 1}
+    first = write_overrides(tmp_path, name="tp1.yml", save=str(tmp_path / "tp1"), train_iters=2, checkpoint_factor=2,
+                            num_gpus=1, **mqa)
+    run_deepy(["configs/tiny.yml", first])
+    split = write_overrides(tmp_path, name="to-tp2.yml", load=str(tmp_path / "tp1"), save=str(tmp_path / "tp2"),
+                            num_gpus=2, model_parallel_size=2, **{**mqa, **FROZEN})
+    result = run_deepy(["configs/tiny.yml", split])
+    assert "1 data-parallel rank(s) x 2 tensor-parallel" in result.stdout
+
+    whole = read_module_weights(tmp_path / "tp1" / "global_step2")
+    halves = [read_module_weights(tmp_path / "tp2" / "global_step1", mp) for mp in (0, 1)]
+    qkv = "sequential.2.attention.query_key_value.weight"
+    head = 32  # hidden 128 over 4 query heads; the full rows are 4 query heads, the key head, the value head
+    assert whole[qkv].shape[0] == 6 * head
+    for mp, half in enumerate(halves):
+        assert half[qkv].shape[0] == 4 * head
+        assert torch.equal(half[qkv][:2 * head], whole[qkv][2 * head * mp:2 * head * (mp + 1)]), mp
+        assert torch.equal(half[qkv][2 * head:], whole[qkv][4 * head:]), mp

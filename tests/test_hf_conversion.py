@@ -36,6 +36,8 @@ FAMILIES = {
     "neox_sequential_tied": ("gpt_neox", dict(rotary_pct=0.5, use_parallel_residual=False, tie_word_embeddings=True)),
     "llama_gqa": ("llama", dict(num_key_value_heads=2, rope_theta=500000.0)),
     "llama_tied_biases": ("llama", dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
+    # One key/value head: at tensor-parallel size 2 both ranks hold it.
+    "llama_mqa": ("llama", dict(num_key_value_heads=1, attention_bias=True)),
 }
 
 
@@ -363,7 +365,7 @@ def test_pipeline_checkpoint_without_settings_asks_for_a_config(tmp_path):
         convert_neox_to_hf(tmp_path / "pipe", tmp_path / "back")
 
 
-@pytest.mark.parametrize("kind", ["neox_parallel", "llama_gqa"])
+@pytest.mark.parametrize("kind", ["neox_parallel", "llama_gqa", "llama_mqa"])
 def test_a_tensor_parallel_checkpoint_exports_to_hf_with_the_same_weights_and_logits(kind, tmp_path):
     """HF -> ours split for 2 tensor-parallel ranks (the CLI's --model-parallel-size) -> HF: every tensor
     comes back bit for bit, and transformers computes the same logits from it."""
@@ -377,9 +379,18 @@ def test_a_tensor_parallel_checkpoint_exports_to_hf_with_the_same_weights_and_lo
     tag_dir = tmp_path / "ckpt" / "global_step0"
     halves = [read_module_weights(tag_dir, mp) for mp in (0, 1)]
     qkv = "sequential.2.attention.query_key_value.weight"
-    kv_heads = model.config.num_key_value_heads if kind == "llama_gqa" else 4
-    assert halves[0][qkv].shape == halves[1][qkv].shape == ((4 + 2 * kv_heads) * 16 // 2, 64)
+    # rows per rank: 2 of the 4 query heads, then its key and value heads (16 wide)
+    kv_heads_per_rank = {"neox_parallel": 2, "llama_gqa": 1, "llama_mqa": 1}[kind]
+    assert halves[0][qkv].shape == halves[1][qkv].shape == ((2 + 2 * kv_heads_per_rank) * 16, 64)
     assert not torch.equal(halves[0][qkv], halves[1][qkv])
+    if kind == "llama_mqa":  # each rank holds the one key and value head, as transformers has them
+        attention = model.model.layers[0].self_attn
+        for half in halves:
+            for name, kv_bias in ((qkv, False), (qkv.replace("weight", "bias"), True)):
+                key, value = half[name][2 * 16:3 * 16], half[name][3 * 16:]
+                k_proj, v_proj = attention.k_proj, attention.v_proj
+                assert torch.equal(key, (k_proj.bias if kv_bias else k_proj.weight).detach())
+                assert torch.equal(value, (v_proj.bias if kv_bias else v_proj.weight).detach())
     convert_neox_to_hf(tmp_path / "ckpt", tmp_path / "back")
     original, back = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
     assert sorted(back) == sorted(original)

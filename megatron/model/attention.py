@@ -16,6 +16,8 @@ from megatron.model.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     model_parallel_config,
+    sum_over_ranks_sharing_a_slot,
+    tensor_parallel_rank,
     tensor_parallel_size,
 )
 from megatron.model.rotary import split_qkv
@@ -39,11 +41,12 @@ class SelfAttention(torch.nn.Module):
         config = model_parallel_config()
         self.head_dim = arch.head_dim
         self.heads = arch.num_attention_heads // tp
-        self.kv_heads = arch.num_kv_heads // tp
+        self.kv_heads = max(arch.num_kv_heads // tp, 1)  # fewer heads than ranks: one, replicated
         self.grouped_layout = arch.num_kv_heads < arch.num_attention_heads
         self.dropout = arch.attention_dropout
         self.sliding_window_width = arch.sliding_window_width
-        fused_width = (arch.num_attention_heads + 2 * arch.num_kv_heads) * arch.head_dim
+        # megatron-core gives each rank fused_width / tp: its query heads and its key and value heads
+        fused_width = (arch.num_attention_heads + 2 * max(arch.num_kv_heads, tp)) * arch.head_dim
         self.query_key_value = ColumnParallelLinear(
             arch.hidden_size,
             fused_width,
@@ -61,6 +64,21 @@ class SelfAttention(torch.nn.Module):
             input_is_parallel=True,
             skip_bias_add=False,
         )
+        self.num_kv_heads = arch.num_kv_heads
+        if arch.num_kv_heads < tp:
+            self.shared_kv_head = tensor_parallel_rank() * arch.num_kv_heads // tp
+            for param in self.query_key_value.parameters():
+                param.register_hook(self._sum_shared_key_value_gradient)
+
+    def _sum_shared_key_value_gradient(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of the replicated key/value head summed over the ranks holding it.
+
+        Each of those ranks backpropagates only its own query heads through the head; the input's
+        gradient already sums every rank's share over the tensor-parallel group, the head's own does not.
+        """
+        query_rows = self.heads * self.head_dim
+        shared = sum_over_ranks_sharing_a_slot(grad[query_rows:], self.shared_kv_head, self.num_kv_heads)
+        return torch.cat((grad[:query_rows], shared))
 
     def forward(
         self, hidden: torch.Tensor, rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None

@@ -81,5 +81,5 @@ def _set(param: torch.nn.Parameter, value: torch.Tensor) -> None:
 def _full_shape(shape: torch.Size, p: Partitioning, size: int) -> tuple[int, ...]:
     full = list(shape)
     if p.dim is not None:
-        full[p.dim] *= size
+        full[p.dim] = p.full_width(full[p.dim], size)
     return tuple(full)

@@ -58,6 +58,18 @@ def gather_last_dim(part: torch.Tensor) -> torch.Tensor:
     return part if tensor_parallel_size() == 1 else _GatherLastDim.apply(part)
 
 
+def sum_over_ranks_sharing_a_slot(part: torch.Tensor, slot: int, slots: int) -> torch.Tensor:
+    """The sum of ``part`` over the tensor-parallel ranks that hold the same ``slot`` of ``slots``.
+
+    One all-reduce over the tensor-parallel group of a buffer with a place for every slot, each rank
+    writing into its own: adding the other slots' zeros is exact, and no sub-groups are needed.
+    """
+    buffer = part.new_zeros((slots, *part.shape))
+    buffer[slot] = part
+    torch.distributed.all_reduce(buffer, group=parallel_state.get_tensor_model_parallel_group())
+    return buffer[slot]
+
+
 def copy_to_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
     """Identity forward; the gradient is summed over the tensor-parallel group."""
     return x if tensor_parallel_size() == 1 else tensor_parallel.copy_to_tensor_model_parallel_region(x)

@@ -5,7 +5,12 @@ that dimension it may consist of blocks that are split separately, each rank tak
 every block (GPT-NeoX's per-partition layouts):
 
 - ``query_key_value`` with grouped-query attention: [queries, keys, values], so rank r holds
-  [its queries, its keys, its values];
+  [its queries, its keys, its values]. Its blocks count attention heads, which are never split: with
+  fewer key/value heads than ranks, rank r holds the one key head and one value head its query heads
+  use (head ``r * num_kv_heads // size``), replicated over the ``size // num_kv_heads`` neighbouring
+  ranks that share it. GPT-NeoX refuses this case; a save writes each rank's parameter as that rank
+  holds it, so every rank file has the same shape and a replicated head is stored once per rank;
+  joining or re-splitting reads each head from the first part that holds it;
 - ``mlp.linear1`` for swiglu: [up, gate], so rank r holds [its up rows, its gate rows].
 
 With one key/value head per query head, ``query_key_value`` is per head [q, k, v] and a plain
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -26,12 +32,30 @@ from megatron.architecture import Architecture
 class Partitioning:
     dim: int | None  # None: replicated
     blocks: tuple[int, ...] = (1,)  # relative widths of the blocks along `dim`, each split on its own
+    heads: bool = False  # blocks count attention heads: a block with fewer heads than ranks is replicated
 
-    def block_widths(self, full_width: int) -> list[int]:
+    def unit_width(self, full_width: int) -> int:
         unit, rest = divmod(full_width, sum(self.blocks))
         if rest:
             raise ValueError(f"width {full_width} does not split into blocks {self.blocks}")
-        return [block * unit for block in self.blocks]
+        return unit
+
+    def replicated_block(self, block: int, size: int) -> bool:
+        """Whether every rank of ``size`` holds one whole unit of a block ``block`` units wide."""
+        if not self.heads or block >= size:
+            return False
+        if size % block:
+            raise ValueError(f"{block} heads cannot be shared evenly by {size} tensor-parallel ranks")
+        return True
+
+    def full_width(self, part_width: int, size: int) -> int:
+        """Width along ``dim`` of the full tensor whose parts at size ``size`` are ``part_width`` wide."""
+        units_per_rank = sum(Fraction(1) if self.replicated_block(block, size) else Fraction(block, size)
+                             for block in self.blocks)
+        unit = Fraction(part_width) / units_per_rank
+        if unit.denominator != 1:
+            raise ValueError(f"a part {part_width} wide is not one of {size} parts of blocks {self.blocks}")
+        return int(unit) * sum(self.blocks)
 
 
 REPLICATED = Partitioning(None)
@@ -57,7 +81,7 @@ def partitioning(name: str, arch: Architecture) -> Partitioning:
         return Partitioning(0)
     if name.endswith(("attention.query_key_value.weight", "attention.query_key_value.bias")):
         if arch.num_kv_heads < arch.num_attention_heads:
-            return Partitioning(0, (arch.num_attention_heads, arch.num_kv_heads, arch.num_kv_heads))
+            return Partitioning(0, (arch.num_attention_heads, arch.num_kv_heads, arch.num_kv_heads), heads=True)
         return Partitioning(0)
     if name.endswith(("mlp.linear1.weight", "mlp.linear1.bias")):
         return Partitioning(0, (1, 1) if arch.activation == "swiglu" else (1,))
@@ -68,11 +92,15 @@ def partitioning(name: str, arch: Architecture) -> Partitioning:
 
 def _ranges(p: Partitioning, full_width: int, rank: int, size: int) -> list[tuple[int, int]]:
     """(start, length) along ``p.dim`` of the full tensor of each piece rank ``rank`` of ``size`` holds."""
+    unit = p.unit_width(full_width)
     ranges, start = [], 0
-    for width in p.block_widths(full_width):
-        share = width // size
-        ranges.append((start + rank * share, share))
-        start += width
+    for block in p.blocks:
+        if p.replicated_block(block, size):
+            ranges.append((start + rank * block // size * unit, unit))
+        else:
+            share = block * unit // size
+            ranges.append((start + rank * share, share))
+        start += block * unit
     return ranges
 
 
@@ -94,18 +122,23 @@ def repartition(parts: Sequence[torch.Tensor], p: Partitioning, rank: int, size:
         return parts[0]
     if saved == size:
         return parts[rank]
-    full_width = parts[0].shape[p.dim] * saved
-    saved_ranges = [_ranges(p, full_width, r, saved) for r in range(saved)]
+    full_width = p.full_width(parts[0].shape[p.dim], saved)
+    # (saved part, start in the full tensor, length, offset in the part) of every saved piece
+    saved_pieces = []
+    for source_rank, source in enumerate(parts):
+        offset = 0
+        for start, length in _ranges(p, full_width, source_rank, saved):
+            saved_pieces.append((source, start, length, offset))
+            offset += length
     pieces = []
     for start, length in _ranges(p, full_width, rank, size):
-        end = start + length
-        for source, ranges in zip(parts, saved_ranges, strict=True):
-            offset = 0  # where this block piece starts inside the saved part
-            for s_start, s_length in ranges:
-                low, high = max(start, s_start), min(end, s_start + s_length)
-                if low < high:
-                    pieces.append(source.narrow(p.dim, offset + low - s_start, high - low))
-                offset += s_length
+        position, end = start, start + length
+        while position < end:  # the first saved piece holding `position` (a replicated head is in several)
+            source, s_start, s_length, offset = next(
+                piece for piece in saved_pieces if piece[1] <= position < piece[1] + piece[2])
+            high = min(end, s_start + s_length)
+            pieces.append(source.narrow(p.dim, offset + position - s_start, high - position))
+            position = high
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=p.dim)
 
 
