@@ -44,7 +44,7 @@ from bench_world import free_port, init_world  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from procmem import PeakSampler, measure_memory, median, ratio_line, return_freed_memory_to_os, table  # noqa: E402
 
-from megatron.checkpointing import layout, manifest  # noqa: E402
+from megatron.checkpointing import commit, layout, manifest  # noqa: E402
 from megatron.checkpointing.engine_save import save_engine_checkpoint  # noqa: E402
 from megatron.checkpointing.master_weights import verify_master_weights  # noqa: E402
 from megatron.checkpointing.module_load import load_module_only  # noqa: E402
@@ -132,7 +132,8 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
     tokens = torch.randint(0, options.vocab, (options.batch, options.seq + 1), generator=generator)
     tokens = tokens.to(engine.device)
     train_step(engine, tokens)  # warm-up, and optimizer state exists as in a real run
-    tag_dir = save_engine_checkpoint(engine, save_dir, TAG, {"iteration": 1})
+    commit.stop_if_any_rank_failed(save_dir, TAG, save_engine_checkpoint(engine, save_dir, TAG, {"iteration": 1}))
+    tag_dir = save_dir / TAG
     if dist.get_rank() == 0:  # DeepSpeed's own ZeRO-3 module-only load reads `latest`
         layout.write_latest(save_dir, TAG)
         manifest.write_manifest(tag_dir, {name: manifest.record_file(tag_dir / name)
