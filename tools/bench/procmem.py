@@ -124,33 +124,35 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 
 class PeakSampler:
-    """Samples this process's private memory and PSS from smaps_rollup on a thread while a call runs.
+    """Samples fields of this process's smaps_rollup on a thread while a call runs; reports peak growth.
 
-    Private = Private_Clean + Private_Dirty: pages no other process maps (anonymous memory, and file
-    pages only this process touched). Pages of a file that several ranks map are shared and counted
-    in PSS, split between them. Growth is reported against the reading before the call.
+    The default fields: Private = Private_Clean + Private_Dirty, pages no other process maps
+    (anonymous memory, and file pages only this process touched), and Pss, where pages of a file that
+    several ranks map are shared and split between them. ``Anonymous`` counts only memory the process
+    allocated itself, leaving out every page of a memory-mapped file (those are the page cache's).
+    Growth is reported against the reading before the call.
     """
 
-    def __init__(self, interval_s: float = 0.002):
+    def __init__(self, interval_s: float = 0.002, fields: tuple[str, ...] = ("Private", "Pss")):
         self.interval_s = interval_s
+        self.fields = fields
 
-    @staticmethod
-    def _read() -> tuple[int, int]:
+    def _read(self) -> list[int]:
         values = smaps_rollup_kib() or {}
-        return values.get("Private_Clean", 0) + values.get("Private_Dirty", 0), values.get("Pss", 0)
+        values["Private"] = values.get("Private_Clean", 0) + values.get("Private_Dirty", 0)
+        return [values.get(field, 0) for field in self.fields]
 
-    def measure(self, call: Callable[[], T]) -> tuple[T, float, float]:
-        """(result, peak private growth MiB, peak PSS growth MiB)."""
+    def measure(self, call: Callable[[], T]) -> tuple[T, float, ...]:
+        """(result, peak growth in MiB of each field)."""
         import threading
 
-        private_before, pss_before = self._read()
-        peaks = [private_before, pss_before]
+        before = self._read()
+        peaks = list(before)
         done = threading.Event()
 
         def sample() -> None:
             while not done.is_set():
-                private, pss = self._read()
-                peaks[0], peaks[1] = max(peaks[0], private), max(peaks[1], pss)
+                peaks[:] = map(max, peaks, self._read())
                 done.wait(self.interval_s)
 
         thread = threading.Thread(target=sample, daemon=True)
@@ -160,6 +162,5 @@ class PeakSampler:
         finally:
             done.set()
             thread.join()
-        private, pss = self._read()
-        peaks[0], peaks[1] = max(peaks[0], private), max(peaks[1], pss)
-        return result, (peaks[0] - private_before) / 1024, (peaks[1] - pss_before) / 1024
+        peaks[:] = map(max, peaks, self._read())
+        return (result, *((peak - start) / 1024 for peak, start in zip(peaks, before, strict=True)))

@@ -1,0 +1,220 @@
+"""Host memory per rank of building a ZeRO-3 model and loading a checkpoint into it: partitioned against whole.
+
+    python tools/bench/bench_zero3_build.py [--ranks 2] [--layers 24] [--hidden 1280] [--heads 16]
+        [--vocab 50304] [--precision bf16] [--threads N] [--json PATH]
+
+First one gloo world of ``--ranks`` processes builds the model (another seed), starts a ZeRO-3 engine
+and saves a checkpoint as training does (full fp32 module file, manifest). Then, once per way of
+building, a fresh world of ``--ranks`` processes, each rank:
+
+1. builds the model: ``partitioned`` is what training does under ZeRO-3 (``build_model`` with a
+   ``deepspeed.zero.Init`` context), ``whole`` what it did before (the whole fp32 model on every rank,
+   partitioned only by ``deepspeed.initialize``);
+2. starts a ZeRO-3 engine on it (with SGD: an optimizer without state, so the engine's own memory
+   is its fp32 master and gradient partitions, the same for both ways);
+3. loads the checkpoint module-only (``read_module_weights`` + ``load_module_only``, master refresh
+   and verification included) and checks two parameters against the checkpoint.
+
+Memory is the rank's anonymous memory (smaps_rollup ``Anonymous``): what the rank allocated itself.
+The pages of the memory-mapped checkpoint are left out; they belong to the page cache, which the
+kernel can drop. "build + load" is the most the model's weights needed at any moment of steps 1 and 3:
+max(peak during the build, held after the build + peak growth during the load), printed in MiB and
+as a fraction of the full fp32 model (4 bytes per parameter); the engine's start (step 2) is shown
+beside it. ``RATIO`` lines and ``--json`` as in the other benches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from bench_world import free_port, init_world  # noqa: E402
+from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
+from procmem import PeakSampler, ratio_line, return_freed_memory_to_os, smaps_rollup_kib, table  # noqa: E402
+
+from megatron.checkpointing import layout, manifest  # noqa: E402
+from megatron.checkpointing.engine_save import save_engine_checkpoint  # noqa: E402
+from megatron.checkpointing.module_load import load_module_only  # noqa: E402
+from megatron.checkpointing.module_weights import read_module_weights  # noqa: E402
+from megatron.initialize import ModelParallelUnit  # noqa: E402
+from megatron.model import build_model  # noqa: E402
+from megatron.neox_arguments import NeoXArgs  # noqa: E402
+
+TAG = "global_step1"
+BUILDS = ("partitioned", "whole")
+SEED = 1234
+CHECKPOINT_SEED = SEED + 1  # the checkpoint holds other weights than a fresh build, so a load must change them
+
+
+def architecture(options: argparse.Namespace):
+    return NeoXArgs.from_dict({
+        "num_layers": options.layers, "hidden_size": options.hidden, "num_attention_heads": options.heads,
+        "seq_length": 32, "max_position_embeddings": 32, "padded_vocab_size": options.vocab,
+        "hidden_dropout": 0.0, "attention_dropout": 0.0, "seed": SEED,
+    }).architecture()
+
+
+def ds_config(options: argparse.Namespace) -> dict:
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 3}, "steps_per_print": 10**9}
+    if options.precision != "fp32":
+        config[options.precision] = {"enabled": True}
+    return config
+
+
+def build(options: argparse.Namespace, how: str, seed: int):
+    config, mpu = ds_config(options), ModelParallelUnit()
+    partitioned_by = (deepspeed.zero.Init(config_dict_or_path=config, mpu=mpu,
+                                          data_parallel_group=mpu.get_data_parallel_group())
+                      if how == "partitioned" else None)
+    return build_model(architecture(options), seed, partitioned_by=partitioned_by)
+
+
+def start_engine(options: argparse.Namespace, model):
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(options),
+                                      mpu=ModelParallelUnit())
+    return engine
+
+
+def anonymous_mib() -> float:
+    return (smaps_rollup_kib() or {}).get("Anonymous", 0) / 1024
+
+
+def save_checkpoint(options: argparse.Namespace, save_dir: Path) -> None:
+    engine = start_engine(options, build(options, "partitioned", CHECKPOINT_SEED))
+    tag_dir = save_engine_checkpoint(engine, save_dir, TAG, {"iteration": 1})
+    if dist.get_rank() == 0:
+        manifest.write_manifest(tag_dir, {name: manifest.record_file(tag_dir / name)
+                                          for name in manifest.tag_file_names(tag_dir)})
+        layout.write_latest(save_dir, TAG)
+    dist.barrier()
+
+
+def check_loaded(engine, weights: dict[str, torch.Tensor]) -> None:
+    """The first and last parameters hold the checkpoint's values after the load."""
+    params = list(engine.module.named_parameters())
+    for name, param in (params[0], params[-1]):
+        with deepspeed.zero.GatheredParameters([param]):
+            if not torch.equal(param.data, weights[name].to(param.dtype)):
+                raise SystemExit(f"parameter {name} differs from the checkpoint after the load")
+
+
+def measure_rank(options: argparse.Namespace, how: str, save_dir: Path) -> dict:
+    sampler = PeakSampler(fields=("Anonymous",))
+    dist.barrier()
+    start = anonymous_mib()
+    wall = time.perf_counter()
+    model, build_peak = sampler.measure(lambda: build(options, how, SEED))
+    build_s, held_after_build = time.perf_counter() - wall, anonymous_mib() - start
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    dist.barrier()
+    before_engine = anonymous_mib()
+    engine, engine_peak = sampler.measure(lambda: start_engine(options, model))
+    engine_held = anonymous_mib() - before_engine
+    dist.barrier()
+    wall = time.perf_counter()
+    tag_dir = save_dir / TAG
+    _, load_peak = sampler.measure(lambda: load_module_only(engine, read_module_weights(tag_dir), strict=True))
+    load_s = time.perf_counter() - wall
+    check_loaded(engine, read_module_weights(tag_dir))
+    return {"parameters": n_params, "build_peak_mib": build_peak, "held_after_build_mib": held_after_build,
+            "engine_peak_mib": engine_peak, "engine_held_mib": engine_held, "load_peak_mib": load_peak,
+            "build_plus_load_mib": max(build_peak, held_after_build + load_peak), "build_s": build_s,
+            "load_s": load_s}
+
+
+def rank_main(rank: int, options: argparse.Namespace, port: int, scratch: str, task: str) -> None:
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    deepspeed_logger.setLevel("WARNING")
+    return_freed_memory_to_os()
+    init_world(rank, options.ranks, port)
+    save_dir = Path(scratch) / "checkpoint"
+    if task == "save":
+        save_checkpoint(options, save_dir)
+    else:
+        result = measure_rank(options, task, save_dir)
+        (Path(scratch) / f"{task}-rank{rank}.json").write_text(json.dumps(result))
+
+
+def run_world(options: argparse.Namespace, scratch: str, task: str) -> None:
+    torch.multiprocessing.spawn(rank_main, args=(options, free_port(), scratch, task), nprocs=options.ranks)
+
+
+def report(options: argparse.Namespace, results: dict[str, list[dict]], load_average: tuple[float, float]) -> dict:
+    n_params = results["partitioned"][0]["parameters"]
+    fp32_mib = 4 * n_params / 2**20
+    print(f"model: {n_params / 1e6:.1f}M parameters ({fp32_mib:.0f} MiB in fp32), {options.layers} layers, hidden "
+          f"{options.hidden}, vocab {options.vocab}; {options.precision}, ZeRO stage 3, {options.ranks} rank(s) on "
+          f"this machine, {os.cpu_count()} CPUs; load average before {load_average[0]:.2f}, after {load_average[1]:.2f}")
+    rows = []
+    for how in BUILDS:
+        for rank, r in enumerate(results[how]):
+            rows.append([how, rank, r["build_peak_mib"], r["held_after_build_mib"], r["load_peak_mib"],
+                         r["build_plus_load_mib"], r["build_plus_load_mib"] / fp32_mib, r["engine_peak_mib"],
+                         r["build_s"], r["load_s"]])
+    print(table(["build", "rank", "build peak MiB", "held after build MiB", "load peak growth MiB",
+                 "build + load MiB", "build + load / fp32 model", "engine start peak MiB", "build s", "load s"],
+                rows))
+    ratios: dict[str, float] = {}
+
+    def ratio(name: str, numerator: float, denominator: float, meaning: str) -> None:
+        print(ratio_line(name, numerator, denominator, meaning))
+        ratios[name] = numerator / denominator if denominator else float("inf")
+
+    def worst(how: str, key: str) -> float:
+        return max(r[key] for r in results[how])
+
+    ratio("partitioned build+load/fp32 model", worst("partitioned", "build_plus_load_mib"), fp32_mib,
+          "most anonymous memory any rank's weights needed while building and loading, against the whole fp32 model")
+    ratio("whole build+load/fp32 model", worst("whole", "build_plus_load_mib"), fp32_mib,
+          "the same when every rank builds the whole model first")
+    ratio("partitioned/whole build+load", worst("partitioned", "build_plus_load_mib"),
+          worst("whole", "build_plus_load_mib"), "partitioned construction against the whole build")
+    ratio("partitioned/whole build wall", worst("partitioned", "build_s"), worst("whole", "build_s"),
+          "time to build (draws, and the partitioning's broadcasts)")
+    return ratios
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=2, help="data-parallel ranks (processes on this machine)")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=1280)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=50304, help="padded vocabulary size")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch's default)")
+    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
+    options = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="bench_zero3_build_") as scratch:
+        run_world(options, scratch, "save")
+        results = {}
+        for how in BUILDS:
+            run_world(options, scratch, how)
+            results[how] = [json.loads((Path(scratch) / f"{how}-rank{r}.json").read_text())
+                            for r in range(options.ranks)]
+    load_average = (load_before, os.getloadavg()[0])
+    ratios = report(options, results, load_average)
+    if options.json:
+        options.json.write_text(json.dumps({"options": {k: str(v) if isinstance(v, Path) else v
+                                                        for k, v in vars(options).items()},
+                                            "load_average": load_average, "ratios": ratios, "results": results},
+                                           indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
