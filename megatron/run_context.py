@@ -78,7 +78,9 @@ def _checkpoint_model_settings(load: Path, iteration: int | None) -> tuple[dict[
             "it from; add the model's settings (e.g. the checkpoint's configs/*.yml) to the command line"
         )
     model = NeoXArgs.from_saved(settings, str(tag.path))
-    names = [name for name, setting in SETTINGS.items() if setting.group == "model"]
+    # How the saving run split the model is not part of it: a module-only load re-splits the weights
+    # for this run's model_parallel_size, and a full resume at another size is refused with the way out.
+    names = [name for name, setting in SETTINGS.items() if setting.group == "model" and name != "model_parallel_size"]
     taken = {name: getattr(model, name) for name in names if model.source_of(name) == str(tag.path)}
     taken.update({name: settings[name] for name in TOKENIZER_SETTINGS if settings.get(name) is not None})
     return taken, f"{tag.path} (saved settings)"

@@ -44,6 +44,15 @@ def test_converted_checkpoint_and_hf_folder(tmp_path):
     assert possible_modes(hf) == {"finetune"}
 
 
+def test_a_checkpoint_converted_for_two_tensor_parallel_ranks_lists_the_modes_a_run_at_that_size_gets(tmp_path):
+    hf_dir = save_hf(make_hf_model("llama_gqa"), tmp_path / "hf")
+    convert_hf_to_neox(hf_dir, tmp_path / "ckpt", model_parallel_size=2)
+    report = inspect(tmp_path / "ckpt")
+    assert report["tensor_parallel_size"] == 2 and report["saved_settings"]["model_parallel_size"] == 2
+    assert possible_modes(report) == {"no_load_optim", "finetune"}
+    assert "holds none" in report["load_modes"]["resume"]["reason"]
+
+
 @pytest.mark.usefixtures("single_rank_world")
 def test_zero2_engine_checkpoint_can_resume(tmp_path):
     args = engine_args(make_hf_model("neox_parallel"), "bf16", save=str(tmp_path / "run"))

@@ -71,3 +71,17 @@ def test_the_model_of_a_hugging_face_folder_comes_from_its_config_json(tmp_path)
     args = args.with_values({"padded_vocab_size": 32}, "a tokenizer of at most 32 tokens")
     with pytest.raises(CheckpointError, match="num_layers"):
         build_load_plan(args, inventory_checkpoint(hf_dir, HF_FOLDER), 1)
+
+
+def test_a_tensor_parallel_checkpoint_gives_its_model_but_not_its_split(tmp_path):
+    """A checkpoint saved at model_parallel_size 2 gives a 1-rank run its shape; the run keeps size 1 and
+    its module-only load re-splits the weights."""
+    from megatron.hf.convert import convert_hf_to_neox
+
+    convert_hf_to_neox(tiny_hf_model(tmp_path / "hf"), tmp_path / "tp2", model_parallel_size=2)
+    args = settings_for_run(finetune_yml(tmp_path, load=str(tmp_path / "tp2")))
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (2, 16, 2)
+    assert args.model_parallel_size == 1 and args.data_parallel_size == 1
+    args = args.with_values({"padded_vocab_size": args.padded_vocab_size}, "the checkpoint")
+    plan = build_load_plan(args, inventory_checkpoint(tmp_path / "tp2", HF_FOLDER), 1)
+    assert "tensor-parallel" in plan.describe()
