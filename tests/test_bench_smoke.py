@@ -52,6 +52,14 @@ def test_module_only_load_bench_runs_two_ranks():
     assert "ours/baseline node_private" in ratios and "ours/raw wall" in ratios
 
 
+def test_module_only_load_bench_measures_a_change_of_tensor_parallel_size():
+    ratios = run_bench(
+        "bench_module_only_load.py", "--ranks", "2", "--tp", "2", "--saved-tp", "1", "--layers", "1", "--hidden", "32",
+        "--heads", "2", "--vocab", "64", "--seq", "8", "--repeats", "1", "--precision", "bf16",
+    )
+    assert "resplit/ours wall" in ratios and "resplit/ours node_private" in ratios
+
+
 def test_mmap_read_bench_prints_its_ratios():
     ratios = run_bench("bench_mmap_read.py", "--size-mb", "8")
     assert_ratios(ratios, {

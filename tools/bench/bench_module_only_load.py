@@ -1,12 +1,12 @@
 """Module-only load: ours (read_module_weights + load_module_only) against DeepSpeed's own and a raw read.
 
-    python tools/bench/bench_module_only_load.py [--ranks 1|2] [--layers 4] [--hidden 512] [--vocab 16384]
-        [--precision bf16] [--zero-stage 1] [--repeats 5] [--batch 1] [--seq 32] [--threads N] [--cold]
-        [--json PATH]
+    python tools/bench/bench_module_only_load.py [--ranks 1|2] [--tp 1] [--saved-tp N] [--layers 4]
+        [--hidden 512] [--vocab 16384] [--precision bf16] [--zero-stage 1] [--repeats 5] [--batch 1]
+        [--seq 32] [--threads N] [--cold] [--json PATH]
 
 Builds a GPTModel inside a real DeepSpeed engine (a gloo world of ``--ranks`` processes on this
-machine, data parallel), saves one checkpoint with save_engine_checkpoint, then, alternating the
-order every repeat, measures on every rank at once:
+machine, ``--tp`` of them per tensor-parallel group, the rest data parallel), saves one checkpoint
+with save_engine_checkpoint, then, alternating the order every repeat, measures on every rank at once:
 
 * baseline: ``engine.load_checkpoint(dir, tag, load_module_only=True, load_optimizer_states=False,
   load_lr_scheduler_states=False)``;
@@ -16,7 +16,11 @@ order every repeat, measures on every rank at once:
   load has to pay, though it leaves the optimizer's master weights stale;
 * ``verify_master_weights(engine)`` alone, against one training step (forward + backward + step);
 * the manifest check alone (the checksum of the model-states file against the tag's manifest.json), which
-  ``read_module_weights`` runs before reading, so it is part of "ours".
+  ``read_module_weights`` runs before reading, so it is part of "ours";
+* resplit (with ``--saved-tp`` other than ``--tp``): ours from a checkpoint an engine at tensor-parallel
+  size ``--saved-tp`` saved first: every saved rank's file read (memory-mapped), this rank's slices
+  taken with ``repartition_state_dict`` as a run's module-only load takes them, then
+  ``load_module_only``; its ratio to "ours" is the load-time cost of changing the tensor-parallel size.
 
 A training step runs before every load so each load has changed weights to overwrite; after the
 first loads of each kind the engine's weights are checked against the checkpoint. Prints medians
@@ -42,6 +46,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from bench_world import free_port, init_world  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
 from procmem import PeakSampler, measure_memory, median, ratio_line, return_freed_memory_to_os, table  # noqa: E402
 
 from megatron.checkpointing import commit, layout, manifest  # noqa: E402
@@ -49,15 +54,19 @@ from megatron.checkpointing.engine_save import save_engine_checkpoint  # noqa: E
 from megatron.checkpointing.master_weights import verify_master_weights  # noqa: E402
 from megatron.checkpointing.module_load import load_module_only  # noqa: E402
 from megatron.checkpointing.module_weights import load_checkpoint_file, read_module_weights  # noqa: E402
+from megatron.initialize import ModelParallelUnit  # noqa: E402
 from megatron.model import build_model, causal_lm_loss  # noqa: E402
+from megatron.model.partitioning import repartition_state_dict  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 
 TAG = "global_step1"
-LOADS = ("baseline", "ours", "raw")
 MEASURES = ("wall", "cpu", "peak_rss", "kept_rss", "peak_private", "peak_pss")
 
 
-def build_engine(options: argparse.Namespace):
+def build_engine(options: argparse.Namespace, tensor_parallel_size: int):
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_parallel_size, 1)
     args = NeoXArgs.from_dict(
         {
             "num_layers": options.layers,
@@ -69,6 +78,8 @@ def build_engine(options: argparse.Namespace):
             "attention_dropout": 0.0,
             "seed": 1234,
             "padded_vocab_size": options.vocab,
+            "model_parallel_size": tensor_parallel_size,
+            "num_gpus": options.ranks,
         }
     )
     model = build_model(args.architecture(), args.seed)
@@ -81,12 +92,13 @@ def build_engine(options: argparse.Namespace):
     }
     if options.precision != "fp32":
         config[options.precision] = {"enabled": True}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                      mpu=ModelParallelUnit())
     return engine
 
 
 def train_step(engine, tokens: torch.Tensor) -> None:
-    loss = causal_lm_loss(engine(tokens[:, :-1]), tokens[:, 1:])
+    loss = causal_lm_loss(engine(tokens[:, :-1], parallel_output=True), tokens[:, 1:], vocab_parallel=True)
     engine.backward(loss)
     engine.step()
 
@@ -124,14 +136,10 @@ def measured(call) -> dict[str, float]:
             "kept_rss": rss.retained_mib, "peak_private": private, "peak_pss": pss}
 
 
-def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
-    """Everything one rank measures; every rank runs it at the same time (loads start at a barrier)."""
-    engine = build_engine(options)
-    n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, options.vocab, (options.batch, options.seq + 1), generator=generator)
-    tokens = tokens.to(engine.device)
-    train_step(engine, tokens)  # warm-up, and optimizer state exists as in a real run
+def trained_and_saved(options: argparse.Namespace, tensor_parallel_size: int, save_dir: Path, tokens: torch.Tensor):
+    """An engine at ``tensor_parallel_size`` after one training step, and the tag it saved in ``save_dir``."""
+    engine = build_engine(options, tensor_parallel_size)
+    train_step(engine, tokens.to(engine.device))  # warm-up, and optimizer state exists as in a real run
     commit.stop_if_any_rank_failed(save_dir, TAG, save_engine_checkpoint(engine, save_dir, TAG, {"iteration": 1}))
     tag_dir = save_dir / TAG
     if dist.get_rank() == 0:  # DeepSpeed's own ZeRO-3 module-only load reads `latest`
@@ -139,7 +147,23 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
         manifest.write_manifest(tag_dir, {name: manifest.record_file(tag_dir / name)
                                           for name in manifest.tag_file_names(tag_dir)})
     dist.barrier()
-    checkpoint = {k: v.clone() for k, v in read_module_weights(tag_dir).items()}
+    return engine, tag_dir
+
+
+def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
+    """Everything one rank measures; every rank runs it at the same time (loads start at a barrier)."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, options.vocab, (options.batch, options.seq + 1), generator=generator)
+    resplit_tag = None
+    if options.saved_tp != options.tp:
+        _, resplit_tag = trained_and_saved(options, options.saved_tp, save_dir / f"tp{options.saved_tp}", tokens)
+        gc.collect()
+    engine, tag_dir = trained_and_saved(options, options.tp, save_dir, tokens)
+    tokens = tokens.to(engine.device)
+    n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
+    mp_rank = parallel_state.get_tensor_model_parallel_rank()
+    module_file = tag_dir / layout.model_states_name(mp_rank)
+    checkpoint = {k: v.clone() for k, v in read_module_weights(tag_dir, mp_rank).items()}
 
     def baseline():
         path, _ = engine.load_checkpoint(str(save_dir), TAG, load_module_only=True,
@@ -148,18 +172,28 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
             raise SystemExit(f"DeepSpeed's load_checkpoint loaded nothing from {save_dir}/{TAG}")
 
     def ours():
-        load_module_only(engine, read_module_weights(tag_dir), strict=True)
+        load_module_only(engine, read_module_weights(tag_dir, mp_rank), strict=True)
+
+    def resplit_weights():
+        parts = [read_module_weights(resplit_tag, mp) for mp in range(options.saved_tp)]
+        return repartition_state_dict(parts, engine.module.arch, mp_rank, options.tp)
+
+    def resplit():
+        load_module_only(engine, resplit_weights(), strict=True)
 
     def raw():
-        state = load_checkpoint_file(tag_dir / layout.model_states_name(0))["module"]
+        state = load_checkpoint_file(module_file)["module"]
         engine.module.load_state_dict(state, strict=False)  # without the megatron-core _extra_state keys
 
     loads = [("baseline", baseline), ("ours", ours)]
+    expected = {"baseline": checkpoint, "ours": checkpoint}
+    if resplit_tag is not None:
+        loads.append(("resplit", resplit))
+        expected["resplit"] = {k: v.clone() for k, v in resplit_weights().items()}
     if options.zero_stage < 3:  # a ZeRO-3 module holds partitions; load_state_dict cannot fill them
         loads.append(("raw", raw))
     samples: dict[str, list[dict]] = {name: [] for name, _ in loads}
     samples.update(verify=[], checksum=[], train_step=[])
-    module_file = tag_dir / layout.model_states_name(0)
     for repeat in range(options.repeats):
         for name, load in loads if repeat % 2 == 0 else loads[::-1]:
             samples["train_step"].append(measured(lambda: train_step(engine, tokens)))
@@ -168,7 +202,7 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
             dist.barrier()
             samples[name].append(measured(load))
             if repeat < 2 and name != "raw":  # raw leaves the master stale: it is a floor, not a load
-                check_loaded(engine, checkpoint, name)
+                check_loaded(engine, expected[name], name)
             if name == "ours":
                 samples["verify"].append(measured(lambda: verify_master_weights(engine)))
                 samples["checksum"].append(measured(lambda: manifest.verify_files(tag_dir, [module_file])))
@@ -209,7 +243,8 @@ def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[f
 
     print(f"model: {first['parameters'] / 1e6:.1f}M parameters, {options.layers} layers, hidden {options.hidden}, "
           f"vocab {options.vocab}; {options.precision}, ZeRO stage {options.zero_stage}, {options.ranks} rank(s) "
-          f"on this machine; checkpoint tag {first['checkpoint_mib']:.1f} MiB; train step: batch {options.batch} "
+          f"on this machine, tensor-parallel size {options.tp}"
+          f"{f' (resplit: saved at {options.saved_tp})' if options.saved_tp != options.tp else ''}; checkpoint tag {first['checkpoint_mib']:.1f} MiB; train step: batch {options.batch} "
           f"x {options.seq} tokens; {'files evicted from the page cache before each load' if options.cold else 'files in the page cache'}")
     print(f"torch threads {first['threads']} per rank, {os.cpu_count()} CPUs; repeats {options.repeats}; "
           f"load average before {load_average[0]:.2f}, after {load_average[1]:.2f}")
@@ -238,6 +273,12 @@ def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[f
           "share of our load spent on the manifest check of the module file")
     ratio("checksum/baseline wall", slowest("checksum", "wall"), slowest("baseline", "wall"),
           "manifest check against DeepSpeed's whole module-only load")
+    if "resplit" in names:
+        ratio("resplit/ours wall", slowest("resplit", "wall"), slowest("ours", "wall"),
+              f"module-only load of a tensor-parallel size {options.saved_tp} checkpoint at size {options.tp}, "
+              f"against one saved at {options.tp}")
+        ratio("resplit/ours node_private", node("resplit", "peak_private"), node("ours", "peak_private"),
+              "node's peak private memory of that load against the same-size load")
     if "raw" in names:
         ratio("ours/raw wall", slowest("ours", "wall"), slowest("raw", "wall"),
               "against torch.load(mmap) + load_state_dict, which leaves the master stale")
@@ -246,7 +287,11 @@ def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[f
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=1, help="data-parallel ranks (processes on this machine)")
+    parser.add_argument("--ranks", type=int, default=1, help="ranks (processes on this machine)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the loading engine")
+    parser.add_argument("--saved-tp", type=int,
+                        help="tensor-parallel size of an engine that saves a second checkpoint, loaded as 'resplit' "
+                             "(default: --tp, no resplit load)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
@@ -262,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="evict the checkpoint's files from the page cache before every load (a first read)")
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
     options = parser.parse_args(argv)
+    options.saved_tp = options.saved_tp or options.tp
+    for name, size in (("--tp", options.tp), ("--saved-tp", options.saved_tp)):
+        if size < 1 or options.ranks % size:
+            parser.error(f"{name} {size} must divide --ranks {options.ranks}")
     malloc_returns_memory = setup_process(options)
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench_module_only_") as scratch:
