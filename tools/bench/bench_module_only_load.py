@@ -25,7 +25,8 @@ with save_engine_checkpoint, then, alternating the order every repeat, measures 
 A training step runs before every load so each load has changed weights to overwrite; after the
 first loads of each kind the engine's weights are checked against the checkpoint. Prints medians
 (wall and process CPU time; the slowest rank's), peak RSS growth (rank 0), the node's peak private
-memory and PSS growth (all ranks added up), and ``RATIO`` lines; ``--json`` writes them as JSON.
+memory and PSS growth (all ranks added up; sampled on a thread during a second, untimed run of each
+call, since the sampling slows the call it watches), and ``RATIO`` lines; ``--json`` writes them as JSON.
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ from megatron.model.partitioning import repartition_state_dict  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 
 TAG = "global_step1"
-MEASURES = ("wall", "cpu", "peak_rss", "kept_rss", "peak_private", "peak_pss")
 
 
 def build_engine(options: argparse.Namespace, tensor_parallel_size: int):
@@ -127,13 +127,22 @@ def evict_from_page_cache(tag_dir: Path) -> None:
                 os.close(fd)
 
 
-def measured(call) -> dict[str, float]:
-    """Run ``call`` once: wall and CPU seconds, RSS peak and kept growth, private and PSS peak growth (MiB)."""
+def timed(call) -> dict[str, float]:
+    """Run ``call`` once: wall and CPU seconds, RSS peak and kept growth (MiB)."""
     gc.collect()
     wall, cpu = time.perf_counter(), time.process_time()
-    (_, rss), private, pss = PeakSampler().measure(lambda: measure_memory(call))
+    _, rss = measure_memory(call)
     return {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu, "peak_rss": rss.peak_growth_mib,
-            "kept_rss": rss.retained_mib, "peak_private": private, "peak_pss": pss}
+            "kept_rss": rss.retained_mib}
+
+
+def timed_then_sampled(call) -> dict[str, float]:
+    """``timed(call)``, then the private and PSS peak growth (MiB) of a second, untimed run: the sampling
+    thread slows the call it watches several-fold (the raw read 9 ms -> 83 ms here)."""
+    sample = timed(call)
+    gc.collect()
+    _, sample["peak_private"], sample["peak_pss"] = PeakSampler().measure(call)
+    return sample
 
 
 def trained_and_saved(options: argparse.Namespace, tensor_parallel_size: int, save_dir: Path, tokens: torch.Tensor):
@@ -196,18 +205,18 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
     samples.update(verify=[], checksum=[], train_step=[])
     for repeat in range(options.repeats):
         for name, load in loads if repeat % 2 == 0 else loads[::-1]:
-            samples["train_step"].append(measured(lambda: train_step(engine, tokens)))
+            samples["train_step"].append(timed(lambda: train_step(engine, tokens)))
             if options.cold:
                 evict_from_page_cache(tag_dir)
             dist.barrier()
-            samples[name].append(measured(load))
+            samples[name].append(timed_then_sampled(load))
             if repeat < 2 and name != "raw":  # raw leaves the master stale: it is a floor, not a load
                 check_loaded(engine, expected[name], name)
             if name == "ours":
-                samples["verify"].append(measured(lambda: verify_master_weights(engine)))
-                samples["checksum"].append(measured(lambda: manifest.verify_files(tag_dir, [module_file])))
+                samples["verify"].append(timed_then_sampled(lambda: verify_master_weights(engine)))
+                samples["checksum"].append(timed_then_sampled(lambda: manifest.verify_files(tag_dir, [module_file])))
     files_mib = sum(p.stat().st_size for p in tag_dir.iterdir() if p.is_file()) / 2**20
-    medians = {name: {key: median([s[key] for s in runs]) for key in MEASURES} for name, runs in samples.items()}
+    medians = {name: {key: median([s[key] for s in runs]) for key in runs[0]} for name, runs in samples.items()}
     return {"parameters": n_params, "checkpoint_mib": files_mib, "medians": medians,
             "threads": torch.get_num_threads()}
 
@@ -238,8 +247,8 @@ def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[f
     def slowest(name: str, key: str) -> float:
         return max(r["medians"][name][key] for r in ranks)
 
-    def node(name: str, key: str) -> float:
-        return sum(r["medians"][name][key] for r in ranks)
+    def node(name: str, key: str) -> float | str:  # "-" where not sampled (the training step)
+        return sum(r["medians"][name][key] for r in ranks) if key in first["medians"][name] else "-"
 
     print(f"model: {first['parameters'] / 1e6:.1f}M parameters, {options.layers} layers, hidden {options.hidden}, "
           f"vocab {options.vocab}; {options.precision}, ZeRO stage {options.zero_stage}, {options.ranks} rank(s) "
