@@ -169,6 +169,15 @@ def test_verification_finds_one_changed_element_anywhere(tmp_path):
     master_weights_module.verify_master_weights(engine)
 
 
+def test_verification_of_a_fragment_shorter_than_a_word_that_starts_mid_word():
+    """A one-element 16-bit fragment two bytes into a word (two ranks split a parameter so on DeepSpeed
+    0.16.9): no whole word to compare, and the bytes after it end mid-word."""
+    storage = torch.arange(8, dtype=torch.bfloat16)
+    for trained, differing in ((storage[1:2], 0), (storage[5:6], 1)):
+        fragment = master_weights_module.MasterFragment("p", 0, torch.tensor([1.0]), trained)
+        assert master_weights_module._count_differing(fragment, {}) == differing
+
+
 def test_stale_master_really_undoes_the_load(tmp_path, monkeypatch):
     """The failure the guard exists for: without refresh and check, one lr-0 step restores the random init."""
     config = ds_config("bf16", 2)
