@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -77,18 +78,23 @@ def _writes_recording_failures(checkpoint_engine, failures: list[WriteFailure]) 
 
 def _write_full_module_file(engine, tag_dir: Path, failures: list[WriteFailure]) -> None:
     dp_group = getattr(engine.optimizer, "dp_process_group", None)
-    module = _gather_full_module(engine.module, keep=dist.get_rank(group=dp_group) == 0)
-    if module is not None and not failures:
-        mp_rank = _model_parallel_rank(engine)
-        state = load_checkpoint_file(tag_dir / layout.zero3_model_states_name(0, mp_rank))
-        state["module"] = module
-        path = tag_dir / layout.model_states_name(mp_rank)
-        try:
+    mp_rank = _model_parallel_rank(engine)
+    writer = dist.get_rank(group=dp_group) == 0
+    scratch = _Scratch(tag_dir / layout.gathered_module_scratch_name(mp_rank)) if writer and not failures else None
+    path = tag_dir / layout.model_states_name(mp_rank)
+    try:
+        module = _gather_full_module(engine.module, scratch)
+        if module is not None:
+            state = load_checkpoint_file(tag_dir / layout.zero3_model_states_name(0, mp_rank))
+            state["module"] = module
             write_atomically(path, lambda tmp: torch.save(state, tmp))
-        except Exception as err:
-            if not is_write_error(err):
-                raise
-            failures.append(WriteFailure(path, err))
+    except Exception as err:
+        if not is_write_error(err):
+            raise
+        failures.append(WriteFailure(path, err))
+    finally:
+        if scratch is not None:
+            scratch.path.unlink(missing_ok=True)  # the mapping lives on until the tensors are gone
     dist.barrier()
 
 
@@ -101,19 +107,55 @@ def _model_parallel_rank(engine) -> int:
     return 0 if engine.mpu is None else engine.mpu.get_model_parallel_rank()
 
 
-def _gather_full_module(module: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor] | None:
-    """The module's state dict with whole ZeRO-3 parameters, one parameter gathered at a time.
+def _gather_full_module(module: torch.nn.Module, scratch: _Scratch | None) -> dict[str, torch.Tensor] | None:
+    """The module's state dict with whole ZeRO-3 parameters, gathered one at a time into ``scratch``.
 
-    Every rank of the parameters' partition group must call it; only where ``keep`` is the result kept.
+    Every rank of the parameters' partition group must call it; the rank with a ``scratch`` gets the
+    state dict, its tensors mapped from the scratch file, so the whole module is never in its memory.
     """
-    gathered: dict[int, torch.Tensor] = {}
-    full = {}
+    index: dict[int, int] = {}
+    names = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
-        if id(tensor) not in gathered:
+        if id(tensor) not in index:
             value = _gather_param(tensor) if is_partitioned(tensor) else tensor.detach()
-            gathered[id(tensor)] = value.cpu().clone() if keep else value
-        full[name] = gathered[id(tensor)]
-    return full if keep else None
+            index[id(tensor)] = scratch.add(value) if scratch is not None else -1
+        names[name] = index[id(tensor)]
+    if scratch is None:
+        return None
+    tensors = scratch.tensors()
+    return {name: tensors[i] for name, i in names.items()}
+
+
+class _Scratch:
+    """Whole tensors parked in a file instead of in memory: their pages belong to the page cache, which
+    the kernel writes back and drops as it needs, so gathering a model costs one tensor of memory."""
+
+    _ALIGN = 64
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = open(path, "wb")  # noqa: SIM115 - closed in tensors()
+        self._entries: list[tuple[int, torch.dtype, torch.Size]] = []
+
+    def add(self, value: torch.Tensor) -> int:
+        value = value.detach().cpu().contiguous()
+        offset = self._file.tell()
+        if offset % self._ALIGN:
+            self._file.write(bytes(self._ALIGN - offset % self._ALIGN))
+            offset = self._file.tell()
+        self._file.write(value.reshape(-1).view(torch.uint8).numpy().data)
+        self._entries.append((offset, value.dtype, value.shape))
+        return len(self._entries) - 1
+
+    def tensors(self) -> list[torch.Tensor]:
+        self._file.close()
+        if not any(shape.numel() for _, _, shape in self._entries):
+            return [torch.empty(shape, dtype=dtype) for _, dtype, shape in self._entries]
+        with open(self.path, "rb") as file:
+            mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+        return [torch.frombuffer(mapped, dtype=dtype, count=shape.numel(), offset=offset).view(shape)
+                if shape.numel() else torch.empty(shape, dtype=dtype)
+                for offset, dtype, shape in self._entries]
 
 
 def _gather_param(param: torch.nn.Parameter) -> torch.Tensor:

@@ -77,6 +77,11 @@ def model_states_name(mp_rank: int) -> str:
     return f"mp_rank_{mp_rank:02d}_model_states.pt"
 
 
+def gathered_module_scratch_name(mp_rank: int) -> str:
+    """Scratch file a ZeRO-3 save parks gathered weights in while it writes the full module file (then removed)."""
+    return model_states_name(mp_rank) + ".gathered"
+
+
 def zero3_model_states_name(dp_rank: int, mp_rank: int) -> str:
     return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
 

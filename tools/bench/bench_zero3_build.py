@@ -4,8 +4,8 @@
         [--vocab 50304] [--precision bf16] [--threads N] [--json PATH]
 
 First one gloo world of ``--ranks`` processes builds the model (another seed), starts a ZeRO-3 engine
-and saves a checkpoint as training does (full fp32 module file, manifest). Then, once per way of
-building, a fresh world of ``--ranks`` processes, each rank:
+and saves a checkpoint as training does (full fp32 module file, manifest), measuring the save. Then,
+once per way of building, a fresh world of ``--ranks`` processes, each rank:
 
 1. builds the model: ``partitioned`` is what training does under ZeRO-3 (``build_model`` with a
    ``deepspeed.zero.Init`` context), ``whole`` what it did before (the whole fp32 model on every rank,
@@ -91,14 +91,21 @@ def anonymous_mib() -> float:
     return (smaps_rollup_kib() or {}).get("Anonymous", 0) / 1024
 
 
-def save_checkpoint(options: argparse.Namespace, save_dir: Path) -> None:
+def save_checkpoint(options: argparse.Namespace, save_dir: Path) -> dict:
+    """Save as training does; returns the peak anonymous memory growth of the save on this rank."""
     engine = start_engine(options, build(options, "partitioned", CHECKPOINT_SEED))
-    tag_dir = save_engine_checkpoint(engine, save_dir, TAG, {"iteration": 1})
+    dist.barrier()
+    failure, save_peak = PeakSampler(fields=("Anonymous",)).measure(
+        lambda: save_engine_checkpoint(engine, save_dir, TAG, {"iteration": 1}))
+    if failure is not None:
+        raise SystemExit(f"the save failed: {failure.path}: {failure.error}")
+    tag_dir = save_dir / TAG
     if dist.get_rank() == 0:
         manifest.write_manifest(tag_dir, {name: manifest.record_file(tag_dir / name)
                                           for name in manifest.tag_file_names(tag_dir)})
         layout.write_latest(save_dir, TAG)
     dist.barrier()
+    return {"save_peak_mib": save_peak}
 
 
 def check_loaded(engine, weights: dict[str, torch.Tensor]) -> None:
@@ -141,11 +148,8 @@ def rank_main(rank: int, options: argparse.Namespace, port: int, scratch: str, t
     return_freed_memory_to_os()
     init_world(rank, options.ranks, port)
     save_dir = Path(scratch) / "checkpoint"
-    if task == "save":
-        save_checkpoint(options, save_dir)
-    else:
-        result = measure_rank(options, task, save_dir)
-        (Path(scratch) / f"{task}-rank{rank}.json").write_text(json.dumps(result))
+    result = save_checkpoint(options, save_dir) if task == "save" else measure_rank(options, task, save_dir)
+    (Path(scratch) / f"{task}-rank{rank}.json").write_text(json.dumps(result))
 
 
 def run_world(options: argparse.Namespace, scratch: str, task: str) -> None:
@@ -182,6 +186,8 @@ def report(options: argparse.Namespace, results: dict[str, list[dict]], load_ave
           "the same when every rank builds the whole model first")
     ratio("partitioned/whole build+load", worst("partitioned", "build_plus_load_mib"),
           worst("whole", "build_plus_load_mib"), "partitioned construction against the whole build")
+    ratio("save peak/fp32 model", worst("save", "save_peak_mib"), fp32_mib,
+          "most anonymous memory a rank needed while saving (DP rank 0 writes the full fp32 module file)")
     ratio("partitioned/whole build wall", worst("partitioned", "build_s"), worst("whole", "build_s"),
           "time to build (draws, and the partitioning's broadcasts)")
     return ratios
@@ -200,9 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench_zero3_build_") as scratch:
-        run_world(options, scratch, "save")
         results = {}
-        for how in BUILDS:
+        for how in ("save", *BUILDS):
             run_world(options, scratch, how)
             results[how] = [json.loads((Path(scratch) / f"{how}-rank{r}.json").read_text())
                             for r in range(options.ranks)]
