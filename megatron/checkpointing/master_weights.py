@@ -155,8 +155,8 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     are aligned alike (the buffers of _count_differing are), element by element otherwise."""
     a_bytes, b_bytes = a.view(torch.uint8), b.view(torch.uint8)
     size = a_bytes.numel()
-    head = min(-a_bytes.storage_offset() % _WORD, size)
-    if head != min(-b_bytes.storage_offset() % _WORD, size):
+    head = -a_bytes.storage_offset() % _WORD
+    if head != -b_bytes.storage_offset() % _WORD or size < head + _WORD:  # no whole word to compare
         return torch.equal(_bits(a), _bits(b))
     end = head + (size - head) // _WORD * _WORD
     # no words (fewer bytes than a word past the head): torch refuses even an empty view at an unaligned offset
