@@ -25,8 +25,9 @@ class RMSNorm(torch.nn.Module):
     """Llama's RMSNorm: x / sqrt(mean(x^2) + eps), then the ``scale`` (GPT-NeoX's name for the weight).
 
     Like Hugging Face's LlamaRMSNorm the normalisation runs in fp32 and is cast back to the input
-    dtype before the scale multiplies it. (GPT-NeoX's own RMSNorm adds eps outside the square root;
-    we follow Llama so converted Llama weights give Llama's outputs.)
+    dtype before the scale multiplies it. (GPT-NeoX's own RMSNorm multiplies by the scale in fp32 and
+    casts afterwards; in fp32 the two are the same, in bf16/fp16 they round differently, and we follow
+    Llama so converted Llama weights give Llama's outputs.)
     """
 
     def __init__(self, hidden_size: int, eps: float):
