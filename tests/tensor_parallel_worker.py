@@ -2,8 +2,9 @@
 
     python -m torch.distributed.run --nproc_per_node 2 tests/tensor_parallel_worker.py <check> <work dir>
 
-Each check builds the same model at tensor-parallel size 2 and then 1 (the two ranks as data-parallel
-replicas) and compares them; any failed comparison raises, so a non-zero exit fails the test.
+Each 2-rank check builds the same model at tensor-parallel size 2 and then 1 (the two ranks as
+data-parallel replicas) and compares them; the 4-rank check moves a checkpoint from size 2 to 4. Any
+failed comparison raises, so a non-zero exit fails the test.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
+from megatron.checkpointing import load_checkpoint, plan_load, save_checkpoint  # noqa: E402
 from megatron.initialize import ModelParallelUnit, init_deepspeed_distributed  # noqa: E402
 from megatron.model import build_model, causal_lm_loss  # noqa: E402
 from megatron.model.partitioning import partitioning, repartition  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
+from megatron.optimizers import build_param_groups  # noqa: E402
 
 VOCAB = 96
 SEQ = 10
@@ -152,15 +155,60 @@ def deepspeed_step_matches() -> None:
                 print(f"{family} zero{stage}: grad norm {norm1}", flush=True)
 
 
-CHECKS = {"equivalence": same_model_same_loss_and_gradients, "deepspeed": deepspeed_step_matches}
+def trained_engine(args: NeoXArgs, seed: int):
+    set_tensor_parallel_size(args.model_parallel_size)
+    model = build_model(args.architecture(), seed)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=build_param_groups(model, args.weight_decay),
+                                           config=args.deepspeed_config(), mpu=ModelParallelUnit())
+    return engine
+
+
+def module_only_load_from_tp2_to_tp4(work_dir: Path) -> None:
+    """4 ranks: a Llama with 2 key/value heads trains a step at TP 2 x DP 2 and saves; a run at TP 4 (each
+    key/value head on two ranks) loads it module-only through the load plan, which checks the stored
+    logits and the fp32 masters; the logits and the full weights are those of the TP 2 model."""
+    run = dict(train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=1, train_iters=2, precision="fp32",
+               optimizer={"type": "Adam", "params": {"lr": 1e-2}}, zero_optimization={"stage": 1},
+               checkpoint_validation_with_forward_pass=True, num_gpus=dist.get_world_size())
+    settings = {**BASE, **FAMILIES["llama"], **run}
+    tokens, labels = batch()
+    args2 = NeoXArgs.from_dict({**settings, "model_parallel_size": 2, "save": str(work_dir)})
+    engine = trained_engine(args2, args2.seed)
+    engine.backward(causal_lm_loss(engine(tokens, parallel_output=True), labels, vocab_parallel=True))
+    engine.step()
+    engine.eval()
+    with torch.no_grad():
+        logits2 = engine(tokens)
+    weights2 = full({n: p.detach() for n, p in engine.module.named_parameters()}, engine.module.arch)
+    save_checkpoint(args2, engine, iteration=1, consumed_train_samples=6)
+
+    args4 = NeoXArgs.from_dict({**settings, "model_parallel_size": 4, "load": str(work_dir), "finetune": True})
+    engine = trained_engine(args4, args4.seed + 1)  # other weights than the checkpoint's until the load
+    load_checkpoint(args4, engine, plan_load(args4, 1))
+    engine.eval()
+    with torch.no_grad():
+        logits4 = engine(tokens)
+    weights4 = full({n: p.detach() for n, p in engine.module.named_parameters()}, engine.module.arch)
+    for name, value in weights2.items():
+        check(torch.equal(weights4[name], value), f"{name} differs after the TP 2 -> 4 load")
+    check(torch.allclose(logits4, logits2, rtol=1e-5, atol=1e-5),
+          f"logits differ after the TP 2 -> 4 load (max diff {(logits4 - logits2).abs().max()})")
+    if dist.get_rank() == 0:
+        print(f"tp2 -> tp4: {len(weights2)} tensors equal, logits max diff {(logits4 - logits2).abs().max():.2e}",
+              flush=True)
+
+
+CHECKS = {"equivalence": same_model_same_loss_and_gradients, "deepspeed": deepspeed_step_matches,
+          "resplit4": module_only_load_from_tp2_to_tp4}
+RANKS = {"resplit4": 4}
 
 
 def main() -> None:
     name = sys.argv[1]
     deepspeed_logger.setLevel(logging.ERROR)
     init_deepspeed_distributed(dist_backend="gloo")
-    check(dist.get_world_size() == 2, "expects 2 ranks")
-    CHECKS[name]()
+    check(dist.get_world_size() == RANKS.get(name, 2), f"{name} expects {RANKS.get(name, 2)} ranks")
+    CHECKS[name](Path(sys.argv[2])) if name in RANKS else CHECKS[name]()
     dist.barrier()
     if dist.get_rank() == 0:
         print(f"{name}: ok", flush=True)
