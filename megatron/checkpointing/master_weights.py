@@ -159,9 +159,9 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if head != -b_bytes.storage_offset() % _WORD or size < head + _WORD:  # no whole word to compare
         return torch.equal(_bits(a), _bits(b))
     end = head + (size - head) // _WORD * _WORD
-    # no words (fewer bytes than a word past the head): torch refuses even an empty view at an unaligned offset
-    words_equal = end == head or torch.equal(a_bytes[head:end].view(torch.int64), b_bytes[head:end].view(torch.int64))
-    return torch.equal(a_bytes[:head], b_bytes[:head]) and words_equal and torch.equal(a_bytes[end:], b_bytes[end:])
+    return (torch.equal(a_bytes[:head], b_bytes[:head])
+            and torch.equal(a_bytes[head:end].view(torch.int64), b_bytes[head:end].view(torch.int64))
+            and torch.equal(a_bytes[end:], b_bytes[end:]))
 
 
 def _optimizes_module_params_directly(engine) -> bool:
