@@ -38,6 +38,10 @@ FAMILIES = {
     "llama": dict(pos_emb="rotary", rotary_pct=1.0, gpt_j_residual=False, no_weight_tying=True, norm="rmsnorm",
                   activation="swiglu", intermediate_size=3 * 80, num_kv_heads=2, use_bias_in_norms=False,
                   use_bias_in_attn_linear=False, use_bias_in_mlp=False),
+    # One key/value head: at tensor-parallel size 2 both ranks hold it (replicated, not split).
+    "llama-mqa": dict(pos_emb="rotary", rotary_pct=1.0, gpt_j_residual=False, no_weight_tying=True, norm="rmsnorm",
+                      activation="swiglu", intermediate_size=3 * 80, num_kv_heads=1, use_bias_in_norms=False,
+                      use_bias_in_attn_linear=False, use_bias_in_mlp=False),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
