@@ -21,7 +21,8 @@
 # buffer is built under autograd and gloo's all-gather refuses to write into it).
 #
 # Not part of the pytest suite: the first run of a release installs packages and compiles an op
-# (a few minutes), and each release then takes 2-5 minutes on 2 busy cores.
+# (a few minutes); then a release takes about 2 minutes for the launch and 4 for the tests on 2 busy
+# cores (2026-11-30, torch 2.13.0), several times that when the machine is crowded.
 #
 # Environment: DSENV_ROOT (default /tmp), BASE_PYTHON (default python3), TORCH_VERSION (default
 # 2.13.0), MEGATRON_CORE_VERSION (default 0.16.1).
@@ -42,7 +43,7 @@ for arg in "$@"; do
     case "$arg" in
         --one-rank) test_files=(tests/test_ckpt_engine.py tests/test_ckpt_engine_gpt.py); launch_ranks=1 ;;
         --launch-only) launch_only=1 ;;
-        -h|--help) sed -n '2,27p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        -h|--help) sed -n '2,28p' "${BASH_SOURCE[0]}"; exit 0 ;;
         -*) echo "unknown option $arg (see --help)" >&2; exit 2 ;;
         *) versions+=("$arg") ;;
     esac
