@@ -45,7 +45,7 @@ def save_engine_checkpoint(engine, save_dir: str | Path, tag: str, client_state:
     """
     save_dir = Path(save_dir)
     failures: list[WriteFailure] = []
-    with _writes_recording_failures(engine.checkpoint_engine, failures):
+    with _writes_recording_failures(engine, failures):
         engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
     if engine.zero_optimization_partition_weights():
         _write_full_module_file(engine, save_dir / tag, failures)
@@ -53,27 +53,35 @@ def save_engine_checkpoint(engine, save_dir: str | Path, tag: str, client_state:
 
 
 @contextmanager
-def _writes_recording_failures(checkpoint_engine, failures: list[WriteFailure]) -> Iterator[None]:
-    """Make ``checkpoint_engine.save`` (every file DeepSpeed writes goes through it) append a failed write
-    to `failures` instead of raising, and write nothing after one."""
-    write = checkpoint_engine.save
+def _writes_recording_failures(engine, failures: list[WriteFailure]) -> Iterator[None]:
+    """Make DeepSpeed's writes append a failed write to `failures` instead of raising, and write nothing
+    after one: ``checkpoint_engine.save`` (every state file) and ``_copy_recovery_script`` (rank 0 copies
+    zero_to_fp32.py into the save directory, which would otherwise appear after a failed save)."""
 
-    def save(state_dict, path, *args, **kwargs):
-        if failures:
-            return None
-        try:
-            return write(state_dict, path, *args, **kwargs)
-        except Exception as err:
-            if not is_write_error(err):
-                raise
-            failures.append(WriteFailure(Path(path), err))
-            return None
+    def recording(write, path_of):
+        def guarded(*args, **kwargs):
+            if failures:
+                return None
+            try:
+                return write(*args, **kwargs)
+            except Exception as err:
+                if not is_write_error(err):
+                    raise
+                failures.append(WriteFailure(Path(path_of(*args)), err))
+                return None
 
-    checkpoint_engine.save = save
+        return guarded
+
+    patched = [(engine.checkpoint_engine, "save", lambda state_dict, path, *rest: path),
+               (engine, "_copy_recovery_script", lambda save_path: save_path)]
+    patched = [(owner, name, path_of) for owner, name, path_of in patched if hasattr(owner, name)]
+    for owner, name, path_of in patched:
+        setattr(owner, name, recording(getattr(owner, name), path_of))
     try:
         yield
     finally:
-        del checkpoint_engine.save  # the class's method again
+        for owner, name, _ in patched:
+            delattr(owner, name)  # the class's method again
 
 
 def _write_full_module_file(engine, tag_dir: Path, failures: list[WriteFailure]) -> None:
