@@ -11,7 +11,9 @@ each inside its own DeepSpeed engine with the same config (Adam, the given ZeRO 
 the same token batch and the same loss (``causal_lm_loss`` on the logits). After one warm-up step
 each, every repeat times one step (forward, loss, backward, optimizer step) of each model, the
 order alternating. Prints the median step time, tokens/s, and ``RATIO ours/hf tokens_per_s`` (above
-1: ours is faster) with the spread of the per-repeat ratios; ``--json`` writes the same as JSON.
+1: ours is faster) with the spread of the per-repeat ratios, and the share of one profiled step of
+each model spent in matrix products and attention kernels (the work both models share); ``--json``
+writes the same as JSON.
 """
 
 from __future__ import annotations
@@ -99,6 +101,21 @@ def step_seconds(engine, tokens: torch.Tensor, hugging_face: bool) -> float:
     return time.perf_counter() - started
 
 
+# Matrix products and attention (whose CPU kernels are matrix products): the FLOPs both models share.
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
+              "aten::_scaled_dot_product_flash_attention_for_cpu",
+              "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def matmul_share_of_step(engine, tokens: torch.Tensor, hugging_face: bool) -> float:
+    """Share of one profiled step's CPU time (self time of every op) spent in MATMUL_OPS."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        step_seconds(engine, tokens, hugging_face)
+    events = profile.key_averages()
+    total = sum(event.self_cpu_time_total for event in events)
+    return sum(event.self_cpu_time_total for event in events if event.key in MATMUL_OPS) / total
+
+
 def measure(family: str, precision: str, options: argparse.Namespace) -> dict:
     ours = our_model(family, options)
     width = mlp_width(ours)
@@ -116,6 +133,7 @@ def measure(family: str, precision: str, options: argparse.Namespace) -> dict:
     for repeat in range(options.repeats):
         for name in order if repeat % 2 == 0 else order[::-1]:
             times[name].append(step_seconds(engines[name], tokens, name == "hf"))
+    matmul_share = {name: matmul_share_of_step(engine, tokens, name == "hf") for name, engine in engines.items()}
     parameters = {name: sum(p.numel() for p in engine.module.parameters()) for name, engine in engines.items()}
     tokens_per_step = options.batch * options.seq
     paired = [hf / ours for ours, hf in zip(times["ours"], times["hf"], strict=True)]
@@ -124,6 +142,7 @@ def measure(family: str, precision: str, options: argparse.Namespace) -> dict:
         "step_seconds": times, "tokens_per_step": tokens_per_step,
         "tokens_per_second": {name: tokens_per_step / median(values) for name, values in times.items()},
         "ratio": median(times["hf"]) / median(times["ours"]),
+        "matmul_share": matmul_share,
         "ratio_spread": [min(paired), max(paired)],
     }
 
@@ -162,9 +181,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{options.repeats}; load average before {load_before:.2f}, after {load_after:.2f}")
     rows = [[r["family"], r["precision"], f"{r['parameters']['ours'] / 1e6:.1f}M", 1e3 * median(r["step_seconds"]["ours"]),
              1e3 * median(r["step_seconds"]["hf"]), r["tokens_per_second"]["ours"], r["tokens_per_second"]["hf"],
-             r["ratio"], f"{r['ratio_spread'][0]:.2f}-{r['ratio_spread'][1]:.2f}"] for r in results]
+             r["ratio"], f"{r['ratio_spread'][0]:.2f}-{r['ratio_spread'][1]:.2f}", r["matmul_share"]["ours"],
+             r["matmul_share"]["hf"]] for r in results]
     print(table(["family", "precision", "params", "ours ms", "hf ms", "ours tok/s", "hf tok/s", "ours/hf",
-                 "per-repeat"], rows))
+                 "per-repeat", "ours matmul share", "hf matmul share"], rows))
     for r in results:
         print(ratio_line(f"ours/hf tokens_per_s {r['family']} {r['precision']}", r["tokens_per_second"]["ours"],
                          r["tokens_per_second"]["hf"], "training-step throughput; above 1: ours is faster"))
