@@ -60,6 +60,13 @@ def test_module_only_load_bench_measures_a_change_of_tensor_parallel_size():
     assert "resplit/ours wall" in ratios and "resplit/ours node_private" in ratios
 
 
+def test_zero3_build_bench_prints_its_ratios():
+    ratios = run_bench("bench_zero3_build.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
+                       "--threads", "1")
+    assert_ratios(ratios, {"partitioned build+load/fp32 model", "whole build+load/fp32 model",
+                           "partitioned/whole build+load", "save peak/fp32 model", "partitioned/whole build wall"})
+
+
 def test_mmap_read_bench_prints_its_ratios():
     ratios = run_bench("bench_mmap_read.py", "--size-mb", "8")
     assert_ratios(ratios, {
