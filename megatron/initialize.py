@@ -129,6 +129,15 @@ class ModelParallelUnit:
         return parallel_state.get_data_parallel_group()
 
 
+def zero3_construction(ds_config: dict):
+    """The ``deepspeed.zero.Init`` context a ZeRO-3 model is built in (``build_model(partitioned_by=...)``):
+    every parameter is partitioned over the data-parallel group, as the engine will keep it."""
+    import deepspeed
+
+    mpu = ModelParallelUnit()
+    return deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=mpu, data_parallel_group=mpu.get_data_parallel_group())
+
+
 def data_parallel_rank_and_size() -> tuple[int, int]:
     from megatron.core import parallel_state
 

@@ -19,6 +19,7 @@ from megatron.initialize import (
     data_parallel_rank_and_size,
     initialize_distributed,
     set_seeds,
+    zero3_construction,
 )
 from megatron.learning_rates import Schedule, schedule_for_resume, set_learning_rate
 from megatron.logging import (
@@ -209,18 +210,15 @@ def setup(args):
     check_save_dir(args)
 
     set_seeds(args.seed)
-    ds_config, mpu = args.deepspeed_config(), ModelParallelUnit()
+    ds_config = args.deepspeed_config()
     # Under ZeRO-3 no rank ever holds the whole model: it is built partitioned over the data-parallel group.
-    partitioned_by = (deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=mpu,
-                                          data_parallel_group=mpu.get_data_parallel_group())
-                      if args.zero_stage == 3 else None)
+    partitioned_by = zero3_construction(ds_config) if args.zero_stage == 3 else None
     model = build_model(args.architecture(), args.seed, partitioned_by=partitioned_by)
     log.info(f"model: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} parameters per "
              f"tensor-parallel rank, precision {args.precision}, ZeRO stage {args.zero_stage}, {dp_size} "
              f"data-parallel rank(s) x {args.model_parallel_size} tensor-parallel")
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=build_param_groups(model, args.weight_decay), config=ds_config, mpu=mpu
-    )
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=build_param_groups(model, args.weight_decay),
+                                           config=ds_config, mpu=ModelParallelUnit())
     if args.torch_compile:
         engine.compile()  # compiles the module in place: parameter and checkpoint names stay as they are
     state = TrainState(schedule=Schedule.from_args(args))

@@ -23,9 +23,10 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
-from megatron.initialize import ModelParallelUnit, init_deepspeed_distributed  # noqa: E402
+from megatron.initialize import init_deepspeed_distributed, zero3_construction  # noqa: E402
 from megatron.model import build_model, causal_lm_loss  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
+from tests.tensor_parallel_worker import check, set_tensor_parallel_size  # noqa: E402
 
 VOCAB = 96
 SEQ = 10
@@ -46,17 +47,6 @@ FAMILIES = {
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def check(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(f"rank {dist.get_rank()}: {message}")
-
-
-def set_tensor_parallel_size(size: int) -> None:
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(size, 1)
-
-
 def arch(family: str, tp: int):
     return NeoXArgs.from_dict(dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=SEQ,
                                    padded_vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0,
@@ -72,10 +62,7 @@ def ds_config(precision: str) -> dict:
 
 
 def partitioned_build(family: str, tp: int, precision: str):
-    mpu = ModelParallelUnit()
-    construction = deepspeed.zero.Init(config_dict_or_path=ds_config(precision), mpu=mpu,
-                                       data_parallel_group=mpu.get_data_parallel_group())
-    return build_model(arch(family, tp), SEED, partitioned_by=construction)
+    return build_model(arch(family, tp), SEED, partitioned_by=zero3_construction(ds_config(precision)))
 
 
 def check_construction(family: str, tp: int, precision: str) -> None:

@@ -48,7 +48,7 @@ import torch.distributed as dist  # noqa: E402
 from bench_world import free_port, init_world  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
-from procmem import PeakSampler, measure_memory, median, ratio_line, return_freed_memory_to_os, table  # noqa: E402
+from procmem import PeakSampler, RatioReport, measure_memory, median, return_freed_memory_to_os, table  # noqa: E402
 
 from megatron.checkpointing import commit, layout, manifest  # noqa: E402
 from megatron.checkpointing.engine_save import save_engine_checkpoint  # noqa: E402
@@ -263,11 +263,8 @@ def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[f
              node(name, "peak_private"), node(name, "peak_pss")] for name in names]
     print(table(["measured", "wall ms", "cpu ms", "rank 0 peak RSS MiB", "node peak private MiB",
                  "node peak PSS MiB"], rows))
-    ratios: dict[str, float] = {}
-
-    def ratio(name: str, numerator: float, denominator: float, meaning: str) -> None:
-        print(ratio_line(name, numerator, denominator, meaning))
-        ratios[name] = numerator / denominator if denominator else float("inf")
+    ratios = RatioReport()
+    ratio = ratios.add
 
     ratio("ours/baseline wall", slowest("ours", "wall"), slowest("baseline", "wall"), "module-only load time")
     ratio("ours/baseline cpu", slowest("ours", "cpu"), slowest("baseline", "cpu"), "module-only load CPU time")
@@ -291,7 +288,7 @@ def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[f
     if "raw" in names:
         ratio("ours/raw wall", slowest("ours", "wall"), slowest("raw", "wall"),
               "against torch.load(mmap) + load_state_dict, which leaves the master stale")
-    return ratios
+    return ratios.values
 
 
 def main(argv: list[str] | None = None) -> int:

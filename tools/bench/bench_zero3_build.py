@@ -40,13 +40,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from bench_world import free_port, init_world  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
-from procmem import PeakSampler, ratio_line, return_freed_memory_to_os, smaps_rollup_kib, table  # noqa: E402
+from procmem import PeakSampler, RatioReport, return_freed_memory_to_os, smaps_rollup_kib, table  # noqa: E402
 
 from megatron.checkpointing import layout, manifest  # noqa: E402
 from megatron.checkpointing.engine_save import save_engine_checkpoint  # noqa: E402
 from megatron.checkpointing.module_load import load_module_only  # noqa: E402
 from megatron.checkpointing.module_weights import read_module_weights  # noqa: E402
-from megatron.initialize import ModelParallelUnit  # noqa: E402
+from megatron.initialize import ModelParallelUnit, zero3_construction  # noqa: E402
 from megatron.model import build_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 
@@ -74,10 +74,7 @@ def ds_config(options: argparse.Namespace) -> dict:
 
 
 def build(options: argparse.Namespace, how: str, seed: int):
-    config, mpu = ds_config(options), ModelParallelUnit()
-    partitioned_by = (deepspeed.zero.Init(config_dict_or_path=config, mpu=mpu,
-                                          data_parallel_group=mpu.get_data_parallel_group())
-                      if how == "partitioned" else None)
+    partitioned_by = zero3_construction(ds_config(options)) if how == "partitioned" else None
     return build_model(architecture(options), seed, partitioned_by=partitioned_by)
 
 
@@ -171,11 +168,8 @@ def report(options: argparse.Namespace, results: dict[str, list[dict]], load_ave
     print(table(["build", "rank", "build peak MiB", "held after build MiB", "load peak growth MiB",
                  "build + load MiB", "build + load / fp32 model", "engine start peak MiB", "build s", "load s"],
                 rows))
-    ratios: dict[str, float] = {}
-
-    def ratio(name: str, numerator: float, denominator: float, meaning: str) -> None:
-        print(ratio_line(name, numerator, denominator, meaning))
-        ratios[name] = numerator / denominator if denominator else float("inf")
+    ratios = RatioReport()
+    ratio = ratios.add
 
     def worst(how: str, key: str) -> float:
         return max(r[key] for r in results[how])
@@ -190,7 +184,7 @@ def report(options: argparse.Namespace, results: dict[str, list[dict]], load_ave
           "most anonymous memory a rank needed while saving (DP rank 0 writes the full fp32 module file)")
     ratio("partitioned/whole build wall", worst("partitioned", "build_s"), worst("whole", "build_s"),
           "time to build (draws, and the partitioning's broadcasts)")
-    return ratios
+    return ratios.values
 
 
 def main(argv: list[str] | None = None) -> int:

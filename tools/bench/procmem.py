@@ -114,6 +114,17 @@ def ratio_line(name: str, numerator: float, denominator: float, meaning: str) ->
     return f"RATIO {name} = {value:.3f}  ({meaning})"
 
 
+class RatioReport:
+    """Prints each ratio as it is added (``ratio_line``) and keeps it, by name, for the JSON output."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {}
+
+    def add(self, name: str, numerator: float, denominator: float, meaning: str) -> None:
+        print(ratio_line(name, numerator, denominator, meaning))
+        self.values[name] = numerator / denominator if denominator else float("inf")
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [[str(h) for h in headers]] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in row]
                                            for row in rows]
