@@ -68,18 +68,19 @@ def layer_key(index: int) -> str:
     return str(index + 2)
 
 
+def _init_methods(arch: Architecture):
+    """(init method of most weights, init method of the output projections), as GPT-NeoX chooses them."""
+    return tuple(normal_init(init_std(method, arch.init_method_std, arch.num_layers, arch.hidden_size))
+                 for method in (arch.init_method, arch.output_layer_init_method))
+
+
 class GPTModel(torch.nn.Module):
     """The decoder's structure; ``initialise_weights`` draws its weights (``build_model`` does both)."""
 
     def __init__(self, arch: Architecture):
         super().__init__()
         self.arch = arch
-        init_method = normal_init(
-            init_std(arch.init_method, arch.init_method_std, arch.num_layers, arch.hidden_size)
-        )
-        output_init_method = normal_init(
-            init_std(arch.output_layer_init_method, arch.init_method_std, arch.num_layers, arch.hidden_size)
-        )
+        init_method, output_init_method = _init_methods(arch)
         modules: dict[str, torch.nn.Module] = {"0": Embedding(arch, init_method)}
         for i in range(arch.num_layers):
             modules[layer_key(i)] = TransformerLayer(arch, init_method, output_init_method)
@@ -90,11 +91,10 @@ class GPTModel(torch.nn.Module):
         self.rotary = (
             RotaryEmbedding(arch.rotary_ndims, arch.rotary_emb_base) if arch.pos_emb == "rotary" else None
         )
-        self._init_methods = (init_method, output_init_method)
 
     def initialise_weights(self) -> None:
         """Draw every weight from the current RNG state (init_methods.initialise_parameters)."""
-        initialise_parameters(self, self.arch, *self._init_methods, tensor_parallel_rank(), tensor_parallel_size())
+        initialise_parameters(self, self.arch, *_init_methods(self.arch), tensor_parallel_rank(), tensor_parallel_size())
 
     @property
     def embedding(self) -> Embedding:
