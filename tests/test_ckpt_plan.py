@@ -469,3 +469,10 @@ def test_a_tag_whose_client_state_counts_another_iteration_says_which_is_used(si
     assert plan.saved_iteration == 2
     assert ("tag global_step3 records iteration 2 in its client state: training continues from iteration 2, the "
             "count its data position and LR schedule belong to") in plan.describe()
+
+
+def test_a_checkpoint_that_read_no_data_yet_takes_any_seq_length(single_rank_world, tmp_path):
+    # as the HF converter writes them: iteration 0, nothing consumed, seq_length from max_position_embeddings
+    root = _saved(tmp_path / "ckpt", iterations=(1,), iteration=0, consumed_train_samples=0)
+    plan = plan_for(root, stage=0, no_load_optim=True, seq_length=8)
+    assert plan.data_position == DataPosition(0, 0) and "seq_length" not in plan.describe()

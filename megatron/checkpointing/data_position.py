@@ -47,7 +47,7 @@ def data_position(client: ClientState, iteration: int, args) -> DataPosition:
         notes.append(f"no consumed_valid_samples recorded: validation continues at sample {valid}, derived as "
                      f"GPT-NeoX does ({evaluations} evaluations up to iteration {iteration} at eval_interval "
                      f"{args.eval_interval}, {samples_per_evaluation(args)} samples each)")
-    return DataPosition(train, valid, tuple(notes))
+    return DataPosition(train, valid, tuple(notes) if iteration else ())  # at iteration 0 nothing was derived
 
 
 def resume_change_notes(args, client: ClientState, tag: str, tag_iteration: int | None,
@@ -58,6 +58,8 @@ def resume_change_notes(args, client: ClientState, tag: str, tag_iteration: int 
     if tag_iteration is not None and client.iteration is not None and client.iteration != tag_iteration:
         notes.append(f"tag {tag} records iteration {client.iteration} in its client state: training continues "
                      f"from iteration {client.iteration}, the count its data position and LR schedule belong to")
+    if not (position.consumed_train_samples or position.consumed_valid_samples):
+        return notes  # nothing read yet (a converted checkpoint, say): the data start at their first sample anyway
     saved = client.settings or {}
     _refuse_other_seq_length(args, saved, tag)
     notes += _batch_notes(args, saved)
