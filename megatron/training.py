@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron.checkpointing.data_position import samples_per_evaluation
 from megatron.checkpointing.layout import tag_for_iteration
 from megatron.diagnostics import StepProfiler, parameter_norms
 from megatron.divergence import NonFiniteWatch, check_weights_finite
@@ -38,6 +39,7 @@ from megatron.stop_signals import StopSignals, hold_before_save, signal_name
 class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0  # where the next evaluation's validation batches start
     # The iteration the LR schedule counts from: 0, except after `no_load_optim`, whose fresh
     # optimizer starts a fresh schedule (warmup included) while the iteration count carries on.
     lr_schedule_start: int = 0
@@ -62,7 +64,8 @@ def state_after_load(outcome, args=None) -> TrainState:
             schedule = _resumed_schedule(args, schedule, outcome.client_state.lr_schedule)
     else:
         schedule_start = outcome.iteration
-    return TrainState(outcome.iteration, outcome.consumed_train_samples, schedule_start, schedule)
+    return TrainState(outcome.iteration, outcome.consumed_train_samples, outcome.consumed_valid_samples,
+                      schedule_start, schedule)
 
 
 def _resumed_schedule(args, configured: Schedule, saved: dict | None) -> Schedule:
@@ -170,7 +173,7 @@ def _save(args, engine, state: TrainState) -> Path:
 
     check_weights_finite(engine, state.iteration, args)
     return save_checkpoint(args, engine, state.iteration, state.consumed_train_samples, state.lr_schedule_start,
-                           lr_schedule=state.schedule.to_dict())
+                           lr_schedule=state.schedule.to_dict(), consumed_valid_samples=state.consumed_valid_samples)
 
 
 def _stop_after_signal(args, engine, state: TrainState, signum: int, saved_at: int | None) -> None:
@@ -232,7 +235,7 @@ def setup(args):
         # Same weights on every rank came from the shared seed above; dropout differs per rank.
         set_seeds(args.seed + 1 + dp_rank)
     iterators = build_data_iterators(
-        args, samples_per_split(args), dp_rank, dp_size, state.consumed_train_samples
+        args, samples_per_split(args), dp_rank, dp_size, state.consumed_train_samples, state.consumed_valid_samples
     )
     return engine, state, iterators
 
@@ -279,6 +282,7 @@ def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals 
                          scalars["train/loss_scale"])
         if valid_iterator is not None and args.eval_interval and step % args.eval_interval == 0:
             last_valid_loss = evaluate(engine, valid_iterator, args.eval_iters)
+            state.consumed_valid_samples += samples_per_evaluation(args)
             metrics.write({"valid/loss": last_valid_loss, "valid/ppl": _perplexity(last_valid_loss)}, step)
             progress.message(f"validation at iteration {step}: loss {last_valid_loss:.4f} | "
                              f"perplexity {_perplexity(last_valid_loss):.2f}")

@@ -52,5 +52,14 @@ def train_lines(output: str) -> list[TrainLine]:
     return lines
 
 
+def tensorboard_scalars(tensorboard_dir: Path) -> dict[str, dict[int, float]]:
+    """Every scalar a run wrote to `tensorboard_dir`: {tag: {step: value}}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tensorboard_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
 def checkpoint_files(directory: Path) -> list[str]:
     return sorted(p.name for p in Path(directory).iterdir())

@@ -15,6 +15,7 @@ from megatron.checkpointing.client_state import (
     RNG_STATES_KEY,
     ClientState,
 )
+from megatron.checkpointing.data_position import DataPosition
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.inventory import inventory_checkpoint
 from megatron.checkpointing.plan import LoadMode, build_load_plan
@@ -389,3 +390,89 @@ def test_checkpoint_converted_from_hf_loads_module_only(hf_dir, tmp_path):
         plan_for(tmp_path / "converted", **settings)
     plan = plan_for(tmp_path / "converted", finetune=True, **settings)
     assert [p.name for p in plan.files] == ["mp_rank_00_model_states.pt"]
+
+
+# --- the data position, and settings changed since the save that move it ------------------
+
+def _saved(root, iterations=(2,), **client_state):
+    saved_checkpoint(root, make_args(stage=0), iterations=iterations, client_state=client_state)
+    return root
+
+
+def test_resume_continues_train_and_validation_where_the_checkpoint_recorded_them(single_rank_world, tmp_path):
+    root = _saved(tmp_path / "ckpt", consumed_valid_samples=12)
+    for mode in ({}, {"no_load_optim": True}):
+        plan = plan_for(root, stage=0, **mode)
+        assert plan.data_position == DataPosition(consumed_train_samples=4, consumed_valid_samples=12)
+        assert "data position (after iteration 2: train sample 4, validation sample 12)" in plan.describe()
+        assert "recorded" not in plan.describe()
+    assert plan_for(root, stage=0, finetune=True).data_position is None
+
+
+def test_positions_a_checkpoint_lacks_are_derived_as_gpt_neox_does_and_said(single_rank_world, tmp_path):
+    # GPT-NeoX records neither count; ours recorded no validation position before it was added.
+    root = _saved(tmp_path / "ckpt", iterations=(5,), consumed_train_samples=None)
+    plan = plan_for(root, stage=0, eval_interval=2, eval_iters=3, train_iters=10)
+    # 5 // 2 = 2 evaluations of eval_iters 3 x 2 samples (micro batch 2 on 1 rank); 5 steps of 2 samples
+    assert plan.data_position == DataPosition(10, 12, plan.data_position.notes)
+    text = plan.describe()
+    assert "no consumed_train_samples recorded: training continues at sample iteration 5 x train_batch_size 2 = 10" \
+        in text
+    assert ("no consumed_valid_samples recorded: validation continues at sample 12, derived as GPT-NeoX does "
+            "(2 evaluations up to iteration 5 at eval_interval 2, 6 samples each)") in text
+
+
+@pytest.mark.parametrize("mode", [{}, {"no_load_optim": True}])
+def test_resume_with_another_seq_length_is_refused_with_the_way_out(checkpoints, mode):
+    with pytest.raises(CheckpointError) as refusal:
+        plan_for(checkpoints["zero1"], seq_length=8, **mode)
+    message = str(refusal.value)
+    assert "seq_length is 8, but global_step2 was trained on samples of 4 tokens" in message
+    assert "Set seq_length back to 4, or set `finetune: true`" in message and "\n" not in message
+    assert plan_for(checkpoints["zero1"], seq_length=8, finetune=True).mode is LoadMode.FINETUNE
+
+
+def test_another_micro_batch_with_the_same_global_batch_keeps_every_step_s_samples(checkpoints):
+    # saved: micro batch 2, no accumulation, 1 rank
+    plan = plan_for(checkpoints["zero1"], train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=2,
+                    train_batch_size=2)
+    assert ("train_micro_batch_size_per_gpu 2 -> 1 with train_batch_size 2 unchanged: every step trains on the "
+            "samples it would have, in other micro batches") in plan.describe()
+
+
+def test_another_global_batch_says_where_steps_continue(checkpoints):
+    plan = plan_for(checkpoints["zero1"], gradient_accumulation_steps=2, train_batch_size=4)
+    assert ("train_batch_size 2 -> 4: training continues at the sample the checkpoint reached, and each step from "
+            "there takes 4 samples") in plan.describe()
+    assert "train_batch_size" not in plan_for(checkpoints["zero1"]).describe()
+
+
+def test_other_data_says_what_the_position_does_to_it_and_a_moved_spelling_says_nothing(single_rank_world, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    root = tmp_path / "ckpt"
+    saved_checkpoint(root, make_args(stage=0, data_path=str(data / "corpus_text_document")))
+    plan = plan_for(root, stage=0, data_path=str(tmp_path / "other_text_document"))
+    assert (f"data_path {str(data / 'corpus_text_document')!r} -> {str(tmp_path / 'other_text_document')!r}: training "
+            "continues at sample 2 of the new data, skipping as many of its samples as the checkpoint had consumed "
+            "of the old (the same ones if only the files moved); set `finetune: true` to start the new data at its "
+            "first sample") in plan.describe()
+    (tmp_path / "link").symlink_to(data)  # the same files reached another way: the position means what it meant
+    assert "data_path" not in plan_for(root, stage=0, data_path=str(tmp_path / "link" / "corpus_text_document")).describe()
+    assert "data_path" not in plan_for(root, stage=0, data_path=str(tmp_path / "other_text_document"),
+                                       finetune=True).describe()
+
+
+def test_a_tag_whose_client_state_counts_another_iteration_says_which_is_used(single_rank_world, tmp_path):
+    root = _saved(tmp_path / "ckpt", iterations=(3,), iteration=2)
+    plan = plan_for(root, stage=0)
+    assert plan.saved_iteration == 2
+    assert ("tag global_step3 records iteration 2 in its client state: training continues from iteration 2, the "
+            "count its data position and LR schedule belong to") in plan.describe()
+
+
+def test_a_checkpoint_that_read_no_data_yet_takes_any_seq_length(single_rank_world, tmp_path):
+    # as the HF converter writes them: iteration 0, nothing consumed, seq_length from max_position_embeddings
+    root = _saved(tmp_path / "ckpt", iterations=(1,), iteration=0, consumed_train_samples=0)
+    plan = plan_for(root, stage=0, no_load_optim=True, seq_length=8)
+    assert plan.data_position == DataPosition(0, 0) and "seq_length" not in plan.describe()

@@ -14,6 +14,7 @@ from megatron.divergence import DivergenceError
 from megatron.neox_arguments import NeoXArgs
 from megatron.run_context import resolve_run_settings
 from megatron.training import setup, train
+from tests.e2e import tensorboard_scalars
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
 
@@ -91,7 +92,7 @@ def test_fp16_stops_after_more_than_max_nonfinite_steps_skipped_in_a_row(tmp_pat
     assert last - first == 3 and "more than max_nonfinite_steps (3)" in message
     # a skipped step leaves the weights as they were: what was saved up to the stop is finite
     assert_saved_tags_are_finite_and_older_than(save, last)
-    skipped = tensorboard_scalars(tmp_path / "tb", "train/skipped_steps")
+    skipped = tensorboard_scalars(tmp_path / "tb")["train/skipped_steps"]
     assert skipped[first - 1] == 0 and [skipped[i] for i in range(first, last + 1)] == [1, 2, 3, 4]
 
 
@@ -102,13 +103,6 @@ def test_fp16_skips_while_the_loss_scale_settles_are_counted_and_training_goes_o
     engine, state, iterators = setup(args)
     result = train(args, engine, state, iterators)
     assert result.iteration == 12
-    skipped = tensorboard_scalars(tmp_path / "tb", "train/skipped_steps")
+    skipped = tensorboard_scalars(tmp_path / "tb")["train/skipped_steps"]
     assert 0 < skipped[12] == engine.skipped_steps < 12
 
-
-def tensorboard_scalars(directory, tag) -> dict[int, float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(directory))
-    events.Reload()
-    return {event.step: event.value for event in events.Scalars(tag)}

@@ -10,17 +10,9 @@ import pytest
 import torch
 
 from megatron.checkpointing.module_weights import read_module_weights
-from tests.e2e import run_deepy, train_lines, write_overrides
+from tests.e2e import run_deepy, tensorboard_scalars, train_lines, write_overrides
 
 pytestmark = pytest.mark.e2e
-
-
-def _scalars(tensorboard_dir) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(tensorboard_dir), size_guidance={"scalars": 0})
-    events.Reload()
-    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
 
 
 def test_extra_saves_norms_profiler_memory_snapshot_and_log_dir(tmp_path):
@@ -38,7 +30,7 @@ def test_extra_saves_norms_profiler_memory_snapshot_and_log_dir(tmp_path):
     assert sorted(p.name for p in save.glob("global_step*")) == ["global_step0", "global_step2", "global_step4"]
 
     # log_param_norm at step 3 is read before its optimizer step: the weights saved at iteration 2
-    scalars = _scalars(tensorboard)
+    scalars = tensorboard_scalars(tensorboard)
     saved = read_module_weights(save / "global_step2")
     for name, weight in saved.items():
         assert scalars[f"parameter_norms/{name}"][3] == pytest.approx(weight.float().norm().item(), rel=1e-5)

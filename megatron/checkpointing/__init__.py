@@ -5,7 +5,7 @@
     engine = deepspeed.initialize(...)
     outcome = load_checkpoint(args, engine, plan)
     ...
-    save_checkpoint(args, engine, iteration, consumed_train_samples, lr_schedule_start)
+    save_checkpoint(args, engine, iteration, consumed_train_samples, lr_schedule_start, ...)
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from megatron.checkpointing import commit, layout, manifest, preflight
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.collective import all_gather, barrier
+from megatron.checkpointing.data_position import DataPosition, data_position
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.inventory import inventory_checkpoint
 from megatron.checkpointing.neox_config import write_neox_config
@@ -40,6 +41,7 @@ class LoadOutcome:
     restored_rng: bool
     tag: str | None
     client_state: ClientState = field(repr=False)
+    consumed_valid_samples: int = 0  # where the next evaluation's validation batches start
     # what a module-only load copied and skipped (None when DeepSpeed resumed the whole engine)
     module_report: ModuleLoadReport | None = field(default=None, repr=False)
 
@@ -85,7 +87,7 @@ def _rank() -> int:
 
 def save_checkpoint(
     args, engine, iteration: int, consumed_train_samples: int, lr_schedule_start: int = 0,
-    lr_schedule: dict | None = None,
+    lr_schedule: dict | None = None, consumed_valid_samples: int = 0,
 ) -> Path:
     """Save tag global_step<iteration> under `args.save`; all ranks call it (DeepSpeed's save is collective).
 
@@ -103,6 +105,7 @@ def save_checkpoint(
     client_state = ClientState(
         iteration=int(iteration),
         consumed_train_samples=int(consumed_train_samples),
+        consumed_valid_samples=int(consumed_valid_samples),
         settings=args.to_dict(),
         rng_states=_gather_rng_states(),
         lr_schedule_start=int(lr_schedule_start),
@@ -200,16 +203,12 @@ def _this_ranks_part(parts: list[dict], args) -> dict:
     return repartition_state_dict(parts, args.architecture(), rank, size)
 
 
-def _saved_progress(plan: LoadPlan, client_state: ClientState, args) -> tuple[int, int]:
+def _saved_progress(plan: LoadPlan, client_state: ClientState, args) -> tuple[int, DataPosition]:
+    """Iteration and data position to continue from; counts the checkpoint lacks are derived as the plan said."""
     if not plan.iteration_from_checkpoint:
-        return 0, 0
+        return 0, DataPosition()
     iteration = int(plan.saved_iteration)
-    consumed = client_state.consumed_train_samples
-    if consumed is None:  # saved by another program (GPT-NeoX does not record it)
-        consumed = iteration * int(args.train_batch_size or 0)
-        _logger().info(f"{plan.tag_dir} records no consumed_train_samples; assuming iteration x "
-                       f"train_batch_size = {consumed}")
-    return iteration, int(consumed)
+    return iteration, data_position(client_state, iteration, args)
 
 
 def _check_names_for_resume(plan: LoadPlan, engine, args) -> None:
@@ -291,9 +290,10 @@ def load_checkpoint(args, engine, plan: LoadPlan) -> LoadOutcome | None:
         forward_validation.check(engine, args, client_state.forward_validation, source=str(plan.tag_dir))
     if plan.restore_rng:
         restore_rng_states(client_state.rng_states[_rank()])
-    iteration, consumed = _saved_progress(plan, client_state, args)
+    iteration, position = _saved_progress(plan, client_state, args)
     _logger().info(f"loaded {plan.tag_dir or plan.load_dir} ({plan.mode.value}): starting at iteration {iteration}, "
-                   f"{consumed} samples consumed")
-    return LoadOutcome(iteration=iteration, consumed_train_samples=consumed, loaded_optimizer=plan.load_optimizer,
+                   f"{position.consumed_train_samples} samples consumed")
+    return LoadOutcome(iteration=iteration, consumed_train_samples=position.consumed_train_samples,
+                       consumed_valid_samples=position.consumed_valid_samples, loaded_optimizer=plan.load_optimizer,
                        restored_rng=plan.restore_rng, tag=plan.tag, client_state=client_state,
                        module_report=module_report)

@@ -11,7 +11,9 @@ written by another program, and is read as far as its keys go):
    lr_schedule_start_iteration, forward_validation (with checkpoint_validation_with_forward_pass),
    converted_from (checkpoints written by the HF converter), lr_schedule (peak_lr, min_lr,
    warmup_iters, decay_iters, decay_style: what resumes check against the configs; absent in
-   checkpoints saved before it was recorded).
+   checkpoints saved before it was recorded), consumed_valid_samples (validation samples the run's
+   evaluations read, where the next evaluation continues; absent in GPT-NeoX's checkpoints and in ours
+   saved before it was recorded, where megatron.checkpointing.data_position derives it as GPT-NeoX does).
 2. args: intermediate_size has GPT-NeoX's meaning (the width before GPT-NeoX's MLP rule, see
    megatron/architecture.py); in format 1 it was the MLP width per projection as built, and
    ``settings`` reads it in today's meaning.
@@ -30,6 +32,7 @@ FORMAT_VERSION = 2  # raise when the meaning of a stored key changes; describe t
 FORMAT_VERSION_KEY = "checkpoint_format_version"
 ITERATION_KEY = "iteration"
 CONSUMED_SAMPLES_KEY = "consumed_train_samples"
+CONSUMED_VALID_SAMPLES_KEY = "consumed_valid_samples"
 SETTINGS_KEY = "args"  # GPT-NeoX's name
 RNG_STATES_KEY = "rng_states"
 LR_SCHEDULE_START_KEY = "lr_schedule_start_iteration"
@@ -42,6 +45,7 @@ CONVERTED_FROM_KEY = "converted_from"
 class ClientState:
     iteration: int | None = None
     consumed_train_samples: int | None = None  # GPT-NeoX does not record it
+    consumed_valid_samples: int | None = None  # nor this (megatron.checkpointing.data_position derives it)
     settings: dict[str, Any] | None = None  # every setting of the run that saved it, in today's meaning
     rng_states: list[dict[str, Any]] | None = None  # megatron.checkpointing.rng states, by global rank
     # The iteration the LR schedule counts from (see megatron.training.TrainState); 0 when not recorded.
@@ -57,6 +61,7 @@ class ClientState:
             FORMAT_VERSION_KEY: FORMAT_VERSION,
             ITERATION_KEY: self.iteration,
             CONSUMED_SAMPLES_KEY: self.consumed_train_samples,
+            CONSUMED_VALID_SAMPLES_KEY: self.consumed_valid_samples,
             SETTINGS_KEY: self.settings,
             LR_SCHEDULE_START_KEY: self.lr_schedule_start,
         }
@@ -79,6 +84,7 @@ class ClientState:
         return cls(
             iteration=integer(ITERATION_KEY),
             consumed_train_samples=integer(CONSUMED_SAMPLES_KEY),
+            consumed_valid_samples=integer(CONSUMED_VALID_SAMPLES_KEY),
             settings=_settings_today(_settings_dict(stored.get(SETTINGS_KEY)), integer(FORMAT_VERSION_KEY)),
             rng_states=list(rng_states) if rng_states else None,
             lr_schedule_start=integer(LR_SCHEDULE_START_KEY) or 0,

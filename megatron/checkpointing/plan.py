@@ -19,6 +19,7 @@ from pathlib import Path
 
 from megatron.checkpointing import layout, preflight
 from megatron.checkpointing.client_state import ClientState
+from megatron.checkpointing.data_position import DataPosition, data_position, resume_change_notes
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.inventory import (
     FORMAT_HF,
@@ -49,6 +50,7 @@ class LoadPlan:
     load_optimizer: bool = False
     iteration_from_checkpoint: bool = False
     restore_rng: bool = False
+    data_position: DataPosition | None = None  # where the data continue; None when they start afresh
     files: tuple[Path, ...] = ()
     notes: tuple[str, ...] = ()
     strict: bool = True  # load_module_strict
@@ -85,7 +87,10 @@ class LoadPlan:
         else:
             fresh += ["optimizer states", "LR schedule (warmup from its first step)"]
         if self.iteration_from_checkpoint:
-            loaded += [f"iteration {self.saved_iteration}", f"data position (after iteration {self.saved_iteration})"]
+            position = self.data_position
+            loaded += [f"iteration {self.saved_iteration}",
+                       f"data position (after iteration {self.saved_iteration}: train sample "
+                       f"{position.consumed_train_samples}, validation sample {position.consumed_valid_samples})"]
         else:
             fresh += ["iteration 0", "data position (first sample)"]
         (loaded if self.restore_rng else fresh).append("RNG states")
@@ -276,6 +281,10 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
             "and the tag is not named global_step<N>), so training cannot continue from it. Set `finetune: true` to start at iteration 0 "
             "from its weights."
         )
+    position = None
+    if mode is not LoadMode.FINETUNE:
+        position = data_position(client, saved_iteration, args)
+        notes += [*position.notes, *resume_change_notes(args, client, tag_name, tag.iteration, position)]
     if tag.format == FORMAT_ZERO3 and not load_optimizer:
         notes.append("no full module file: weights are rebuilt from the ZeRO-3 fp32 partitions")
     saved_tp, wanted_tp = preflight.saved_tensor_parallel_size(tag), args.model_parallel_size or 1
@@ -295,6 +304,7 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         load_optimizer=load_optimizer,
         iteration_from_checkpoint=mode is not LoadMode.FINETUNE,
         restore_rng=restore_rng,
+        data_position=position,
         files=files,
         notes=tuple(_model_from_checkpoint_note(args, root) + notes),
         strict=bool(args.load_module_strict),

@@ -93,28 +93,29 @@ def build_data_iterators(
     data_parallel_rank: int,
     data_parallel_size: int,
     consumed_train_samples: int = 0,
+    consumed_valid_samples: int = 0,
 ):
     """(train, valid, test) iterators of {"text": LongTensor[micro_batch, seq_length + 1]} batches, or None.
 
-    The train iterator starts at global sample consumed_train_samples and ends with the dataset;
-    valid and test iterators start at 0 and cycle forever."""
+    The train iterator starts at global sample consumed_train_samples and ends with the dataset; the
+    valid iterator starts at consumed_valid_samples, the test iterator at 0, and both cycle forever."""
     datasets = build_train_valid_test_datasets(args, train_valid_test_num_samples)
     micro = args.train_micro_batch_size_per_gpu
     if not micro:
         raise DataError("train_micro_batch_size_per_gpu must be set to build data iterators")
+    start = {"train": consumed_train_samples, "valid": consumed_valid_samples, "test": 0}
     iterators = []
     for name, dataset in zip(SPLIT_NAMES, datasets, strict=True):
         if dataset is None:
             iterators.append(None)
             continue
-        is_train = name == "train"
         sampler = DistributedBatchSampler(
             len(dataset),
-            consumed_train_samples if is_train else 0,
+            start[name],
             micro,
             data_parallel_rank,
             data_parallel_size,
-            cycle=not is_train,
+            cycle=name != "train",
         )
         iterators.append(_loader(dataset, sampler, args.num_workers))
     return tuple(iterators)

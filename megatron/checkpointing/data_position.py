@@ -1,0 +1,116 @@
+"""Where the data continue after a load, and what a setting changed since the save does to that position.
+
+The position is two sample counts of the saving run: training samples consumed, and validation samples
+read by its evaluations (the test split is evaluated once, at the end of a run, from its first sample, so
+it has no position to keep). Both count global samples, so they keep their meaning when the micro batch
+or the number of data-parallel ranks changes; another `seq_length` cuts the same documents into other
+samples, so a count of the old samples points nowhere in the new ones and such a resume is refused.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from megatron.checkpointing.client_state import ClientState
+from megatron.checkpointing.errors import CheckpointError
+
+# The settings that say which documents the training samples come from, in which order.
+_DATA_SETTINGS = ("data_path", "split", "train_data_paths", "train_data_weights")
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    notes: tuple[str, ...] = ()  # how a count the checkpoint does not record was derived
+
+
+def samples_per_evaluation(args) -> int:
+    """Validation samples one evaluation reads: eval_iters micro batches on every data-parallel rank (0 for
+    settings without a batch size, such as a checkpoint's own settings read by a tool)."""
+    return args.eval_iters * ((args.train_batch_size or 0) // (args.gradient_accumulation_steps or 1))
+
+
+def data_position(client: ClientState, iteration: int, args) -> DataPosition:
+    """The counts a run continues from after iteration `iteration` of a checkpoint (client state `client`)."""
+    notes = []
+    train = client.consumed_train_samples
+    if train is None:  # GPT-NeoX does not record it
+        train = iteration * (args.train_batch_size or 0)
+        notes.append(f"no consumed_train_samples recorded: training continues at sample iteration {iteration} x "
+                     f"train_batch_size {args.train_batch_size} = {train}")
+    valid = client.consumed_valid_samples
+    if valid is None:  # GPT-NeoX and our checkpoints before it was recorded
+        evaluations = iteration // args.eval_interval if args.eval_interval else 0
+        valid = evaluations * samples_per_evaluation(args)
+        notes.append(f"no consumed_valid_samples recorded: validation continues at sample {valid}, derived as "
+                     f"GPT-NeoX does ({evaluations} evaluations up to iteration {iteration} at eval_interval "
+                     f"{args.eval_interval}, {samples_per_evaluation(args)} samples each)")
+    return DataPosition(train, valid, tuple(notes) if iteration else ())  # at iteration 0 nothing was derived
+
+
+def resume_change_notes(args, client: ClientState, tag: str, tag_iteration: int | None,
+                        position: DataPosition) -> list[str]:
+    """One line per setting changed since the save that moves what the data position means; CheckpointError
+    where the position cannot be honoured. For loads that keep the checkpoint's data position."""
+    notes = []
+    if tag_iteration is not None and client.iteration is not None and client.iteration != tag_iteration:
+        notes.append(f"tag {tag} records iteration {client.iteration} in its client state: training continues "
+                     f"from iteration {client.iteration}, the count its data position and LR schedule belong to")
+    if not (position.consumed_train_samples or position.consumed_valid_samples):
+        return notes  # nothing read yet (a converted checkpoint, say): the data start at their first sample anyway
+    saved = client.settings or {}
+    _refuse_other_seq_length(args, saved, tag)
+    notes += _batch_notes(args, saved)
+    notes += _data_notes(args, saved, position)
+    return notes
+
+
+def _refuse_other_seq_length(args, saved: dict, tag: str) -> None:
+    before = saved.get("seq_length")
+    if before is None or before == args.seq_length:
+        return
+    raise CheckpointError(
+        f"{args.source_of('seq_length')}: seq_length is {args.seq_length}, but {tag} was trained on samples of "
+        f"{before} tokens; its data position counts those samples, which are other samples at {args.seq_length} "
+        f"tokens, so training cannot continue where it stopped. Set seq_length back to {before}, or set "
+        "`finetune: true` to train its weights on the new samples from the first one (iteration 0, fresh optimizer)."
+    )
+
+
+def _batch_notes(args, saved: dict) -> list[str]:
+    before = {name: saved.get(name) for name in ("train_batch_size", "train_micro_batch_size_per_gpu")}
+    if None in before.values():
+        return []
+    now = {"train_batch_size": args.train_batch_size,
+           "train_micro_batch_size_per_gpu": args.train_micro_batch_size_per_gpu}
+    if before == now:
+        return []
+    if before["train_batch_size"] == now["train_batch_size"]:
+        return [f"train_micro_batch_size_per_gpu {before['train_micro_batch_size_per_gpu']} -> "
+                f"{now['train_micro_batch_size_per_gpu']} with train_batch_size {now['train_batch_size']} "
+                "unchanged: every step trains on the samples it would have, in other micro batches"]
+    return [f"train_batch_size {before['train_batch_size']} -> {now['train_batch_size']}: training continues at "
+            "the sample the checkpoint reached, and each step from there takes "
+            f"{now['train_batch_size']} samples"]
+
+
+def _data_notes(args, saved: dict, position: DataPosition) -> list[str]:
+    changed = [name for name in _DATA_SETTINGS
+               if name in saved and _comparable(name, saved[name]) != _comparable(name, getattr(args, name))]
+    if not changed:
+        return []
+    what = ", ".join(f"{name} {saved[name]!r} -> {getattr(args, name)!r}" for name in changed)
+    return [f"{what}: training continues at sample {position.consumed_train_samples} of the new data, skipping "
+            "as many of its samples as the checkpoint had consumed of the old (the same ones if only the files "
+            "moved); set `finetune: true` to start the new data at its first sample"]
+
+
+def _comparable(name: str, value):
+    """Data paths by the files they name, wherever they are spelled from."""
+    if value is None or name not in ("data_path", "train_data_paths"):
+        return value
+    paths = [value] if isinstance(value, str) else list(value)
+    resolved = [os.path.realpath(os.path.expanduser(path)) for path in paths]
+    return resolved[0] if isinstance(value, str) else resolved
