@@ -134,10 +134,12 @@ def wait_for(condition, what: str, timeout: float = 300) -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_two_real_runs_into_one_save_directory(tmp_path):
-    """A second run into the directory of a running one stops with one line naming it; once the first is
-    killed with SIGKILL (its lock left behind), a new run takes the stale lock over and trains."""
+    """A second run (2 ranks) into the directory of a running one stops with one line naming it before any
+    step; once the first is killed with SIGKILL (its lock left behind), a new run takes the stale lock over
+    and trains."""
     save = tmp_path / "ckpt"
     first_config = write_overrides(tmp_path, "first.yml", save=str(save), train_iters=100000, checkpoint_factor=100000,
                                    eval_interval=100000)
@@ -149,8 +151,8 @@ def test_two_real_runs_into_one_save_directory(tmp_path):
         assert first.poll() is None, first.stdout.read()
         holder = json.loads((save / layout.LOCK_FILE).read_text())
 
-        second = run_deepy(["configs/tiny.yml", write_overrides(tmp_path, "second.yml", save=str(save), train_iters=2)],
-                           expect_success=False)
+        second_config = write_overrides(tmp_path, "second.yml", save=str(save), train_iters=2, num_gpus=2)
+        second = run_deepy(["configs/tiny.yml", second_config], expect_success=False)
         assert second.returncode != 0
         refusals = [line for line in (second.stdout + second.stderr).splitlines() if "is in use by another run" in line]
         assert len(refusals) == 1, second.stdout + second.stderr

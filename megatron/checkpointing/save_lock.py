@@ -146,19 +146,23 @@ def acquire(save_dir: str | Path, configs: list[str], notice) -> Path:
     if path in _held:
         return path
     holder = LockHolder.this_process(configs)
-    with _host_mutex(save_dir):
-        while not _publish(path, holder):
-            found = _read_holder(path)
-            if found is None:
-                continue  # its run ended meanwhile
-            if found.same_process(holder):
-                break
-            reason = found.stale_reason()
-            if reason is None:
-                raise CheckpointError(_refusal(save_dir, path, found))
-            notice(f"took over {path} from {found.describe()}: {reason}, so that run is gone "
-                   "(killed before it could remove its lock)")
-            path.unlink(missing_ok=True)
+    try:
+        with _host_mutex(save_dir):
+            while not _publish(path, holder):
+                found = _read_holder(path)
+                if found is None:
+                    continue  # its run ended meanwhile
+                if found.same_process(holder):
+                    break
+                reason = found.stale_reason()
+                if reason is None:
+                    raise CheckpointError(_refusal(save_dir, path, found))
+                notice(f"took over {path} from {found.describe()}: {reason}, so that run is gone "
+                       "(killed before it could remove its lock)")
+                path.unlink(missing_ok=True)
+    except OSError as err:
+        raise CheckpointError(f"cannot create the lock file {path}: {err.strerror or err}. Fix the permissions of "
+                              f"{save_dir}, free space there, or point `save` at another directory.") from err
     _held[path] = holder
     if len(_held) == 1:
         atexit.register(release_all)
