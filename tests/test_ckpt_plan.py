@@ -368,6 +368,7 @@ def test_hf_dir_finetunes(hf_dir):
     assert plan.source_format == "hf" and plan.module_only and not plan.iteration_from_checkpoint
     assert [p.name for p in plan.files] == ["config.json", "model.safetensors"]
     assert not plan.restore_rng and plan.client_state == ClientState(format_version=None)
+    assert "its files are not checksummed" in plan.describe()  # what is not checked is said
 
 
 def test_hf_dir_with_other_architecture_fails_before_any_engine(hf_dir):

@@ -212,9 +212,10 @@ def _hf_plan(args, inventory: CheckpointInventory, mode: LoadMode) -> LoadPlan:
             "iteration or RNG states. Set `finetune: true` (and leave `iteration` unset) to start from its weights."
         )
     inventory.hf_source.check_architecture(root, args.architecture())
+    unchecked = f"no {layout.MANIFEST_FILE} in a Hugging Face folder: its files are not checksummed"
     return LoadPlan(mode=mode, load_dir=root, source_format=FORMAT_HF, strict=bool(args.load_module_strict),
                     files=inventory.hf_files, hf_source=inventory.hf_source,
-                    notes=tuple(_model_from_checkpoint_note(args, root)))
+                    notes=(*_model_from_checkpoint_note(args, root), unchecked))
 
 
 def _model_from_checkpoint_note(args, root: Path) -> list[str]:
