@@ -86,7 +86,7 @@ def test_latest_naming_an_unfinished_save_is_refused_naming_the_newest_complete_
         plan_load(args, 1)
     line = one_line(raised)
     assert "names 'global_step2.partial'" in line and "never loaded" in line
-    assert "Write 'global_step1' (the newest complete tag) into it" in line
+    assert "Write 'global_step1' (the newest complete tag) into it, or set `iteration: 1`" in line
 
 
 _opened: list[str] | None = None

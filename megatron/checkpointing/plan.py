@@ -138,8 +138,8 @@ def _choose_tag(args, inventory: CheckpointInventory) -> str:
             f"Set `iteration: N` to pick one."
         )
     if inventory.latest.endswith(layout.PARTIAL_SUFFIX):
-        newest = list(inventory.tags)[-1] if inventory.tags else None
-        way_out = (f"Write '{newest}' (the newest complete tag) into it, or set `iteration: N` to pick a tag."
+        newest = list(inventory.tags.values())[-1] if inventory.tags else None
+        way_out = (f"Write '{newest.tag}' (the newest complete tag) into it, or set `iteration: {newest.iteration}`."
                    if newest else "Remove it; the directory holds no complete tag to load.")
         raise CheckpointError(
             f"{root / layout.LATEST_FILE} names '{inventory.latest}', the folder of an interrupted or unfinished "
