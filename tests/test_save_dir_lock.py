@@ -126,6 +126,18 @@ def test_a_damaged_lock_file_is_refused_in_one_line(tmp_path):
     assert "\n" not in str(raised.value) and "delete it" in str(raised.value)
 
 
+def test_a_dry_run_takes_no_lock(tmp_path, capsys):
+    import deepy
+
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    path = write_lock(save, replace(save_lock.LockHolder.this_process([]), host="node-17.elsewhere", pid=4242))
+    before = path.read_text()
+    overrides = write_overrides(tmp_path, save=str(save))
+    assert deepy.main(["train.py", "configs/tiny.yml", str(overrides), "--dry-run"]) == 0
+    assert path.read_text() == before and sorted(p.name for p in save.iterdir()) == [layout.LOCK_FILE]
+
+
 def wait_for(condition, what: str, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
