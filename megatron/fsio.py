@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
-import tempfile
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,8 +30,7 @@ def write_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
     removed when ``write`` fails.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = _create_temporary_file(path)
     try:
         write(Path(tmp))
         fsync_path(tmp)
@@ -40,6 +39,17 @@ def write_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_path(path.parent)
+
+
+def _create_temporary_file(path: Path) -> str:
+    """A new empty file next to `path` with the permissions the umask gives any plain file (mkstemp's are 0600)."""
+    while True:
+        tmp = str(path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
 
 
 def write_text_atomically(path: str | Path, text: str) -> None:

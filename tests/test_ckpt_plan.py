@@ -114,14 +114,15 @@ def test_zero_stage_0_resume_with_another_dp_size_is_fine(checkpoints):
     assert plan.load_optimizer  # the whole optimizer state sits in the model-states file
 
 
-def test_zero3_resume_reads_deepspeeds_files_only(checkpoints, tmp_path):
+def test_zero3_resume_reads_deepspeeds_files_and_the_full_module_file_the_name_check_reads(checkpoints, tmp_path):
     root = tmp_path / "ckpt"
     shutil.copytree(checkpoints["zero3"], root)
     full_module = root / "global_step1" / "mp_rank_00_model_states.pt"  # what save_engine_checkpoint adds
     shutil.copy(root / "global_step1" / "zero_pp_rank_0_mp_rank_00_model_states.pt", full_module)
     plan = plan_for(root, stage=3)
-    assert plan.load_optimizer and full_module not in plan.files
-    assert sorted(p.name for p in plan.files) == ["zero_pp_rank_0_mp_rank_00_model_states.pt",
+    assert plan.load_optimizer
+    assert sorted(p.name for p in plan.files) == ["mp_rank_00_model_states.pt",
+                                                 "zero_pp_rank_0_mp_rank_00_model_states.pt",
                                                  "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
 
 
@@ -368,6 +369,7 @@ def test_hf_dir_finetunes(hf_dir):
     assert plan.source_format == "hf" and plan.module_only and not plan.iteration_from_checkpoint
     assert [p.name for p in plan.files] == ["config.json", "model.safetensors"]
     assert not plan.restore_rng and plan.client_state == ClientState(format_version=None)
+    assert "its files are not checksummed" in plan.describe()  # what is not checked is said
 
 
 def test_hf_dir_with_other_architecture_fails_before_any_engine(hf_dir):

@@ -1,7 +1,7 @@
 """Checkpoint save and load: the entry points the training loop calls.
 
     plan = plan_load(args, dp_size)          # before deepspeed.initialize: inspect files, fail fast
-    check_save_dir(args)                     # before the first step: `save` writable, room for a tag
+    check_save_dir(args)                     # before the first step: `save` writable, room for a tag, locked
     engine = deepspeed.initialize(...)
     outcome = load_checkpoint(args, engine, plan)
     ...
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron.checkpointing import commit, layout, manifest, preflight
+from megatron.checkpointing import commit, layout, manifest, preflight, save_lock
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.collective import all_gather, barrier
 from megatron.checkpointing.data_position import DataPosition, data_position
@@ -154,8 +154,22 @@ def _prune(args, save_dir: Path, tag: str, iteration: int) -> None:
 
 
 def check_save_dir(args) -> None:
-    """Before the first step, on every rank: `save` can be written and has room for one more tag."""
-    if args.save:
+    """Before the first step, on every rank (collective): `save` can be written, has room for one more tag, and no
+    other run saves there. Global rank 0 takes the directory's lock for the rest of its process (save_lock.py);
+    when it cannot, every rank raises the same one-line error."""
+    if not args.save:
+        return
+    problem = None
+    if _rank() == 0:
+        try:
+            commit.check_save_dir(args.save, 0)
+            save_lock.acquire(args.save, list(args.config_files or ()), notice=_logger().info)
+        except CheckpointError as err:
+            problem = str(err)
+    first = all_gather(problem)[0]
+    if first:
+        raise CheckpointError(first)
+    if _rank() != 0:
         commit.check_save_dir(args.save, _rank())
 
 

@@ -108,10 +108,6 @@ class TagInventory:
         return self.path.is_dir()
 
     @property
-    def has_manifest(self) -> bool:
-        return (self.path / layout.MANIFEST_FILE).is_file()
-
-    @property
     def format(self) -> str:
         if self.layer_files:
             return FORMAT_PIPELINE
@@ -243,7 +239,8 @@ def inventory_checkpoint(load_dir: str | Path, hf_source: WeightsSource | None =
         return CheckpointInventory(root=root, exists=False, latest=None, tags={})
     latest = layout.read_latest(root)
     names = list(layout.list_tags(root))
-    if latest is not None and latest not in names and (root / latest).is_dir():
+    if latest is not None and latest not in names and (root / latest).is_dir() and not latest.endswith(
+            layout.PARTIAL_SUFFIX):
         names.append(latest)  # a tag named otherwise than global_step<N>
     tags = {name: inventory_tag(root, name) for name in names}
     partial_tags = tuple(layout.list_partial_tags(root))

@@ -4,6 +4,7 @@ Every file name of a checkpoint is spelled here and nowhere else. The patterns f
 GPT-NeoX so their tools can read what we write and we can read what they wrote::
 
     <root>/latest                                              text: the newest complete tag
+    <root>/save.lock                                           the run saving here (save_lock.py), while it runs
     <root>/global_step<N>/mp_rank_<MP:02d>_model_states.pt     module + client state
     <root>/global_step<N>/zero_pp_rank_<DP>_mp_rank_<MP:02d>_model_states.pt   (ZeRO-3, per DP rank)
     <root>/global_step<N>/[bf16_]zero_pp_rank_<DP>_mp_rank_<MP:02d>_optim_states.pt   ZeRO shards
@@ -28,6 +29,7 @@ from megatron.checkpointing.errors import CheckpointError
 from megatron.fsio import write_text_atomically
 
 LATEST_FILE = "latest"
+LOCK_FILE = "save.lock"
 CONFIGS_DIR = "configs"
 NEOX_CONFIG_FILE = "neox_config.yml"
 MANIFEST_FILE = "manifest.json"

@@ -3,6 +3,8 @@
 A file is checked against it before it is read, so damage inside a file (bytes overwritten, not
 only a cut-off end) is a clear error instead of a run that trains from damaged weights or states.
 Tags without a manifest (GPT-NeoX's, converted ones, ours from before manifests) load unchecked.
+A tag with a manifest is all or nothing: the manifest must list every file of the tag (a file it
+does not list could be read unchecked), and a manifest without entries is refused like a damaged one.
 
 Each entry names its checksum by its key: saves write CRC-32 (manifest version 2), earlier saves
 wrote SHA-256 (version 1), and both are checked. CRC-32 guards against damage, not tampering, and
@@ -79,19 +81,37 @@ def write_manifest(tag_dir: Path, records: dict[str, FileRecord]) -> None:
     write_text_atomically(Path(tag_dir) / layout.MANIFEST_FILE, text + "\n")
 
 
+_WAY_OUT = "Load another tag with `iteration: N`, or delete the manifest to load the tag unchecked."
+
+
 def read_manifest(tag_dir: Path) -> dict[str, FileRecord] | None:
-    """The records of `tag_dir`'s manifest; None when the tag has none."""
+    """The records of `tag_dir`'s manifest; None when the tag has none.
+
+    Refused (CheckpointError) when the manifest is damaged, lists no files, or misses a file the tag
+    holds. Lists the folder, checksums nothing: cheap enough for planning a load.
+    """
     path = Path(tag_dir) / layout.MANIFEST_FILE
     if not path.is_file():
         return None
     try:
         stored = json.loads(path.read_text())
-        return {name: _record(name, entry) for name, entry in stored["files"].items()}
+        records = {name: _record(name, entry) for name, entry in stored["files"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointError(
             f"{path} is damaged ({type(err).__name__}: {err}), so the files of {Path(tag_dir).name} cannot be "
-            "checked. Load another tag with `iteration: N`, or delete the manifest to load the tag unchecked."
+            f"checked. {_WAY_OUT}"
         ) from err
+    if not records:
+        raise CheckpointError(f"{path} lists no files (a save writes one entry per file), so the files of "
+                              f"{Path(tag_dir).name} cannot be checked. {_WAY_OUT}")
+    unlisted = [name for name in tag_file_names(tag_dir) if name not in records]
+    if unlisted:
+        shown = ", ".join(unlisted[:4]) + (f" (and {len(unlisted) - 4} more)" if len(unlisted) > 4 else "")
+        raise CheckpointError(
+            f"{path} does not list {shown}, which {Path(tag_dir).name} holds; a file "
+            f"added after the save cannot be checked. Remove the file if it does not belong to the tag. {_WAY_OUT}"
+        )
+    return records
 
 
 def _record(name: str, entry: dict) -> FileRecord:
@@ -104,14 +124,17 @@ def _record(name: str, entry: dict) -> FileRecord:
 def check_file(path: Path, records: dict[str, FileRecord] | None, tag_dir: Path) -> str | None:
     """The one-line problem with `path` against the manifest `records` of `tag_dir`; None when it matches.
 
-    Files the manifest does not list (none when there is no manifest) pass unchecked.
+    Without a manifest (`records` None) every file passes unchecked; with one, a file it does not list
+    is a problem, as is a manifest without entries.
     """
     if records is None:
         return None
+    manifest = Path(tag_dir) / layout.MANIFEST_FILE
+    if not records:
+        return f"{manifest} lists no files, so {path} cannot be checked. {_WAY_OUT}"
     record = records.get(Path(path).relative_to(tag_dir).as_posix())
     if record is None:
-        return None
-    manifest = Path(tag_dir) / layout.MANIFEST_FILE
+        return f"{manifest} does not list checkpoint file {path}, so it cannot be checked before it is read. {_WAY_OUT}"
     fix = "Load another tag with `iteration: N`, or restore the file from a copy."
     try:
         size = Path(path).stat().st_size

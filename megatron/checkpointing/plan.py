@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron.checkpointing import layout, preflight
+from megatron.checkpointing import layout, manifest, preflight
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.data_position import DataPosition, data_position, resume_change_notes
 from megatron.checkpointing.errors import CheckpointError
@@ -142,6 +142,14 @@ def _choose_tag(args, inventory: CheckpointInventory) -> str:
             f"{root} has no `{layout.LATEST_FILE}` file naming the tag to load; {_available(inventory)}. "
             f"Set `iteration: N` to pick one."
         )
+    if inventory.latest.endswith(layout.PARTIAL_SUFFIX):
+        newest = list(inventory.tags.values())[-1] if inventory.tags else None
+        way_out = (f"Write '{newest.tag}' (the newest complete tag) into it, or set `iteration: {newest.iteration}`."
+                   if newest else "Remove it; the directory holds no complete tag to load.")
+        raise CheckpointError(
+            f"{root / layout.LATEST_FILE} names '{inventory.latest}', the folder of an interrupted or unfinished "
+            f"save, which is never loaded. {way_out}"
+        )
     if inventory.latest not in inventory.tags:
         raise CheckpointError(
             f"{root / layout.LATEST_FILE} names tag '{inventory.latest}', but {root / inventory.latest} "
@@ -167,11 +175,25 @@ def _module_files(tag: TagInventory) -> tuple[Path, ...]:
     )
 
 
-def _resume_files(tag: TagInventory) -> tuple[Path, ...]:
-    """The files DeepSpeed's load_checkpoint reads; under ZeRO-3 not the full module file we add."""
-    if tag.metadata is not None and tag.metadata.zero_stage == 3:
-        return tuple(sorted({*tag.zero3_model_states_files.values(), *tag.optimizer_files.values()}))
-    return tag.files
+def _resume_files(tag: TagInventory, universal: bool) -> tuple[Path, ...]:
+    """The files a full resume reads on all ranks together: DeepSpeed's engine.load_checkpoint (its
+    _load_checkpoint and _load_zero_checkpoint) and our checks of the module file's names before it.
+
+    The model-states file of each tensor-parallel rank: ``mp_rank_<MP>`` (each rank reads its own), under
+    ZeRO-3 ``zero_pp_rank_<DP>_mp_rank_<MP>`` plus the full module file we add, which the name checks read.
+    Under ZeRO 1-3 the optimizer shards (each data-parallel rank reads its own); under stage 0 the optimizer
+    sits in the model-states file, and DeepSpeed never reads the shards a bf16 optimizer writes beside it.
+    A universal load reads the optimizer from the ``zero/`` folder instead of the shards.
+    """
+    stage = tag.metadata.zero_stage if tag.metadata is not None else 0
+    files = [*tag.model_states_files.values()]
+    if stage == 3:  # a universal load reads data-parallel rank 0's only: the optimizer comes from zero/
+        files += (path for (dp, _), path in tag.zero3_model_states_files.items() if dp == 0 or not universal)
+    if universal:
+        files += (path for path in (tag.path / layout.UNIVERSAL_DIR).rglob("*") if path.is_file())
+    elif stage > 0:
+        files += tag.optimizer_files.values()
+    return tuple(sorted(files))
 
 
 def _rng_decision(args, mode: LoadMode, tag: TagInventory, world_size: int) -> tuple[bool, list[str]]:
@@ -195,9 +217,10 @@ def _hf_plan(args, inventory: CheckpointInventory, mode: LoadMode) -> LoadPlan:
             "iteration or RNG states. Set `finetune: true` (and leave `iteration` unset) to start from its weights."
         )
     inventory.hf_source.check_architecture(root, args.architecture())
+    unchecked = f"no {layout.MANIFEST_FILE} in a Hugging Face folder: its files are not checksummed"
     return LoadPlan(mode=mode, load_dir=root, source_format=FORMAT_HF, strict=bool(args.load_module_strict),
                     files=inventory.hf_files, hf_source=inventory.hf_source,
-                    notes=tuple(_model_from_checkpoint_note(args, root)))
+                    notes=(*_model_from_checkpoint_note(args, root), unchecked))
 
 
 def _model_from_checkpoint_note(args, root: Path) -> list[str]:
@@ -263,9 +286,10 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
             f"{layout.zero3_model_states_name(0, 0)}) and no pipeline layer files (an interrupted save?). "
             f"{_available(inventory)}; pick another with `iteration: N`."
         )
+    has_manifest = manifest.read_manifest(tag.path) is not None  # refuses a damaged, empty or incomplete one
     load_optimizer = mode is LoadMode.RESUME
     if load_optimizer:
-        files = _resume_files(tag)
+        files = _resume_files(tag, preflight.loads_universal(tag, args))
     else:
         files = tuple(dict.fromkeys((*filter(None, [tag.metadata_file]), *_module_files(tag))))
     world_size = data_parallel_size * max(args.model_parallel_size or 1, 1) * max(args.pipe_parallel_size or 1, 1)
@@ -291,7 +315,8 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
     if saved_tp != wanted_tp and not load_optimizer:
         notes.append(f"weights re-split from tensor-parallel size {saved_tp} to {wanted_tp} while loading "
                      "(each rank reads only its slices)")
-    notes.append(f"files checked against {layout.MANIFEST_FILE} before they are read" if tag.has_manifest else
+    notes.append(f"files checked against {layout.MANIFEST_FILE} (it lists every file of the tag) before they are read"
+                 if has_manifest else
                  f"no {layout.MANIFEST_FILE} (saved by another program or an older version): files are not checksummed")
     notes += skipped
     plan = LoadPlan(

@@ -73,6 +73,11 @@ def _expected_optimizer_files(tag: TagInventory, saved_dp: int) -> dict[tuple[in
             for mp in (tag.mp_ranks or (0,)) for dp in range(saved_dp)}
 
 
+def loads_universal(tag: TagInventory, args) -> bool:
+    """A full resume of `tag` reads its universal checkpoint (ds_to_universal's zero/ folder) instead of the shards."""
+    return tag.universal and bool(((args.deepspeed_extra_args or {}).get("checkpoint") or {}).get("load_universal"))
+
+
 def _check_resume(tag: TagInventory, args, data_parallel_size: int) -> None:
     if tag.format == FORMAT_PIPELINE:
         raise CheckpointError(
@@ -86,7 +91,7 @@ def _check_resume(tag: TagInventory, args, data_parallel_size: int) -> None:
             f"{layout.model_states_name(0)}). To start from its weights, {_MODULE_ONLY_HINT}."
         )
     meta = tag.metadata
-    universal = tag.universal and bool(((args.deepspeed_extra_args or {}).get("checkpoint") or {}).get("load_universal"))
+    universal = loads_universal(tag, args)
     saved_stage, saved_precision = meta.zero_stage, meta.precision
     stage = zero_stage_of(args.zero_optimization, args.zero_stage)
     precision = precision_of(args.precision, args.fp16, args.bf16)
