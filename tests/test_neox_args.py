@@ -501,3 +501,12 @@ def test_the_same_setting_given_twice_is_compared_as_numbers(tmp_path):
 def test_a_bad_number_in_any_section_names_the_file_and_the_key_path(tmp_path, text, expected):
     with pytest.raises(ConfigError, match=r"^\S*run\.yml: " + expected):
         yaml_args(tmp_path, "train_iters: 10\n" + text + "\n")
+
+
+def test_the_number_rule_on_its_own():
+    from megatron.neox_arguments.numbers import as_number
+
+    assert as_number("1e-4", float) == 1e-4 and as_number(" 5e8 ", int) == 500_000_000
+    assert as_number("9223372036854775807", int) == 2**63 - 1  # exact, not through a float
+    assert as_number(5e8, int) == 500_000_000 and type(as_number(5e8, int)) is int
+    assert [as_number(value, int) for value in ("5.5", 5.5, True, "0x10", "1_000", None)] == [None] * 6

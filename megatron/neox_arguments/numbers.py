@@ -33,9 +33,10 @@ def as_number(value: Any, kind: type) -> int | float | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, str):
-        if not _NUMBER_TEXT.fullmatch(value.strip()):
+        text = value.strip()
+        if not _NUMBER_TEXT.fullmatch(text):
             return None
-        value = float(value)
+        value = int(text) if text.lstrip("+-").isdigit() else float(text)  # int(): exact beyond 2**53
     if not isinstance(value, int | float):
         return None
     if kind is int:
