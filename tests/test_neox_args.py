@@ -441,6 +441,8 @@ bf16: {enabled: true}
     assert config["optimizer"]["params"] == {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
     assert type(config["zero_optimization"]["reduce_bucket_size"]) is int and as_strings.train_iters == 100
     assert as_strings.lr == 1e-4 and as_strings.weight_decay == 0.01
+    extra = yaml_args(tmp_path, "train_iters: 10\ndeepspeed_extra_args: {zero_optimization: {sub_group_size: 1e9}}\n")
+    assert extra.deepspeed_config()["zero_optimization"]["sub_group_size"] == 10**9
 
 
 def test_fp16_loss_scaling_numbers_are_read_as_deepspeed_types(tmp_path):
@@ -494,6 +496,8 @@ def test_the_same_setting_given_twice_is_compared_as_numbers(tmp_path):
         ("fp16: {enabled: true, initial_scale_power: 1.5e1, hysteresis: 2e-1}", "fp16.hysteresis: '2e-1' is not a whole"),
         ("bf16: {enabled: true, imediate_grad_update: true}",
          "bf16.imediate_grad_update: not a key of DeepSpeed's bf16 section"),
+        ("deepspeed_extra_args: {zero_optimization: {sub_group_size: lots}}",
+         "deepspeed_extra_args.zero_optimization.sub_group_size: 'lots' is not a whole number"),
         ("seed: 1.5e-3", r"seed: expected int, got 0.0015 \(float\)"),
         ("seed: 12e-1", "seed: expected int, got '12e-1'"),
     ],

@@ -7,8 +7,8 @@ integer where an integer is wanted, and anything else where a number is wanted i
 the file and the dotted key path.
 
 The nested sections: optimizer.params (torch's and DeepSpeed's optimizer arguments, with their
-ranges here) and the DeepSpeed sections zero_optimization, fp16 and bf16, whose numeric keys and
-ranges are DeepSpeed's own config models'.
+ranges here) and the DeepSpeed sections zero_optimization, fp16 and bf16 (also as
+deepspeed_extra_args adds to them), whose numeric keys and ranges are DeepSpeed's own config models'.
 """
 
 from __future__ import annotations
@@ -122,8 +122,9 @@ def deepspeed_sections() -> dict[str, Any]:
 
 @functools.cache
 def _section_rules() -> dict[str, dict[str, Any]]:
-    return {"optimizer": {"params": OPTIMIZER_PARAMS},
-            **{name: _model_number_keys(model) for name, model in deepspeed_sections().items()}}
+    sections = {name: _model_number_keys(model) for name, model in deepspeed_sections().items()}
+    # deepspeed_extra_args may add keys to these sections; they reach DeepSpeed the same way
+    return {"optimizer": {"params": OPTIMIZER_PARAMS}, **sections, "deepspeed_extra_args": sections}
 
 
 def read_section_numbers(name: str, section: Any, location: str) -> Any:
