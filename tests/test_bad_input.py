@@ -3,20 +3,24 @@ wrong and where, no traceback, and never DeepSpeed's launcher line with the sett
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
 import torch
+from deepspeed.accelerator import get_accelerator
 
 from megatron.architecture import ModelConfigError
 from megatron.checkpointing import CheckpointError
 from megatron.data.errors import DataError
+from megatron.data.indexed_dataset import data_file_path
 from megatron.hf.errors import HFConversionError
 from megatron.launcher import port_is_free, rendezvous_port
-from megatron.neox_arguments import ConfigError
+from megatron.neox_arguments import ConfigError, NeoXArgs
 from megatron.rank_errors import EXIT_EXPECTED_ERROR, expected_error_line, run_rank
 from megatron.tokenizer.errors import TokenizerError
-from tests.e2e import run_deepy, write_overrides
+from tests.e2e import run_deepy, train_lines, write_overrides
+from tests.test_data_vocabulary import MODEL, write_dataset
 from tests.test_launcher import launch_args
 
 pytestmark = pytest.mark.e2e
@@ -43,7 +47,17 @@ def assert_one_line(result, *fragments: str) -> str:
         ({"split": "0, 50, 50"}, ["overrides.yml: split", "training split no documents"]),
         ({"split": "90, ten"}, ["overrides.yml: split", "comma-separated numbers"]),
         ({"seed": -1}, ["overrides.yml: seed", "must be between 0 and"]),
-        ({"precision": "fp16"}, ["overrides.yml: precision", "fp16 is not supported by DeepSpeed on a CPU"]),
+        pytest.param({"precision": "fp16"}, ["overrides.yml: precision", "fp16 is not supported by DeepSpeed on a CPU"],
+                     marks=pytest.mark.skipif(get_accelerator().is_fp16_supported(),
+                                              reason="this CPU runs fp16 (oneDNN), so DeepSpeed accepts it")),
+        ({"optimizer": {"type": "Adam", "params": {"lr": "5e-3", "eps": "abc"}}},
+         ["overrides.yml: optimizer.params.eps", "'abc' is not a number"]),
+        ({"optimizer": {"type": "Adam", "params": {"lr": "5e-3", "betas": [1.5, 0.95]}}},
+         ["overrides.yml: optimizer.params.betas", "must each be in [0, 1), got [1.5, 0.95]"]),
+        ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "5.5e0"}},
+         ["overrides.yml: zero_optimization.reduce_bucket_size", "'5.5e0' is not a whole number"]),
+        ({"weight_decay": "1e-2", "optimizer": {"type": "Adam", "params": {"lr": "5e-3", "weight_decay": 0.02}}},
+         ["overrides.yml: weight_decay (0.01) and", "optimizer.params.weight_decay (0.02) disagree"]),
     ],
 )
 def test_settings_mistakes_are_one_line_before_anything_starts(tmp_path, settings, fragments):
@@ -117,3 +131,66 @@ def test_a_bug_keeps_its_traceback():
     "error_class", [ConfigError, CheckpointError, DataError, ModelConfigError, TokenizerError, HFConversionError])
 def test_every_area_error_is_reported_as_one_line(error_class):
     assert expected_error_line(error_class("what is wrong\nwhat to do")) == "what is wrong what to do"
+
+
+# --- numbers written the GPT-NeoX way, empty and stale data ------------------------------------
+
+GPT_NEOX_NUMBERS = """optimizer: {type: AdamW, params: {lr: 5e-3, betas: [9e-1, 0.95], eps: 1e-8, weight_decay: 1e-2}}
+weight_decay: 1e-2
+min_lr: 0
+lr_decay_style: constant
+zero_optimization: {stage: 1, reduce_bucket_size: 5e8, allgather_bucket_size: 5e8}
+"""
+
+
+def test_a_run_trains_with_numbers_pyyaml_reads_as_strings(tmp_path):
+    """`lr: 5e-3` and `eps: 1e-8` are strings to PyYAML: the run trains at those values (a real 1-rank run)."""
+    save = tmp_path / "ckpt"
+    config = write_overrides(tmp_path, save=str(save), train_iters=3, checkpoint_factor=3, eval_interval=3)
+    config.write_text(config.read_text() + GPT_NEOX_NUMBERS)
+    result = run_deepy(["configs/tiny.yml", config])
+    assert [line.lr for line in train_lines(result.stdout)] == [5e-3] * 3
+    optimizer_file, = (save / "global_step3").glob("*optim_states.pt")
+    # the optimizer DeepSpeed built, as it saved it; a file this test's own run just wrote (DeepSpeed's loss
+    # scaler object in it is not weights-only loadable)
+    state = torch.load(optimizer_file, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    group = state["base_optimizer_state"]["param_groups"][0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (5e-3, [0.9, 0.95], 1e-8, 0.01)
+
+
+def _no_documents(prefix, _vocab_size):
+    write_dataset(prefix, [])
+    return "holds no tokens (0 documents in"
+
+
+def _same_sized_data_of_a_larger_vocabulary(prefix, vocab_size):
+    """A .meta.json left by other data of the same size and tokenizer: it says the ids stay below 140, the .bin
+    holds 973."""
+    write_dataset(prefix, [list(range(140))] * 8, vocab_size=vocab_size)
+    write_dataset(prefix, [list(range(0, 1000, 7))[:140]] * 8)
+    later = os.stat(data_file_path(prefix)).st_mtime_ns + 10**9  # rewritten later than in the same clock tick
+    os.utime(data_file_path(prefix), ns=(later, later))
+    return "holds token id 973, but the model has"
+
+
+@pytest.mark.parametrize(
+    "make_data",
+    [
+        _no_documents,
+        _same_sized_data_of_a_larger_vocabulary,
+    ],
+    ids=["empty dataset", "stale meta.json"],
+)
+def test_bad_data_stops_the_run_before_the_first_step_with_one_line(tmp_path, make_data):
+    """Without these checks: an empty train split, or ids past the embedding, end in a traceback at step 1."""
+    from megatron.tokenizer import build_tokenizer, train_bpe_tokenizer
+
+    vocab_file = train_bpe_tokenizer(["def f(x):\n    return x * x\n"] * 50, tmp_path / "tok.json", vocab_size=300)
+    tokenizer = {"tokenizer_type": "HFTokenizer", "vocab_file": str(vocab_file)}
+    prefix = tmp_path / "data_text_document"
+    expected = make_data(prefix, build_tokenizer(NeoXArgs.from_dict({**MODEL, **tokenizer})).vocab_size)
+    config = write_overrides(tmp_path, data_path=str(prefix), train_iters=3, eval_interval=3, **tokenizer)
+    result = run_deepy(["configs/tiny.yml", config], expect_success=False)
+    assert result.returncode == EXIT_EXPECTED_ERROR
+    line = assert_one_line(result, f"data_path: dataset {prefix} ", expected)
+    assert line.startswith("error: ") and " | loss " not in result.stdout

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -74,6 +76,40 @@ def test_a_record_of_other_files_is_not_believed(tmp_path):
     write_dataset(tmp_path / "d", [[1, 2, 3, 4]])  # the data rebuilt, the old record left behind
     assert read_vocabulary_record(prefix) is None
     check_data_vocabulary(args_for(384, data_path=prefix), tokenizer_vocab_size=293)
+
+
+def test_a_record_left_by_same_sized_data_is_stale_and_the_ids_are_read_from_the_bin(tmp_path):
+    """The .bin rewritten with as many tokens: the sizes match the old record, the modification time does not."""
+    prefix = write_dataset(tmp_path / "d", [[1, 2], [3]], vocab_size=293)
+    record = read_vocabulary_record(prefix)
+    write_dataset(tmp_path / "d", [[1, 400], [3]])  # same sizes, ids of a larger vocabulary
+    later = os.stat(data_file_path(prefix)).st_mtime_ns + 10**9  # a rewrite in the same clock tick as the first write
+    os.utime(data_file_path(prefix), ns=(later, later))
+    assert record is not None and read_vocabulary_record(prefix) is None
+    with pytest.raises(DataError, match=rf"^data_path: dataset {prefix} holds token id 400, but the model has 384"):
+        check_data_vocabulary(args_for(384, data_path=prefix), tokenizer_vocab_size=293)
+
+
+@pytest.mark.parametrize("documents", [[], [[], []]], ids=["no documents", "empty documents"])
+def test_an_empty_dataset_is_refused_naming_it_and_the_fix(tmp_path, documents):
+    good = write_dataset(tmp_path / "good", [[1, 2, 3]], vocab_size=293)
+    empty = write_dataset(tmp_path / "empty", documents, vocab_size=293)
+    args = args_for(384, train_data_paths=[good], valid_data_paths=[empty], test_data_paths=[good])
+    with pytest.raises(DataError) as error:
+        check_data_vocabulary(args, tokenizer_vocab_size=293)
+    assert str(error.value) == (
+        f"valid_data_paths[0]: dataset {empty} holds no tokens ({len(documents)} documents in {empty}.idx); "
+        "re-run tools/datasets/preprocess_data.py on input with text, or remove it from the run's data")
+
+
+def test_a_split_that_gives_training_no_documents_is_refused_before_the_first_step(tmp_path):
+    from megatron.data import build_train_valid_test_datasets
+
+    prefix = write_dataset(tmp_path / "d", [[1] * 20] * 3, vocab_size=293)
+    args = args_for(384, data_path=prefix, split="1, 1000, 0")
+    with pytest.raises(DataError, match=rf"^data_path: split '1, 1000, 0' gives the train split none of the 3 "
+                                        rf"documents of {prefix}; give it a larger share"):
+        build_train_valid_test_datasets(args, (4, 4, 0))
 
 
 def test_a_training_run_stops_at_setup_not_mid_run_with_an_index_error(single_rank_world, tmp_path):

@@ -158,3 +158,26 @@ def test_gpt_neox_style_configs_with_conf_dir_as_gpt_neox_users_type_them():
     assert any("/nonexistent/gpt-neox/hostfile' does not exist; running on this machine only" in n for n in notices)
     assert any("layernorm_fusion has no effect here" in n for n in notices)
     assert all("\n" not in n for n in notices)
+
+
+def test_dry_run_reads_numbers_pyyaml_leaves_as_strings_as_the_numbers_they_are(tmp_path):
+    """GPT-NeoX configs write `lr: 6e-4`, `eps: 1e-8`, `reduce_bucket_size: 5e8`, strings to PyYAML (YAML 1.1)."""
+    model = yaml.safe_dump({key: value for key, value in TINY_RUN.items() if key != "optimizer"}, sort_keys=False)
+    as_written = write_yaml(tmp_path, "neox_style.yml", model + """
+optimizer: {type: Adam, params: {lr: 6e-4, betas: [0.9, 0.95], eps: 1e-8}}
+weight_decay: 1e-2
+zero_optimization: {stage: 1, reduce_bucket_size: 5e8, allgather_bucket_size: 5e8}
+""")
+    as_floats = write_yaml(tmp_path, "floats.yml", model + """
+optimizer: {type: Adam, params: {lr: 0.0006, betas: [0.9, 0.95], eps: 1.0e-8}}
+weight_decay: 0.01
+zero_optimization: {stage: 1, reduce_bucket_size: 500000000, allgather_bucket_size: 500000000}
+""")
+    reports = []
+    for config in (as_written, as_floats):
+        result = run_deepy(RANK_ECHO, str(config), "--dry-run")
+        assert result.returncode == 0, result.stderr
+        reports.append(yaml.safe_load(result.stdout)["deepspeed_config"])
+    assert reports[0] == reports[1]
+    assert reports[0]["optimizer"]["params"] == {"lr": 6e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
+    assert reports[0]["zero_optimization"]["reduce_bucket_size"] == 500000000

@@ -201,7 +201,7 @@ def test_saved_settings_of_other_programs_restore_what_this_schema_knows():
         ({"optimizer": {"type": "Lion", "params": {"lr": 1}}}, r"run.yml: optimizer: type 'Lion' is not supported"),
         ({"zero_optimization": {"stage": 4}}, r"run.yml: zero_optimization: stage must be 0, 1, 2 or 3"),
         ({"zero_optimization": {"stage": 1, "overlap_com": True}},
-         r"run.yml: zero_optimization: DeepSpeed rejects it: overlap_com"),
+         r"run.yml: zero_optimization.overlap_com: not a key of DeepSpeed's zero_optimization section"),
         ({"model_parallel_size": 2}, r"run.yml: model_parallel_size: 2 does not divide the 1 ranks"),
         ({"model_parallel_size": 3, "num_gpus": 3, "hidden_size": 66, "num_attention_heads": 6, "num_kv_heads": 2},
          r"run.yml: model_parallel_size: num_kv_heads=2 neither divides nor is divisible by model_parallel_size=3"),
@@ -402,3 +402,115 @@ def test_ranks_get_exactly_the_validated_settings(tmp_path):
 def test_rank_without_handover_says_to_use_deepy():
     with pytest.raises(ConfigError, match="start this script through deepy.py"):
         load_args_on_rank(["--local_rank=0"])
+
+
+# --- numbers, whatever PyYAML made of them --------------------------------------------------
+
+MODEL_YAML = """num_layers: 2
+hidden_size: 64
+num_attention_heads: 4
+seq_length: 32
+train_micro_batch_size_per_gpu: 2
+embedded_corpus: true
+"""
+
+
+def yaml_args(tmp_path, text: str) -> NeoXArgs:
+    return NeoXArgs.from_yaml_files([write_yaml(tmp_path, "run.yml", MODEL_YAML + text)])
+
+
+def test_numbers_pyyaml_reads_as_strings_are_numbers_in_every_section(tmp_path):
+    """PyYAML (YAML 1.1) reads 1e-4, 5e8 and 1.0e8 as strings; each is the number YAML 1.2 and Python read."""
+    as_strings = yaml_args(tmp_path, """train_iters: 1e2
+weight_decay: 1e-2
+optimizer: {type: AdamW, params: {lr: 1e-4, betas: [9e-1, 0.95], eps: 1e-8, weight_decay: 0.01}}
+zero_optimization: {stage: 2, reduce_bucket_size: 5e8, allgather_bucket_size: 500000000,
+                    offload_optimizer: {device: cpu, ratio: 1e0}}
+bf16: {enabled: true}
+""")
+    assert yaml.safe_load("eps: 1e-8")["eps"] == "1e-8"  # what PyYAML makes of it
+    as_floats = yaml_args(tmp_path, """train_iters: 100
+weight_decay: 0.01
+optimizer: {type: AdamW, params: {lr: 1.0e-4, betas: [0.9, 0.95], eps: 1.0e-8, weight_decay: 0.01}}
+zero_optimization: {stage: 2, reduce_bucket_size: 500000000, allgather_bucket_size: 500000000,
+                    offload_optimizer: {device: cpu, ratio: 1.0}}
+bf16: {enabled: true}
+""")
+    config = as_strings.deepspeed_config()
+    assert config == as_floats.deepspeed_config()
+    assert config["optimizer"]["params"] == {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
+    assert type(config["zero_optimization"]["reduce_bucket_size"]) is int and as_strings.train_iters == 100
+    assert as_strings.lr == 1e-4 and as_strings.weight_decay == 0.01
+    extra = yaml_args(tmp_path, "train_iters: 10\ndeepspeed_extra_args: {zero_optimization: {sub_group_size: 1e9}}\n")
+    assert extra.deepspeed_config()["zero_optimization"]["sub_group_size"] == 10**9
+
+
+def test_fp16_loss_scaling_numbers_are_read_as_deepspeed_types(tmp_path):
+    args = yaml_args(tmp_path, """train_iters: 10
+fp16: {enabled: true, loss_scale: 0, initial_scale_power: 1.2e1, loss_scale_window: 1e3, hysteresis: 2,
+       min_loss_scale: 1e0}
+""")
+    assert args.fp16 == {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 1000,
+                         "hysteresis": 2, "min_loss_scale": 1}
+    assert all(type(args.fp16[key]) is int for key in ("initial_scale_power", "loss_scale_window", "min_loss_scale"))
+
+
+def test_the_same_setting_given_twice_is_compared_as_numbers(tmp_path):
+    args = yaml_args(tmp_path, "train_iters: 10\nweight_decay: 1e-2\nlr: 1e-4\n"
+                               "optimizer: {type: Adam, params: {lr: 0.0001, weight_decay: 0.01}}\n")
+    assert (args.lr, args.weight_decay) == (1e-4, 0.01)
+    with pytest.raises(ConfigError, match=r"run.yml: weight_decay \(0.01\) and \S*run.yml: optimizer.params."
+                                          r"weight_decay \(0.02\) disagree"):
+        yaml_args(tmp_path, "train_iters: 10\nweight_decay: 1e-2\noptimizer: {type: Adam, params: {weight_decay: 2e-2}}\n")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("optimizer: {type: Adam, params: {lr: 1e-4, eps: abc}}", "optimizer.params.eps: 'abc' is not a number"),
+        ("optimizer: {type: Adam, params: {lr: 1e-4, eps: 0}}", "optimizer.params.eps: must be positive, got 0"),
+        ("optimizer: {type: Adam, params: {lr: 1e-4, eps: 1e999}}",
+         "optimizer.params.eps: inf is not a finite number"),
+        ("optimizer: {type: Adam, params: {lr: 1e-4, betas: [1.5, 0.95]}}",
+         r"optimizer.params.betas: must each be in \[0, 1\), got \[1.5, 0.95\]"),
+        ("optimizer: {type: Adam, params: {lr: 1e-4, betas: [0.9, -1e-3]}}", r"optimizer.params.betas: must each be in"),
+        ("optimizer: {type: Adam, params: {lr: 1e-4, betas: 0.9}}",
+         "optimizer.params.betas: expected a list of 2 numbers, got 0.9"),
+        ("optimizer: {type: Adam, params: {lr: 1e-4, betas: [0.9, high]}}",
+         r"optimizer.params.betas\[1\]: 'high' is not a number"),
+        ("optimizer: {type: Adam, params: {lr: 1e-4, weight_decay: -1e-2}}",
+         "optimizer.params.weight_decay: must not be negative, got -0.01"),
+        ("optimizer: {type: SGD, params: {lr: 1e-4, momentum: 1}}", r"optimizer.params.momentum: must be in \[0, 1\)"),
+        ("optimizer: {type: Adam, params: {lr: true}}", "optimizer.params.lr: True is not a number"),
+        ("optimizer: {type: Adam, params: {lr: -1e-4}}", "lr: must be positive, got -0.0001"),
+        ("zero_optimization: {stage: 2, reduce_bucket_size: 5.5e0}",
+         "zero_optimization.reduce_bucket_size: '5.5e0' is not a whole number"),
+        ("zero_optimization: {stage: 2, reduce_bucket_size: -5e8}",
+         "zero_optimization.reduce_bucket_size: DeepSpeed rejects -500000000: Input should be greater than 0"),
+        ("zero_optimization: {stage: 2, offload_optimizer: {device: cpu, ratio: 2e0}}",
+         "zero_optimization.offload_optimizer.ratio: DeepSpeed rejects 2.0: Input should be less than or equal to 1"),
+        ("zero_optimization: {stage: 3, offload_param: {device: cpu, buffer_count: many}}",
+         "zero_optimization.offload_param.buffer_count: 'many' is not a whole number"),
+        ("zero_optimization: {stage: 2.5}", "zero_optimization.stage: 2.5 is not a whole number"),
+        ("fp16: {enabled: true, loss_scale: -1}", "fp16.loss_scale: DeepSpeed rejects -1: .*must be >= 0"),
+        ("fp16: {enabled: true, initial_scale_power: 1.5e1, hysteresis: 2e-1}", "fp16.hysteresis: '2e-1' is not a whole"),
+        ("bf16: {enabled: true, imediate_grad_update: true}",
+         "bf16.imediate_grad_update: not a key of DeepSpeed's bf16 section"),
+        ("deepspeed_extra_args: {zero_optimization: {sub_group_size: lots}}",
+         "deepspeed_extra_args.zero_optimization.sub_group_size: 'lots' is not a whole number"),
+        ("seed: 1.5e-3", r"seed: expected int, got 0.0015 \(float\)"),
+        ("seed: 12e-1", "seed: expected int, got '12e-1'"),
+    ],
+)
+def test_a_bad_number_in_any_section_names_the_file_and_the_key_path(tmp_path, text, expected):
+    with pytest.raises(ConfigError, match=r"^\S*run\.yml: " + expected):
+        yaml_args(tmp_path, "train_iters: 10\n" + text + "\n")
+
+
+def test_the_number_rule_on_its_own():
+    from megatron.neox_arguments.numbers import as_number
+
+    assert as_number("1e-4", float) == 1e-4 and as_number(" 5e8 ", int) == 500_000_000
+    assert as_number("9223372036854775807", int) == 2**63 - 1  # exact, not through a float
+    assert as_number(5e8, int) == 500_000_000 and type(as_number(5e8, int)) is int
+    assert [as_number(value, int) for value in ("5.5", 5.5, True, "0x10", "1_000", None)] == [None] * 6

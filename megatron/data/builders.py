@@ -72,6 +72,12 @@ def build_train_valid_test_datasets(args, train_valid_test_num_samples: tuple[in
     if args.data_path:
         data = MMapIndexedDataset(args.data_path, setting="data_path")
         ranges = split_document_ranges(args.split, len(data))
+        (train_start, train_end), train_samples = ranges[0], train_valid_test_num_samples[0]
+        if train_samples > 0 and train_end == train_start:
+            raise DataError(
+                f"data_path: split {args.split!r} gives the train split none of the {len(data)} documents of "
+                f"{args.data_path}; give it a larger share in `split`, or more documents"
+            )
         return tuple(
             _gpt_dataset(args, name, data, np.arange(start, end), int(num_samples))
             if end > start and num_samples > 0 else None

@@ -1,23 +1,24 @@
 """Which token ids a dataset holds, checked against the model's vocabulary before training.
 
 preprocess_data.py writes `<prefix>.meta.json` next to the .bin/.idx: the vocabulary size of the
-tokenizer that made the data and the largest token id in it. For data without that record (made
-by GPT-NeoX or an older version) the largest id is computed once and cached like the sample
-indices (megatron/data/index_cache.py); the vocabulary size is then unknown, so only the ids are
-checked.
+tokenizer that made the data and the largest token id in it, with the size and modification time
+of both files. The record is believed only while those still match (the fingerprint the sample
+index cache uses), so a record left behind by other data, or by these files before they were
+rewritten or copied, is stale: the largest id is then computed from the .bin once and cached like
+the sample indices (megatron/data/index_cache.py), as for data without a record (made by GPT-NeoX
+or an older version). The vocabulary size is then unknown, so only the ids are checked.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
 from megatron.data.errors import DataError
-from megatron.data.index_cache import load_or_build
-from megatron.data.indexed_dataset import MMapIndexedDataset, data_file_path, index_file_path
+from megatron.data.index_cache import data_fingerprint, load_or_build
+from megatron.data.indexed_dataset import MMapIndexedDataset, index_file_path
 from megatron.fsio import write_text_atomically
 
 
@@ -25,34 +26,30 @@ def record_path(prefix: str | Path) -> Path:
     return Path(f"{prefix}.meta.json")
 
 
-def _data_sizes(prefix: str | Path) -> dict[str, int]:
-    return {"bin_bytes": os.path.getsize(data_file_path(prefix)), "idx_bytes": os.path.getsize(index_file_path(prefix))}
-
-
 def write_vocabulary_record(prefix: str | Path, vocab_size: int, max_token_id: int, tokenizer_type: str) -> None:
-    """Call once the .bin and .idx are complete: the record is only believed for files of these sizes."""
+    """Call once the .bin and .idx are complete: the record is only believed for these very files."""
     record = {"tokenizer_type": tokenizer_type, "vocab_size": int(vocab_size), "max_token_id": int(max_token_id),
-              **_data_sizes(prefix)}
+              "data": data_fingerprint(str(prefix))}
     write_text_atomically(record_path(prefix), json.dumps(record, indent=1) + "\n")
 
 
 def read_vocabulary_record(prefix: str | Path) -> dict | None:
-    """The record written with the data, or None when there is none or the data changed since."""
+    """The record written with the data, or None when there is none or it is stale (the files changed since)."""
     try:
         record = json.loads(record_path(prefix).read_text())
-        if {key: record[key] for key in ("bin_bytes", "idx_bytes")} != _data_sizes(prefix):
+        if record["data"] != data_fingerprint(str(prefix)):
             return None
         return {"vocab_size": int(record["vocab_size"]), "max_token_id": int(record["max_token_id"])}
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def largest_token_id(prefix: str | Path, setting: str) -> tuple[int, int | None]:
+def largest_token_id(data: MMapIndexedDataset) -> tuple[int, int | None]:
     """(largest token id, vocabulary size the data was made with or None when not recorded)."""
+    prefix = data.prefix
     record = read_vocabulary_record(prefix)
     if record is not None:
         return record["max_token_id"], record["vocab_size"]
-    data = MMapIndexedDataset(prefix, setting=setting)
     arrays, _ = load_or_build(str(prefix), "max_token_id", {},
                               lambda: {"max_token_id": np.array([data.largest_token_id()], dtype=np.int64)})
     return int(arrays["max_token_id"][0]), None
@@ -68,10 +65,16 @@ def dataset_prefixes(args) -> list[tuple[str, str]]:
 
 
 def check_data_vocabulary(args, tokenizer_vocab_size: int) -> None:
-    """Raise DataError when a dataset was made with another tokenizer or holds ids the model has no row for."""
+    """Raise DataError when a dataset is empty, was made with another tokenizer or holds ids the model has no row for."""
     tokenizer = f"the tokenizer ({args.tokenizer_type}, vocab_file {args.vocab_file})"
     for setting, prefix in dataset_prefixes(args):
-        largest, made_with = largest_token_id(prefix, setting)
+        data = MMapIndexedDataset(prefix, setting=setting)
+        if not data.sizes.sum():
+            raise DataError(
+                f"{setting}: dataset {prefix} holds no tokens ({len(data)} documents in {index_file_path(prefix)}); "
+                "re-run tools/datasets/preprocess_data.py on input with text, or remove it from the run's data"
+            )
+        largest, made_with = largest_token_id(data)
         if made_with is not None and made_with != tokenizer_vocab_size:
             raise DataError(
                 f"{setting}: dataset {prefix} was made with a tokenizer of {made_with} tokens "

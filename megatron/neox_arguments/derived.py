@@ -17,6 +17,7 @@ from megatron.architecture import (
     tensor_parallel_split_problem,
 )
 from megatron.neox_arguments.errors import ConfigError, where
+from megatron.neox_arguments.numbers import deepspeed_sections
 from megatron.neox_arguments.world import count_ranks
 from megatron.optimizer_layout import precision_of, zero_stage_of
 from megatron.tokenizer.tokenizer import TOKENIZER_FILES
@@ -131,6 +132,8 @@ def _derive_precision(v: dict[str, Any], sources: dict[str, str]) -> None:
     for name in ("fp16", "bf16"):
         section = {key: val for key, val in (v[name] or {}).items() if key not in NEOX_ONLY_FP16_KEYS}
         v[name] = {**section, "enabled": True} if precision == name else None
+        if v[name] is not None:
+            _check_with_deepspeed_model(name, v[name], sources)
 
 
 def _explicitly_off(v: dict[str, Any], precision: str) -> bool:
@@ -151,15 +154,18 @@ def _derive_zero_stage(v: dict[str, Any], sources: dict[str, str]) -> None:
 
 
 def _check_with_deepspeed_model(name: str, section: dict[str, Any], sources: dict[str, str]) -> None:
-    """Let DeepSpeed's own config model reject unknown or ill-typed keys now, not at engine start."""
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    """Let DeepSpeed's own config model reject unknown, ill-typed or out-of-range keys now, not at engine start."""
     from pydantic import ValidationError
 
     try:
-        DeepSpeedZeroConfig(**section)
+        deepspeed_sections()[name](**section)
     except ValidationError as err:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
-        raise _fail(sources, name, f"DeepSpeed rejects it: {problems}") from None
+        first = err.errors()[0]
+        key = ".".join(map(str, (name, *first["loc"])))
+        location = f"{sources[name]}: {key}" if name in sources else f"{key} (default)"
+        if first["type"] == "extra_forbidden":
+            raise ConfigError(f"{location}: not a key of DeepSpeed's {name} section; remove it or check its spelling") from None
+        raise ConfigError(f"{location}: DeepSpeed rejects {first.get('input')!r}: {first['msg']}") from None
 
 
 def _derive_optimizer(v: dict[str, Any], sources: dict[str, str], require_run_settings: bool) -> None:

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import difflib
-import math
-import re
 from typing import Any
 
 from megatron.neox_arguments.errors import ConfigError, where
 from megatron.neox_arguments.foreign import gpt_neox_only_value
+from megatron.neox_arguments.numbers import as_number, check_finite, read_section_numbers
 from megatron.neox_arguments.schema import SETTINGS, Setting
-
-# PyYAML reads YAML 1.1, where `1e-5` (no dot) is a string; GPT-NeoX configs are full of such values.
-_FLOAT_TEXT = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 
 
 def _allowed_types(setting: Setting) -> tuple[type, ...]:
@@ -30,8 +26,9 @@ def coerce_value(setting: Setting, value: Any) -> Any:
         return value if bool in types else None
     if isinstance(value, types):
         return value
-    if float in types and isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
-        return float(value)
+    for kind in (float, int):
+        if kind in types:
+            return as_number(value, kind)
     return None
 
 
@@ -54,7 +51,8 @@ def check_setting(name: str, value: Any, sources: dict[str, str], allowed_derive
         )
     if converted is None and type(None) not in _allowed_types(setting):
         raise ConfigError(f"{where(sources, name)}: must not be null (expected {_type_names(_allowed_types(setting))})")
-    _check_finite(where(sources, name), converted)
+    converted = read_section_numbers(name, converted, where(sources, name))
+    check_finite(where(sources, name), converted)
     if setting.choices is not None and converted not in setting.choices:
         feature = gpt_neox_only_value(name, converted)
         if feature is not None:
@@ -62,18 +60,6 @@ def check_setting(name: str, value: Any, sources: dict[str, str], allowed_derive
         allowed = ", ".join(repr(c) for c in setting.choices if c is not None)
         raise ConfigError(f"{where(sources, name)}: {converted!r} is not one of {allowed}")
     return converted
-
-
-def _check_finite(location: str, value: Any) -> None:
-    """NaN or infinity anywhere in a setting, nested sections and lists included, is an error."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{location}: {value} is not a finite number; give a finite value")
-    if isinstance(value, dict):
-        for key, item in value.items():
-            _check_finite(f"{location}.{key}", item)
-    elif isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            _check_finite(f"{location}[{index}]", item)
 
 
 def check_settings(values: dict[str, Any], sources: dict[str, str],
