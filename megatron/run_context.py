@@ -62,6 +62,7 @@ def settings_for_run(paths: list[str]) -> NeoXArgs:
 
 
 def _checkpoint_model_settings(load: Path, iteration: int | None) -> tuple[dict[str, Any], str]:
+    from megatron.checkpointing.errors import CheckpointError
     from megatron.checkpointing.inventory import inventory_checkpoint
     from megatron.hf import HF_FOLDER
 
@@ -70,7 +71,10 @@ def _checkpoint_model_settings(load: Path, iteration: int | None) -> tuple[dict[
         return _hf_model_settings(load)
     tag_name = layout.tag_for_iteration(iteration) if iteration is not None else inventory.latest
     tag = inventory.tags.get(tag_name) if tag_name else None
-    settings = tag.metadata.saved_args if tag is not None and tag.metadata is not None else None
+    try:  # the tag's model-states file: checked against its manifest, unpickled weights-only
+        settings = tag.metadata.saved_args if tag is not None and tag.metadata is not None else None
+    except CheckpointError as err:
+        raise ConfigError(f"load: {err}") from None
     if not settings:
         where = f"{tag.path} records no settings" if tag is not None else f"{load} holds no tag {tag_name or '(no latest)'}"
         raise ConfigError(

@@ -275,14 +275,19 @@ def load_checkpoint(args, engine, plan: LoadPlan) -> LoadOutcome | None:
             _lineages[Path(plan.load_dir).resolve()] = _Lineage(plan.tag, ancestors_up_to)
     module_report = None
     if plan.load_optimizer:
+        from megatron.checkpointing.safe_checkpoint_engine import use_weights_only_checkpoint_engine
+        from megatron.checkpointing.safe_unpickle import every_torch_load_weights_only
+
         _check_names_for_resume(plan, engine, args)
-        load_path, stored = engine.load_checkpoint(
-            str(plan.load_dir),
-            tag=plan.tag,
-            load_module_strict=args.load_module_strict,
-            load_optimizer_states=True,
-            load_lr_scheduler_states=False,  # the LR is a function of the iteration
-        )
+        use_weights_only_checkpoint_engine(engine)
+        with every_torch_load_weights_only(plan.tag_dir):
+            load_path, stored = engine.load_checkpoint(
+                str(plan.load_dir),
+                tag=plan.tag,
+                load_module_strict=args.load_module_strict,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=False,  # the LR is a function of the iteration
+            )
         if load_path is None:
             raise CheckpointError(
                 f"DeepSpeed did not load {plan.tag_dir} (engine.load_checkpoint returned no path); "

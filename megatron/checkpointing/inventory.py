@@ -1,8 +1,9 @@
 """What a checkpoint directory holds, found by looking at file names and small metadata only.
 
 No engine is touched. The metadata of a tag (ZeRO stage, precision, saved settings, client state)
-comes from its model-states file, opened with ``mmap=True`` so the weights inside are mapped, not
-read, and read once per file.
+comes from its model-states file, read once per file by module_weights.load_checkpoint_file:
+checked against the tag's manifest first (where it has one), then unpickled weights-only and
+memory-mapped, so the weights inside are not copied.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def _holds_weights(module: Any) -> bool:
 def _read_metadata_cached(path: str, _mtime_ns: int, _size: int) -> SavedMetadata:
     from megatron.checkpointing.module_weights import load_checkpoint_file
 
-    state = load_checkpoint_file(Path(path))  # memory-mapped: the weights inside are not read
+    state = load_checkpoint_file(Path(path))
     if not isinstance(state, dict):
         raise CheckpointError(
             f"checkpoint file {path} holds a {type(state).__name__}, not a DeepSpeed model-states dict."

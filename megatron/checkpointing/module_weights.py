@@ -15,41 +15,31 @@ Whatever the source, the names come back as this model's: GPT-NeoX's older MLP n
 (computed from the settings here); see legacy_names.py.
 
 The ``latest`` file is never read, and no optimizer file is opened while a module source exists.
-Each file read is first checked against the tag's manifest, where the tag has one.
+Every file is read by load_checkpoint_file: checked against the tag's manifest, where the tag has one,
+before it is unpickled, and unpickled weights-only.
 """
 
 from __future__ import annotations
 
 import math
-import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from megatron.checkpointing import layout, manifest
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.legacy_names import is_legacy_key, translate_legacy_module
+from megatron.checkpointing.safe_unpickle import load_weights_only
 from megatron.zero3_partition import partition_numel
 
 
-def load_checkpoint_file(path: Path) -> dict:
-    """torch.load one checkpoint file on CPU, memory-mapped, weights-only where the file allows it.
-
-    DeepSpeed pickles python objects next to the tensors (its loss scaler in optimizer files;
-    client state such as an args object in model-states files), which the weights-only unpickler
-    refuses. Only then is the file read again with the full unpickler, so plain weight files never
-    execute pickled code.
-    """
-    try:
-        try:
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except pickle.UnpicklingError:
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as err:
-        raise CheckpointError(
-            f"cannot read checkpoint file {path}: {type(err).__name__}: {err}. The file is truncated or "
-            "corrupt (an interrupted save?); load another checkpoint tag or re-create this one."
-        ) from err
+def load_checkpoint_file(path: Path) -> Any:
+    """One checkpoint file on CPU, memory-mapped: checked against its tag's manifest (where the tag has one),
+    then unpickled weights-only (safe_unpickle), so reading it runs no code from it."""
+    path = Path(path)
+    manifest.verify_files(path.parent, [path])
+    return load_weights_only(path)
 
 
 def read_module_weights(tag_dir: str | Path, mp_rank: int = 0) -> dict[str, torch.Tensor]:
@@ -70,26 +60,14 @@ def _stored_module_weights(tag_dir: str | Path, mp_rank: int) -> dict[str, torch
     if not tag_dir.is_dir():
         raise CheckpointError(f"checkpoint tag directory {tag_dir} does not exist")
 
-    records = manifest.read_manifest(tag_dir)
-
-    def verified(paths):
-        for path in paths:
-            if problem := manifest.check_file(path, records, tag_dir):
-                raise CheckpointError(problem)
-        return paths
-
-    model_file = tag_dir / layout.model_states_name(mp_rank)
-    if model_file.is_file():
-        module = _module_from_model_states_file(*verified([model_file]))
-        if module is not None:
-            return module
+    module = _module_from_model_states_file(tag_dir / layout.model_states_name(mp_rank))
+    if module is not None:
+        return module
     layer_files = _layer_files(tag_dir, mp_rank)
     if layer_files:
-        verified(layer_files.values())
         return _module_from_layer_files(layer_files)
     model_files, optim_files = _zero_shard_files(tag_dir, mp_rank)
     if model_files and optim_files:
-        verified([*model_files.values(), *optim_files.values()])
         return _module_from_zero3_shards(tag_dir, model_files, optim_files)
 
     contents = sorted(p.name for p in tag_dir.iterdir())

@@ -1,8 +1,9 @@
 """Reading and writing Hugging Face model directories.
 
 Read: ``config.json`` plus ``model.safetensors``, sharded safetensors named by
-``model.safetensors.index.json``, or ``pytorch_model.bin`` (with or without an index); tensors are
-yielded one shard at a time so that at most one shard is held besides the converted result.
+``model.safetensors.index.json``, or ``pytorch_model.bin`` (with or without an index, unpickled
+weights-only by megatron.checkpointing.safe_unpickle, so no code in it runs); tensors are yielded one
+shard at a time so that at most one shard is held besides the converted result.
 Write: ``config.json`` and ``model.safetensors`` (sharded with an index above a size limit).
 """
 
@@ -19,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from megatron.checkpointing.safe_unpickle import load_weights_only
 from megatron.hf.errors import HFConversionError
 
 CONFIG_NAME = "config.json"
@@ -93,10 +95,9 @@ def _shard_tensors(shard: Path) -> Iterator[tuple[str, torch.Tensor]]:
         except OSError as err:
             raise HFConversionError(f"{shard}: cannot be read as safetensors ({err}); the file may be truncated") from None
         return
-    try:
-        state = torch.load(shard, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as err:  # torch raises several types for a damaged pickle/zip
-        raise HFConversionError(f"{shard}: cannot be read as a PyTorch weight file ({err})") from None
+    state = load_weights_only(shard)
+    if not isinstance(state, dict):
+        raise HFConversionError(f"{shard} holds a {type(state).__name__}, not a state dict of named tensors")
     yield from state.items()
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megatron.checkpointing.errors import CheckpointError  # noqa: E402
 from megatron.hf.convert import DTYPES, convert_hf_to_neox  # noqa: E402
-from megatron.hf.errors import HFConversionError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = convert_hf_to_neox(options.input, options.output, options.dtype, options.config_out, progress=True,
                                     model_parallel_size=options.model_parallel_size)
-    except HFConversionError as err:
+    except CheckpointError as err:  # HFConversionError is one, and so is a refused weight file
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(f"wrote {result.tag_dir}" + (f" and {result.config_path}" if result.config_path else ""))
