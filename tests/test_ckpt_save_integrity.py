@@ -94,9 +94,8 @@ def test_damage_inside_a_file_is_refused_naming_it_and_the_older_tag_still_loads
     save_steps(args, [1, 2])
     tag_dir = tmp_path / "checkpoints" / "global_step2"
     overwrite_inside_largest_tensor(tag_dir / damaged)
-    plan = plan_load(args, 1)
-    with pytest.raises(CheckpointError, match="is damaged") as raised:
-        load_checkpoint(args, build_engine(args, seed=1), plan)
+    with pytest.raises(CheckpointError, match="is damaged") as raised:  # the plan reads the model-states file
+        load_checkpoint(args, build_engine(args, seed=1), plan_load(args, 1))
     assert str(tag_dir / damaged) in one_line(raised)
     older = run_args(tmp_path, stage=stage, finetune=finetune, iteration=1)
     assert load_checkpoint(older, build_engine(older, seed=1), plan_load(older, 1)).tag == "global_step1"
