@@ -22,6 +22,7 @@ before it is unpickled, and unpickled weights-only.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,23 @@ def load_checkpoint_file(path: Path) -> Any:
     """One checkpoint file on CPU, memory-mapped: checked against its tag's manifest (where the tag has one),
     then unpickled weights-only (safe_unpickle), so reading it runs no code from it."""
     path = Path(path)
-    manifest.verify_files(path.parent, [path])
+    _verify_against_manifest(path, _file_state(path), _file_state(path.parent / layout.MANIFEST_FILE))
     return load_weights_only(path)
+
+
+def _file_state(path: Path) -> tuple[int, int, int] | None:
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+@lru_cache(maxsize=256)
+def _verify_against_manifest(path: Path, _file_stat, _manifest_stat) -> None:
+    """Cached per state of the file and of the manifest: the load plan and the module read that follows it
+    read the same model-states file, and its checksum is computed once."""
+    manifest.verify_files(path.parent, [path])
 
 
 def read_module_weights(tag_dir: str | Path, mp_rank: int = 0) -> dict[str, torch.Tensor]:
