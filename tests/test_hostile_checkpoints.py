@@ -42,6 +42,7 @@ from megatron.hf import HF_FOLDER
 from megatron.hf.convert import convert_hf_to_neox
 from megatron.hf.load import read_hf_model
 from tests import ckpt_engines
+from tests.e2e import run_deepy, write_overrides
 from tests.test_hf_conversion import make_hf_model, run_tool, save_hf, tokens, write_pipeline_checkpoint
 from tests.test_hf_engine import build_engine, engine_args, engine_loss
 
@@ -305,3 +306,16 @@ def test_a_gpt_neox_model_states_file_with_its_rng_states_and_an_older_megatron_
                 "torch_rng_state": torch.get_rng_state()}, path)
     state = load_weights_only(path)
     assert state["np_rng_state"][1].dtype == np.uint32 and state["args"].num_layers == 2
+
+
+def test_a_training_rank_refuses_it_in_the_load_plan_with_one_line(zero2_run, tmp_path):
+    """The config gives the model's shape, so deepy.py reads nothing of the checkpoint: the rank's load plan does."""
+    run = copy_run(zero2_run, tmp_path)
+    path = plant(run / "global_step3" / layout.model_states_name(0), in_client_state, tmp_path / "marker")
+    overrides = write_overrides(tmp_path, load=str(run), finetune=True, train_iters=2, num_gpus=1)
+    result = run_deepy(["configs/tiny.yml", overrides], expect_success=False, timeout=600)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-4000:]
+    lines = [line for line in result.stderr.splitlines() if str(path) in line]
+    assert len(lines) == 1, result.stderr[-4000:]
+    refused(lines[0], path)
+    assert not (tmp_path / "marker").exists()
