@@ -96,12 +96,11 @@ def in_weights(state, payload):
     state["payload"] = payload
 
 
-def refused(err, path: Path) -> str:
-    """The one line of a refused file (a CheckpointError's message or a tool's stderr)."""
+def refused(err, path: Path) -> None:
+    """Check the one line of a refused file (a CheckpointError's message or a tool's stderr line)."""
     message = str(err).strip()
     assert str(path) in message and REFUSED in message and "posix.system" in message, message
     assert len(message.splitlines()) == 1, message
-    return message
 
 
 def tool_error(result: subprocess.CompletedProcess) -> str:
