@@ -58,6 +58,11 @@ def _verify_against_manifest(path: Path, _file_stat, _manifest_stat) -> None:
     manifest.verify_files(path.parent, [path])
 
 
+def forget_verified_files() -> None:
+    """Check every file again at its next read, as a new process would (benchmarks repeat loads in one process)."""
+    _verify_against_manifest.cache_clear()
+
+
 def read_module_weights(tag_dir: str | Path, mp_rank: int = 0) -> dict[str, torch.Tensor]:
     """The module state dict stored in ``tag_dir`` (exactly that directory), keys as in this model's
     ``state_dict()`` (GPT-NeoX's older names translated)."""
