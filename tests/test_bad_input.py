@@ -12,6 +12,7 @@ from deepspeed.accelerator import get_accelerator
 
 from megatron.architecture import ModelConfigError
 from megatron.checkpointing import CheckpointError
+from megatron.checkpointing.safe_unpickle import load_weights_only
 from megatron.data.errors import DataError
 from megatron.data.indexed_dataset import data_file_path
 from megatron.hf.errors import HFConversionError
@@ -151,9 +152,8 @@ def test_a_run_trains_with_numbers_pyyaml_reads_as_strings(tmp_path):
     result = run_deepy(["configs/tiny.yml", config])
     assert [line.lr for line in train_lines(result.stdout)] == [5e-3] * 3
     optimizer_file, = (save / "global_step3").glob("*optim_states.pt")
-    # the optimizer DeepSpeed built, as it saved it; a file this test's own run just wrote (DeepSpeed's loss
-    # scaler object in it is not weights-only loadable)
-    state = torch.load(optimizer_file, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    # the optimizer DeepSpeed built, as it saved it
+    state = load_weights_only(optimizer_file)["optimizer_state_dict"]
     group = state["base_optimizer_state"]["param_groups"][0]
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (5e-3, [0.9, 0.95], 1e-8, 0.01)
 
