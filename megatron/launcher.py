@@ -7,11 +7,18 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import socket
 import sys
+from pathlib import Path
 
 from megatron.neox_arguments import ConfigError, NeoXArgs
 from megatron.neox_arguments.world import effective_hostfile
+
+# The entry that runs DeepSpeed's runner with the stop signals blocked (megatron/launch_entry.py),
+# importable from any working directory through PYTHONPATH.
+LAUNCH_ENTRY_MODULE = "megatron.launch_entry"
+PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 
 # DeepSpeed's launcher logs the full rank command (our settings blob) with a failing rank's exit
 # code at level ERROR; the rank has already said what went wrong in one line.
@@ -50,11 +57,14 @@ def runner_arguments(args: NeoXArgs, user_script: str, user_args: list[str], *, 
 
 
 def launcher_environment(environ: dict[str, str], *, cpu_only: bool) -> dict[str, str]:
-    """The environment the ranks start with. On a CPU-only machine DeepSpeed is told its accelerator
-    up front; otherwise every process it starts warns that it fell back to the CPU."""
+    """The environment the launcher and the ranks start with: this package first on PYTHONPATH (the
+    launch entry is one of its modules). On a CPU-only machine DeepSpeed is told its accelerator up
+    front; otherwise every process it starts warns that it fell back to the CPU."""
+    path = [PACKAGE_PARENT, *(part for part in environ.get("PYTHONPATH", "").split(os.pathsep) if part)]
+    environment = {**environ, "PYTHONPATH": os.pathsep.join(path)}
     if cpu_only and "DS_ACCELERATOR" not in environ:
-        return {**environ, "DS_ACCELERATOR": "cpu"}
-    return dict(environ)
+        environment["DS_ACCELERATOR"] = "cpu"
+    return environment
 
 
 def runner_accepts_log_level() -> bool:
@@ -71,8 +81,9 @@ def runner_accepts_log_level() -> bool:
 
 def launch_command(args: NeoXArgs, user_script: str, user_args: list[str], *, cpu_only: bool,
                    python: str = sys.executable) -> list[str]:
-    """The full command line: DeepSpeed's launcher run by this Python (same environment as deepy)."""
-    return [python, "-m", "deepspeed.launcher.runner",
+    """The full command line: DeepSpeed's runner run by this Python (same environment as deepy), through
+    the entry that starts it with the stop signals blocked."""
+    return [python, "-m", LAUNCH_ENTRY_MODULE,
             *runner_arguments(args, user_script, user_args, cpu_only=cpu_only,
                               runner_takes_log_level=runner_accepts_log_level())]
 

@@ -92,7 +92,7 @@ def test_multi_node_launcher_flags(hostfile):
     assert (parsed.launcher, parsed.master_addr, parsed.master_port, parsed.num_nodes) == ("slurm", "10.0.0.1", 6000, 2)
     assert parsed.num_gpus == -1  # every slot of the two hosts
     command = launch_command(args, "train.py", ["--x"], cpu_only=True, python="/usr/bin/python3")
-    assert command[:3] == ["/usr/bin/python3", "-m", "deepspeed.launcher.runner"]
+    assert command[:3] == ["/usr/bin/python3", "-m", "megatron.launch_entry"]
     assert command[-2:] == ["train.py", "--x"]
 
 
