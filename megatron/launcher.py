@@ -79,11 +79,17 @@ def runner_accepts_log_level() -> bool:
     return True
 
 
+def runs_on_one_machine(args: NeoXArgs) -> bool:
+    return effective_hostfile(args.hostfile) is None and not (args.deepspeed_slurm or args.deepspeed_mpi)
+
+
 def launch_command(args: NeoXArgs, user_script: str, user_args: list[str], *, cpu_only: bool,
                    python: str = sys.executable) -> list[str]:
-    """The full command line: DeepSpeed's runner run by this Python (same environment as deepy), through
-    the entry that starts it with the stop signals blocked."""
-    return [python, "-m", LAUNCH_ENTRY_MODULE,
+    """The full command line: DeepSpeed's runner run by this Python (same environment as deepy). On one
+    machine through the entry that starts it with the stop signals blocked; on several as it is, so
+    that its own handler stops the other machines' ranks."""
+    module = LAUNCH_ENTRY_MODULE if runs_on_one_machine(args) else "deepspeed.launcher.runner"
+    return [python, "-m", module,
             *runner_arguments(args, user_script, user_args, cpu_only=cpu_only,
                               runner_takes_log_level=runner_accepts_log_level())]
 
@@ -107,8 +113,7 @@ def free_port() -> int:
 def rendezvous_port(args: NeoXArgs) -> int:
     """The master_port for this run. On a single node: a free port unless the user set one, and a
     user's port must be free; on several nodes the setting as it is (the master is another machine)."""
-    single_node = effective_hostfile(args.hostfile) is None and not (args.deepspeed_slurm or args.deepspeed_mpi)
-    if not single_node:
+    if not runs_on_one_machine(args):
         return args.master_port
     if not args.set_by_user("master_port"):
         return free_port()

@@ -8,7 +8,8 @@ on to the ranks. They finish their step, save and exit 0 (megatron/stop_signals.
 request kills the whole group at once. Before any rank exists there is nothing to save: the group
 is killed and deepy.py exits 0. When the launcher has exited, whatever is left in its group is
 killed. A small watchdog process kills the group when deepy.py itself dies without cleaning up
-(SIGKILL, a closed terminal).
+(SIGKILL, a closed terminal). With ranks on other machines, a first request without local ranks
+goes to DeepSpeed's runner, started as it is there, whose own handler stops them.
 """
 
 from __future__ import annotations
@@ -87,22 +88,25 @@ def _send_group(group: int, signum: int) -> None:
 class Supervisor:
     """Runs one launcher command to its end; `run()` returns deepy.py's exit status."""
 
-    def __init__(self, command: list[str], env: dict[str, str]):
+    def __init__(self, command: list[str], env: dict[str, str], *, one_machine: bool = True):
         self.command = command
         self.env = env
+        self.one_machine = one_machine  # else the ranks are (also) on other machines, out of our reach
         self.requests = StopRequests()
         self.stopped_before_ranks = False
         self.launcher: subprocess.Popen | None = None
 
     def run(self) -> int:
-        # Blocked while the launcher starts, so that it starts with them blocked (launch_entry keeps them so).
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        # On one machine blocked while the launcher starts, so that it starts with them blocked (launch_entry
+        # keeps them so).
+        blocked = STOP_SIGNALS if self.one_machine else ()
+        signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
         previous = {signum: signal.signal(signum, self._on_signal) for signum in STOP_SIGNALS}
         try:
             try:
                 self.launcher = subprocess.Popen(self.command, env=self.env, start_new_session=True)
             finally:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
             watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(self.launcher.pid)],
                                         stdin=subprocess.PIPE, start_new_session=True)
             try:
@@ -130,12 +134,14 @@ class Supervisor:
             _send_group(group, signal.SIGKILL)
             return
         ranks = rank_processes(group)
-        if not ranks:
+        if ranks:
+            for pid in ranks:
+                _send(pid, signum)
+        elif self.one_machine:
             self.stopped_before_ranks = True
             _send_group(group, signal.SIGKILL)
-            return
-        for pid in ranks:
-            _send(pid, signum)
+        else:
+            _send_group(group, signum)  # DeepSpeed's runner stops the other machines' ranks its own way
 
     def _exit_status(self, returncode: int) -> int:
         if self.requests.count >= 2:
