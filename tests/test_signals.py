@@ -248,16 +248,17 @@ def test_a_signal_before_any_rank_exists_ends_deepy_with_one_line(tmp_path, mome
     run.assert_nothing_left()
 
 
-def test_a_second_sigint_stops_at_once_without_a_traceback_and_latest_unchanged(tmp_path):
+@pytest.mark.parametrize("receivers", ["deepy.py", "every process"])
+def test_a_second_sigint_stops_at_once_without_a_traceback_and_latest_unchanged(tmp_path, receivers):
     save = tmp_path / "ckpt"
     run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save, extra_save_iters=[2])],
                    extra_env={HOLD_BEFORE_SAVE_ENV: "600"})
     run.wait_for(r"iteration\s+3/2000")
     assert (save / "latest").read_text().strip() == "global_step2"
-    run.process.send_signal(signal.SIGINT)
+    signal_the_job(run, receivers, signal.SIGINT)
     run.wait_for(r"SIGINT received")
     time.sleep(SAME_REQUEST_SECONDS + 0.5)  # a later signal, not a copy of the first
-    run.process.send_signal(signal.SIGINT)
+    signal_the_job(run, receivers, signal.SIGINT)
     assert run.finish(timeout=120) == 128 + signal.SIGINT
     assert "stopped at once by a second SIGINT" in run.output
     assert "Traceback" not in run.output and "KeyboardInterrupt" not in run.output, run.output[-6000:]
