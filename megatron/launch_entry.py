@@ -2,11 +2,11 @@
 
 Every process the runner starts inherits the blocked signals. DeepSpeed's per-node launcher
 (deepspeed.launcher.launch), whose own handler would SIGTERM the ranks and kill them 30 s later,
-never acts on one; each rank unblocks them once its handler is installed (megatron/stop_signals.py),
-so one sent while it starts waits for it (a train script of one's own does the same with
-StopSignals().install(), else only a second request, which kills, stops it). A signal sent to the
-runner itself is passed on to deepy.py (its parent), which passes it on to the ranks. Still
-DeepSpeed's runner does the launching. Used on one machine only (megatron/launcher.py).
+never acts on one; each rank takes them in a thread of its own once it has started
+(megatron/stop_signals.py), so one sent while it starts waits for it (a train script of one's own
+does the same with StopSignals().install(), else only a second request, which kills, stops it).
+A signal sent to the runner itself is passed on to deepy.py (its parent), which passes it on to
+the ranks. Still DeepSpeed's runner does the launching. Used on one machine only (megatron/launcher.py).
 
     python -m megatron.launch_entry RUNNER_ARGS...
 """

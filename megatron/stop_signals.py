@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -53,23 +54,32 @@ class StopSignals:
         return self.requests.first
 
     def install(self) -> None:
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, self._handle)
-        # deepy.py starts the launcher with these blocked (megatron/launch_entry.py); one sent while this
-        # rank was starting has waited and is handled now.
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        """Take the stop signals in a thread of their own; they stay blocked everywhere else.
 
-    def _handle(self, signum: int, frame) -> None:
+        Blocked also in the processes this rank starts (a compiler check, a data worker), which a
+        scheduler's SIGTERM to every process of the job would otherwise kill in the middle of set-up.
+        deepy.py starts the launcher with them blocked already (megatron/launch_entry.py): one sent
+        while this rank was starting has waited and is taken now.
+        """
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_DFL)  # what a second request ends the process by
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        threading.Thread(target=self._take_signals, name="stop-signals", daemon=True).start()
+
+    def _take_signals(self) -> None:
+        while True:
+            self._handle(signal.sigwait(STOP_SIGNALS))
+
+    def _handle(self, signum: int) -> None:
         if not self.requests.add(signum):
             return
         if self.requests.count > 1:
-            # Second request: die by it now, whatever the rank is doing (a save in progress leaves
-            # `latest` naming the previous checkpoint).
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+            # Second request: die by it now, whatever the main thread is doing (stuck in a collective, or
+            # saving: `latest` keeps naming the previous checkpoint).
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+            signal.pthread_kill(threading.get_ident(), signum)
             return
         if os.environ.get("RANK", "0") == "0":
-            # os.write, not logging: a handler may interrupt the main thread inside a logging call.
             os.write(2, f"{signal.Signals(signum).name} received: stopping after this iteration with a "
                         f"checkpoint; send it again ({SAME_REQUEST_SECONDS:g} s or more later) to stop at once\n"
                         .encode())
