@@ -61,9 +61,9 @@ class StopSignals:
         deepy.py starts the launcher with them blocked already (megatron/launch_entry.py): one sent
         while this rank was starting has waited and is taken now.
         """
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         for signum in STOP_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)  # what a second request ends the process by
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         threading.Thread(target=self._take_signals, name="stop-signals", daemon=True).start()
 
     def _take_signals(self) -> None:
