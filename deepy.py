@@ -9,29 +9,33 @@ prints the resolved settings and the DeepSpeed config and starts nothing. Every 
 the validated settings in one argv flag and reads them with
 megatron.neox_arguments.load_args_on_rank().
 
-The launcher runs in its own process group: a SIGTERM or SIGINT (Ctrl-C) to deepy.py is passed on to
-the ranks, which finish their step, save a checkpoint and exit 0; a second one stops them at once.
-No process of the run outlives deepy.py (megatron/supervision.py).
+The launcher runs in its own process group: a SIGTERM or SIGINT (Ctrl-C) to deepy.py, to the launcher,
+to a rank or to all of them is passed on to the ranks, which finish their step, save a checkpoint and
+exit 0; a second one stops them at once. One before any rank exists ends deepy.py with one line and
+exit 0. No process of the run outlives deepy.py (megatron/supervision.py).
 """
 
 from __future__ import annotations
 
-import argparse
+from megatron.supervision import Supervisor, stop_quietly_before_launch
+
+if __name__ == "__main__":
+    stop_quietly_before_launch()  # first thing: a SIGTERM while the imports below run ends with one line too
+
+import argparse  # noqa: E402
 import contextlib
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
-from megatron.launcher import launch_command, launcher_environment, rendezvous_port
+from megatron.launcher import launch_command, launcher_environment, rendezvous_port, runs_on_one_machine
 from megatron.neox_arguments import ConfigError
 from megatron.neox_arguments.dry_run import render_dry_run, tokenizer_summary
 from megatron.neox_arguments.handover import HANDOVER_FLAG, handover_argv
 from megatron.neox_arguments.world import accelerator_is_cpu, check_precision_on_cpu
 from megatron.neox_arguments.yaml_files import gpt_neox_config_paths
 from megatron.run_context import resolve_run_settings, settings_for_run
-from megatron.supervision import Supervisor
 from megatron.tokenizer import TokenizerError
 
 
@@ -78,11 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shown = [part if not part.startswith(HANDOVER_FLAG) else f"{HANDOVER_FLAG}=<settings>" for part in command]
     print("deepy.py: " + " ".join(shown), file=sys.stderr, flush=True)
-    return Supervisor(command, launcher_environment(dict(os.environ), cpu_only=cpu_only)).run()
+    return Supervisor(command, launcher_environment(dict(os.environ), cpu_only=cpu_only),
+                      one_machine=runs_on_one_machine(args)).run()
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # Ctrl-C before the run started: nothing to stop, nothing to report
-        sys.exit(128 + signal.SIGINT)
+    sys.exit(main())

@@ -7,11 +7,18 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import socket
 import sys
+from pathlib import Path
 
 from megatron.neox_arguments import ConfigError, NeoXArgs
 from megatron.neox_arguments.world import effective_hostfile
+
+# The entry that runs DeepSpeed's runner with the stop signals blocked (megatron/launch_entry.py),
+# importable from any working directory through PYTHONPATH.
+LAUNCH_ENTRY_MODULE = "megatron.launch_entry"
+PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 
 # DeepSpeed's launcher logs the full rank command (our settings blob) with a failing rank's exit
 # code at level ERROR; the rank has already said what went wrong in one line.
@@ -50,11 +57,14 @@ def runner_arguments(args: NeoXArgs, user_script: str, user_args: list[str], *, 
 
 
 def launcher_environment(environ: dict[str, str], *, cpu_only: bool) -> dict[str, str]:
-    """The environment the ranks start with. On a CPU-only machine DeepSpeed is told its accelerator
-    up front; otherwise every process it starts warns that it fell back to the CPU."""
+    """The environment the launcher and the ranks start with: this package first on PYTHONPATH (the
+    launch entry is one of its modules). On a CPU-only machine DeepSpeed is told its accelerator up
+    front; otherwise every process it starts warns that it fell back to the CPU."""
+    path = [PACKAGE_PARENT, *(part for part in environ.get("PYTHONPATH", "").split(os.pathsep) if part)]
+    environment = {**environ, "PYTHONPATH": os.pathsep.join(path)}
     if cpu_only and "DS_ACCELERATOR" not in environ:
-        return {**environ, "DS_ACCELERATOR": "cpu"}
-    return dict(environ)
+        environment["DS_ACCELERATOR"] = "cpu"
+    return environment
 
 
 def runner_accepts_log_level() -> bool:
@@ -69,10 +79,17 @@ def runner_accepts_log_level() -> bool:
     return True
 
 
+def runs_on_one_machine(args: NeoXArgs) -> bool:
+    return effective_hostfile(args.hostfile) is None and not (args.deepspeed_slurm or args.deepspeed_mpi)
+
+
 def launch_command(args: NeoXArgs, user_script: str, user_args: list[str], *, cpu_only: bool,
                    python: str = sys.executable) -> list[str]:
-    """The full command line: DeepSpeed's launcher run by this Python (same environment as deepy)."""
-    return [python, "-m", "deepspeed.launcher.runner",
+    """The full command line: DeepSpeed's runner run by this Python (same environment as deepy). On one
+    machine through the entry that starts it with the stop signals blocked; on several as it is, so
+    that its own handler stops the other machines' ranks."""
+    module = LAUNCH_ENTRY_MODULE if runs_on_one_machine(args) else "deepspeed.launcher.runner"
+    return [python, "-m", module,
             *runner_arguments(args, user_script, user_args, cpu_only=cpu_only,
                               runner_takes_log_level=runner_accepts_log_level())]
 
@@ -96,8 +113,7 @@ def free_port() -> int:
 def rendezvous_port(args: NeoXArgs) -> int:
     """The master_port for this run. On a single node: a free port unless the user set one, and a
     user's port must be free; on several nodes the setting as it is (the master is another machine)."""
-    single_node = effective_hostfile(args.hostfile) is None and not (args.deepspeed_slurm or args.deepspeed_mpi)
-    if not single_node:
+    if not runs_on_one_machine(args):
         return args.master_port
     if not args.set_by_user("master_port"):
         return free_port()

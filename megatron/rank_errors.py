@@ -13,7 +13,6 @@ shard only another rank reads) reaches the user from them, late.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -61,13 +60,14 @@ def expected_error_line(error: BaseException) -> str | None:
     return None
 
 
-def _report(line: str, stop_requested: bool) -> None:
+def _report(line: str, stop_requested: Callable[[], bool]) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:
-        if stop_requested:
+        quiet_until = time.monotonic() + OTHER_RANKS_QUIET_SECONDS
+        while not stop_requested() and time.monotonic() < quiet_until:
+            time.sleep(0.1)
+        if stop_requested():
             return  # the launcher stopped this rank because another one failed, which has said why
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # stopped meanwhile: rank 0 has spoken
-        time.sleep(OTHER_RANKS_QUIET_SECONDS)
     prefix = "error" if rank == 0 else f"error on rank {rank}"
     print(f"{prefix}: {line}", file=sys.stderr, flush=True)
 
@@ -80,6 +80,6 @@ def run_rank(main: Callable[[], object], stop_requested: Callable[[], bool] = la
         line = expected_error_line(error)
         if line is None:
             raise
-        _report(line, stop_requested())
+        _report(line, stop_requested)
         return EXIT_EXPECTED_ERROR
     return 0

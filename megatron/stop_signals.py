@@ -1,46 +1,88 @@
 """SIGTERM/SIGINT on a rank: the first one stops the run after the current step (with a checkpoint),
 a second one stops the process at once.
 
-Schedulers send SIGTERM some time before they kill a job; deepy.py forwards it (and Ctrl-C's
-SIGINT) to every rank. A rank only notes the signal; the training loop asks `agreed_stop()` once
-per step, which all-reduces the note, so every rank stops after the same step even when the
-signal reached them during different steps.
+Schedulers send SIGTERM to every process of a job some time before they kill it; deepy.py also
+passes a signal it gets on to every rank. One request therefore reaches a rank as several copies
+within moments: signals within SAME_REQUEST_SECONDS of the first are copies of it, a later one is a
+second request. A rank only notes the signal; the training loop asks `agreed_stop()` once per step
+(and once before the first), which all-reduces the note, so every rank stops after the same step
+even when the signal reached them during different steps, or reached only one of them.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Copies of one request (the scheduler's own, deepy.py's, the launcher's) arrive within this of each other.
+SAME_REQUEST_SECONDS = 2.0
 # Test-only: seconds a rank waits between agreeing to stop and saving, so a test can deliver the
 # second signal before the save starts.
 HOLD_BEFORE_SAVE_ENV = "NEOX_TEST_HOLD_BEFORE_STOP_SAVE"
+
+
+class StopRequests:
+    """Counts stop requests from stop signals, copies of one request counted once."""
+
+    def __init__(self) -> None:
+        self.first: int | None = None
+        self.count = 0
+        self._first_at = 0.0
+
+    def add(self, signum: int) -> bool:
+        """Count `signum`; False when it is a copy of the first request."""
+        now = time.monotonic()
+        if self.count == 1 and now - self._first_at < SAME_REQUEST_SECONDS:
+            return False
+        if self.count == 0:
+            self.first, self._first_at = signum, now
+        self.count += 1
+        return True
 
 
 class StopSignals:
     """Installed on every rank before set-up; `received` is the first stop signal, if any."""
 
     def __init__(self) -> None:
-        self.received: int | None = None
+        self.requests = StopRequests()
+
+    @property
+    def received(self) -> int | None:
+        return self.requests.first
 
     def install(self) -> None:
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, self._handle)
+        """Take the stop signals in a thread of their own; they stay blocked everywhere else.
 
-    def _handle(self, signum: int, frame) -> None:
-        if self.received is not None:
-            # Second signal: die by it now, whatever the rank is doing (a save in progress leaves
-            # `latest` naming the previous checkpoint).
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        Blocked also in the processes this rank starts (a compiler check, a data worker), which a
+        scheduler's SIGTERM to every process of the job would otherwise kill in the middle of set-up.
+        deepy.py starts the launcher with them blocked already (megatron/launch_entry.py): one sent
+        while this rank was starting has waited and is taken now.
+        """
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_DFL)  # what a second request ends the process by
+        threading.Thread(target=self._take_signals, name="stop-signals", daemon=True).start()
+
+    def _take_signals(self) -> None:
+        while True:
+            self._handle(signal.sigwait(STOP_SIGNALS))
+
+    def _handle(self, signum: int) -> None:
+        if not self.requests.add(signum):
             return
-        self.received = signum
+        if self.requests.count > 1:
+            # Second request: die by it now, whatever the main thread is doing (stuck in a collective, or
+            # saving: `latest` keeps naming the previous checkpoint).
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+            signal.pthread_kill(threading.get_ident(), signum)
+            return
         if os.environ.get("RANK", "0") == "0":
-            # os.write, not logging: a handler may interrupt the main thread inside a logging call.
             os.write(2, f"{signal.Signals(signum).name} received: stopping after this iteration with a "
-                        "checkpoint; send it again to stop at once\n".encode())
+                        f"checkpoint; send it again ({SAME_REQUEST_SECONDS:g} s or more later) to stop at once\n"
+                        .encode())
 
     def agreed_stop(self, device) -> int | None:
         """The stop signal any rank received (the same answer on every rank), or None; a collective."""

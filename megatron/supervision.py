@@ -1,11 +1,15 @@
 """deepy.py's watch over a run: DeepSpeed's launcher in its own process group, SIGTERM/SIGINT passed
 on to the ranks, and no process of the run left behind when deepy.py ends.
 
-The first SIGTERM or SIGINT goes to the ranks only (not to DeepSpeed's per-node launcher, which
-would kill them 30 s later): they finish their step, save and exit 0 (megatron/stop_signals.py).
-A second one goes to the ranks and the whole group: they stop at once. When the launcher has
-exited, whatever is left in its group is killed. A small watchdog process kills the group when
-deepy.py itself dies without cleaning up (SIGKILL, a closed terminal).
+Whichever processes of the run a SIGTERM or SIGINT reaches (deepy.py, DeepSpeed's runner, a rank,
+all of them at once), the ranks learn of it: DeepSpeed's launcher processes never act on one
+(megatron/launch_entry.py) and its runner passes one on to deepy.py, which passes a first request
+on to the ranks. They finish their step, save and exit 0 (megatron/stop_signals.py). A second
+request kills the whole group at once. Before any rank exists there is nothing to save: the group
+is killed and deepy.py exits 0. When the launcher has exited, whatever is left in its group is
+killed. A small watchdog process kills the group when deepy.py itself dies without cleaning up
+(SIGKILL, a closed terminal). With ranks on other machines, a first request without local ranks
+goes to DeepSpeed's runner, started as it is there, whose own handler stops them.
 """
 
 from __future__ import annotations
@@ -14,15 +18,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 
-from megatron.stop_signals import STOP_SIGNALS, signal_name
+from megatron.stop_signals import STOP_SIGNALS, StopRequests, signal_name
 
 # The per-node launcher DeepSpeed's runner starts; its children are the ranks.
 NODE_LAUNCHER_MODULE = "deepspeed.launcher.launch"
-# After a second signal, what has not stopped (a rank stuck in a collective does not run its
-# Python signal handler) is killed after this long.
-SECOND_SIGNAL_GRACE_SECONDS = 10.0
 
 WATCHDOG = """
 import os, signal, sys
@@ -34,6 +34,22 @@ if not sys.stdin.buffer.read(1):  # end of file: deepy.py died without saying go
     except ProcessLookupError:
         pass
 """
+
+
+def _say_stopped_before_any_rank(signum: int) -> None:
+    print(f"deepy.py: stopped by {signal_name(signum)} before any rank started; nothing to save",
+          file=sys.stderr, flush=True)
+
+
+def _stop_before_launch(signum: int, frame) -> None:
+    _say_stopped_before_any_rank(signum)
+    raise SystemExit(0)  # from wherever deepy.py is (importing, checking settings): no traceback
+
+
+def stop_quietly_before_launch() -> None:
+    """Until the launcher starts, a stop signal ends deepy.py with one line and exit status 0."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _stop_before_launch)
 
 
 def rank_processes(launcher_pid: int) -> list[int]:
@@ -72,17 +88,25 @@ def _send_group(group: int, signum: int) -> None:
 class Supervisor:
     """Runs one launcher command to its end; `run()` returns deepy.py's exit status."""
 
-    def __init__(self, command: list[str], env: dict[str, str]):
+    def __init__(self, command: list[str], env: dict[str, str], *, one_machine: bool = True):
         self.command = command
         self.env = env
-        self.signals: list[int] = []
+        self.one_machine = one_machine  # else the ranks are (also) on other machines, out of our reach
+        self.requests = StopRequests()
+        self.stopped_before_ranks = False
         self.launcher: subprocess.Popen | None = None
-        self.kill_timer: threading.Timer | None = None
 
     def run(self) -> int:
+        # On one machine blocked while the launcher starts, so that it starts with them blocked (launch_entry
+        # keeps them so).
+        blocked = STOP_SIGNALS if self.one_machine else ()
+        signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
         previous = {signum: signal.signal(signum, self._on_signal) for signum in STOP_SIGNALS}
         try:
-            self.launcher = subprocess.Popen(self.command, env=self.env, start_new_session=True)
+            try:
+                self.launcher = subprocess.Popen(self.command, env=self.env, start_new_session=True)
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
             watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(self.launcher.pid)],
                                         stdin=subprocess.PIPE, start_new_session=True)
             try:
@@ -99,34 +123,34 @@ class Supervisor:
     def _wait_and_clean_up(self) -> int:
         pid = self.launcher.pid
         os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # exited, not yet reaped: its group id stays ours
-        if self.kill_timer is not None:
-            self.kill_timer.cancel()
         _send_group(pid, signal.SIGKILL)
         return self.launcher.wait()
 
     def _on_signal(self, signum: int, frame) -> None:
-        self.signals.append(signum)
-        if self.launcher is None:
-            raise SystemExit(128 + signum)  # nothing started yet
+        if not self.requests.add(signum):
+            return  # a copy: the scheduler signalled every process, or the runner passed it on
         group = self.launcher.pid
-        if len(self.signals) > 2:
+        if self.requests.count > 1:
             _send_group(group, signal.SIGKILL)
             return
         ranks = rank_processes(group)
-        for pid in ranks:
-            _send(pid, signum)
-        if len(self.signals) == 2 or not ranks:
-            _send_group(group, signum)
-        if len(self.signals) == 2:
-            self.kill_timer = threading.Timer(SECOND_SIGNAL_GRACE_SECONDS, _send_group, (group, signal.SIGKILL))
-            self.kill_timer.daemon = True
-            self.kill_timer.start()
+        if ranks:
+            for pid in ranks:
+                _send(pid, signum)
+        elif self.one_machine:
+            self.stopped_before_ranks = True
+            _send_group(group, signal.SIGKILL)
+        else:
+            _send_group(group, signum)  # DeepSpeed's runner stops the other machines' ranks its own way
 
     def _exit_status(self, returncode: int) -> int:
-        if len(self.signals) >= 2:
-            print(f"deepy.py: stopped at once by a second {signal_name(self.signals[-1])}; no checkpoint "
+        if self.requests.count >= 2:
+            print(f"deepy.py: stopped at once by a second {signal_name(self.requests.first)}; no checkpoint "
                   "was saved for the current step", file=sys.stderr, flush=True)
-            return 128 + self.signals[-1]
+            return 128 + self.requests.first
+        if self.stopped_before_ranks:
+            _say_stopped_before_any_rank(self.requests.first)
+            return 0
         if returncode < 0:
             return 128 - returncode
         return returncode

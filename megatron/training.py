@@ -241,6 +241,14 @@ def setup(args):
 
 
 def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals | None = None) -> RunResult:
+    def agreed_stop() -> int | None:
+        return stop_signals.agreed_stop(current_device()) if stop_signals is not None else None
+
+    stop = agreed_stop()
+    if stop is not None:  # asked for during set-up: no step taken, nothing to save
+        get_logger().info(f"stopped by {signal_name(stop)} at iteration {state.iteration}, before the first step "
+                          "of this run; nothing to save")
+        return RunResult(state.iteration, None, None, None)
     train_iterator, valid_iterator, test_iterator = iterators
     metrics = MetricsWriter(args)
     progress = ProgressReporter(args, first_iteration=state.iteration)
@@ -289,7 +297,7 @@ def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals 
         if _should_save(args, step) and step != args.train_iters:
             _save(args, engine, state)
             saved_at = step
-        stop = stop_signals.agreed_stop(current_device()) if stop_signals is not None else None
+        stop = agreed_stop()
         if stop is not None:
             progress.close()
             profiler.close()

@@ -86,13 +86,19 @@ def test_hostfile_include_exclude_count_the_ranks_deepspeed_starts(hostfile, set
     assert ranks_deepspeed_would_start(parsed, cpu_only=True) == expected_ranks
 
 
+def test_one_machine_starts_deepspeeds_runner_through_the_entry_that_blocks_the_stop_signals():
+    command = launch_command(launch_args(), "train.py", ["--x"], cpu_only=True, python="/usr/bin/python3")
+    assert command[:3] == ["/usr/bin/python3", "-m", "megatron.launch_entry"]
+    assert command[-2:] == ["train.py", "--x"]
+
+
 def test_multi_node_launcher_flags(hostfile):
     args = launch_args(hostfile=hostfile, num_nodes=2, launcher="slurm", master_addr="10.0.0.1", master_port=6000)
     parsed = parsed_by_deepspeed(args)
     assert (parsed.launcher, parsed.master_addr, parsed.master_port, parsed.num_nodes) == ("slurm", "10.0.0.1", 6000, 2)
     assert parsed.num_gpus == -1  # every slot of the two hosts
     command = launch_command(args, "train.py", ["--x"], cpu_only=True, python="/usr/bin/python3")
-    assert command[:3] == ["/usr/bin/python3", "-m", "deepspeed.launcher.runner"]
+    assert command[:3] == ["/usr/bin/python3", "-m", "deepspeed.launcher.runner"]  # its signal handler stops them
     assert command[-2:] == ["train.py", "--x"]
 
 

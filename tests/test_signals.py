@@ -1,8 +1,9 @@
 """SIGTERM/SIGINT to a real `python deepy.py train.py ...`: a checkpoint and exit 0, or a stop at once.
 
-The signal goes to deepy.py alone (as a scheduler or Ctrl-C sends it); deepy.py passes it on.
-Every process of a run carries a marker in its environment, so the tests can tell that none is
-left behind.
+The signal goes where a user or a scheduler sends it: deepy.py alone (Ctrl-C, `kill`), the process
+group a srun-like wrapper put deepy.py in, DeepSpeed's launcher processes, one rank, or every process
+of the run at once (as Slurm or systemd signal every process of a job). Every process of a run
+carries a marker in its environment, so the tests can find them and tell that none is left behind.
 """
 
 from __future__ import annotations
@@ -20,37 +21,41 @@ from pathlib import Path
 
 import pytest
 
-from megatron.stop_signals import HOLD_BEFORE_SAVE_ENV
+from megatron.stop_signals import HOLD_BEFORE_SAVE_ENV, SAME_REQUEST_SECONDS
 from tests.e2e import REPO_ROOT, train_lines, write_overrides
 
 pytestmark = pytest.mark.e2e
 
 RUN_MARKER = "NEOX_TEST_SIGNAL_RUN"
 STOPPED_LINE = re.compile(r"stopped by (SIG\w+) at iteration (\d+); checkpoint saved to (\S+)")
+SRUN_LIKE = REPO_ROOT / "tests" / "srun_like.py"
 
 
-def processes_with_marker(marker: str) -> list[int]:
-    found = []
+def processes_with_marker(marker: str) -> dict[int, str]:
+    """pid -> command line of every process (but this one) whose environment carries `marker`."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             environ = (entry / "environ").read_bytes()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
         if f"{RUN_MARKER}={marker}".encode() in environ.split(b"\0"):
-            found.append(int(entry.name))
+            found[int(entry.name)] = cmdline
     return found
 
 
 class DeepyRun:
-    """`python deepy.py train.py CONFIGS` in the background, its output read line by line."""
+    """`python deepy.py train.py CONFIGS` in the background (under `wrapper` when given), its output
+    read line by line."""
 
-    def __init__(self, configs: list, extra_env: dict[str, str] | None = None):
+    def __init__(self, configs: list, extra_env: dict[str, str] | None = None, wrapper: tuple[str, ...] = ()):
         self.marker = uuid.uuid4().hex
         env = {**os.environ, "PYTHONUNBUFFERED": "1", RUN_MARKER: self.marker, **(extra_env or {})}
         self.process = subprocess.Popen(
-            [sys.executable, "deepy.py", "train.py", *map(str, configs)], cwd=REPO_ROOT, env=env,
+            [*wrapper, sys.executable, "deepy.py", "train.py", *map(str, configs)], cwd=REPO_ROOT, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self._queue: queue.Queue = queue.Queue()
@@ -73,14 +78,38 @@ class DeepyRun:
             self.lines.append(line)
             if re.search(pattern, line):
                 return line
-        self.process.kill()
+        self.kill_everything()
         raise AssertionError(f"no line matching {pattern!r}; output:\n{self.output[-6000:]}")
 
     def finish(self, timeout: float = 600) -> int:
-        returncode = self.process.wait(timeout=timeout)
+        try:
+            returncode = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_everything()
+            raise
         while (line := self._queue.get(timeout=60)) is not None:
             self.lines.append(line)
         return returncode
+
+    def kill_everything(self) -> None:
+        for pid in self.processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def processes(self, *, command_has: str = "") -> list[int]:
+        return [pid for pid, cmdline in processes_with_marker(self.marker).items() if command_has in cmdline]
+
+    def ranks(self) -> dict[int, int]:
+        """RANK -> pid of every rank of the run."""
+        ranks = {}
+        for pid in self.processes(command_has="train.py"):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = [entry.split(b"=", 1)[1] for entry in environ if entry.startswith(b"RANK=")]
+            if rank and "deepspeed.launcher" not in processes_with_marker(self.marker).get(pid, ""):
+                ranks[int(rank[0])] = pid
+        return ranks
 
     @property
     def output(self) -> str:
@@ -88,9 +117,33 @@ class DeepyRun:
 
     def assert_nothing_left(self) -> None:
         deadline = time.monotonic() + 10
-        while processes_with_marker(self.marker) and time.monotonic() < deadline:
+        while self.processes() and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert processes_with_marker(self.marker) == [], "processes of the run outlived deepy.py"
+        assert self.processes() == [], "processes of the run outlived deepy.py"
+
+
+def send(pids: list[int], signum: int) -> None:
+    assert pids
+    for pid in pids:
+        os.kill(pid, signum)
+
+
+def signal_the_job(run: DeepyRun, receivers: str, signum: int) -> None:
+    """Send `signum` to the `receivers` of the run, as the test ids below name them."""
+    if receivers == "deepy.py":
+        run.process.send_signal(signum)
+    elif receivers == "the srun-like wrapper's group":
+        run.process.send_signal(signum)  # the wrapper passes it on to its whole group
+    elif receivers == "DeepSpeed's launcher":
+        send(run.processes(command_has="megatron.launch_entry") + run.processes(command_has="deepspeed.launcher.launch"),
+             signum)
+    elif receivers == "the last rank":
+        ranks = run.ranks()
+        send([ranks[max(ranks)]], signum)
+    elif receivers == "every process":
+        send(run.processes(), signum)
+    else:
+        raise ValueError(receivers)
 
 
 # Long enough never to end before the signal; the resume keeps the LR schedule (lr_decay_iters).
@@ -111,9 +164,10 @@ def assert_graceful_stop(run: DeepyRun, save: Path, signum: int, ranks: int) -> 
     assert name == signal.Signals(signum).name
     assert Path(tag_dir) == save / f"global_step{iteration}"
     assert (save / "latest").read_text().strip() == f"global_step{iteration}"
+    assert not list(save.glob("*.partial")), list(save.iterdir())
     for rank in range(ranks):
         assert list(Path(tag_dir).glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")), rank
-    assert "Traceback" not in run.output and "KeyboardInterrupt" not in run.output
+    assert "Traceback" not in run.output and "KeyboardInterrupt" not in run.output, run.output[-6000:]
     run.assert_nothing_left()
     return iteration
 
@@ -127,38 +181,90 @@ def assert_resumes_from(tmp_path: Path, save: Path, iteration: int) -> None:
     assert (save / "latest").read_text().strip() == f"global_step{iteration + 2}"
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_one_rank_stops_with_a_checkpoint_and_the_next_run_resumes_from_it(tmp_path, signum):
+@pytest.mark.parametrize(("receivers", "signum"), [
+    ("deepy.py", signal.SIGINT),
+    ("the srun-like wrapper's group", signal.SIGTERM),
+    ("DeepSpeed's launcher", signal.SIGTERM),
+    ("the last rank", signal.SIGTERM),
+    ("every process", signal.SIGTERM),
+])
+def test_one_rank_stops_with_a_checkpoint_whoever_gets_the_signal(tmp_path, receivers, signum):
     save = tmp_path / "ckpt"
-    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save)])
+    wrapper = (sys.executable, str(SRUN_LIKE)) if receivers == "the srun-like wrapper's group" else ()
+    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save)], wrapper=wrapper)
     run.wait_for(r"iteration\s+3/2000")
-    run.process.send_signal(signum)
+    signal_the_job(run, receivers, signum)
     iteration = assert_graceful_stop(run, save, signum, ranks=1)
     assert iteration >= 3
-    if signum == signal.SIGTERM:
+    if receivers == "the srun-like wrapper's group":
         assert_resumes_from(tmp_path, save, iteration)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
-def test_two_ranks_agree_on_the_step_to_stop_at_and_both_save(tmp_path):
+@pytest.mark.parametrize("receivers", ["every process", "DeepSpeed's launcher", "the last rank"])
+def test_two_ranks_agree_on_the_step_to_stop_at_and_both_save(tmp_path, receivers):
     save = tmp_path / "ckpt"
     run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save, num_gpus=2)])
     run.wait_for(r"iteration\s+3/2000")
-    run.process.send_signal(signal.SIGTERM)
+    signal_the_job(run, receivers, signal.SIGTERM)
     assert_graceful_stop(run, save, signal.SIGTERM, ranks=2)
 
 
-def test_a_second_signal_stops_at_once_without_a_checkpoint(tmp_path):
+def test_a_signal_to_every_process_while_the_rank_starts_stops_before_the_first_step(tmp_path):
     save = tmp_path / "ckpt"
-    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save)], extra_env={HOLD_BEFORE_SAVE_ENV: "600"})
+    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save)])
+    run.wait_for(r"model: [\d,]+ parameters")  # the rank is building its engine
+    signal_the_job(run, "every process", signal.SIGTERM)
+    assert run.finish() == 0, run.output[-6000:]
+    assert re.search(r"stopped by SIGTERM at iteration 0, before the first step of this run; nothing to save",
+                     run.output), run.output[-6000:]
+    assert not STOPPED_LINE.search(run.output) and "Traceback" not in run.output
+    assert not save.exists() or not list(save.iterdir())
+    run.assert_nothing_left()
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler installed for `signum` (its SigCgt mask in /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.MULTILINE)[1], 16)
+    return bool(caught & (1 << (signum - 1)))
+
+
+@pytest.mark.parametrize("moment", ["while deepy.py checks the settings", "while the launcher starts"])
+def test_a_signal_before_any_rank_exists_ends_deepy_with_one_line(tmp_path, moment):
+    save = tmp_path / "ckpt"
+    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save)])
+    if moment == "while the launcher starts":
+        run.wait_for(r"^deepy\.py: \S+ -m ")  # deepy.py prints the launch command, then starts it
+    else:
+        while not catches(run.process.pid, signal.SIGTERM):  # deepy.py has begun: it still imports and checks
+            time.sleep(0.01)
+    run.process.send_signal(signal.SIGTERM)
+    assert run.finish(timeout=120) == 0, run.output[-6000:]
+    assert run.output.strip().splitlines()[-1] == "deepy.py: stopped by SIGTERM before any rank started; nothing to save"
+    assert "Traceback" not in run.output
+    assert not save.exists()
+    run.assert_nothing_left()
+
+
+@pytest.mark.parametrize("receivers", ["deepy.py", "every process"])
+def test_a_second_sigint_stops_at_once_without_a_traceback_and_latest_unchanged(tmp_path, receivers):
+    save = tmp_path / "ckpt"
+    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save, extra_save_iters=[2])],
+                   extra_env={HOLD_BEFORE_SAVE_ENV: "600"})
     run.wait_for(r"iteration\s+3/2000")
-    run.process.send_signal(signal.SIGTERM)
-    run.wait_for(r"SIGTERM received")
-    run.process.send_signal(signal.SIGTERM)
-    assert run.finish(timeout=120) == 128 + signal.SIGTERM
-    assert "stopped at once by a second SIGTERM" in run.output
+    assert (save / "latest").read_text().strip() == "global_step2"
+    signal_the_job(run, receivers, signal.SIGINT)
+    run.wait_for(r"SIGINT received")
+    time.sleep(SAME_REQUEST_SECONDS + 0.5)  # a later signal, not a copy of the first
+    signal_the_job(run, receivers, signal.SIGINT)
+    assert run.finish(timeout=120) == 128 + signal.SIGINT
+    assert "stopped at once by a second SIGINT" in run.output
+    assert "Traceback" not in run.output and "KeyboardInterrupt" not in run.output, run.output[-6000:]
     assert not STOPPED_LINE.search(run.output)
-    assert not (save / "latest").exists() and not list(save.glob("global_step*"))
+    assert (save / "latest").read_text().strip() == "global_step2"
+    assert sorted(path.name for path in save.glob("global_step*")) == ["global_step2"]
     run.assert_nothing_left()
 
 
