@@ -107,6 +107,8 @@ class Supervisor:
                 self.launcher = subprocess.Popen(self.command, env=self.env, start_new_session=True)
             finally:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+            if self.requests.count:  # arrived while the launcher was starting (see _on_signal)
+                self._pass_on_request(self.requests.first)
             watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(self.launcher.pid)],
                                         stdin=subprocess.PIPE, start_new_session=True)
             try:
@@ -129,6 +131,14 @@ class Supervisor:
     def _on_signal(self, signum: int, frame) -> None:
         if not self.requests.add(signum):
             return  # a copy: the scheduler signalled every process, or the runner passed it on
+        if self.launcher is None:
+            # Blocked in the main thread while the launcher starts, a signal can still reach another thread
+            # of deepy.py (one an imported library started), and Python runs this handler in the middle of
+            # Popen: it is passed on once the launcher exists.
+            return
+        self._pass_on_request(signum)
+
+    def _pass_on_request(self, signum: int) -> None:
         group = self.launcher.pid
         if self.requests.count > 1:
             _send_group(group, signal.SIGKILL)

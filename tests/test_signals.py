@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from megatron.stop_signals import HOLD_BEFORE_SAVE_ENV, SAME_REQUEST_SECONDS
+from megatron.supervision import Supervisor
 from tests.e2e import REPO_ROOT, train_lines, write_overrides
 
 pytestmark = pytest.mark.e2e
@@ -246,6 +247,19 @@ def test_a_signal_before_any_rank_exists_ends_deepy_with_one_line(tmp_path, mome
     assert "Traceback" not in run.output
     assert not save.exists()
     run.assert_nothing_left()
+
+
+def test_a_signal_taken_while_the_launcher_is_being_started_is_passed_on_once_it_exists(capfd):
+    """deepy.py blocks the stop signals in its main thread while it starts the launcher, but a signal can reach
+    another of its threads, and Python then runs the handler in the middle of Popen, before the launcher exists.
+    Here the handler runs at that moment for certain: before run() starts a real process group."""
+    launcher = [sys.executable, "-c", "import time; time.sleep(120)"]
+    supervisor = Supervisor(launcher, dict(os.environ))
+    supervisor._on_signal(signal.SIGTERM, None)
+    started = time.monotonic()
+    assert supervisor.run() == 0
+    assert time.monotonic() - started < 60  # the launcher's group was stopped, not waited for
+    assert capfd.readouterr().err.strip() == "deepy.py: stopped by SIGTERM before any rank started; nothing to save"
 
 
 @pytest.mark.parametrize("receivers", ["deepy.py", "every process"])
