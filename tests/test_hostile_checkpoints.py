@@ -63,7 +63,7 @@ class Payload:
 def plant(path: Path, put, marker: Path) -> Path:
     """Put a Payload into the (trusted, freshly saved) file `path` with `put(state, payload)`; recompute the
     tag's manifest, where it has one, so the integrity check passes."""
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = load_weights_only(path, mmap=False)  # not mapped: the same file is written next
     put(state, Payload(marker))
     torch.save(state, path)
     reseal(path.parent)
@@ -252,7 +252,7 @@ def test_a_payload_without_a_recomputed_manifest_is_refused_by_the_manifest_befo
     tag_dir = run / "global_step3"
     for name, put in ((layout.model_states_name(0), in_module), ("bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
                                                                   in_optimizer)):
-        state = torch.load(tag_dir / name, map_location="cpu", weights_only=False)
+        state = load_weights_only(tag_dir / name, mmap=False)
         put(state, Payload(tmp_path / "marker"))
         torch.save(state, tag_dir / name)
     with pytest.raises(CheckpointError) as caught:
