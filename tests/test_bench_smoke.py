@@ -44,6 +44,7 @@ def test_module_only_load_bench_prints_its_ratios(zero_stage):
     assert_ratios(ratios, expected | ({"ours/raw wall"} if zero_stage != "3" else set()))
 
 
+@pytest.mark.slow
 def test_module_only_load_bench_runs_two_ranks():
     ratios = run_bench(
         "bench_module_only_load.py", "--ranks", "2", "--layers", "1", "--hidden", "32", "--heads", "2",
@@ -60,6 +61,7 @@ def test_module_only_load_bench_measures_a_change_of_tensor_parallel_size():
     assert "resplit/ours wall" in ratios and "resplit/ours node_private" in ratios
 
 
+@pytest.mark.slow
 def test_zero3_build_bench_prints_its_ratios():
     ratios = run_bench("bench_zero3_build.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
                        "--threads", "1")

@@ -31,6 +31,7 @@ def _first_losses(configs: list, tmp_path, name: str, save, **settings) -> list:
     return train_lines(run_deepy([*configs, overrides]).stdout)
 
 
+@pytest.mark.slow
 def test_finetune_in_bf16_zero2_starts_from_the_loaded_weights(pretrained, tmp_path):
     save, pretrain_lines = pretrained
     fresh_loss = pretrain_lines[0].loss  # the random init on the first batch of the data
@@ -72,6 +73,7 @@ SHORT_FINETUNE = {"finetune": True, "embedded_corpus": True, "train_iters": 3, "
                   "optimizer": {"type": "Adam", "params": {"lr": 0.0001}}}
 
 
+@pytest.mark.slow
 def test_one_short_finetune_file_takes_the_model_from_the_checkpoint(pretrained, tmp_path):
     """`python deepy.py train.py finetune.yml` with no model setting: the shape comes from the checkpoint."""
     save, pretrain_lines = pretrained

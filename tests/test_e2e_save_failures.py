@@ -42,6 +42,7 @@ def directories(path) -> list[str]:
     return sorted(p.name for p in path.iterdir() if p.is_dir())
 
 
+@pytest.mark.slow
 def test_kill_during_the_first_save_then_the_same_command_starts_from_scratch(tmp_path):
     save = tmp_path / "ckpt"
     overrides = write_overrides(tmp_path, save=str(save), load=str(save), train_iters=4, **QUICK)
@@ -58,6 +59,7 @@ def test_kill_during_the_first_save_then_the_same_command_starts_from_scratch(tm
     assert (save / "latest").read_text() == "global_step4"
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_kill_between_rename_and_latest_resumes_from_latest_and_continues_the_loss_curve(tmp_path):
     save = tmp_path / "ckpt"
@@ -77,6 +79,7 @@ def test_kill_between_rename_and_latest_resumes_from_latest_and_continues_the_lo
     assert (save / "latest").read_text() == "global_step6"
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_previous_checkpoint(tmp_path):
     """In a private mount namespace: a first save on a 12 MiB tmpfs fails while writing; on a larger one
     global_step2 is saved; then, during the resumed run, another process fills the disk before its save."""
@@ -163,6 +166,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_write_that_fails_on_one_rank_only_stops_every_rank_in_one_line(tmp_path):
     """Rank 1 alone gets a real 1 MiB file-size limit while it starts, so at the save of step 4 its

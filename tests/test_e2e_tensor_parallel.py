@@ -73,6 +73,7 @@ def test_full_resume_at_another_tensor_parallel_size_is_refused_with_the_way_out
     assert "cannot be re-split" in result.stdout + result.stderr and "finetune: true" in result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_module_only_loads_move_the_weights_from_tp2_to_tp1_and_back_without_losing_a_bit(tp2_run):
     """Each load checks the stored logits (checkpoint_validation_with_forward_pass) and the fp32 masters;
     with a vanishing learning rate each run then saves exactly the weights it loaded."""
@@ -95,6 +96,7 @@ def test_module_only_loads_move_the_weights_from_tp2_to_tp1_and_back_without_los
             assert torch.equal(again[mp][name], value), (mp, name)
 
 
+@pytest.mark.slow
 def test_a_multi_query_model_moves_from_tp1_to_tp2_with_its_key_value_head_on_both_ranks(tmp_path):
     """One key/value head, two tensor-parallel ranks: the module-only load gives each rank its two query
     heads and the shared head, checks the stored logits and the fp32 masters, and saves them unchanged."""

@@ -85,6 +85,7 @@ LLAMA_SETTINGS = dict(norm="rmsnorm", activation="swiglu", num_kv_heads=2, rotar
                       rms_norm_epsilon=1.0e-6, intermediate_size=3 * 344)  # 344 per projection
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_ranks_zero1_bf16_llama_trains_and_saves_per_rank_optimizer_shards(tmp_path):
     save = tmp_path / "ckpt"
@@ -113,6 +114,7 @@ def _scheduled_lr(step: int) -> float:
                             decay_style="cosine")
 
 
+@pytest.mark.slow
 def test_resume_and_no_load_optim_continue_at_the_next_iteration_with_the_scheduled_lr(tmp_path):
     save = tmp_path / "ckpt"
     schedule = {"train_iters": 30, "lr_decay_iters": 30, "warmup": 5 / 30, "checkpoint_factor": 10,

@@ -37,6 +37,7 @@ OFFLOAD = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cp
     pytest.param(2, {}, id="2", marks=pytest.mark.distributed),
     pytest.param(1, OFFLOAD, id="1-zero_offload"),
 ])
+@pytest.mark.slow
 def test_stop_and_resume_gives_the_bits_of_an_unbroken_run(tmp_path, num_gpus, settings):
     unbroken, unbroken_evaluations = _train(tmp_path, "unbroken", tmp_path / "unbroken", TRAIN_ITERS, num_gpus,
                                             **settings)

@@ -37,6 +37,7 @@ def test_trains_under_zero3_bf16_with_tied_embeddings_and_activation_checkpointi
     assert losses[-1] < 0.85 * losses[0], losses
 
 
+@pytest.mark.slow
 def test_a_compiled_engine_computes_what_the_eager_one_does():
     """`torch_compile: true` goes through DeepSpeed's engine.compile; our autograd functions (split_qkv,
     swiglu) trace, the losses of two steps match eager, and parameter names stay GPT-NeoX's."""

@@ -189,6 +189,7 @@ def assert_resumes_from(tmp_path: Path, save: Path, iteration: int) -> None:
     ("the last rank", signal.SIGTERM),
     ("every process", signal.SIGTERM),
 ])
+@pytest.mark.slow
 def test_one_rank_stops_with_a_checkpoint_whoever_gets_the_signal(tmp_path, receivers, signum):
     save = tmp_path / "ckpt"
     wrapper = (sys.executable, str(SRUN_LIKE)) if receivers == "the srun-like wrapper's group" else ()

@@ -43,6 +43,7 @@ def test_tp2_deepspeed_step_clips_by_the_whole_model_norm_and_matches_tp1(tmp_pa
         assert f"{family} zero1: grad norm" in stdout
 
 
+@pytest.mark.slow
 def test_a_module_only_load_moves_a_checkpoint_from_tp2_to_tp4_on_four_ranks(tmp_path):
     """2 -> 4 on 4 CPU ranks, with 2 key/value heads each shared by two ranks at size 4: the same weights
     bit for bit and the same logits (the load also checks the stored logits and the masters)."""
