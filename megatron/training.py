@@ -201,7 +201,6 @@ def setup(args):
 
     if args.log_dir:
         tee_output_to(args.log_dir)
-    log = get_logger()
     quiet_deepspeed()
     initialize_distributed(args)
     dp_rank, dp_size = data_parallel_rank_and_size()
@@ -217,9 +216,7 @@ def setup(args):
     # Under ZeRO-3 no rank ever holds the whole model: it is built partitioned over the data-parallel group.
     partitioned_by = zero3_construction(ds_config) if args.zero_stage == 3 else None
     model = build_model(args.architecture(), args.seed, partitioned_by=partitioned_by)
-    log.info(f"model: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} parameters per "
-             f"tensor-parallel rank, precision {args.precision}, ZeRO stage {args.zero_stage}, {dp_size} "
-             f"data-parallel rank(s) x {args.model_parallel_size} tensor-parallel")
+    _log_model(args, model, args.zero_stage, dp_size)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=build_param_groups(model, args.weight_decay),
                                            config=ds_config, mpu=ModelParallelUnit())
     if args.torch_compile:
@@ -238,6 +235,55 @@ def setup(args):
         args, samples_per_split(args), dp_rank, dp_size, state.consumed_train_samples, state.consumed_valid_samples
     )
     return engine, state, iterators
+
+
+def _log_model(args, model, zero_stage: int, dp_size: int) -> None:
+    get_logger().info(f"model: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} parameters per "
+                      f"tensor-parallel rank, precision {args.precision}, ZeRO stage {zero_stage}, {dp_size} "
+                      f"data-parallel rank(s) x {args.model_parallel_size} tensor-parallel")
+
+
+def inference_deepspeed_config(args) -> dict:
+    """The DeepSpeed config of a model that only runs forward: the run's precision, no optimizer, no ZeRO."""
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "steps_per_print": args.steps_per_print, "wall_clock_breakdown": False}
+    if args.precision in ("fp16", "bf16"):
+        config[args.precision] = {"enabled": True}
+    return config
+
+
+def setup_for_inference(args):
+    """The checkpoint named by `load` in an engine that only runs forward (generation), in eval mode.
+
+    Loaded by the training load plan as a fine-tune loads it, weights only, so any checkpoint a run can
+    start from (ours at any tensor-parallel size, GPT-NeoX's, a Hugging Face folder) can be sampled; the
+    optimizer, data and save directory are never touched.
+    """
+    import deepspeed
+
+    from megatron.checkpointing import load_checkpoint, plan_load
+    from megatron.hf import HF_FOLDER
+    from megatron.model import build_model
+    from megatron.neox_arguments import ConfigError
+
+    if args.log_dir:
+        tee_output_to(args.log_dir)
+    quiet_deepspeed()
+    if args.padded_vocab_size is None:
+        raise ConfigError("padded_vocab_size is not resolved: start generate.py through deepy.py, which resolves the "
+                          "tokenizer once (megatron.run_context.resolve_run_settings)")
+    initialize_distributed(args)
+    weights_only = args.with_values({"finetune": True, "no_load_optim": False},
+                                    "generate.py (loads the weights only)")
+    plan = plan_load(weights_only, data_parallel_rank_and_size()[1], hf_source=HF_FOLDER)
+    set_seeds(args.seed)
+    model = build_model(args.architecture(), args.seed)
+    _log_model(args, model, 0, data_parallel_rank_and_size()[1])
+    engine, _, _, _ = deepspeed.initialize(model=model, config=inference_deepspeed_config(args),
+                                           mpu=ModelParallelUnit())
+    load_checkpoint(weights_only, engine, plan)
+    engine.eval()
+    return engine
 
 
 def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals | None = None) -> RunResult:

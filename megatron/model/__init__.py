@@ -2,11 +2,13 @@
 
 from megatron.architecture import ModelConfigError
 from megatron.model.gpt_model import GPTModel, build_model
+from megatron.model.kv_cache import KVCache
 from megatron.model.loss import causal_lm_loss
 from megatron.model.param_groups import no_weight_decay_param_names
 
 __all__ = [
     "GPTModel",
+    "KVCache",
     "ModelConfigError",
     "build_model",
     "causal_lm_loss",

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.architecture import Architecture
+from megatron.model.kv_cache import LayerKeysValues
 from megatron.model.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -23,15 +24,18 @@ from megatron.model.parallel_layers import (
 from megatron.model.rotary import split_qkv
 
 
-def sliding_window_mask(seq_len: int, width: int, device: torch.device | None = None) -> torch.Tensor:
-    """[seq, seq] booleans, True where query i may attend key j: i - width <= j <= i.
+def sliding_window_mask(seq_len: int, width: int | None, device: torch.device | None = None,
+                        past: int = 0) -> torch.Tensor:
+    """[seq, past + seq] booleans, True where query i may attend key j: i - width <= j <= i.
 
     GPT-NeoX's sliding_window_width is flash-attention's causal window_size=(width, ...): a query
-    sees itself and the `width` keys before it.
+    sees itself and the `width` keys before it (every key before it when `width` is None). With
+    `past` cached tokens the queries are at positions past .. past + seq - 1.
     """
-    positions = torch.arange(seq_len, device=device)
-    distance = positions[:, None] - positions[None, :]
-    return (distance >= 0) & (distance <= width)
+    queries = torch.arange(past, past + seq_len, device=device)
+    distance = queries[:, None] - torch.arange(past + seq_len, device=device)[None, :]
+    allowed = distance >= 0
+    return allowed if width is None else allowed & (distance <= width)
 
 
 class SelfAttention(torch.nn.Module):
@@ -81,12 +85,20 @@ class SelfAttention(torch.nn.Module):
         return torch.cat((grad[:query_rows], shared))
 
     def forward(
-        self, hidden: torch.Tensor, rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None
+        self, hidden: torch.Tensor, rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        kv_cache: LayerKeysValues | None = None,
     ) -> torch.Tensor:
+        """With `kv_cache`, `hidden` holds the tokens after the cached ones, which they attend to as well."""
         fused, _ = self.query_key_value(hidden)
         q, k, v = split_qkv(fused, self.heads, self.kv_heads, self.head_dim, self.grouped_layout, rotary_cos_sin)
+        past = 0
+        if kv_cache is not None:
+            past = kv_cache.length
+            k, v = kv_cache.extend(k, v)
         window = None
-        if self.sliding_window_width is not None and self.sliding_window_width < q.shape[2] - 1:
+        if past:  # is_causal would align the queries with the first keys, not the last
+            window = sliding_window_mask(q.shape[2], self.sliding_window_width, q.device, past)
+        elif self.sliding_window_width is not None and self.sliding_window_width < q.shape[2] - 1:
             window = sliding_window_mask(q.shape[2], self.sliding_window_width, q.device)
         context = F.scaled_dot_product_attention(
             q,

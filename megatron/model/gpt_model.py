@@ -23,6 +23,7 @@ from deepspeed.accelerator import get_accelerator
 from megatron.architecture import Architecture, ModelConfigError
 from megatron.model.embedding import Embedding
 from megatron.model.init_methods import init_std, initialise_parameters, normal_init
+from megatron.model.kv_cache import KVCache
 from megatron.model.norms import build_norm
 from megatron.model.parallel_layers import (
     ColumnParallelLinear,
@@ -105,23 +106,27 @@ class GPTModel(torch.nn.Module):
         return [self.sequential[layer_key(i)] for i in range(self.arch.num_layers)]
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, parallel_output: bool = False
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, parallel_output: bool = False,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """input_ids [b, s] -> logits [b, s, padded_vocab_size] in the parameter dtype.
 
         With ``parallel_output`` only this tensor-parallel rank's slice of the vocabulary (for
         ``causal_lm_loss(..., vocab_parallel=True)``, which never gathers the whole vocabulary).
+        With ``kv_cache`` (generation) ``input_ids`` are the tokens after those already cached, at the
+        positions after theirs; their keys and values are added to it.
         """
         seq_len = input_ids.shape[1]
-        standard_positions = position_ids is None
+        past = kv_cache.length if kv_cache is not None else 0
+        standard_positions = position_ids is None and not past
         if position_ids is None:
             max_positions = self.arch.max_position_embeddings
-            if self.arch.pos_emb == "learned" and seq_len > max_positions:
+            if self.arch.pos_emb == "learned" and past + seq_len > max_positions:
                 raise ModelConfigError(
-                    f"sequence of {seq_len} tokens is longer than max_position_embeddings={max_positions} "
+                    f"sequence of {past + seq_len} tokens is longer than max_position_embeddings={max_positions} "
                     "of the learned position embedding; shorten the input or raise max_position_embeddings"
                 )
-            position_ids = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)
+            position_ids = torch.arange(past, past + seq_len, device=input_ids.device).unsqueeze(0)
         hidden = self.embedding(input_ids, position_ids)
         rotary_cos_sin = None
         if self.rotary is not None and standard_positions:
@@ -129,9 +134,11 @@ class GPTModel(torch.nn.Module):
         elif self.rotary is not None:
             rotary_cos_sin = self.rotary.cos_sin(position_ids, hidden.dtype)
         recompute = self.arch.checkpoint_activations and self.training and torch.is_grad_enabled()
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             if recompute:
                 hidden = torch.utils.checkpoint.checkpoint(layer, hidden, rotary_cos_sin, use_reentrant=False)
+            elif kv_cache is not None:
+                hidden = layer(hidden, rotary_cos_sin, kv_cache.layers[index])
             else:
                 hidden = layer(hidden, rotary_cos_sin)
         hidden = self.sequential[str(self.arch.num_layers + 3)](hidden)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from megatron.architecture import Architecture
 from megatron.model.attention import SelfAttention
+from megatron.model.kv_cache import LayerKeysValues
 from megatron.model.mlp import MLP
 from megatron.model.norms import build_norm
 
@@ -32,9 +33,10 @@ class TransformerLayer(torch.nn.Module):
         return F.dropout(x, p=self.hidden_dropout, training=self.training)
 
     def forward(
-        self, x: torch.Tensor, rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None
+        self, x: torch.Tensor, rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        kv_cache: LayerKeysValues | None = None,
     ) -> torch.Tensor:
-        attn_out = self._dropout(self.attention(self.input_layernorm(x), rotary_cos_sin))
+        attn_out = self._dropout(self.attention(self.input_layernorm(x), rotary_cos_sin, kv_cache))
         if self.parallel_residual:
             mlp_out = self._dropout(self.mlp(self.post_attention_layernorm(x)))
             return x + attn_out + mlp_out

@@ -36,6 +36,7 @@ _launch = _s("launcher")
 _log = _s("logging")
 _ds = _s("deepspeed")  # DeepSpeed config keys GPT-NeoX puts in the DeepSpeed config when not at their default
 _derived = _s("derived")
+_gen = _s("generation")  # read by generate.py, as GPT-NeoX's text_generation.yml sets them
 
 OPT_INT = (int, type(None))
 OPT_FLOAT = (float, int, type(None))
@@ -130,6 +131,17 @@ SETTINGS_LIST: list[Setting] = [
     _log("wandb_project", OPT_STR, "neox", "W&B project"),
     _log("wandb_group", OPT_STR, None, "W&B group"),
     _log("wandb_run_name", OPT_STR, None, "W&B run name"),
+    # --- text generation (generate.py) ----------------------------------------------------
+    _gen("text_gen_type", OPT_STR, None, "what generate.py does: sample without a prompt, complete each prompt of sample_input_file, or ask for prompts", choices=("unconditional", "input-file", "interactive", None)),
+    _gen("temperature", FLOAT, 0.0, "divide the logits by this before sampling; 0 with top_k 0 and top_p 0 is greedy (the most likely token)"),
+    _gen("top_p", FLOAT, 0.0, "sample from the smallest set of tokens whose probabilities add up to more than this (0: off)"),
+    _gen("top_k", int, 0, "sample from the this many most likely tokens (0: off)"),
+    _gen("maximum_tokens", int, 64, "tokens to generate at most per prompt (fewer when prompt + tokens would pass seq_length)"),
+    _gen("prompt_end", str, "\n", "what separates the prompts of sample_input_file (and ends an interactive prompt)"),
+    _gen("sample_input_file", OPT_STR, None, "input-file: the prompts, separated by prompt_end"),
+    _gen("sample_output_file", OPT_STR, "samples.txt", "where generate.py writes its samples: one JSON object a line (context, text, ...)"),
+    _gen("num_samples", int, 1, "unconditional: how many samples to generate"),
+    _gen("recompute", bool, False, "run the whole sequence through the model for every token instead of keeping the keys and values of earlier tokens"),
     # --- checkpointing -------------------------------------------------------------------
     _ckpt("save", OPT_STR, None, "directory to save checkpoints to"),
     _ckpt("load", OPT_STR, None, "checkpoint directory to load from"),

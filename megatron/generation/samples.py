@@ -1,0 +1,139 @@
+"""generate.py's three ways to sample a model, with GPT-NeoX's settings and output.
+
+- unconditional: `num_samples` completions of an empty prompt (the end-of-document token);
+- input-file: one completion of each prompt of `sample_input_file`, the prompts separated by
+  `prompt_end`, each stripped of surrounding white space, empty ones skipped;
+- interactive: prompts typed on global rank 0's standard input (ended by `prompt_end`; an end of
+  input ends the session), each completion printed.
+
+The first two write `sample_output_file` (for input-file without one: `<sample_input_file>.output.jsonl`)
+as GPT-NeoX writes it: one JSON object a line, with `context` (the prompt), `text` (the completion),
+`length` (its tokens), `finished` (ended by the end-of-document token), `message` and
+`duration_seconds`. Every rank generates; global rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from megatron.generation.completion import Limits, complete
+from megatron.generation.errors import GenerationError
+from megatron.generation.sampling import Sampling
+
+INTERACTIVE_PROMPT = "Context prompt >>> "
+
+
+def check_generation_settings(args) -> None:
+    """What generate.py cannot run with, before any model is built."""
+    if args.text_gen_type is None:
+        raise GenerationError("text_gen_type: not set; set it to unconditional, input-file or interactive "
+                              "(e.g. add configs/text_generation.yml)")
+    if not args.load:
+        raise GenerationError("load: not set; generate.py samples a trained model: set `load` to its checkpoint "
+                              "directory (or a Hugging Face model folder)")
+    if args.text_gen_type == "input-file":
+        if not args.sample_input_file:
+            raise GenerationError("sample_input_file: not set, and text_gen_type is input-file; set it to a file "
+                                  "of prompts separated by prompt_end")
+        if not Path(args.sample_input_file).is_file():
+            raise GenerationError(f"sample_input_file: {args.sample_input_file!r} is not a file; set it to a file "
+                                  "of prompts separated by prompt_end")
+    for name in ("temperature", "top_p", "top_k", "maximum_tokens"):
+        if getattr(args, name) < 0:
+            raise GenerationError(f"{name}: {getattr(args, name)} is negative; use 0 or more")
+    if args.top_p > 1:
+        raise GenerationError(f"top_p: {args.top_p} is above 1; use a probability in [0, 1]")
+    if args.text_gen_type == "unconditional" and args.num_samples < 1:
+        raise GenerationError(f"num_samples: {args.num_samples}; use 1 or more")
+
+
+def read_prompts(path: str, prompt_end: str) -> list[str]:
+    text = Path(path).read_text(encoding="utf-8")
+    return [prompt.strip() for prompt in text.split(prompt_end) if prompt.strip()]
+
+
+def sample(model, tokenizer, args, text: str) -> dict[str, Any]:
+    """GPT-NeoX's record of one completion of `text`."""
+    started = time.perf_counter()
+    prompt = tokenizer.tokenize(text) if text else [tokenizer.eod]
+    limits = Limits(args.seq_length, args.maximum_tokens, tokenizer.eod)
+    record: dict[str, Any] = {"context": text, "text": None, "length": 0, "finished": False, "message": None}
+    if len(prompt) >= args.seq_length:
+        record["message"] = (f"the prompt has {len(prompt)} tokens, which leaves no room within seq_length="
+                             f"{args.seq_length}; shorten it")
+    else:
+        completion = complete(model, prompt, limits, Sampling.of(args), recompute=args.recompute)
+        unknown = [token for token in completion.tokens if token >= tokenizer.vocab_size]
+        record.update(length=len(completion.tokens), finished=completion.finished)
+        if unknown:
+            record["message"] = (f"generated token id {unknown[0]}, a padding row of the embedding the tokenizer "
+                                 f"({tokenizer.vocab_size} tokens) has no text for")
+        else:
+            record["text"] = tokenizer.detokenize(completion.tokens)
+    record["duration_seconds"] = time.perf_counter() - started
+    return record
+
+
+def _write(records: list[dict[str, Any]], path: str, rank: int) -> None:
+    if rank != 0:
+        return
+    out = Path(path)
+    if out.parent != Path():
+        out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
+
+
+def _read_interactive_prompt(prompt_end: str) -> str | None:
+    """One prompt from standard input, ended by `prompt_end`; None at the end of input."""
+    lines: list[str] = []
+    while True:
+        try:
+            line = input(INTERACTIVE_PROMPT if not lines else "")
+        except EOFError:
+            return "\n".join(lines) if lines else None
+        if prompt_end == "\n":
+            return line
+        if prompt_end in line:
+            lines.append(line.split(prompt_end)[0])
+            return "\n".join(lines)
+        lines.append(line)
+
+
+def _interactive(model, tokenizer, args, rank: int, log) -> int:
+    import torch.distributed as dist
+
+    count = 0
+    while True:
+        prompt = [_read_interactive_prompt(args.prompt_end) if rank == 0 else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(prompt, src=0)
+        if prompt[0] is None:
+            return count
+        record = sample(model, tokenizer, args, prompt[0])
+        if rank == 0:
+            print("Generated Text: " + (record["text"] if record["text"] is not None else record["message"]),
+                  file=sys.stdout, flush=True)
+        count += 1
+
+
+def generate_samples(model, tokenizer, args, rank: int, log) -> list[dict[str, Any]]:
+    """Run `args.text_gen_type` on `model`; the records written (none for interactive)."""
+    if args.text_gen_type == "interactive":
+        log.info(f"interactive generation ended after {_interactive(model, tokenizer, args, rank, log)} prompt(s)")
+        return []
+    if args.text_gen_type == "unconditional":
+        prompts = [""] * args.num_samples
+        output = args.sample_output_file
+    else:
+        prompts = read_prompts(args.sample_input_file, args.prompt_end)
+        output = args.sample_output_file or f"{args.sample_input_file}.output.jsonl"
+    log.info(f"generating {len(prompts)} sample(s) ({args.text_gen_type}); writing them to {output}")
+    records = [sample(model, tokenizer, args, text) for text in prompts]
+    if output:
+        _write(records, output, rank)
+    log.info(f"wrote {len(records)} sample(s) to {output}")
+    return records
