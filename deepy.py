@@ -65,14 +65,15 @@ def main(argv: list[str] | None = None) -> int:
         args = settings_for_run(gpt_neox_config_paths(command_line.configs, command_line.conf_dir))
         for notice in args.notices:
             print(notice, file=sys.stderr)
+        # what the start would refuse, --dry-run refuses too
+        if not Path(command_line.train_script).is_file():
+            raise ConfigError(f"train script {command_line.train_script!r} not found")
+        check_precision_on_cpu(args)
         if command_line.dry_run:
             sys.stdout.write(render_dry_run(args, tokenizer_summary(args)))
             return 0
         args = resolve_run_settings(args)  # builds the tokenizer: a file it cannot read stops here
-        if not Path(command_line.train_script).is_file():
-            raise ConfigError(f"train script {command_line.train_script!r} not found")
         cpu_only = accelerator_is_cpu()
-        check_precision_on_cpu(args)
         port = rendezvous_port(args)
         if port != args.master_port:
             args = args.with_values({"master_port": port}, source="deepy.py (a free port on this machine)")

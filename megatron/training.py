@@ -243,15 +243,6 @@ def _log_model(args, model, zero_stage: int, dp_size: int) -> None:
                       f"data-parallel rank(s) x {args.model_parallel_size} tensor-parallel")
 
 
-def inference_deepspeed_config(args) -> dict:
-    """The DeepSpeed config of a model that only runs forward: the run's precision, no optimizer, no ZeRO."""
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "steps_per_print": args.steps_per_print, "wall_clock_breakdown": False}
-    if args.precision in ("fp16", "bf16"):
-        config[args.precision] = {"enabled": True}
-    return config
-
-
 def setup_for_inference(args):
     """The checkpoint named by `load` in an engine that only runs forward (generation), in eval mode.
 
@@ -265,6 +256,7 @@ def setup_for_inference(args):
     from megatron.hf import HF_FOLDER
     from megatron.model import build_model
     from megatron.neox_arguments import ConfigError
+    from megatron.neox_arguments.deepspeed_config import build_inference_deepspeed_config
 
     if args.log_dir:
         tee_output_to(args.log_dir)
@@ -279,7 +271,7 @@ def setup_for_inference(args):
     set_seeds(args.seed)
     model = build_model(args.architecture(), args.seed)
     _log_model(args, model, 0, data_parallel_rank_and_size()[1])
-    engine, _, _, _ = deepspeed.initialize(model=model, config=inference_deepspeed_config(args),
+    engine, _, _, _ = deepspeed.initialize(model=model, config=build_inference_deepspeed_config(args.to_dict()),
                                            mpu=ModelParallelUnit())
     load_checkpoint(weights_only, engine, plan)
     engine.eval()

@@ -36,8 +36,9 @@ def write_overrides(directory: Path, name: str = "overrides.yml", **settings) ->
     return path
 
 
-def run_deepy(configs: list, *extra_args: str, expect_success: bool = True, timeout: int = 600):
-    command = [sys.executable, "deepy.py", "train.py", *map(str, configs), *extra_args]
+def run_deepy(configs: list, *extra_args: str, expect_success: bool = True, timeout: int = 600,
+              script: str = "train.py"):
+    command = [sys.executable, "deepy.py", script, *map(str, configs), *extra_args]
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if expect_success and result.returncode != 0:

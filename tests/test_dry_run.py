@@ -19,7 +19,7 @@ from tests.test_neox_args import TINY_RUN, write_yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = REPO_ROOT / "configs"
-OVERLAYS = ("local_setup.yml", "finetune.yml")  # meant to be added on top of a model config
+OVERLAYS = ("local_setup.yml", "finetune.yml", "text_generation.yml")  # meant to be added on top of a model config
 MODEL_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yml") if p.name not in OVERLAYS)
 OVERLAY_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yml") if p.name in OVERLAYS)
 RANK_ECHO = "tests/rank_echo.py"
@@ -38,7 +38,8 @@ def dry_run(configs: list[Path], capsys) -> dict:
     expected = args.to_dict()
     expected["config_files"] = sorted(expected["config_files"])
     assert report["settings"] == expected
-    assert report["deepspeed_config"] == args.deepspeed_config()
+    if args.requires_run_settings:
+        assert report["deepspeed_config"] == args.deepspeed_config()
     return report, args
 
 
@@ -181,3 +182,19 @@ zero_optimization: {stage: 1, reduce_bucket_size: 500000000, allgather_bucket_si
     assert reports[0] == reports[1]
     assert reports[0]["optimizer"]["params"] == {"lr": 6e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
     assert reports[0]["zero_optimization"]["reduce_bucket_size"] == 500000000
+
+
+def test_dry_run_refuses_fp16_on_a_cpu_without_it_as_the_start_does(tmp_path, monkeypatch, capsys):
+    """On a machine whose CPU accelerator has no fp16 (DeepSpeed refuses it in every rank), --dry-run says so."""
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: False)
+    config = write_yaml(tmp_path, "half.yml", {**TINY_RUN, "fp16": {"enabled": True}})
+    assert deepy.main([RANK_ECHO, str(config), "--dry-run"]) == 2
+    assert "half.yml: fp16: fp16 is not supported by DeepSpeed on a CPU" in capsys.readouterr().err
+
+
+def test_dry_run_refuses_a_train_script_that_is_not_there(tmp_path, capsys):
+    config = write_yaml(tmp_path, "run.yml", TINY_RUN)
+    assert deepy.main(["no_such_script.py", str(config), "--dry-run"]) == 2
+    assert "train script 'no_such_script.py' not found" in capsys.readouterr().err

@@ -142,3 +142,34 @@ def test_settings_generate_py_cannot_use_are_one_line_errors(change, expected):
                 "text_gen_type": "unconditional", **change}
     with pytest.raises(GenerationError, match=expected):
         check_generation_settings(NeoXArgs.from_dict({k: v for k, v in settings.items() if v is not None}))
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.distributed
+def test_deepy_generate_py_at_tensor_parallel_2_completes_as_transformers_does(tmp_path):
+    """The user's command: deepy.py generate.py with a config naming only the checkpoint (an HF folder, its
+    shape from config.json) and text_generation.yml's settings, on 2 ranks splitting the model; one key/value
+    head, so both ranks hold it."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.e2e import run_deepy, write_overrides
+
+    hf = model_of_tokenizer_size("llama_mqa", tmp_path)
+    hf_dir = save_hf(hf, tmp_path / "hf", tokenizer=True)
+    (tmp_path / "prompts.txt").write_text("the quick brown fox\na stitch in time\n")
+    # make_vocab_size_divisible_by: half the vocabulary, so each rank holds half of it unpadded
+    overrides = write_overrides(tmp_path, load=str(hf_dir), num_gpus=2, model_parallel_size=2, seq_length=64,
+                                make_vocab_size_divisible_by=hf.config.vocab_size // 2,
+                                text_gen_type="input-file", temperature=0.0, maximum_tokens=12,
+                                sample_input_file=str(tmp_path / "prompts.txt"),
+                                sample_output_file=str(tmp_path / "samples.jsonl"))
+    result = run_deepy(["configs/text_generation.yml", overrides], script="generate.py")
+    assert "1 data-parallel rank(s) x 2 tensor-parallel" in result.stdout
+
+    hf_tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(hf_dir / "tokenizer.json"))
+    written = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [record["context"] for record in written] == ["the quick brown fox", "a stitch in time"]
+    for record in written:
+        expected, _ = hf_greedy(hf, hf_tokenizer.encode(record["context"]), 12, eod=0)
+        assert record["text"] == hf_tokenizer.decode(expected)

@@ -76,7 +76,9 @@ class NeoXArgs:
         filled = {name: value for name, value in (underlay or {}).items() if name not in merged.values}
         given = {**filled, **merged.values, "config_files": merged.texts}
         sources = {**dict.fromkeys(filled, underlay_source), **merged.sources, "config_files": DERIVED_SOURCE}
-        return cls._validated(given, sources, require_run_settings=True)
+        # Files that say what to generate start generate.py, as GPT-NeoX's text_generation.yml does: the
+        # settings only training needs (train_iters, batch sizes, optimizer, data) may then be missing.
+        return cls._validated(given, sources, require_run_settings=given.get("text_gen_type") is None)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], source: str = "<dict>", *,

@@ -7,6 +7,7 @@ from typing import Any
 import yaml
 
 from megatron.neox_arguments.arguments import NeoXArgs
+from megatron.neox_arguments.deepspeed_config import build_inference_deepspeed_config
 from megatron.neox_arguments.derived import padded_vocab_size
 
 
@@ -36,6 +37,7 @@ def render_dry_run(args: NeoXArgs, tokenizer_line: str | None = None) -> str:
             value = sorted(value)  # the names; their text is kept for checkpoints
         lines.append(f"  {name}: {_flow(value)}  # {args.source_of(name)}")
     lines.append("deepspeed_config:")
-    body = yaml.safe_dump(args.deepspeed_config(), default_flow_style=False, sort_keys=False)
+    config = args.deepspeed_config() if args.requires_run_settings else build_inference_deepspeed_config(args.to_dict())
+    body = yaml.safe_dump(config, default_flow_style=False, sort_keys=False)
     lines += ["  " + line for line in body.splitlines()]
     return "\n".join(lines) + "\n"
