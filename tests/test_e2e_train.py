@@ -16,6 +16,7 @@ from megatron.learning_rates import learning_rate_at
 from megatron.neox_arguments import NeoXArgs, padded_vocab_size
 from megatron.tokenizer import build_tokenizer
 from tests.e2e import checkpoint_files, run_deepy, train_lines, write_overrides
+from tests.test_neox_config import keys_gpt_neox_refuses
 
 pytestmark = pytest.mark.e2e
 
@@ -56,6 +57,7 @@ def assert_gpt_neox_config_describes_the_files(tag_dir: Path) -> dict:
     the embedding was padded for, the layer count and widths of the stored weights."""
     config = yaml.safe_load((tag_dir / "configs" / "neox_config.yml").read_text())
     assert set(NEOX_CONVERTER_KEYS) <= set(config)
+    assert keys_gpt_neox_refuses(tag_dir / "configs" / "neox_config.yml") == set()  # GPT-NeoX's NeoXArgs loads it
     mp_files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
     assert config["model_parallel_size"] == len(mp_files) == 1
     assert config["pipe_parallel_size"] == 0 and not list(tag_dir.glob("layer_*-model_*-model_states.pt"))

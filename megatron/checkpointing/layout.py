@@ -11,6 +11,7 @@ GPT-NeoX so their tools can read what we write and we can read what they wrote::
     <root>/global_step<N>/layer_<II>-model_<MP:02d>-model_states.pt   GPT-NeoX pipeline layers
     <root>/global_step<N>/configs/*.yml                        the run's YAML files
     <root>/global_step<N>/configs/neox_config.yml              all its settings as one GPT-NeoX config
+    <root>/global_step<N>/configs/neox_config_extra.yml        its settings GPT-NeoX does not have
     <root>/global_step<N>/manifest.json                        size and checksum of every other file
     <root>/global_step<N>.partial/                             a save in progress (or interrupted)
 
@@ -32,6 +33,7 @@ LATEST_FILE = "latest"
 LOCK_FILE = "save.lock"
 CONFIGS_DIR = "configs"
 NEOX_CONFIG_FILE = "neox_config.yml"
+NEOX_CONFIG_EXTRA_FILE = "neox_config_extra.yml"
 MANIFEST_FILE = "manifest.json"
 TAG_PREFIX = "global_step"
 PARTIAL_SUFFIX = ".partial"

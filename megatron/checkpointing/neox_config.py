@@ -15,8 +15,11 @@ one describes the files of the tag as written:
 - the tokenizer the run used (tokenizer_type, vocab_file, merge_file), its files as absolute paths; a
   run on the embedded corpus is written as a run on that corpus's dataset and tokenizer file.
 - fp16 / bf16 sections that say the precision, which GPT-NeoX's tools read from them.
+- only settings GPT-NeoX has (a field of its NeoXArgs, so its own loader accepts the file); the ones it
+  does not have (declared with ``gpt_neox=False`` in the schema) go to neox_config_extra.yml beside it.
 
-Our own loader reads it back as the same run (derived settings are left out: they are derived again).
+Our own loader reads the two files back as the same run (derived settings are left out: they are
+derived again).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 import yaml
 
 from megatron.architecture import architecture_from_settings, ungated_mlp_width
+from megatron.checkpointing.layout import NEOX_CONFIG_EXTRA_FILE
 
 
 def resolved_neox_config(settings: dict[str, Any]) -> dict[str, Any]:
@@ -52,9 +56,23 @@ def resolved_neox_config(settings: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
+def split_by_gpt_neox(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the settings GPT-NeoX has, the ones it does not) of `values`, each in the given order."""
+    from megatron.neox_arguments import SETTINGS
+
+    ours = {name for name in values if not SETTINGS[name].gpt_neox}
+    return ({name: value for name, value in values.items() if name not in ours},
+            {name: value for name, value in values.items() if name in ours})
+
+
 def write_neox_config(settings: dict[str, Any], path: Path) -> Path:
+    """Write `path` (neox_config.yml) and, when the run has settings GPT-NeoX lacks, neox_config_extra.yml."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = ("# Every setting of the run that saved this checkpoint, as one GPT-NeoX config (see "
-              "megatron/checkpointing/neox_config.py)\n")
-    path.write_text(header + yaml.safe_dump(resolved_neox_config(settings), sort_keys=False))
+    gpt_neox, ours = split_by_gpt_neox(resolved_neox_config(settings))
+    header = ("# Every setting of the run that saved this checkpoint, as one GPT-NeoX config; the settings "
+              f"GPT-NeoX does not have are in {NEOX_CONFIG_EXTRA_FILE} (megatron/checkpointing/neox_config.py)\n")
+    path.write_text(header + yaml.safe_dump(gpt_neox, sort_keys=False))
+    if ours:
+        extra_header = (f"# The settings of the run GPT-NeoX does not have; {path.name} holds all the others\n")
+        (path.parent / NEOX_CONFIG_EXTRA_FILE).write_text(extra_header + yaml.safe_dump(ours, sort_keys=False))
     return path

@@ -19,11 +19,13 @@ class Setting:
     group: str
     choices: tuple[Any, ...] | None = None
     derived: bool = False  # computed from other settings; a YAML may not set it
+    # GPT-NeoX has this setting (a field of its NeoXArgs); ours alone are saved beside its config, not in it
+    gpt_neox: bool = True
 
 
 def _s(group: str):
-    def make(name, type_, default, doc, choices=None, derived=False):
-        return Setting(name, type_, default, doc, group, choices, derived)
+    def make(name, type_, default, doc, choices=None, derived=False, gpt_neox=True):
+        return Setting(name, type_, default, doc, group, choices, derived, gpt_neox)
 
     return make
 
@@ -97,9 +99,9 @@ SETTINGS_LIST: list[Setting] = [
     _train("fp16", (dict, type(None)), None, "DeepSpeed fp16 settings, e.g. {enabled: true, loss_scale: 0}"),
     _train("bf16", (dict, type(None)), None, "DeepSpeed bf16 settings, e.g. {enabled: true}"),
     _train("precision", OPT_STR, None, "training dtype; derived from fp16/bf16 when unset", choices=("fp32", "fp16", "bf16", None)),
-    _train("max_nonfinite_steps", int, 20, "fp16: stop the run after more than this many steps in a row skipped for overflowing gradients (bf16/fp32 stop at the first non-finite step)"),
+    _train("max_nonfinite_steps", int, 20, "fp16: stop the run after more than this many steps in a row skipped for overflowing gradients (bf16/fp32 stop at the first non-finite step)", gpt_neox=False),
     _train("seed", int, 1234, "random seed (weights, data order, dropout)"),
-    _train("torch_compile", bool, False, "compile the model with torch.compile through DeepSpeed's engine.compile (the first steps take the compile time)"),
+    _train("torch_compile", bool, False, "compile the model with torch.compile through DeepSpeed's engine.compile (the first steps take the compile time)", gpt_neox=False),
     _train("deepspeed_extra_args", (dict, type(None)), None, "DeepSpeed config keys passed through unchanged"),
     _train("fp32_allreduce", bool, False, "reduce gradients across ranks in fp32 (DeepSpeed's communication_data_type: fp32)"),
     # --- DeepSpeed config keys (written into the DeepSpeed config when not at their default) ----
@@ -147,15 +149,15 @@ SETTINGS_LIST: list[Setting] = [
     _ckpt("load", OPT_STR, None, "checkpoint directory to load from"),
     _ckpt("checkpoint_factor", OPT_INT, None, "save every this many iterations (GPT-NeoX name)"),
     _ckpt("extra_save_iters", (list, type(None)), None, "also save at these iterations (0: before the first step)"),
-    _ckpt("save_interval", OPT_INT, None, "alias of checkpoint_factor"),
+    _ckpt("save_interval", OPT_INT, None, "alias of checkpoint_factor", gpt_neox=False),
     _ckpt("keep_last_n_checkpoints", OPT_INT, None, "delete older checkpoint tags, keeping this many"),
     _ckpt("finetune", bool, False, "load weights only; fresh optimizer, iteration 0, no RNG restore"),
     _ckpt("no_load_optim", bool, False, "load weights, iteration and RNG; fresh optimizer and LR schedule"),
     _ckpt("no_load_rng", bool, False, "do not restore RNG states"),
     _ckpt("iteration", OPT_INT, None, "load tag global_step<iteration> instead of the one in `latest`"),
-    _ckpt("load_module_strict", bool, True, "every checkpoint key must match the model exactly"),
+    _ckpt("load_module_strict", bool, True, "every checkpoint key must match the model exactly", gpt_neox=False),
     _ckpt("load_module_allow_random", (list, type(None)), None,
-          "with load_module_strict false: glob patterns of parameter names whose whole layer may stay randomly initialised"),
+          "with load_module_strict false: glob patterns of parameter names whose whole layer may stay randomly initialised", gpt_neox=False),
     _ckpt("checkpoint_validation_with_forward_pass", bool, False, "store logits of a fixed batch at save and compare after load"),
     # --- data ----------------------------------------------------------------------------
     _data("data_path", OPT_STR, None, "prefix of one .bin/.idx dataset, split by `split`"),
@@ -172,7 +174,7 @@ SETTINGS_LIST: list[Setting] = [
     _data("vocab_file", OPT_STR, None,
           "tokenizer file: vocab.json (GPT2BPETokenizer), tokenizers JSON (HFTokenizer), sentencepiece model (SPMTokenizer)"),
     _data("merge_file", OPT_STR, None, "merges.txt of GPT2BPETokenizer"),
-    _data("embedded_corpus", bool, False, "build (once, cached) and use the embedded corpus that needs no download"),
+    _data("embedded_corpus", bool, False, "build (once, cached) and use the embedded corpus that needs no download", gpt_neox=False),
     _data("num_workers", int, 2, "data-loader worker processes"),
     # --- launcher ------------------------------------------------------------------------
     _launch("num_gpus", OPT_INT, None, "ranks per node (CPU ranks when there is no GPU; default 1 then)"),
@@ -190,8 +192,8 @@ SETTINGS_LIST: list[Setting] = [
     _derived("config_files", (dict, type(None)), None, "the YAML files the run was started with: name -> text", derived=True),
     _derived("zero_stage", int, 0, "ZeRO stage, from zero_optimization.stage", derived=True),
     _launch("global_num_gpus", OPT_INT, None, "ranks in the whole run; derived from num_gpus x num_nodes or hostfile/include/exclude, and an error when set to anything else"),
-    _derived("data_parallel_size", OPT_INT, None, "data-parallel ranks: global_num_gpus / (model_parallel_size x pipeline stages)", derived=True),
-    _derived("warmup_iters", OPT_FLOAT, None, "warmup length in iterations: warmup x lr_decay_iters (not rounded)", derived=True),
+    _derived("data_parallel_size", OPT_INT, None, "data-parallel ranks: global_num_gpus / (model_parallel_size x pipeline stages)", derived=True, gpt_neox=False),
+    _derived("warmup_iters", OPT_FLOAT, None, "warmup length in iterations: warmup x lr_decay_iters (not rounded)", derived=True, gpt_neox=False),
 ]
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in SETTINGS_LIST}
