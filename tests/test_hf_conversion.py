@@ -316,6 +316,51 @@ def test_convert_neox_to_hf_cli_in_bf16_sharded(tmp_path):
         assert torch.equal(reloaded.state_dict()[name], tensor.to(torch.bfloat16)), name
 
 
+def convert_neox_to_hf_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convert_neox_to_hf_tool", REPO / "tools/ckpts/convert_neox_to_hf.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+@pytest.mark.parametrize("kind, gpt_neox_flags", [
+    ("neox_parallel", ["--precision", "auto", "--architecture", "neox", "--no_save_tokenizer"]),
+    ("llama_gqa", ["--precision", "bf16", "--vocab-is-hf-tokenizer", "--architecture", "llama", "--pad-token-id", "5"]),
+])
+def test_convert_neox_to_hf_takes_gpt_neox_command_line(kind, gpt_neox_flags, tmp_path):
+    """GPT-NeoX's README command: --input_dir <tag> --config_file <tag>/configs/neox_config.yml --output_dir ..."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron.checkpointing.neox_config import write_neox_config
+
+    model = make_hf_model(kind)
+    tag_dir = convert_hf_to_neox(save_hf(model, tmp_path / "hf", tokenizer=True), tmp_path / "ckpt").tag_dir
+    config_file = write_neox_config(read_client_state(tag_dir)["args"], tag_dir / "configs" / "neox_config.yml")
+    tool = convert_neox_to_hf_tool()
+    argv = ["--input_dir", str(tag_dir), "--config_file", str(config_file), "--output_dir", str(tmp_path / "back"),
+            *gpt_neox_flags]
+    assert tool.main(argv) == 0
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    dtype = torch.bfloat16 if "bf16" in gpt_neox_flags else torch.float32
+    assert type(reloaded) is type(model) and reloaded.dtype == dtype
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor.to(dtype)), name
+    if "--no_save_tokenizer" in gpt_neox_flags:
+        assert not (tmp_path / "back" / "tokenizer.json").exists()
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(tmp_path / "back")
+        assert tokenizer.pad_token_id == reloaded.config.pad_token_id == 5
+
+
+def test_gpt_neox_architecture_mistral_is_refused_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        convert_neox_to_hf_tool().main(["--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "o"),
+                                        "--architecture", "mistral"])
+    assert "--architecture mistral: Hugging Face's Mistral is not written here" in capsys.readouterr().err
+
+
 def test_writing_a_model_as_the_wrong_family_is_refused(tmp_path):
     hf_dir = save_hf(make_hf_model("llama_gqa"), tmp_path / "hf")
     convert_hf_to_neox(hf_dir, tmp_path / "ckpt")

@@ -132,6 +132,16 @@ def special_tokens(tokenizer_file: Path) -> dict[str, tuple[str, int]]:
     return {role: pair for role, pair in found.items() if pair[1] is not None}
 
 
+def _token_of(tokenizer_file: Path, token_id: int, where: Path) -> str:
+    from tokenizers import Tokenizer
+
+    token = Tokenizer.from_file(str(tokenizer_file)).id_to_token(token_id)
+    if token is None:
+        raise HFConversionError(f"{where}: pad token id {token_id} is not a token of {tokenizer_file}; "
+                                "pass the id of one of its tokens")
+    return token
+
+
 def _settings_of_checkpoint(tag_dir: Path, config_files: list[Path] | None) -> dict[str, Any]:
     if config_files:
         return dict(merge_config_files(list(config_files)).values)
@@ -155,8 +165,14 @@ def convert_neox_to_hf(
     dtype: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: bool = False,
+    save_tokenizer: bool = True,
+    pad_token_id: int | None = None,
 ) -> Path:
-    """Write an HF model folder for tag ``tag`` (default: the one in ``latest``) of our checkpoint."""
+    """Write an HF model folder for tag ``tag`` (default: the one in ``latest``) of our checkpoint.
+
+    The run's tokenizer (a `tokenizers` JSON vocab_file) is written with it unless ``save_tokenizer`` is
+    false; ``pad_token_id`` names the padding token instead of GPT-NeoX's <|padding|> (GPT-NeoX's
+    converter's --pad-token-id)."""
     ckpt_dir = Path(ckpt_dir)
     tag = tag or layout.read_latest(ckpt_dir)
     if tag is None:
@@ -189,10 +205,15 @@ def convert_neox_to_hf(
     config = hf_config_from_architecture(arch, family, HF_DTYPE_NAMES[target])
     vocab_file = settings.get("vocab_file")
     tokenizer, special = None, {}
-    if settings.get("tokenizer_type", "HFTokenizer") == "HFTokenizer" and vocab_file and Path(vocab_file).is_file():
+    if (save_tokenizer and settings.get("tokenizer_type", "HFTokenizer") == "HFTokenizer" and vocab_file
+            and Path(vocab_file).is_file()):
         tokenizer = Path(vocab_file)
         special = special_tokens(tokenizer)
+        if pad_token_id is not None:
+            special["pad_token"] = (_token_of(tokenizer, pad_token_id, tag_dir), pad_token_id)
         config.update({f"{role}_id": token_id for role, (_, token_id) in special.items()})
+    elif pad_token_id is not None:
+        config["pad_token_id"] = pad_token_id
     write_hf_dir(Path(out_dir), config, tensors, tokenizer, max_shard_bytes, progress,
                  {role: token for role, (token, _) in special.items()})
     return Path(out_dir)

@@ -4,8 +4,16 @@
                                              [--architecture gpt_neox|llama] [--config FILE.yml ...]
                                              [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
 
-The architecture comes from the settings saved in the checkpoint, or from --config YAML files
-(for checkpoints without saved settings, e.g. GPT-NeoX pipeline checkpoints).
+GPT-NeoX's command line for this tool works too, flag for flag:
+
+    python tools/ckpts/convert_neox_to_hf.py --input_dir CKPT_DIR/global_step<N> \\
+        --config_file CKPT_DIR/global_step<N>/configs/neox_config.yml --output_dir HF_DIR \\
+        [--precision auto|fp16|bf16|fp32] [--architecture neox|llama] [--no_save_tokenizer] \\
+        [--vocab-is-hf-tokenizer] [--pad-token-id ID]
+
+The architecture comes from the settings saved in the checkpoint, or from --config / --config_file YAML
+files (for checkpoints without saved settings, e.g. GPT-NeoX pipeline checkpoints). Unset, the family
+follows the model (llama for rmsnorm + swiglu, else gpt_neox).
 """
 
 from __future__ import annotations
@@ -16,27 +24,69 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megatron.checkpointing import layout  # noqa: E402
 from megatron.checkpointing.errors import CheckpointError  # noqa: E402
 from megatron.hf.config import FAMILIES  # noqa: E402
 from megatron.hf.convert import DTYPES, convert_neox_to_hf  # noqa: E402
 from megatron.hf.io import parse_size  # noqa: E402
 from megatron.neox_arguments.errors import ConfigError  # noqa: E402
 
+# GPT-NeoX's --architecture names for the Hugging Face families (its default, neox, is GPT-NeoX's model)
+GPT_NEOX_ARCHITECTURES = {"neox": "gpt_neox", "llama": "llama"}
+GPT_NEOX_PRECISIONS = ("auto", *sorted(DTYPES))  # auto: the dtype of the checkpoint's weights
+
+
+def parse_command_line(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", type=Path, help="checkpoint folder (holds `latest` and tags)")
+    source.add_argument("--input_dir", type=Path, help="GPT-NeoX's flag: the tag folder, e.g. CKPT_DIR/global_step1000")
+    parser.add_argument("--tag", help="with --input: tag to convert (default: the one in `latest`)")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--output", type=Path, help="Hugging Face model folder to write")
+    target.add_argument("--output_dir", type=Path, help="GPT-NeoX's name of --output")
+    parser.add_argument("--architecture", choices=(*FAMILIES, *GPT_NEOX_ARCHITECTURES, "mistral"),
+                        help="default: llama for rmsnorm + swiglu, else gpt_neox (GPT-NeoX's neox)")
+    configs = parser.add_mutually_exclusive_group()
+    configs.add_argument("--config", type=Path, nargs="+", help="YAML files with the model settings")
+    configs.add_argument("--config_file", type=Path, help="GPT-NeoX's flag: one YAML file with the model settings")
+    precision = parser.add_mutually_exclusive_group()
+    precision.add_argument("--dtype", choices=sorted(DTYPES), help="default: the dtype of the checkpoint's weights")
+    precision.add_argument("--precision", choices=GPT_NEOX_PRECISIONS, help="GPT-NeoX's name of --dtype (auto: its default)")
+    parser.add_argument("--max-shard-size", default="5GB", help="split model.safetensors above this (e.g. 5GB, 200MB)")
+    parser.add_argument("--no_save_tokenizer", action="store_true", help="do not write the run's tokenizer")
+    parser.add_argument("--vocab-is-hf-tokenizer", action="store_true",
+                        help="GPT-NeoX's flag; the tokenizer is written from vocab_file (a tokenizers JSON) either way")
+    parser.add_argument("--pad-token-id", type=int, help="the padding token's id (default: <|padding|>'s)")
+    options = parser.parse_args(argv)
+    if options.tag and options.input_dir:
+        parser.error("--tag goes with --input; --input_dir names the tag folder itself")
+    if options.architecture == "mistral":
+        parser.error("--architecture mistral: Hugging Face's Mistral is not written here; --architecture llama "
+                     "writes a model without a sliding window (Mistral's weights and names otherwise)")
+    return options
+
+
+def checkpoint_and_tag(options: argparse.Namespace) -> tuple[Path, str | None]:
+    """(the save directory, the tag); GPT-NeoX's --input_dir names the tag folder, or a save folder with `latest`."""
+    if options.input is not None:
+        return options.input, options.tag
+    if (options.input_dir / layout.LATEST_FILE).is_file():
+        return options.input_dir, None
+    return options.input_dir.parent, options.input_dir.name
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", required=True, type=Path, help="checkpoint folder (holds `latest` and tags)")
-    parser.add_argument("--tag", help="tag to convert (default: the one in `latest`)")
-    parser.add_argument("--output", required=True, type=Path, help="Hugging Face model folder to write")
-    parser.add_argument("--architecture", choices=FAMILIES, help="default: llama for rmsnorm + swiglu, else gpt_neox")
-    parser.add_argument("--config", type=Path, nargs="+", help="YAML files with the model settings")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: the dtype of the checkpoint's weights")
-    parser.add_argument("--max-shard-size", default="5GB", help="split model.safetensors above this (e.g. 5GB, 200MB)")
-    options = parser.parse_args(argv)
+    options = parse_command_line(argv)
+    ckpt_dir, tag = checkpoint_and_tag(options)
+    config_files = options.config or ([options.config_file] if options.config_file else None)
+    dtype = options.dtype or (options.precision if options.precision != "auto" else None)
     try:
         out = convert_neox_to_hf(
-            options.input, options.output, options.tag, options.architecture, options.config, options.dtype,
-            parse_size(options.max_shard_size), progress=True,
+            ckpt_dir, options.output or options.output_dir, tag,
+            GPT_NEOX_ARCHITECTURES.get(options.architecture, options.architecture), config_files, dtype,
+            parse_size(options.max_shard_size), progress=True, save_tokenizer=not options.no_save_tokenizer,
+            pad_token_id=options.pad_token_id,
         )
     except (CheckpointError, ConfigError) as err:  # HFConversionError is a CheckpointError
         print(f"error: {err}", file=sys.stderr)
