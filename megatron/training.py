@@ -44,11 +44,15 @@ class TrainState:
     # optimizer starts a fresh schedule (warmup included) while the iteration count carries on.
     lr_schedule_start: int = 0
     schedule: Schedule | None = None  # what the LR follows; None until the run's settings decide it
+    # fp16 steps skipped for overflow since the optimizer (and its schedule) started: DeepSpeed's count,
+    # restored by a full resume. They do not advance the schedule: GPT-NeoX's DeepSpeed steps its LR
+    # scheduler only after a step it applied.
+    skipped_steps: int = 0
 
     @property
     def lr_step(self) -> int:
         """The schedule's step number of the optimizer step about to be taken."""
-        return self.iteration + 1 - self.lr_schedule_start
+        return self.iteration + 1 - self.lr_schedule_start - self.skipped_steps
 
 
 def state_after_load(outcome, args=None) -> TrainState:
@@ -307,6 +311,7 @@ def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals 
     engine.train()
     while state.iteration < args.train_iters:
         step = state.iteration + 1
+        state.skipped_steps = engine.skipped_steps
         lr = state.schedule.lr_at(state.lr_step)
         set_learning_rate(engine.optimizer, lr)
         started = time.perf_counter()

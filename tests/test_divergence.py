@@ -103,6 +103,12 @@ def test_fp16_skips_while_the_loss_scale_settles_are_counted_and_training_goes_o
     engine, state, iterators = setup(args)
     result = train(args, engine, state, iterators)
     assert result.iteration == 12
-    skipped = tensorboard_scalars(tmp_path / "tb")["train/skipped_steps"]
+    scalars = tensorboard_scalars(tmp_path / "tb")
+    skipped, lr = scalars["train/skipped_steps"], scalars["train/lr"]
     assert 0 < skipped[12] == engine.skipped_steps < 12
+    # A skipped step does not advance the LR schedule (as in GPT-NeoX): the next step runs at the same LR;
+    # after an applied step the decaying schedule has moved on.
+    for step in range(2, 13):
+        previous_skipped = skipped[step - 1] > skipped.get(step - 2, 0)
+        assert (lr[step] == lr[step - 1]) == previous_skipped, (step, skipped, lr)
 
