@@ -173,3 +173,26 @@ def test_deepy_generate_py_at_tensor_parallel_2_completes_as_transformers_does(t
     for record in written:
         expected, _ = hf_greedy(hf, hf_tokenizer.encode(record["context"]), 12, eod=0)
         assert record["text"] == hf_tokenizer.decode(expected)
+
+
+def test_interactive_reads_prompts_until_the_input_ends_and_prints_each_completion(tmp_path, monkeypatch, capsys):
+    import io
+
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron.tokenizer import build_tokenizer
+
+    hf = model_of_tokenizer_size("llama_gqa", tmp_path)
+    hf_dir = save_hf(hf, tmp_path / "hf", tokenizer=True)
+    args = our_args(hf_dir, load=str(hf_dir), finetune=True, seq_length=64, tokenizer_type="HFTokenizer",
+                    vocab_file=str(hf_dir / "tokenizer.json"), text_gen_type="interactive", maximum_tokens=5,
+                    prompt_end="###")
+    monkeypatch.setattr("sys.stdin", io.StringIO("the quick\nbrown fox ###\na stitch###\n"))
+    records = generate_samples(setup_for_inference(args).module, build_tokenizer(args), args, rank=0, log=get_logger())
+    assert records == []
+    hf_tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(hf_dir / "tokenizer.json"))
+    printed = [line.split("Generated Text: ", 1)[1] for line in capsys.readouterr().out.splitlines()
+               if "Generated Text: " in line]
+    expected = [hf_tokenizer.decode(hf_greedy(hf, hf_tokenizer.encode(prompt), 5, eod=0)[0])
+                for prompt in ("the quick\nbrown fox ", "a stitch")]
+    assert printed == expected
