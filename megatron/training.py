@@ -200,9 +200,12 @@ def setup(args):
     from megatron.data import build_data_iterators, check_data_vocabulary
     from megatron.hf import HF_FOLDER
     from megatron.model import build_model
-    from megatron.neox_arguments import ConfigError
+    from megatron.neox_arguments import ConfigError, NeoXArgs
     from megatron.tokenizer import build_tokenizer
 
+    if not args.requires_run_settings:  # files for generate.py: what training needs was not required of them
+        NeoXArgs.from_dict(args.given, "the config files (text_gen_type is set, as for generate.py)",
+                           require_run_settings=True)
     if args.log_dir:
         tee_output_to(args.log_dir)
     quiet_deepspeed()

@@ -196,3 +196,17 @@ def test_interactive_reads_prompts_until_the_input_ends_and_prints_each_completi
     expected = [hf_tokenizer.decode(hf_greedy(hf, hf_tokenizer.encode(prompt), 5, eod=0)[0])
                 for prompt in ("the quick\nbrown fox ", "a stitch")]
     assert printed == expected
+
+
+def test_training_with_only_generation_settings_is_a_one_line_error(tmp_path):
+    """Files setting text_gen_type need no train_iters (they are for generate.py); train.py still asks for it."""
+    from megatron.neox_arguments import ConfigError, NeoXArgs
+    from megatron.training import setup
+    from tests.test_neox_args import write_yaml
+
+    config = write_yaml(tmp_path, "gen.yml", {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                                              "seq_length": 32, "load": "/ckpt", "text_gen_type": "unconditional"})
+    args = NeoXArgs.from_yaml_files([config])
+    assert args.train_iters is None
+    with pytest.raises(ConfigError, match="train_iters: required but not set"):
+        setup(args)

@@ -102,6 +102,17 @@ GPT_NEOX_DEFAULTS = {
     "hidden_dropout": 0.0,
     "weight_decay": 0.1,
     "checkpoint_activations": False,
+    # text generation (NeoXArgsTextgen)
+    "text_gen_type": None,
+    "temperature": 0.0,
+    "top_p": 0.0,
+    "top_k": 0,
+    "maximum_tokens": 64,
+    "prompt_end": "\n",
+    "sample_input_file": None,
+    "sample_output_file": "samples.txt",
+    "num_samples": 1,
+    "recompute": False,
     # DeepSpeed config (deepspeed_args.py)
     "train_batch_size": None,
     "train_micro_batch_size_per_gpu": None,
