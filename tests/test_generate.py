@@ -210,3 +210,24 @@ def test_training_with_only_generation_settings_is_a_one_line_error(tmp_path):
     assert args.train_iters is None
     with pytest.raises(ConfigError, match="train_iters: required but not set"):
         setup(args)
+
+
+@pytest.mark.parametrize("settings", [
+    {"pos_emb": "learned"},
+    {"pos_emb": "rotary", "sliding_window_width": 3, "num_kv_heads": 2},
+], ids=["learned_positions", "sliding_window_gqa"])
+def test_each_cached_step_gives_the_logits_of_the_whole_sequence(settings):
+    """The options transformers' families above do not have: the cache's positions and masks agree with
+    the training forward (no cache) step by step."""
+    from megatron.model import KVCache, build_model
+    from tests.test_model import randomize_, tiny_args, tokens
+
+    model = build_model(tiny_args(**settings).architecture(), seed=3)
+    randomize_(model)
+    model.eval()
+    sequence = tokens(batch=1, seq=12, seed=4).to(next(model.parameters()).device)
+    cache = KVCache(model.arch.num_layers)
+    with torch.no_grad():
+        for end in (5, *range(6, 13)):  # a 5-token prompt, then one token at a time
+            cached = model(sequence[:, cache.length:end], kv_cache=cache)[:, -1]
+            torch.testing.assert_close(cached, model(sequence[:, :end])[:, -1], rtol=1e-5, atol=1e-5)
