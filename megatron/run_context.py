@@ -57,18 +57,19 @@ def settings_for_run(paths: list[str]) -> NeoXArgs:
     load = merged.values.get("load")
     if not load or all(merged.values.get(name) is not None for name in MODEL_REQUIRED):
         return NeoXArgs.from_yaml_files(paths)
-    saved, source = _checkpoint_model_settings(Path(load).expanduser(), merged.values.get("iteration"))
+    saved, source = _checkpoint_model_settings(Path(load).expanduser(), merged.values.get("iteration"),
+                                               merged.values.get("model_parallel_size") or 1)
     return NeoXArgs.from_yaml_files(paths, underlay=saved, underlay_source=source)
 
 
-def _checkpoint_model_settings(load: Path, iteration: int | None) -> tuple[dict[str, Any], str]:
+def _checkpoint_model_settings(load: Path, iteration: int | None, tensor_parallel: int) -> tuple[dict[str, Any], str]:
     from megatron.checkpointing.errors import CheckpointError
     from megatron.checkpointing.inventory import inventory_checkpoint
     from megatron.hf import HF_FOLDER
 
     inventory = inventory_checkpoint(load, HF_FOLDER)
     if inventory.is_hf:
-        return _hf_model_settings(load)
+        return _hf_model_settings(load, tensor_parallel)
     tag_name = layout.tag_for_iteration(iteration) if iteration is not None else inventory.latest
     tag = inventory.tags.get(tag_name) if tag_name else None
     try:  # the tag's model-states file: checked against its manifest, unpickled weights-only
@@ -90,7 +91,7 @@ def _checkpoint_model_settings(load: Path, iteration: int | None) -> tuple[dict[
     return taken, f"{tag.path} (saved settings)"
 
 
-def _hf_model_settings(hf_dir: Path) -> tuple[dict[str, Any], str]:
+def _hf_model_settings(hf_dir: Path, tensor_parallel: int) -> tuple[dict[str, Any], str]:
     from megatron.hf.config import spec_from_hf_config
     from megatron.hf.errors import HFConversionError
     from megatron.hf.io import TOKENIZER_NAME, read_hf_config
@@ -99,8 +100,10 @@ def _hf_model_settings(hf_dir: Path) -> tuple[dict[str, Any], str]:
         spec = spec_from_hf_config(read_hf_config(hf_dir), str(hf_dir / "config.json"))
     except HFConversionError as err:
         raise ConfigError(str(err)) from None
-    # Padding to exactly the folder's vocab_size keeps its embedding shape for any tokenizer that fits.
-    taken = {**spec.settings, "make_vocab_size_divisible_by": spec.vocab_size}
+    # Padding to exactly the folder's vocab_size keeps its embedding shape for any tokenizer that fits
+    # (the padding multiple is per tensor-parallel rank: each holds its share of the rows).
+    per_rank = spec.vocab_size // tensor_parallel if spec.vocab_size % tensor_parallel == 0 else spec.vocab_size
+    taken = {**spec.settings, "make_vocab_size_divisible_by": per_rank}
     if (hf_dir / TOKENIZER_NAME).is_file():
         taken.update(tokenizer_type="HFTokenizer", vocab_file=str((hf_dir / TOKENIZER_NAME).resolve()))
     return taken, str(hf_dir / "config.json")

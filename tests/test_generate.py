@@ -158,9 +158,7 @@ def test_deepy_generate_py_at_tensor_parallel_2_completes_as_transformers_does(t
     hf = model_of_tokenizer_size("llama_mqa", tmp_path)
     hf_dir = save_hf(hf, tmp_path / "hf", tokenizer=True)
     (tmp_path / "prompts.txt").write_text("the quick brown fox\na stitch in time\n")
-    # make_vocab_size_divisible_by: half the vocabulary, so each rank holds half of it unpadded
     overrides = write_overrides(tmp_path, load=str(hf_dir), num_gpus=2, model_parallel_size=2, seq_length=64,
-                                make_vocab_size_divisible_by=hf.config.vocab_size // 2,
                                 text_gen_type="input-file", temperature=0.0, maximum_tokens=12,
                                 sample_input_file=str(tmp_path / "prompts.txt"),
                                 sample_output_file=str(tmp_path / "samples.jsonl"))
