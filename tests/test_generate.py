@@ -28,15 +28,20 @@ def hf_greedy(model, prompt: list[int], new_tokens: int, eod: int) -> tuple[list
     return (tokens[:tokens.index(eod)], True) if eod in tokens else (tokens, False)
 
 
-def loaded(hf_dir, **settings):
-    args = our_args(hf_dir, load=str(hf_dir), finetune=True, seq_length=64, **settings)
+def loaded(hf_dir, load=None, **settings):
+    args = our_args(hf_dir, load=str(load or hf_dir), finetune=True, seq_length=64, **settings)
     return setup_for_inference(args).module
 
 
-@pytest.mark.parametrize("kind", ["neox_parallel", "llama_gqa"])
-def test_greedy_generation_equals_transformers_generate(kind, tmp_path):
+@pytest.mark.parametrize("kind, source", [("neox_parallel", "hf_folder"), ("llama_gqa", "our_checkpoint")])
+def test_greedy_generation_equals_transformers_generate(kind, source, tmp_path):
+    """Loaded from the HF folder itself, or from a checkpoint of ours (DeepSpeed's files) converted from it."""
+    from megatron.hf.convert import convert_hf_to_neox
+
     hf = make_hf_model(kind)
-    ours = loaded(save_hf(hf, tmp_path / "hf"))
+    hf_dir = save_hf(hf, tmp_path / "hf")
+    load = convert_hf_to_neox(hf_dir, tmp_path / "ckpt").tag_dir.parent if source == "our_checkpoint" else None
+    ours = loaded(hf_dir, load)
     # the end-of-document token: one transformers generates for the first prompt, so the stop is exercised too
     eod = hf_greedy(hf, PROMPTS[0], NEW_TOKENS, eod=-1)[0][NEW_TOKENS // 2]
     stopped = 0
