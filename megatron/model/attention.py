@@ -81,20 +81,25 @@ class SelfAttention(torch.nn.Module):
         return torch.cat((grad[:query_rows], shared))
 
     def forward(
-        self, hidden: torch.Tensor, rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None
+        self,
+        hidden: torch.Tensor,
+        rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``attention_mask`` [b, 1, s, s] (True: may attend) replaces the causal mask; it must be causal itself."""
         fused, _ = self.query_key_value(hidden)
         q, k, v = split_qkv(fused, self.heads, self.kv_heads, self.head_dim, self.grouped_layout, rotary_cos_sin)
-        window = None
+        mask = attention_mask
         if self.sliding_window_width is not None and self.sliding_window_width < q.shape[2] - 1:
             window = sliding_window_mask(q.shape[2], self.sliding_window_width, q.device)
+            mask = window if mask is None else mask & window
         context = F.scaled_dot_product_attention(
             q,
             k,
             v,
-            attn_mask=window,
+            attn_mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=window is None,
+            is_causal=mask is None,
             scale=self.head_dim**-0.5,
             enable_gqa=self.kv_heads != self.heads,
         )

@@ -105,9 +105,16 @@ class GPTModel(torch.nn.Module):
         return [self.sequential[layer_key(i)] for i in range(self.arch.num_layers)]
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, parallel_output: bool = False
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        parallel_output: bool = False,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids [b, s] -> logits [b, s, padded_vocab_size] in the parameter dtype.
+
+        ``attention_mask`` [b, 1, s, s], True where a query may see a key, replaces the causal mask
+        (megatron.data.batches builds one that also keeps packed documents apart).
 
         With ``parallel_output`` only this tensor-parallel rank's slice of the vocabulary (for
         ``causal_lm_loss(..., vocab_parallel=True)``, which never gathers the whole vocabulary).
@@ -131,9 +138,10 @@ class GPTModel(torch.nn.Module):
         recompute = self.arch.checkpoint_activations and self.training and torch.is_grad_enabled()
         for layer in self.layers:
             if recompute:
-                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, rotary_cos_sin, use_reentrant=False)
+                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, rotary_cos_sin, attention_mask,
+                                                           use_reentrant=False)
             else:
-                hidden = layer(hidden, rotary_cos_sin)
+                hidden = layer(hidden, rotary_cos_sin, attention_mask)
         hidden = self.sequential[str(self.arch.num_layers + 3)](hidden)
         if self.arch.tied_embeddings:
             logits = F.linear(copy_to_tensor_parallel_region(hidden), self.embedding.word_embeddings.weight)
