@@ -29,20 +29,25 @@ CHAT = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "h
 M = -100
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
+def make_chat_tokenizer(folder, eos: str = "<|eos|>"):
+    """A Hugging Face tokenizer folder: WordLevel over SPECIAL + WORDS (+ eos), TEMPLATE in tokenizer_config.json."""
     from transformers import PreTrainedTokenizerFast
 
-    folder = tmp_path_factory.mktemp("chat_tokenizer")
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL + WORDS)}, unk_token="<unk>"))
+    vocab = SPECIAL + WORDS + ([eos] if eos not in SPECIAL else [])
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(SPECIAL)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>", pad_token="<|pad|>",
+    tok.add_special_tokens(SPECIAL + [eos])
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token="<|pad|>",
                             unk_token="<unk>").save_pretrained(folder)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
     (folder / "chat_template.jinja").unlink(missing_ok=True)
     return folder
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return make_chat_tokenizer(tmp_path_factory.mktemp("chat_tokenizer"))
 
 
 def ids(text: str) -> list[int]:
