@@ -97,6 +97,10 @@ def test_labels_train_the_assistant_turns_by_default_and_the_last_with_only_last
     run("--input", source, "--tokenizer-path", str(tokenizer_dir), "--jsonl-keys", "messages",
         "--output-prefix", str(out), "--only-last", "--reward-key", "score", "--binary-reward")
     assert read(f"{out}_messages_label_document")[0] == [M] * (len(tokens) - 3) + ANSWER2 + [EOS]
+    # as in GPT-NeoX, --only-last trains the last turn only when it is the generation role's
+    run("--input", write_jsonl(tmp_path / "user_last.jsonl", [{"messages": CHAT[:4]}]), "--tokenizer-path",
+        str(tokenizer_dir), "--jsonl-keys", "messages", "--output-prefix", str(tmp_path / "u"), "--only-last")
+    assert set(read(tmp_path / "u_messages_label_document")[0]) == {M}
     rewards = MMapIndexedDataset(f"{out}_messages_reward_document")
     assert rewards.dtype == np.int32 and [r.tolist() for r in rewards] == [[1], [-1]]  # -2 is not +1
 

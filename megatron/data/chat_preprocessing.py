@@ -63,7 +63,7 @@ def build_chat(chat: list[dict], tokenizer, options: ChatOptions) -> tuple[list[
         next_is_generation = i + 1 < len(chat) and chat[i + 1]["role"] == options.generation_role
         turn_tokens = _template_ids(tokenizer, chat[: i + 1], add_generation_prompt=next_is_generation)[len(tokens):]
         tokens.extend(turn_tokens)
-        trained = i == len(chat) - 1 if options.only_last else turn["role"] == options.generation_role
+        trained = turn["role"] == options.generation_role and (not options.only_last or i == len(chat) - 1)
         labels.extend(turn_tokens if trained else [MASKED] * len(turn_tokens))
     labels.append(eos if labels and labels[-1] != MASKED else MASKED)
     tokens.append(eos)

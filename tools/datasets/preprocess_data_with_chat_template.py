@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-mask", action="store_true", help="train every token")
     parser.add_argument("--for-rm", action="store_true", help="reward-model data: mask all but the reward position")
     parser.add_argument("--generation-role", default="assistant", help="the role whose turns are trained")
-    parser.add_argument("--only-last", action="store_true", help="train only the last turn")
+    parser.add_argument("--only-last", action="store_true", help="train only the last turn (if it is the generation role's)")
     parser.add_argument("--reward-key", default=None, help="field holding a number per chat, written as rewards")
     parser.add_argument("--binary-reward", action="store_true", help="rewards become +1 (positive) or -1 (otherwise)")
     parser.add_argument("--num-docs", type=int, default=None, help="number of chats, for the progress bar")
