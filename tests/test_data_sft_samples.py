@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.data import DataError, MMapIndexedDataset, MMapIndexedDatasetBuilder, build_train_valid_test_datasets
+from megatron.data import (
+    DataError,
+    MMapIndexedDataset,
+    MMapIndexedDatasetBuilder,
+    build_train_valid_test_datasets,
+)
 from megatron.data.batches import BatchOptions, get_batch
 from megatron.data.gpt_dataset import GPTDataset
 from tests.test_data_gpt_dataset import make_args
