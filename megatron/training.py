@@ -105,13 +105,24 @@ def samples_per_split(args) -> tuple[int, int, int]:
     )
 
 
-def forward_loss(engine, batch) -> torch.Tensor:
-    from megatron.data import get_batch
+def forward_loss(engine, samples, batch_options=None) -> torch.Tensor:
+    """The loss of one micro batch: the mean over the targets its loss mask trains."""
+    from megatron.data import BatchOptions, get_batch
     from megatron.model import causal_lm_loss
 
-    tokens, labels, loss_mask = (t.to(current_device()) for t in get_batch(batch))
-    logits = engine(tokens, parallel_output=True)
-    return causal_lm_loss(logits, labels, loss_mask, vocab_parallel=True)
+    batch = get_batch(samples, batch_options or BatchOptions()).to(current_device())
+    logits = engine(batch.tokens, position_ids=batch.position_ids, attention_mask=batch.attention_mask,
+                    parallel_output=True)
+    return causal_lm_loss(logits, batch.labels, batch.loss_mask, vocab_parallel=True)
+
+
+def batch_options_for(args):
+    """How batches are formed: the settings that need the tokenizer's eod id get it."""
+    from megatron.data import BatchOptions
+    from megatron.tokenizer import build_tokenizer
+
+    needs_eod = args.eod_mask_loss or args.reset_position_ids or args.reset_attention_mask
+    return BatchOptions.from_args(args, build_tokenizer(args).eod if needs_eod else None)
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
@@ -122,7 +133,7 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
     return value.item()
 
 
-def train_step(engine, train_iterator, before_optimizer_step=None) -> float:
+def train_step(engine, train_iterator, before_optimizer_step=None, batch_options=None) -> float:
     """One optimizer step: ``gradient_accumulation_steps`` micro batches, then DeepSpeed steps.
 
     `before_optimizer_step` runs after the last backward, when the step's gradients are complete.
@@ -130,7 +141,7 @@ def train_step(engine, train_iterator, before_optimizer_step=None) -> float:
     losses = []
     micro_batches = engine.gradient_accumulation_steps()
     for micro_batch in range(micro_batches):
-        loss = forward_loss(engine, next(train_iterator))
+        loss = forward_loss(engine, next(train_iterator), batch_options)
         engine.backward(loss)
         if before_optimizer_step is not None and micro_batch == micro_batches - 1:
             before_optimizer_step()
@@ -140,9 +151,9 @@ def train_step(engine, train_iterator, before_optimizer_step=None) -> float:
 
 
 @torch.no_grad()
-def evaluate(engine, iterator, eval_iters: int) -> float:
+def evaluate(engine, iterator, eval_iters: int, batch_options=None) -> float:
     engine.eval()
-    losses = [forward_loss(engine, next(iterator)).float() for _ in range(eval_iters)]
+    losses = [forward_loss(engine, next(iterator), batch_options).float() for _ in range(eval_iters)]
     engine.train()
     return _mean_over_ranks(torch.stack(losses).mean())
 
@@ -303,6 +314,7 @@ def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals 
     saved_at = None
     state.schedule = state.schedule or Schedule.from_args(args)
     profiler = StepProfiler(args, current_rank())
+    options = batch_options_for(args)
     norms: dict[str, float] = {}
     if state.iteration == 0 and _should_save(args, 0):
         _save(args, engine, state)  # extra_save_iters may ask for the untrained model
@@ -319,7 +331,7 @@ def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals 
         set_learning_rate(engine.optimizer, lr)
         started = time.perf_counter()
         profiler.before_step(state.iteration)
-        last_train_loss = train_step(engine, train_iterator, inspect)
+        last_train_loss = train_step(engine, train_iterator, inspect, options)
         profiler.after_step(state.iteration)
         state.iteration = step
         state.consumed_train_samples += args.train_batch_size
@@ -335,7 +347,7 @@ def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals 
         watch.after_step(step, last_train_loss, scalars["train/grad_norm"], engine.was_step_applied(),
                          scalars["train/loss_scale"])
         if valid_iterator is not None and args.eval_interval and step % args.eval_interval == 0:
-            last_valid_loss = evaluate(engine, valid_iterator, args.eval_iters)
+            last_valid_loss = evaluate(engine, valid_iterator, args.eval_iters, options)
             state.consumed_valid_samples += samples_per_evaluation(args)
             metrics.write({"valid/loss": last_valid_loss, "valid/ppl": _perplexity(last_valid_loss)}, step)
             progress.message(f"validation at iteration {step}: loss {last_valid_loss:.4f} | "
@@ -356,7 +368,7 @@ def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals 
         _save(args, engine, state)
     test_loss = None
     if test_iterator is not None and args.eval_iters > 0:
-        test_loss = evaluate(engine, test_iterator, args.eval_iters)
+        test_loss = evaluate(engine, test_iterator, args.eval_iters, options)
         metrics.write({"test/loss": test_loss, "test/ppl": _perplexity(test_loss)}, state.iteration)
         get_logger().info(f"test: loss {test_loss:.4f} | perplexity {_perplexity(test_loss):.2f}")
     metrics.close()

@@ -91,7 +91,8 @@ def test_pipeline_layer_files_with_old_mlp_names_fine_tune_from_their_weights(tm
     # The model's own loss on the run's first batch, and that of the same model with its MLPs re-drawn
     # (what a load that skipped the old names would train from).
     train_iterator, _, _ = build_data_iterators(args, samples_per_split(args), 0, 1, 0)
-    tokens, labels, loss_mask = get_batch(next(train_iterator))
+    batch = get_batch(next(train_iterator))
+    tokens, labels, loss_mask = batch.tokens, batch.labels, batch.loss_mask
     with torch.no_grad():
         own_loss = causal_lm_loss(model(tokens), labels, loss_mask).item()
         for layer in model.layers:

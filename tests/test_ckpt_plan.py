@@ -465,6 +465,12 @@ def test_other_data_says_what_the_position_does_to_it_and_a_moved_spelling_says_
                                        finetune=True).describe()
 
 
+def test_another_pack_impl_says_what_the_position_does_to_the_samples(checkpoints):
+    # the same data cut into other samples: the position is a count of the old ones (2 steps of 2 samples)
+    assert ("pack_impl 'packed' -> 'unpacked': training continues at sample 4 of the new data"
+            in plan_for(checkpoints["zero1"], pack_impl="unpacked").describe())
+
+
 def test_a_tag_whose_client_state_counts_another_iteration_says_which_is_used(single_rank_world, tmp_path):
     root = _saved(tmp_path / "ckpt", iterations=(3,), iteration=2)
     plan = plan_for(root, stage=0)

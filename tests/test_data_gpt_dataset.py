@@ -218,6 +218,7 @@ def test_valid_iterator_cycles_and_train_ends(tmp_path):
 
 def test_get_batch_shifts_by_one():
     text = torch.arange(2 * (SEQ + 1)).reshape(2, SEQ + 1)
-    tokens, labels, loss_mask = get_batch({"text": text})
-    assert torch.equal(tokens, text[:, :-1]) and torch.equal(labels, text[:, 1:])
-    assert torch.equal(loss_mask, torch.ones(2, SEQ))
+    batch = get_batch({"text": text})
+    assert torch.equal(batch.tokens, text[:, :-1]) and torch.equal(batch.labels, text[:, 1:])
+    assert torch.equal(batch.loss_mask, torch.ones(2, SEQ))
+    assert batch.position_ids is None and batch.attention_mask is None

@@ -77,9 +77,8 @@ def assert_same_logits(ours: torch.nn.Module, hf: torch.nn.Module) -> None:
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("parallel_residual", [True, False], ids=["parallel", "sequential"])
-@pytest.mark.parametrize("rotary_pct", [0.25, 1.0])
-def test_gpt_neox_logits_equal_hugging_face(parallel_residual, rotary_pct):
+def gpt_neox_pair(parallel_residual: bool = True, rotary_pct: float = 0.25):
+    """(our GPTModel, HF GPTNeoXForCausalLM) holding the same random weights."""
     config = GPTNeoXConfig(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
@@ -114,12 +113,17 @@ def test_gpt_neox_logits_equal_hugging_face(parallel_residual, rotary_pct):
         seed=1234,
     )
     ours.load_state_dict(neox_state_from_hf(hf), strict=True)
-    assert_same_logits(ours, hf)
+    return ours, hf
 
 
-@pytest.mark.parametrize("kv_heads", [2, HEADS], ids=["gqa", "mha"])
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_llama_logits_equal_hugging_face(kv_heads, tied):
+@pytest.mark.parametrize("parallel_residual", [True, False], ids=["parallel", "sequential"])
+@pytest.mark.parametrize("rotary_pct", [0.25, 1.0])
+def test_gpt_neox_logits_equal_hugging_face(parallel_residual, rotary_pct):
+    assert_same_logits(*gpt_neox_pair(parallel_residual, rotary_pct))
+
+
+def llama_pair(kv_heads: int = 2, tied: bool = False):
+    """(our GPTModel, HF LlamaForCausalLM) holding the same random weights."""
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
@@ -156,4 +160,10 @@ def test_llama_logits_equal_hugging_face(kv_heads, tied):
         seed=1234,
     )
     ours.load_state_dict(llama_state_from_hf(hf, kv_heads, tied), strict=True)
-    assert_same_logits(ours, hf)
+    return ours, hf
+
+
+@pytest.mark.parametrize("kv_heads", [2, HEADS], ids=["gqa", "mha"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_llama_logits_equal_hugging_face(kv_heads, tied):
+    assert_same_logits(*llama_pair(kv_heads, tied))

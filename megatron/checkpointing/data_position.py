@@ -16,7 +16,8 @@ from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
 
 # The settings that say which documents the training samples come from, in which order.
-_DATA_SETTINGS = ("data_path", "split", "train_data_paths", "train_data_weights")
+_DATA_SETTINGS = ("data_path", "split", "train_data_paths", "train_data_weights", "train_label_data_paths",
+                  "pack_impl", "allow_chopped")
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def _data_notes(args, saved: dict, position: DataPosition) -> list[str]:
 
 def _comparable(name: str, value):
     """Data paths by the files they name, wherever they are spelled from."""
-    if value is None or name not in ("data_path", "train_data_paths"):
+    if value is None or name not in ("data_path", "train_data_paths", "train_label_data_paths"):
         return value
     paths = [value] if isinstance(value, str) else list(value)
     resolved = [os.path.realpath(os.path.expanduser(path)) for path in paths]

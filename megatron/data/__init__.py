@@ -12,7 +12,9 @@ _EXPORTS = {
     "build_data_iterators": "megatron.data.builders",
     "build_train_valid_test_datasets": "megatron.data.builders",
     "check_data_vocabulary": "megatron.data.data_vocabulary",
-    "get_batch": "megatron.data.builders",
+    "Batch": "megatron.data.batches",
+    "BatchOptions": "megatron.data.batches",
+    "get_batch": "megatron.data.batches",
     "DataError": "megatron.data.errors",
     "MMapIndexedDataset": "megatron.data.indexed_dataset",
     "MMapIndexedDatasetBuilder": "megatron.data.indexed_dataset",
@@ -20,7 +22,8 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from megatron.data.builders import build_data_iterators, build_train_valid_test_datasets, get_batch
+    from megatron.data.batches import Batch, BatchOptions, get_batch
+    from megatron.data.builders import build_data_iterators, build_train_valid_test_datasets
     from megatron.data.data_vocabulary import check_data_vocabulary
     from megatron.data.errors import DataError
     from megatron.data.indexed_dataset import (
@@ -30,6 +33,8 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "Batch",
+    "BatchOptions",
     "DataError",
     "MMapIndexedDataset",
     "MMapIndexedDatasetBuilder",

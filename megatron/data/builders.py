@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,8 +37,20 @@ def split_document_ranges(split: str, num_documents: int) -> list[tuple[int, int
     return [(int(bounds[i]), int(bounds[i + 1])) for i in range(3)]
 
 
-def _gpt_dataset(args, name: str, data: MMapIndexedDataset, documents: np.ndarray, num_samples: int) -> GPTDataset:
-    return GPTDataset(name, data, documents, num_samples, args.seq_length, args.seed)
+def _gpt_dataset(args, name: str, data: MMapIndexedDataset, documents: np.ndarray, num_samples: int,
+                 label_data: MMapIndexedDataset | None = None) -> GPTDataset:
+    return GPTDataset(name, data, documents, num_samples, args.seq_length, args.seed, pack_impl=args.pack_impl,
+                      allow_chopped=args.allow_chopped, label_dataset=label_data)
+
+
+def _label_paths(args, name: str, paths: Sequence[str]) -> list[str | None]:
+    labels = getattr(args, f"{name}_label_data_paths")
+    if not labels:
+        return [None] * len(paths)
+    if len(labels) != len(paths):
+        raise DataError(f"{name}_label_data_paths has {len(labels)} prefixes for {len(paths)} {name}_data_paths; "
+                        "give one label file per data path, in the same order")
+    return list(labels)
 
 
 def _blended_dataset(args, name: str, paths: Sequence[str], weights, num_samples: int):
@@ -47,9 +60,13 @@ def _blended_dataset(args, name: str, paths: Sequence[str], weights, num_samples
     normalised = normalize_weights(weights, paths, f"{name}_data_weights")
     counts = samples_per_dataset(normalised, num_samples)
     datasets = []
-    for i, (path, count) in enumerate(zip(paths, counts, strict=True)):
+    for i, (path, label_path, count) in enumerate(zip(paths, _label_paths(args, name, paths), counts, strict=True)):
         data = MMapIndexedDataset(path, setting=f"{setting}[{i}]")
-        datasets.append(_gpt_dataset(args, name, data, np.arange(len(data)), int(count)))
+        labels = MMapIndexedDataset(label_path, setting=f"{name}_label_data_paths[{i}]") if label_path else None
+        # Whole-document samples are indexed for as many samples as GPT-NeoX asks of each dataset (0.5 % more
+        # than its share), because that number seeds their order: the same files give the same samples.
+        index_samples = int(count) if args.pack_impl == "packed" else math.ceil(num_samples * normalised[i] * 1.005)
+        datasets.append(_gpt_dataset(args, name, data, np.arange(len(data)), index_samples, labels))
     if len(datasets) == 1:
         return datasets[0]
     return BlendableDataset(datasets, normalised, num_samples)
@@ -60,6 +77,10 @@ def build_train_valid_test_datasets(args, train_valid_test_num_samples: tuple[in
     without requested samples is None."""
     if args.seq_length is None or args.seq_length < 1:
         raise DataError("seq_length must be set to a positive number of tokens to build GPT samples")
+    for name in SPLIT_NAMES:
+        if getattr(args, f"{name}_label_data_paths") and not getattr(args, f"{name}_data_paths"):
+            raise DataError(f"{name}_label_data_paths needs {name}_data_paths (label files pair with data paths "
+                            f"one to one, as in GPT-NeoX); set {name}_data_paths")
     if args.train_data_paths:
         paths = {"train": args.train_data_paths, "valid": args.valid_data_paths, "test": args.test_data_paths}
         weights = {"train": args.train_data_weights, "valid": args.valid_data_weights,
@@ -125,12 +146,3 @@ def build_data_iterators(
         )
         iterators.append(_loader(dataset, sampler, args.num_workers))
     return tuple(iterators)
-
-
-def get_batch(batch: dict[str, torch.Tensor]):
-    """(tokens, labels, loss_mask): inputs, next-token targets and a loss mask of ones (GPT-NeoX's default)."""
-    text = batch["text"].long()
-    tokens = text[:, :-1].contiguous()
-    labels = text[:, 1:].contiguous()
-    loss_mask = torch.ones(tokens.shape, dtype=torch.float, device=tokens.device)
-    return tokens, labels, loss_mask

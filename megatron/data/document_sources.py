@@ -33,13 +33,9 @@ def is_jsonl(path: Path) -> bool:
     return path.suffix in (".jsonl", ".json")
 
 
-def iter_documents(paths: list[Path], jsonl_keys: list[str]) -> Iterator[dict[str, str]]:
-    """Yield {key: text} per document; a plain-text file is one document under every key."""
+def iter_jsonl_records(paths: list[Path]) -> Iterator[tuple[Path, int, dict]]:
+    """Yield (file, line number, parsed object) for every non-blank line of jsonl files."""
     for path in paths:
-        if not is_jsonl(path):
-            text = path.read_text(encoding="utf-8", errors="replace")
-            yield {key: text for key in jsonl_keys}
-            continue
         with path.open(encoding="utf-8") as stream:
             for line_number, line in enumerate(stream, start=1):
                 if not line.strip():
@@ -48,8 +44,25 @@ def iter_documents(paths: list[Path], jsonl_keys: list[str]) -> Iterator[dict[st
                     record = json.loads(line)
                 except json.JSONDecodeError as err:
                     raise DataError(f"{path}:{line_number} is not valid JSON ({err})") from err
-                missing = [key for key in jsonl_keys if key not in record]
-                if missing:
-                    raise DataError(f"{path}:{line_number} has no field {missing[0]!r}; "
-                                    f"choose the fields with --jsonl-keys (found {sorted(record)})")
-                yield {key: str(record[key]) for key in jsonl_keys}
+                if not isinstance(record, dict):
+                    raise DataError(f"{path}:{line_number} is a JSON {type(record).__name__}, not an object with fields")
+                yield path, line_number, record
+
+
+def missing_key_error(path: Path, line_number: int, key: str, record: dict, flag: str = "--jsonl-keys") -> DataError:
+    return DataError(f"{path}:{line_number} has no field {key!r}; choose the fields with {flag} "
+                     f"(found {sorted(record)})")
+
+
+def iter_documents(paths: list[Path], jsonl_keys: list[str]) -> Iterator[dict[str, str]]:
+    """Yield {key: text} per document; a plain-text file is one document under every key."""
+    for path in paths:
+        if not is_jsonl(path):
+            text = path.read_text(encoding="utf-8", errors="replace")
+            yield {key: text for key in jsonl_keys}
+            continue
+        for _, line_number, record in iter_jsonl_records([path]):
+            missing = [key for key in jsonl_keys if key not in record]
+            if missing:
+                raise missing_key_error(path, line_number, missing[0], record)
+            yield {key: str(record[key]) for key in jsonl_keys}

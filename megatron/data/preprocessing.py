@@ -1,4 +1,6 @@
-"""Tokenize documents into mmap indexed datasets: `{output_prefix}_{key}_document.bin/.idx` per key."""
+"""Tokenize documents into mmap indexed datasets: `{output_prefix}_{key}_document.bin/.idx` per key.
+
+`encode_into_builders` is the worker pool and writer loop every preprocessing tool shares."""
 
 from __future__ import annotations
 
@@ -6,9 +8,10 @@ import itertools
 import multiprocessing
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from megatron.data.data_vocabulary import write_vocabulary_record
 from megatron.data.indexed_dataset import (
@@ -31,10 +34,14 @@ class PreprocessResult:
 _worker_tokenizer: Tokenizer | None = None
 
 
-def _init_worker(spec: TokenizerSpec, in_pool: bool) -> None:
-    global _worker_tokenizer
+def _start_worker(initializer: Callable, initargs: tuple, in_pool: bool) -> None:
     if in_pool:  # the processes are the parallelism; keep the Rust tokenizer from starting threads in each
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    initializer(*initargs)
+
+
+def _init_worker(spec: TokenizerSpec) -> None:
+    global _worker_tokenizer
     _worker_tokenizer = build_tokenizer(spec)
 
 
@@ -50,14 +57,62 @@ def _encode_chunk(job: tuple[list[dict[str, str]], bool]) -> list[dict[str, list
     return encoded
 
 
-def _chunks(documents: Iterable[dict[str, str]], size: int) -> Iterator[list[dict[str, str]]]:
-    iterator = iter(documents)
+def chunks(items: Iterable, size: int) -> Iterator[list]:
+    iterator = iter(items)
     while chunk := list(itertools.islice(iterator, size)):
         yield chunk
 
 
 def output_prefix_for(output_prefix: str | Path, key: str) -> str:
     return f"{output_prefix}_{key}_document"
+
+
+def encode_into_builders(
+    jobs: Iterable,
+    encode_chunk: Callable[[Any], list[dict[str, Any]]],
+    initializer: Callable,
+    initargs: tuple,
+    builders: dict[str, MMapIndexedDatasetBuilder],
+    workers: int = 1,
+    progress: bool = False,
+    log_interval: int = 100,
+    expected_documents: int | None = None,
+    counted: Callable[[str], bool] = lambda name: True,
+) -> tuple[int, int, float]:
+    """Encode `jobs` (chunks of documents) with `workers` processes, keeping their order, and add each
+    document's sequences ({builder name: ids}, empty ones skipped) to `builders`, one document each.
+
+    Every process runs `initializer(*initargs)` first. Returns (documents, tokens in the `counted`
+    builders, seconds)."""
+    from tqdm import tqdm
+
+    pool = (multiprocessing.Pool(workers, initializer=_start_worker, initargs=(initializer, initargs, True))
+            if workers > 1 else None)
+    if pool is None:
+        _start_worker(initializer, initargs, in_pool=False)
+    encoded_chunks = pool.imap(encode_chunk, jobs) if pool else map(encode_chunk, jobs)
+    start = time.perf_counter()
+    documents_done = tokens_done = 0
+    bar = tqdm(total=expected_documents, unit="doc", disable=not progress, mininterval=0.5)
+    try:
+        for encoded in itertools.chain.from_iterable(encoded_chunks):
+            for name, ids in encoded.items():
+                if len(ids):
+                    builders[name].add_item(ids)
+                    builders[name].end_document()
+                if counted(name):
+                    tokens_done += len(ids)
+            documents_done += 1
+            bar.update(1)
+            if documents_done % log_interval == 0:
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix(docs_per_s=f"{documents_done / elapsed:.0f}", tokens_per_s=f"{tokens_done / elapsed:.0f}")
+    finally:
+        bar.close()
+        if pool:
+            pool.terminate()  # every result has been consumed, or an error ends the run
+            pool.join()
+    return documents_done, tokens_done, time.perf_counter() - start
 
 
 def tokenize_to_indexed_datasets(
@@ -74,39 +129,15 @@ def tokenize_to_indexed_datasets(
 ) -> PreprocessResult:
     """Tokenize every document (one sequence per document, empty ones skipped) with `workers` processes,
     each encoding chunks of `chunksize` documents in one batch call."""
-    from tqdm import tqdm
-
     tokenizer = build_tokenizer(spec)
     dtype = best_fitting_dtype(tokenizer.vocab_size)
     prefixes = {key: output_prefix_for(output_prefix, key) for key in keys}
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
     builders = {key: MMapIndexedDatasetBuilder(data_file_path(prefix), dtype) for key, prefix in prefixes.items()}
-    jobs = ((chunk, append_eod) for chunk in _chunks(documents, chunksize))
-    pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(spec, True)) if workers > 1 else None
-    if pool is None:
-        _init_worker(spec, in_pool=False)
-    encoded_chunks = pool.imap(_encode_chunk, jobs) if pool else map(_encode_chunk, jobs)
-    start = time.perf_counter()
-    documents_done = tokens_done = 0
-    bar = tqdm(total=expected_documents, unit="doc", disable=not progress, mininterval=0.5)
-    try:
-        for encoded in itertools.chain.from_iterable(encoded_chunks):
-            for key, ids in encoded.items():
-                if ids:
-                    builders[key].add_item(ids)
-                    builders[key].end_document()
-                tokens_done += len(ids)
-            documents_done += 1
-            bar.update(1)
-            if documents_done % log_interval == 0:
-                elapsed = max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix(docs_per_s=f"{documents_done / elapsed:.0f}", tokens_per_s=f"{tokens_done / elapsed:.0f}")
-    finally:
-        bar.close()
-        if pool:
-            pool.terminate()  # every result has been consumed, or an error ends the run
-            pool.join()
+    jobs = ((chunk, append_eod) for chunk in chunks(documents, chunksize))
+    documents_done, tokens_done, seconds = encode_into_builders(
+        jobs, _encode_chunk, _init_worker, (spec,), builders, workers, progress, log_interval, expected_documents)
     for key, prefix in prefixes.items():
         builders[key].finalize(index_file_path(prefix))
         write_vocabulary_record(prefix, tokenizer.vocab_size, builders[key].max_token_id, spec.tokenizer_type)
-    return PreprocessResult(prefixes, documents_done, tokens_done, time.perf_counter() - start)
+    return PreprocessResult(prefixes, documents_done, tokens_done, seconds)

@@ -85,28 +85,36 @@ class SelfAttention(torch.nn.Module):
         return torch.cat((grad[:query_rows], shared))
 
     def forward(
-        self, hidden: torch.Tensor, rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        self,
+        hidden: torch.Tensor,
+        rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None = None,
         kv_cache: LayerKeysValues | None = None,
     ) -> torch.Tensor:
-        """With `kv_cache`, `hidden` holds the tokens after the cached ones, which they attend to as well."""
+        """``attention_mask`` [b, 1, s, s] (True: may attend) replaces the causal mask; it must be causal itself.
+
+        With `kv_cache`, `hidden` holds the tokens after the cached ones, which they attend to as well.
+        """
         fused, _ = self.query_key_value(hidden)
         q, k, v = split_qkv(fused, self.heads, self.kv_heads, self.head_dim, self.grouped_layout, rotary_cos_sin)
         past = 0
         if kv_cache is not None:
             past = kv_cache.length
             k, v = kv_cache.extend(k, v)
-        window = None
+        mask = attention_mask
         if past:  # is_causal would align the queries with the first keys, not the last
             window = sliding_window_mask(q.shape[2], self.sliding_window_width, q.device, past)
+            mask = window if mask is None else mask & window
         elif self.sliding_window_width is not None and self.sliding_window_width < q.shape[2] - 1:
             window = sliding_window_mask(q.shape[2], self.sliding_window_width, q.device)
+            mask = window if mask is None else mask & window
         context = F.scaled_dot_product_attention(
             q,
             k,
             v,
-            attn_mask=window,
+            attn_mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=window is None,
+            is_causal=mask is None,
             scale=self.head_dim**-0.5,
             enable_gqa=self.kv_heads != self.heads,
         )

@@ -106,10 +106,17 @@ class GPTModel(torch.nn.Module):
         return [self.sequential[layer_key(i)] for i in range(self.arch.num_layers)]
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, parallel_output: bool = False,
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        parallel_output: bool = False,
+        attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """input_ids [b, s] -> logits [b, s, padded_vocab_size] in the parameter dtype.
+
+        ``attention_mask`` [b, 1, s, s], True where a query may see a key, replaces the causal mask
+        (megatron.data.batches builds one that also keeps packed documents apart).
 
         With ``parallel_output`` only this tensor-parallel rank's slice of the vocabulary (for
         ``causal_lm_loss(..., vocab_parallel=True)``, which never gathers the whole vocabulary).
@@ -136,11 +143,12 @@ class GPTModel(torch.nn.Module):
         recompute = self.arch.checkpoint_activations and self.training and torch.is_grad_enabled()
         for index, layer in enumerate(self.layers):
             if recompute:
-                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, rotary_cos_sin, use_reentrant=False)
+                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, rotary_cos_sin, attention_mask,
+                                                           use_reentrant=False)
             elif kv_cache is not None:
-                hidden = layer(hidden, rotary_cos_sin, kv_cache.layers[index])
+                hidden = layer(hidden, rotary_cos_sin, attention_mask, kv_cache.layers[index])
             else:
-                hidden = layer(hidden, rotary_cos_sin)
+                hidden = layer(hidden, rotary_cos_sin, attention_mask)
         hidden = self.sequential[str(self.arch.num_layers + 3)](hidden)
         if self.arch.tied_embeddings:
             logits = F.linear(copy_to_tensor_parallel_region(hidden), self.embedding.word_embeddings.weight)

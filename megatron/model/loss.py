@@ -32,4 +32,5 @@ def causal_lm_loss(
     if loss_mask is None:
         return losses.mean()
     mask = loss_mask.reshape(-1).float()
-    return (losses * mask).sum() / mask.sum()
+    # A micro batch with nothing to train (every label masked) contributes 0, not 0 / 0.
+    return (losses * mask).sum() / mask.sum().clamp(min=1.0)

@@ -33,10 +33,13 @@ class TransformerLayer(torch.nn.Module):
         return F.dropout(x, p=self.hidden_dropout, training=self.training)
 
     def forward(
-        self, x: torch.Tensor, rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        self,
+        x: torch.Tensor,
+        rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None = None,
         kv_cache: LayerKeysValues | None = None,
     ) -> torch.Tensor:
-        attn_out = self._dropout(self.attention(self.input_layernorm(x), rotary_cos_sin, kv_cache))
+        attn_out = self._dropout(self.attention(self.input_layernorm(x), rotary_cos_sin, attention_mask, kv_cache))
         if self.parallel_residual:
             mlp_out = self._dropout(self.mlp(self.post_attention_layernorm(x)))
             return x + attn_out + mlp_out

@@ -100,7 +100,6 @@ INERT: dict[str, str] = {
     "short_seq_prob": "used only by BERT-style data, not GPT training",
     "s3_chunk_size": _only_with("s3_path"),
     "weighted_sampler_alpha": _only_with("weight_by_num_documents"),
-    "allow_chopped": "only matters with pack_impl other than packed",
     "param_sharing_style": _only_with("num_unique_layers"),
     "gmlp_attn_dim": _only_with("gMLP attention"),
     "rpe_num_buckets": _only_with("pos_emb: rpe"),
@@ -173,7 +172,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "curriculum_learning": (_disabled_dict, _not_built("curriculum learning")),
     "train_impl": (_equals("normal"), "only normal language-model training is built here (GPT-NeoX's DPO/KTO/RM/REINFORCE are not)"),
     "dataset_impl": (_equals("gpt2"), _not_built("pairwise and online datasets", "use dataset_impl: gpt2")),
-    "pack_impl": (_equals("packed"), _not_built("unpacked samples", "use pack_impl: packed")),
     "mlp_type": (_equals("regular"), "for Llama's gated MLP write `activation: swiglu` instead of mlp_type"),
     "gpt_j_tied": (_falsy, "tied parallel-residual norms are not supported (gpt_j_residual with two norms is)"),
     "checkpoint_scale": (_equals("linear"), "only linear checkpoint spacing is supported (checkpoint_factor, extra_save_iters)"),
@@ -197,7 +195,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "no_save_optim": (_falsy, _not_built("saving checkpoints without optimizer states")),
     "no_save_rng": (_falsy, _not_built("saving checkpoints without RNG states")),
     "exit_interval": (_falsy, _not_built("exit_interval", "set train_iters")),
-    "eod_mask_loss": (_falsy, _not_built("masking the loss on end-of-document tokens")),
     "char_level_ppl": (_falsy, _not_built("character-level perplexity")),
     "adlr_autoresume": (_falsy, _not_built("ADLR autoresume")),
     "weight_by_num_documents": (_falsy, _not_built("weighting datasets by document count", "set train_data_weights")),
@@ -213,8 +210,7 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "autotuning_run": (_falsy, _not_built("DeepSpeed autotuning through deepy.py")),
 }
 for _split in ("train", "valid", "test"):
-    for _kind in ("label", "reward"):
-        UNSUPPORTED[f"{_split}_{_kind}_data_paths"] = (_falsy, _not_built(f"separate {_kind} datasets"))
+    UNSUPPORTED[f"{_split}_reward_data_paths"] = (_falsy, _not_built("reward datasets (KTO)"))
     for _sign in ("pos", "neg"):
         UNSUPPORTED[f"{_sign}_{_split}_data_paths"] = (_falsy, _not_built("pairwise (DPO) datasets"))
         UNSUPPORTED[f"{_sign}_{_split}_label_data_paths"] = (_falsy, _not_built("pairwise (DPO) datasets"))

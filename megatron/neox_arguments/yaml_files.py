@@ -103,7 +103,8 @@ def parse_config_text(text: str, source: str) -> dict[str, Any]:
 DATA_SOURCE_ALTERNATIVES = (
     ("data_path",),
     ("train_data_paths", "valid_data_paths", "test_data_paths",
-     "train_data_weights", "valid_data_weights", "test_data_weights"),
+     "train_data_weights", "valid_data_weights", "test_data_weights",
+     "train_label_data_paths", "valid_label_data_paths", "test_label_data_paths"),
     ("embedded_corpus",),
 )
 

@@ -1,0 +1,73 @@
+"""From a collated batch of samples to what the model and the loss read: inputs, targets, loss mask,
+and, for packed documents that must not see each other, per-document positions and attention.
+
+GPT-NeoX's rules: inputs are text[:, :-1] and targets text[:, 1:], or label[:, 1:] when the batch has
+labels (the label file is aligned with the tokens, not shifted); a negative target is masked and
+replaced by 0. eod_mask_loss also masks every position whose input is the eod token. Megatron-LM's
+reset_position_ids / reset_attention_mask start the positions again after each eod token and keep
+a token from attending to anything before the eod that precedes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    eod: int | None = None  # the tokenizer's end-of-document id, needed by the three settings below
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+
+    @classmethod
+    def from_args(cls, args, eod: int | None) -> BatchOptions:
+        return cls(eod, args.eod_mask_loss, args.reset_position_ids, args.reset_attention_mask)
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [b, s] inputs
+    labels: torch.Tensor  # [b, s] next-token targets, 0 where masked
+    loss_mask: torch.Tensor  # [b, s] float, 1 where the target is trained
+    position_ids: torch.Tensor | None = None  # [b, s]; None: 0 .. s-1 in every row
+    attention_mask: torch.Tensor | None = None  # [b, 1, s, s] bool, True where a query may see a key; None: causal
+
+    def to(self, device) -> Batch:
+        return Batch(*(None if t is None else t.to(device) for t in
+                       (self.tokens, self.labels, self.loss_mask, self.position_ids, self.attention_mask)))
+
+
+def document_positions(tokens: torch.Tensor, eod: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(document number, position within the document) of every token; a document ends with its eod."""
+    is_eod = tokens == eod
+    document = torch.cumsum(is_eod, dim=1) - is_eod.long()
+    index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    after_eod = torch.where(is_eod, index + 1, torch.zeros_like(index))
+    start = torch.cummax(torch.cat([torch.zeros_like(index[:, :1]), after_eod[:, :-1]], dim=1), dim=1).values
+    return document, index - start
+
+
+def get_batch(batch: dict[str, torch.Tensor], options: BatchOptions = BatchOptions()) -> Batch:
+    text = batch["text"].long()
+    tokens = text[:, :-1].contiguous()
+    targets = batch["label"].long()[:, 1:] if "label" in batch else text[:, 1:]
+    trained = targets >= 0
+    labels = torch.where(trained, targets, torch.zeros_like(targets)).contiguous()
+    loss_mask = trained.float()
+    if options.eod_mask_loss or options.reset_position_ids or options.reset_attention_mask:
+        if options.eod is None:
+            raise ValueError("eod_mask_loss / reset_position_ids / reset_attention_mask need the tokenizer's eod id")
+    if options.eod_mask_loss:
+        loss_mask = loss_mask * (tokens != options.eod).float()
+    position_ids = attention_mask = None
+    if options.reset_position_ids or options.reset_attention_mask:
+        document, position = document_positions(tokens, options.eod)
+        if options.reset_position_ids:
+            position_ids = position
+        if options.reset_attention_mask:
+            causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=tokens.device).tril()
+            attention_mask = ((document[:, :, None] == document[:, None, :]) & causal).unsqueeze(1)
+    return Batch(tokens, labels, loss_mask, position_ids, attention_mask)
