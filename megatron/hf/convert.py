@@ -175,7 +175,7 @@ def convert_neox_to_hf(
     except ModelConfigError as err:  # the model's own check of the settings
         raise HFConversionError(f"{tag_dir}: the saved settings do not describe a valid model: {err}") from None
     module = read_full_module_weights(tag_dir, tp_size, arch)
-    family = architecture or family_of(arch)
+    family = architecture or settings.get("hf_model_type") or family_of(arch)
     problems = unrepresentable(arch, family)
     if problems:
         raise HFConversionError(
