@@ -353,6 +353,44 @@ def architecture_mismatches(theirs: Mapping[str, Any], ours: Mapping[str, Any]) 
             if name in theirs and name in ours and theirs[name] != ours[name]]
 
 
+def implied_family(arch: Architecture) -> str:
+    """The family (as Hugging Face's model_type) ``arch`` implies: gpt_neox unless RMSNorm + SwiGLU; then qwen3
+    for q/k norms, qwen2 for biases on q/k/v alone, mistral for a sliding window, else llama."""
+    if not (arch.norm == "rmsnorm" and arch.activation == "swiglu"):
+        return "gpt_neox"
+    if arch.qk_layernorm:
+        return "qwen3"
+    if arch.add_qkv_bias and not arch.bias_in_attn_linear:
+        return "qwen2"
+    return "mistral" if arch.sliding_window_width is not None else "llama"
+
+
+def variants_in_force(arch: Architecture) -> list[str]:
+    """The options of the architecture that change the function away from the plain one, in words."""
+    found = []
+    if arch.num_kv_heads != arch.num_attention_heads:
+        found.append(f"grouped-query attention ({arch.num_kv_heads} key/value heads)")
+    if arch.head_dim * arch.num_attention_heads != arch.hidden_size:
+        found.append(f"heads {arch.head_dim} wide (kv_channels; hidden_size / heads is "
+                     f"{arch.hidden_size / arch.num_attention_heads:g})")
+    if arch.pos_emb == "rotary" and arch.rope_scaling is not None:
+        parameters = ", ".join(f"{k} {v}" for k, v in arch.rope_scaling.items() if k != "rope_type")
+        found.append(f"RoPE scaling {arch.rope_scaling['rope_type']} ({parameters})")
+    if arch.sliding_window_width is not None:
+        found.append(f"sliding window: {arch.sliding_window_width} keys back")
+    if arch.qk_layernorm:
+        found.append("per-head query/key norm (qk_layernorm)")
+    if arch.add_qkv_bias and not arch.bias_in_attn_linear:
+        found.append("biases on q/k/v only (add_qkv_bias)")
+    return found
+
+
+def describe_model(arch: Architecture, family: str | None = None) -> str:
+    """One line for the load plan and inspect_checkpoint.py: the family and the variants in force."""
+    variants = variants_in_force(arch)
+    return f"{family or implied_family(arch)}, {'; '.join(variants) if variants else 'no variants'}"
+
+
 def tensor_parallel_split_problem(tp: int, heads: int, kv_heads: int, intermediate_size: int) -> str | None:
     """Why the model cannot be split over ``tp`` tensor-parallel ranks, or None when it can.
 

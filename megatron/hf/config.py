@@ -201,18 +201,6 @@ def spec_from_hf_config(hf: dict[str, Any], source: str = "config.json") -> HFMo
     return spec
 
 
-def family_of(arch: Architecture) -> str:
-    """The HF family ``arch`` implies: gpt_neox unless RMSNorm + SwiGLU; then qwen3 for q/k norms, qwen2 for
-    biases on q/k/v alone, mistral for a sliding window, else llama."""
-    if not (arch.norm == "rmsnorm" and arch.activation == "swiglu"):
-        return "gpt_neox"
-    if arch.qk_layernorm:
-        return "qwen3"
-    if arch.add_qkv_bias and not arch.bias_in_attn_linear:
-        return "qwen2"
-    return "mistral" if arch.sliding_window_width is not None else "llama"
-
-
 def unrepresentable(arch: Architecture, family: str) -> list[str]:
     """Why ``arch`` cannot be written as ``family``; empty when it can."""
     problems = []
