@@ -245,8 +245,10 @@ def test_settings_that_disagree_with_config_json_are_an_error_naming_both_values
     ("change", "expected"),
     [
         (dict(model_type="gpt2"), "model_type 'gpt2' is not supported"),
-        (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "rope_type 'linear'"),
-        (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_type 'dynamic'"),
+        (dict(rope_parameters={"rope_type": "longrope", "factor": 2.0, "rope_theta": 10000.0}), "rope_type 'longrope'"),
+        (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_type 'dynamic' .* not supported for training"),
+        (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0}),
+         "low_freq_factor, high_freq_factor, original_max_position_embeddings missing"),
         (dict(hidden_act="gelu_10"), "hidden_act 'gelu_10'"),
     ],
 )
@@ -276,11 +278,14 @@ def test_transformers_4_config_layout_translates_the_same(kind):
     assert translated.settings["rotary_emb_base"] == int(rope["rope_theta"])
 
 
-def test_llama_options_we_cannot_represent_are_refused():
-    model = make_hf_model("llama_gqa")
-    for change, expected in ((dict(hidden_act="gelu"), "hidden_act 'gelu'"), (dict(head_dim=32), "head_dim=32")):
+def test_llama_like_options_we_cannot_represent_are_refused():
+    for kind, change, expected in (
+            ("llama_gqa", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+            ("llama_gqa", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+            ("qwen2", dict(use_sliding_window=True), "a window on some layers only is not supported"),
+            ("qwen3", dict(layer_types=["sliding_attention", "full_attention"]), "a window on some layers only")):
         with pytest.raises(HFConversionError, match=expected):
-            spec_from_hf_config({**model.config.to_dict(), **change})
+            spec_from_hf_config({**make_hf_model(kind).config.to_dict(), **change})
 
 
 def test_weights_that_do_not_fit_the_config_are_refused(tmp_path):

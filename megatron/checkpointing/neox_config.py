@@ -16,7 +16,9 @@ one describes the files of the tag as written:
   run on the embedded corpus is written as a run on that corpus's dataset and tokenizer file.
 - fp16 / bf16 sections that say the precision, which GPT-NeoX's tools read from them.
 
-Our own loader reads it back as the same run (derived settings are left out: they are derived again).
+Our own loader reads it back as the same run (derived settings are left out: they are derived again),
+except for the settings GPT-NeoX has no key for (``NOT_GPT_NEOX_KEYS``: its reader would refuse them),
+which the tag's saved settings and copied YAML files keep.
 """
 
 from __future__ import annotations
@@ -28,13 +30,17 @@ import yaml
 
 from megatron.architecture import architecture_from_settings, ungated_mlp_width
 
+# settings of megatron-core's names (or ours) for what GPT-NeoX cannot express
+NOT_GPT_NEOX_KEYS = ("kv_channels", "qk_layernorm", "add_qkv_bias", "rope_scaling", "hf_model_type",
+                     "zero_allow_untested_optimizer")
+
 
 def resolved_neox_config(settings: dict[str, Any]) -> dict[str, Any]:
     """The YAML content for `settings` (NeoXArgs.to_dict() of the run, after its tokenizer is chosen)."""
     from megatron.neox_arguments import SETTINGS
 
     values = {name: value for name, value in settings.items()
-              if value is not None and name in SETTINGS and not SETTINGS[name].derived}
+              if value is not None and name in SETTINGS and not SETTINGS[name].derived and name not in NOT_GPT_NEOX_KEYS}
     arch = architecture_from_settings({**{n: s.default for n, s in SETTINGS.items()}, **settings})
     values.update(intermediate_size=ungated_mlp_width(arch.hidden_size, settings.get("intermediate_size")),
                   num_kv_heads=arch.num_kv_heads, max_position_embeddings=arch.max_position_embeddings)

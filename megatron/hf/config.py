@@ -19,6 +19,7 @@ from typing import Any
 from megatron.architecture import GELU_EXACT, GELU_TANH, Architecture, ModelConfigError
 from megatron.hf.errors import HFConversionError
 from megatron.neox_arguments.arguments import NeoXArgs
+from megatron.neox_arguments.errors import ConfigError
 
 FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2", "qwen3")
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")  # one layout of weights: model.layers.<i>.self_attn.q_proj, ...
@@ -196,7 +197,7 @@ def spec_from_hf_config(hf: dict[str, Any], source: str = "config.json") -> HFMo
     spec = HFModelSpec(family, settings, _require(hf, "vocab_size", source))
     try:
         spec.architecture()
-    except ModelConfigError as err:
+    except (ModelConfigError, ConfigError) as err:
         raise HFConversionError(f"{source}: the model it describes is not valid for us: {err}") from None
     return spec
 

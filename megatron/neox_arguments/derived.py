@@ -306,8 +306,8 @@ def _derive_model_shape(v: dict[str, Any], sources: dict[str, str]) -> None:
             raise _fail(sources, "rotary_pct", f"rotates {rotary_dims} of {head_dim} head dims; needs an even number >= 2")
     try:
         v["rope_scaling"] = rope_scaling_of(v["rope_scaling"])
-    except ModelConfigError as err:
-        raise _fail(sources, "rope_scaling", str(err)) from None
+    except ModelConfigError as err:  # its message names rope_scaling
+        raise ConfigError(f"{sources.get('rope_scaling', '<defaults>')}: {err}") from None
     if v["rope_scaling"] is not None and v["pos_emb"] != "rotary":
         raise _fail(sources, "rope_scaling", f"scales rotary embedding, but pos_emb is {v['pos_emb']!r}")
     try:
