@@ -47,6 +47,10 @@ FAMILIES = {
 }
 # Multi-query Llama: one key/value head, replicated on both ranks.
 FAMILIES["llama-mqa"] = {**FAMILIES["llama"], "num_kv_heads": 1}
+# Qwen3's per-head q/k norms (replicated weights on split heads), heads 32 wide, q/k/v biases and yarn,
+# with the one key/value head replicated
+FAMILIES["qwen3-yarn"] = {**FAMILIES["llama-mqa"], "qk_layernorm": True, "kv_channels": 32, "add_qkv_bias": True,
+                          "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}}
 
 
 def check(condition: bool, message: str) -> None:

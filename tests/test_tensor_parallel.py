@@ -29,10 +29,10 @@ def run_worker(check: str, work_dir: Path, ranks: int = 2) -> str:
 
 
 def test_tp2_builds_the_same_model_and_gives_the_same_loss_and_gradients_as_tp1(tmp_path):
-    """Both families (and tied embeddings with learned positions): the full weights drawn at TP 2 equal
-    TP 1's bit for bit, and the loss (vocab-parallel cross entropy), logits and gradients agree."""
+    """Both families (and tied embeddings with learned positions, and Qwen3's variants): the full weights drawn
+    at TP 2 equal TP 1's bit for bit, and the loss (vocab-parallel cross entropy), logits and gradients agree."""
     stdout = run_worker("equivalence", tmp_path)
-    for family in ("neox", "tied-learned", "llama"):
+    for family in ("neox", "tied-learned", "llama", "qwen3-yarn"):
         assert f"{family}: loss" in stdout
 
 
