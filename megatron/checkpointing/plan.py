@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron.architecture import describe_model
+from megatron.architecture import ModelConfigError, describe_model
 from megatron.checkpointing import layout, manifest, preflight
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.data_position import DataPosition, data_position, resume_change_notes
@@ -227,8 +227,13 @@ def _hf_plan(args, inventory: CheckpointInventory, mode: LoadMode) -> LoadPlan:
                     notes=(*_model_from_checkpoint_note(args, root), unchecked))
 
 
-def _model(args) -> str:
-    return describe_model(args.architecture(), args.hf_model_type)
+def _model(args) -> str | None:
+    """The model's family and variants; None before the settings describe a whole model (no padded_vocab_size
+    yet: the compatibility checks say what is missing when it matters)."""
+    try:
+        return describe_model(args.architecture(), args.hf_model_type)
+    except ModelConfigError:
+        return None
 
 
 def _model_from_checkpoint_note(args, root: Path) -> list[str]:
