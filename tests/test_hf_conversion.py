@@ -46,6 +46,9 @@ FAMILIES = {
     "llama_yarn": ("llama", dict(num_key_value_heads=2, rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8))),
     "llama_linear": ("llama", dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0))),
+    # transformers' GPTNeoX takes RoPE scaling too; yarn on a partial rotary (GPT-NeoX itself has no such setting)
+    "neox_yarn": ("gpt_neox", dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                        original_max_position_embeddings=8, partial_rotary_factor=0.5))),
     # Mistral's window of 6 positions, shorter than tokens()'s 16
     "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=6)),
     # Qwen2.5: biases on q/k/v only, tied embeddings as in its small models, yarn for long context

@@ -30,6 +30,7 @@ SWITCHED_OFF = {
     "llama31": [dict(rope_scaling=None)],
     "llama_yarn": [dict(rope_scaling=None)],
     "llama_linear": [dict(rope_scaling=None)],
+    "neox_yarn": [dict(rope_scaling=None)],
     "mistral": [dict(sliding_window_width=None)],
     "qwen2": [dict(rope_scaling=None), dict(add_qkv_bias=False)],
     "qwen3": [dict(qk_layernorm=False)],
