@@ -51,6 +51,8 @@ FAMILIES = {
                                                         original_max_position_embeddings=8, partial_rotary_factor=0.5))),
     # Mistral's window of 6 positions, shorter than tokens()'s 16
     "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=6)),
+    # without a window it computes what a Llama does, and goes back as a Mistral all the same (hf_model_type)
+    "mistral_no_window": ("mistral", dict(num_key_value_heads=2, sliding_window=None)),
     # Qwen2.5: biases on q/k/v only, tied embeddings as in its small models, yarn for long context
     "qwen2": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True, rope_parameters=dict(
         rope_type="yarn", rope_theta=1000000.0, factor=4.0, original_max_position_embeddings=8))),
@@ -303,8 +305,8 @@ def test_weights_that_do_not_fit_the_config_are_refused(tmp_path):
         convert_hf_to_neox(hf_dir, tmp_path / "out")
 
 
-@pytest.mark.parametrize("kind", ["neox_parallel", "llama_gqa", "llama_tied_biases", "llama31", "mistral", "qwen2",
-                                  "qwen3"])
+@pytest.mark.parametrize("kind", ["neox_parallel", "llama_gqa", "llama_tied_biases", "llama31", "mistral",
+                                  "mistral_no_window", "qwen2", "qwen3"])
 def test_hf_to_ours_to_hf_folders_are_bit_exact_and_load_in_transformers(kind, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

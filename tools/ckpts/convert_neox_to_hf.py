@@ -1,7 +1,7 @@
 """Convert a checkpoint of ours into a Hugging Face model folder that AutoModelForCausalLM loads.
 
     python tools/ckpts/convert_neox_to_hf.py --input CKPT_DIR [--tag TAG] --output HF_DIR
-                                             [--architecture gpt_neox|llama] [--config FILE.yml ...]
+                                             [--architecture gpt_neox|llama|mistral|qwen2|qwen3] [--config FILE.yml ...]
                                              [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
 
 The architecture comes from the settings saved in the checkpoint, or from --config YAML files
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", required=True, type=Path, help="checkpoint folder (holds `latest` and tags)")
     parser.add_argument("--tag", help="tag to convert (default: the one in `latest`)")
     parser.add_argument("--output", required=True, type=Path, help="Hugging Face model folder to write")
-    parser.add_argument("--architecture", choices=FAMILIES, help="default: llama for rmsnorm + swiglu, else gpt_neox")
+    parser.add_argument("--architecture", choices=FAMILIES, help="default: the family the model came from (hf_model_type), else the one its architecture implies")
     parser.add_argument("--config", type=Path, nargs="+", help="YAML files with the model settings")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: the dtype of the checkpoint's weights")
     parser.add_argument("--max-shard-size", default="5GB", help="split model.safetensors above this (e.g. 5GB, 200MB)")
