@@ -31,6 +31,10 @@ A load is refused when a field of ``FIELDS_THAT_REFUSE_A_LOAD`` differs between 
 | tied_embeddings         | not no_weight_tying                                | always                  |
 | parallel_residual       | gpt_j_residual                                     | always                  |
 | sliding_window_width    | sliding_window_width (unset: no window; Mistral)   | the setting is known    |
+| kv_channels             | kv_channels (unset: hidden_size / heads; Qwen3)    | always                  |
+| qk_layernorm            | qk_layernorm (Qwen3)                               | the setting is known    |
+| add_qkv_bias            | add_qkv_bias (Qwen2)                               | the setting is known    |
+| rope_scaling            | rope_scaling (Llama 3.1+, Qwen's yarn)             | pos_emb is rotary       |
 
 Settings saved by another program may lack some keys: a field whose settings are missing is not
 compared (``fields_of_settings``). The other fields (dropout, initialisation, activation
@@ -43,6 +47,13 @@ gate + up projection ``linear1``, rounded up to a multiple of ``2 * mlp_multiple
 it, rounded up to ``mlp_multiple_of``, as ``linear2``'s input. Llama-7B's ``intermediate_size:
 32768`` with ``mlp_multiple_of: 256`` builds 11008 per projection. ``Architecture.intermediate_size``
 is that built width per projection (Hugging Face's ``intermediate_size``).
+
+RoPE scaling (``rope_scaling``) is given as a Hugging Face checkpoint records it, a mapping with
+``rope_type`` and that type's parameters (``ROPE_SCALING_KEYS``): ``linear`` divides every frequency
+by ``factor``; ``llama3`` divides the low frequencies by ``factor`` and blends the middle ones
+(Llama 3.1+); ``yarn`` blends interpolated and extrapolated frequencies and scales cos and sin by an
+attention factor (Qwen's long context). ``dynamic`` changes the frequencies with each input's length
+at inference, so a trained model would depend on the batch's length; it is refused.
 """
 
 from __future__ import annotations
@@ -96,10 +107,18 @@ class Architecture:
     checkpoint_activations: bool
     model_parallel_size: int = 1
     sliding_window_width: int | None = None  # Mistral: keys at most this many positions back, and the query's own
+    kv_channels: int | None = None  # each head's width (Hugging Face's head_dim); None: hidden_size / heads
+    qk_layernorm: bool = False  # a norm over each head's query and key, weights per projection (Qwen3)
+    add_qkv_bias: bool = False  # biases on the query/key/value projection alone (Qwen2)
+    rope_scaling: dict[str, Any] | None = None  # rope_type and its parameters (see the module docstring)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.bias_in_attn_linear or self.add_qkv_bias
 
     @property
     def rotary_ndims(self) -> int:
@@ -141,8 +160,22 @@ FIELDS_THAT_REFUSE_A_LOAD: dict[str, str] = {
     "tied_embeddings": "no_weight_tying",
     "parallel_residual": "gpt_j_residual",
     "sliding_window_width": "sliding_window_width",
+    "kv_channels": "kv_channels",
+    "qk_layernorm": "qk_layernorm",
+    "add_qkv_bias": "add_qkv_bias",
+    "rope_scaling": "rope_scaling",
 }
-_UNSET_IS_A_VALUE = ("sliding_window_width",)  # None means "no window", not "unknown"
+_UNSET_IS_A_VALUE = ("sliding_window_width", "rope_scaling")  # None means "no window", "plain rotary"
+
+# rope_type -> (its required parameters, its optional ones), as Hugging Face's rope_parameters name them
+ROPE_SCALING_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "linear": (("factor",), ()),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")),
+}
+_ROPE_SCALING_INTEGERS = ("original_max_position_embeddings",)
+_ROPE_SCALING_BOOLEANS = ("truncate",)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -255,7 +288,23 @@ def _fields(values: Mapping[str, Any], strict: bool = True) -> dict[str, Any]:
         "checkpoint_activations": derive(bool, "checkpoint_activations"),
         "model_parallel_size": values.get("model_parallel_size") or 1,
         "sliding_window_width": values.get("sliding_window_width", _MISSING),
+        "kv_channels": derive(lambda hidden, heads: hidden // heads, "hidden_size", "num_attention_heads")
+        if get("kv_channels") is _MISSING else get("kv_channels"),
+        "qk_layernorm": derive(bool, "qk_layernorm"),
+        "add_qkv_bias": derive(bool, "add_qkv_bias"),
+        "rope_scaling": values.get("rope_scaling", _MISSING) if strict
+        else _lenient(rope_scaling_of, values.get("rope_scaling", _MISSING)),
     }
+
+
+def _lenient(fn, value: Any) -> Any:
+    """fn(value), or _MISSING where value is missing or not in a form fn reads."""
+    if value is _MISSING:
+        return _MISSING
+    try:
+        return fn(value)
+    except (TypeError, ValueError):
+        return _MISSING
 
 
 def _relevant(fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -269,6 +318,7 @@ def _relevant(fields: Mapping[str, Any]) -> dict[str, Any]:
     if pos_emb is not None and pos_emb != "rotary":
         known.pop("rotary_pct", None)
         known.pop("rotary_emb_base", None)
+        known.pop("rope_scaling", None)
     if known.get("activation", "gelu") != "gelu":
         known.pop("gelu_approximation", None)
     if known.get("norm", "layernorm") != "layernorm":
@@ -303,6 +353,44 @@ def architecture_mismatches(theirs: Mapping[str, Any], ours: Mapping[str, Any]) 
             if name in theirs and name in ours and theirs[name] != ours[name]]
 
 
+def implied_family(arch: Architecture) -> str:
+    """The family (as Hugging Face's model_type) ``arch`` implies: gpt_neox unless RMSNorm + SwiGLU; then qwen3
+    for q/k norms, qwen2 for biases on q/k/v alone, mistral for a sliding window, else llama."""
+    if not (arch.norm == "rmsnorm" and arch.activation == "swiglu"):
+        return "gpt_neox"
+    if arch.qk_layernorm:
+        return "qwen3"
+    if arch.add_qkv_bias and not arch.bias_in_attn_linear:
+        return "qwen2"
+    return "mistral" if arch.sliding_window_width is not None else "llama"
+
+
+def variants_in_force(arch: Architecture) -> list[str]:
+    """The options of the architecture that change the function away from the plain one, in words."""
+    found = []
+    if arch.num_kv_heads != arch.num_attention_heads:
+        found.append(f"grouped-query attention ({arch.num_kv_heads} key/value heads)")
+    if arch.head_dim * arch.num_attention_heads != arch.hidden_size:
+        found.append(f"heads {arch.head_dim} wide (kv_channels; hidden_size / heads is "
+                     f"{arch.hidden_size / arch.num_attention_heads:g})")
+    if arch.pos_emb == "rotary" and arch.rope_scaling is not None:
+        parameters = ", ".join(f"{k} {v}" for k, v in arch.rope_scaling.items() if k != "rope_type")
+        found.append(f"RoPE scaling {arch.rope_scaling['rope_type']} ({parameters})")
+    if arch.sliding_window_width is not None:
+        found.append(f"sliding window: {arch.sliding_window_width} keys back")
+    if arch.qk_layernorm:
+        found.append("per-head query/key norm (qk_layernorm)")
+    if arch.add_qkv_bias and not arch.bias_in_attn_linear:
+        found.append("biases on q/k/v only (add_qkv_bias)")
+    return found
+
+
+def describe_model(arch: Architecture, family: str | None = None) -> str:
+    """One line for the load plan and inspect_checkpoint.py: the family and the variants in force."""
+    variants = variants_in_force(arch)
+    return f"{family or implied_family(arch)}, {'; '.join(variants) if variants else 'no variants'}"
+
+
 def tensor_parallel_split_problem(tp: int, heads: int, kv_heads: int, intermediate_size: int) -> str | None:
     """Why the model cannot be split over ``tp`` tensor-parallel ranks, or None when it can.
 
@@ -320,6 +408,47 @@ def tensor_parallel_split_problem(tp: int, heads: int, kv_heads: int, intermedia
                 f"neighbours when there are fewer heads than ranks, so choose a model_parallel_size that "
                 f"{kv_heads} divides or that divides {kv_heads}")
     return None
+
+
+def rope_scaling_of(value: Any) -> dict[str, Any] | None:
+    """``rope_scaling`` checked and in one form (numbers as floats, the original length an integer);
+    ModelConfigError naming what is wrong."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ModelConfigError(f"rope_scaling={value!r} must be a mapping such as {{rope_type: llama3, factor: 8.0, ...}}")
+    rope_type = value.get("rope_type", value.get("type"))
+    if rope_type == "dynamic":
+        raise ModelConfigError(
+            "rope_scaling rope_type 'dynamic' changes the rotary frequencies with each input's length, at inference "
+            "only; a model trained with it would depend on the batch's length, so it is not supported for training: "
+            "fine-tune with plain rotary (drop rope_scaling) or a fixed scaling (linear, yarn)")
+    if rope_type not in ROPE_SCALING_KEYS:
+        raise ModelConfigError(f"rope_scaling rope_type {rope_type!r} is not supported; use one of "
+                               f"{', '.join(ROPE_SCALING_KEYS)} (or leave rope_scaling unset for plain rotary)")
+    required, optional = ROPE_SCALING_KEYS[rope_type]
+    given = {k: v for k, v in value.items() if k not in ("rope_type", "type") and v is not None}
+    missing = [key for key in required if key not in given]
+    unknown = sorted(set(given) - set(required) - set(optional))
+    if missing or unknown:
+        raise ModelConfigError(
+            f"rope_scaling of rope_type {rope_type!r}: "
+            + "; ".join(part for part in (missing and f"{', '.join(missing)} missing",
+                                          unknown and f"{', '.join(unknown)} not known") if part)
+            + f"; it takes {', '.join(required + optional)}")
+    resolved: dict[str, Any] = {"rope_type": rope_type}
+    for key, number in given.items():
+        kind = int if key in _ROPE_SCALING_INTEGERS else bool if key in _ROPE_SCALING_BOOLEANS else float
+        if kind is bool:
+            ok = isinstance(number, bool)
+        else:
+            ok = isinstance(number, (int, float)) and not isinstance(number, bool) and number > 0 \
+                and (kind is float or number == int(number))
+        if not ok:
+            raise ModelConfigError(f"rope_scaling.{key}={number!r} must be "
+                                   f"{'true or false' if kind is bool else 'a positive ' + ('integer' if kind is int else 'number')}")
+        resolved[key] = kind(number)
+    return resolved
 
 
 def _require_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -344,10 +473,12 @@ def architecture_from_settings(values: Mapping[str, Any]) -> Architecture:
                           ("init_method", INIT_METHODS), ("output_layer_init_method", INIT_METHODS)):
         _require_choice(name, values.get(name), choices)
     hidden, heads = values["hidden_size"], values["num_attention_heads"]
-    if hidden % heads:
+    if values.get("kv_channels") is not None:
+        _require_positive_int("kv_channels", values["kv_channels"])
+    elif hidden % heads:
         raise ModelConfigError(
             f"hidden_size={hidden} is not divisible by num_attention_heads={heads}; "
-            "choose sizes so that every head has the same width"
+            "choose sizes so that every head has the same width, or set each head's width with kv_channels"
         )
     if values.get("intermediate_size") is not None:
         _require_positive_int("intermediate_size", values["intermediate_size"])
@@ -367,12 +498,16 @@ def architecture_from_settings(values: Mapping[str, Any]) -> Architecture:
         pct = fields["rotary_pct"]
         if not 0 < pct <= 1:
             raise ModelConfigError(f"rotary_pct={pct} must lie in (0, 1]")
-        rotary_ndims = int(hidden // heads * pct)
+        head_dim = fields["kv_channels"]
+        rotary_ndims = int(head_dim * pct)
         if rotary_ndims < 2 or rotary_ndims % 2:
             raise ModelConfigError(
-                f"rotary_pct={pct} of head width {hidden // heads} gives {rotary_ndims} "
+                f"rotary_pct={pct} of head width {head_dim} gives {rotary_ndims} "
                 "rotary dimensions; rotary embedding needs an even number of at least 2"
             )
+    fields["rope_scaling"] = rope_scaling_of(None if fields["rope_scaling"] is _MISSING else fields["rope_scaling"])
+    if fields["rope_scaling"] is not None and fields["pos_emb"] != "rotary":
+        raise ModelConfigError(f"rope_scaling is set but pos_emb={fields['pos_emb']!r}; it scales rotary embedding only")
     if fields["sliding_window_width"] is _MISSING:
         fields["sliding_window_width"] = None
     if fields["sliding_window_width"] is not None:

@@ -47,6 +47,10 @@ FAMILIES = {
 }
 # Multi-query Llama: one key/value head, replicated on both ranks.
 FAMILIES["llama-mqa"] = {**FAMILIES["llama"], "num_kv_heads": 1}
+# Qwen3's per-head q/k norms (replicated weights on split heads), heads 32 wide, q/k/v biases and yarn,
+# with the one key/value head replicated
+FAMILIES["qwen3-yarn"] = {**FAMILIES["llama-mqa"], "qk_layernorm": True, "kv_channels": 32, "add_qkv_bias": True,
+                          "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}}
 
 
 def check(condition: bool, message: str) -> None:
@@ -97,7 +101,7 @@ def loss_and_grads(family: str, tp: int) -> tuple[torch.Tensor, dict, dict, torc
     return loss.detach(), weights, grads, logits
 
 
-def same_model_same_loss_and_gradients() -> None:
+def same_model_same_loss_and_gradients(_work_dir: Path) -> None:
     for family in FAMILIES:
         loss2, weights2, grads2, logits2 = loss_and_grads(family, 2)
         loss1, weights1, grads1, logits1 = loss_and_grads(family, 1)
@@ -132,7 +136,7 @@ def engine_step(family: str, tp: int, stage: int, clipping: float) -> tuple[floa
     return None if norm is None else float(norm), weights
 
 
-def deepspeed_step_matches() -> None:
+def deepspeed_step_matches(work_dir: Path) -> None:
     """One clipped Adam step through DeepSpeed (given the mpu) moves the full model as at TP 1.
 
     Adam's eps of 1 makes the first step about lr x gradient, so the step follows the clipping,
@@ -153,6 +157,48 @@ def deepspeed_step_matches() -> None:
                       f"{family} ZeRO {stage}: {name} after one step differs")
             if dist.get_rank() == 0:
                 print(f"{family} zero{stage}: grad norm {norm1}", flush=True)
+    hf_folder_at_tp2_has_the_gradient_of_transformers(work_dir)
+
+
+def hf_folder_at_tp2_has_the_gradient_of_transformers(work_dir: Path) -> None:
+    """A Qwen3 folder saved by transformers, fine-tuned at TP 2 through the load plan: the first step's loss
+    and full gradients are transformers' own on the same batch."""
+    from megatron.hf import HF_FOLDER
+    from megatron.hf.config import spec_from_hf_config
+    from megatron.hf.mapping import convert_tensors, hf_to_ours
+    from tests.test_hf_conversion import make_hf_model, save_hf
+
+    model = make_hf_model("qwen3")  # the same seed on both ranks: the same model
+    hf_dir = work_dir / "qwen3"
+    if dist.get_rank() == 0:
+        save_hf(model, hf_dir)
+    dist.barrier()
+    spec = spec_from_hf_config(model.config.to_dict())
+    args = NeoXArgs.from_dict({
+        **spec.settings, "padded_vocab_size": spec.vocab_size, "model_parallel_size": 2,
+        "num_gpus": dist.get_world_size(), "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+        "train_iters": 1, "hidden_dropout": 0.0, "attention_dropout": 0.0, "gradient_clipping": 0.0,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-6}}, "zero_optimization": {"stage": 0},
+        "load": str(hf_dir), "finetune": True})
+    engine = trained_engine(args, args.seed)
+    load_checkpoint(args, engine, plan_load(args, 1, hf_source=HF_FOLDER))
+    tokens = torch.randint(0, spec.vocab_size, (2, 41), generator=torch.Generator().manual_seed(3))
+    loss = causal_lm_loss(engine(tokens[:, :-1], parallel_output=True), tokens[:, 1:], vocab_parallel=True)
+    engine.backward(loss)
+    grads = full({n: p.grad for n, p in engine.module.named_parameters()}, engine.module.arch)
+    model.train()
+    expected_loss = model(input_ids=tokens, labels=tokens).loss
+    expected_loss.backward()
+    expected = convert_tensors(((n, p.grad) for n, p in model.named_parameters()),
+                               hf_to_ours(spec.family, spec.architecture()), "transformers' gradients")
+    check(abs(loss.item() - expected_loss.item()) <= 1e-5, f"qwen3 at TP 2: loss {loss.item()}, "
+          f"transformers' {expected_loss.item()}")
+    check(grads.keys() == expected.keys(), "qwen3 at TP 2: other parameters than transformers'")
+    for name, grad in expected.items():
+        check(torch.allclose(grads[name], grad, rtol=1e-4, atol=1e-6),
+              f"qwen3 at TP 2: gradient of {name} differs (max diff {(grads[name] - grad).abs().max()})")
+    if dist.get_rank() == 0:
+        print(f"qwen3 folder at tp2: loss {loss.item():.6f} and {len(grads)} gradients as transformers'", flush=True)
 
 
 def trained_engine(args: NeoXArgs, seed: int):
@@ -208,7 +254,7 @@ def main() -> None:
     deepspeed_logger.setLevel(logging.ERROR)
     init_deepspeed_distributed(dist_backend="gloo")
     check(dist.get_world_size() == RANKS.get(name, 2), f"{name} expects {RANKS.get(name, 2)} ranks")
-    CHECKS[name](Path(sys.argv[2])) if name in RANKS else CHECKS[name]()
+    CHECKS[name](Path(sys.argv[2]))
     dist.barrier()
     if dist.get_rank() == 0:
         print(f"{name}: ok", flush=True)

@@ -133,6 +133,10 @@ CHANGES = {
     "tied_embeddings": ("no_weight_tying", False, False, True),
     "parallel_residual": ("gpt_j_residual", False, True, False),
     "sliding_window_width": ("sliding_window_width", 16, None, 16),
+    "kv_channels": ("kv_channels", 16, 8, 16),
+    "qk_layernorm": ("qk_layernorm", True, False, True),
+    "add_qkv_bias": ("add_qkv_bias", True, False, True),
+    "rope_scaling": ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, None, {"rope_type": "linear", "factor": 2.0}),
 }
 # Only with learned position embeddings do weights depend on it; neither HF family has them.
 LEARNED = dict(OURS, pos_emb="learned")

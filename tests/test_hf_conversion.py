@@ -38,21 +38,43 @@ FAMILIES = {
     "llama_tied_biases": ("llama", dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
     # One key/value head: at tensor-parallel size 2 both ranks hold it.
     "llama_mqa": ("llama", dict(num_key_value_heads=1, attention_bias=True)),
+    # The bases fine-tuned today (tests/test_hf_families.py checks each against transformers at length):
+    # Llama 3.1+'s RoPE scaling (original length 8, shorter than tokens()'s 16), and the other scalings
+    "llama31": ("llama", dict(num_key_value_heads=2, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=8))),
+    "llama_yarn": ("llama", dict(num_key_value_heads=2, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8))),
+    "llama_linear": ("llama", dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0))),
+    # transformers' GPTNeoX takes RoPE scaling too; yarn on a partial rotary (GPT-NeoX itself has no such setting)
+    "neox_yarn": ("gpt_neox", dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                        original_max_position_embeddings=8, partial_rotary_factor=0.5))),
+    # Mistral's window of 6 positions, shorter than tokens()'s 16
+    "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=6)),
+    # without a window it computes what a Llama does, and goes back as a Mistral all the same (hf_model_type)
+    "mistral_no_window": ("mistral", dict(num_key_value_heads=2, sliding_window=None)),
+    # Qwen2.5: biases on q/k/v only, tied embeddings as in its small models, yarn for long context
+    "qwen2": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1000000.0, factor=4.0, original_max_position_embeddings=8))),
+    # Qwen3: per-head q/k RMSNorm and heads 32 wide (not 64 / 4)
+    "qwen3": ("qwen3", dict(num_key_value_heads=2, head_dim=32)),
 }
 
 
 def make_hf_model(kind: str, seed: int = 0):
     """A tiny transformers model of `kind` with every parameter random (norms and biases too)."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+    import transformers
 
     family, options = FAMILIES[kind]
     torch.manual_seed(seed)
     common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
                   max_position_embeddings=64)
     if family == "gpt_neox":
-        model = GPTNeoXForCausalLM(GPTNeoXConfig(intermediate_size=256, **common, **options))
+        model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(intermediate_size=256, **common, **options))
     else:
-        model = LlamaForCausalLM(LlamaConfig(intermediate_size=96, **common, **options))
+        name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+        config = getattr(transformers, f"{name}Config")(intermediate_size=96, **common, **options)
+        model = getattr(transformers, f"{name}ForCausalLM")(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("layernorm.weight") or "norm.weight" in name:
@@ -228,8 +250,10 @@ def test_settings_that_disagree_with_config_json_are_an_error_naming_both_values
     ("change", "expected"),
     [
         (dict(model_type="gpt2"), "model_type 'gpt2' is not supported"),
-        (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "rope_type 'linear'"),
-        (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_type 'dynamic'"),
+        (dict(rope_parameters={"rope_type": "longrope", "factor": 2.0, "rope_theta": 10000.0}), "rope_type 'longrope'"),
+        (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_type 'dynamic' .* not supported for training"),
+        (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0}),
+         "low_freq_factor, high_freq_factor, original_max_position_embeddings missing"),
         (dict(hidden_act="gelu_10"), "hidden_act 'gelu_10'"),
     ],
 )
@@ -259,11 +283,14 @@ def test_transformers_4_config_layout_translates_the_same(kind):
     assert translated.settings["rotary_emb_base"] == int(rope["rope_theta"])
 
 
-def test_llama_options_we_cannot_represent_are_refused():
-    model = make_hf_model("llama_gqa")
-    for change, expected in ((dict(hidden_act="gelu"), "hidden_act 'gelu'"), (dict(head_dim=32), "head_dim=32")):
+def test_llama_like_options_we_cannot_represent_are_refused():
+    for kind, change, expected in (
+            ("llama_gqa", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+            ("llama_gqa", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+            ("qwen2", dict(use_sliding_window=True), "a window on some layers only is not supported"),
+            ("qwen3", dict(layer_types=["sliding_attention", "full_attention"]), "a window on some layers only")):
         with pytest.raises(HFConversionError, match=expected):
-            spec_from_hf_config({**model.config.to_dict(), **change})
+            spec_from_hf_config({**make_hf_model(kind).config.to_dict(), **change})
 
 
 def test_weights_that_do_not_fit_the_config_are_refused(tmp_path):
@@ -278,7 +305,8 @@ def test_weights_that_do_not_fit_the_config_are_refused(tmp_path):
         convert_hf_to_neox(hf_dir, tmp_path / "out")
 
 
-@pytest.mark.parametrize("kind", ["neox_parallel", "llama_gqa", "llama_tied_biases"])
+@pytest.mark.parametrize("kind", ["neox_parallel", "llama_gqa", "llama_tied_biases", "llama31", "mistral",
+                                  "mistral_no_window", "qwen2", "qwen3"])
 def test_hf_to_ours_to_hf_folders_are_bit_exact_and_load_in_transformers(kind, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -295,6 +323,8 @@ def test_hf_to_ours_to_hf_folders_are_bit_exact_and_load_in_transformers(kind, t
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert reloaded.config.eos_token_id == tokenizer.eos_token_id == 0
     assert type(reloaded) is type(model)
+    for key in ("model_type", "rope_parameters", "head_dim", "sliding_window", "attention_bias", "num_key_value_heads"):
+        assert getattr(reloaded.config, key, None) == getattr(model.config, key, None), key
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens()).logits, model(tokens()).logits, rtol=0, atol=0)
 
@@ -354,13 +384,6 @@ def test_convert_neox_to_hf_takes_gpt_neox_command_line(kind, gpt_neox_flags, tm
         assert tokenizer.pad_token_id == reloaded.config.pad_token_id == 5
 
 
-def test_gpt_neox_architecture_mistral_is_refused_in_one_line(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        convert_neox_to_hf_tool().main(["--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "o"),
-                                        "--architecture", "mistral"])
-    assert "--architecture mistral: Hugging Face's Mistral is not written here" in capsys.readouterr().err
-
-
 def test_writing_a_model_as_the_wrong_family_is_refused(tmp_path):
     hf_dir = save_hf(make_hf_model("llama_gqa"), tmp_path / "hf")
     convert_hf_to_neox(hf_dir, tmp_path / "ckpt")
@@ -410,7 +433,7 @@ def test_pipeline_checkpoint_without_settings_asks_for_a_config(tmp_path):
         convert_neox_to_hf(tmp_path / "pipe", tmp_path / "back")
 
 
-@pytest.mark.parametrize("kind", ["neox_parallel", "llama_gqa", "llama_mqa"])
+@pytest.mark.parametrize("kind", ["neox_parallel", "llama_gqa", "llama_mqa", "qwen3"])
 def test_a_tensor_parallel_checkpoint_exports_to_hf_with_the_same_weights_and_logits(kind, tmp_path):
     """HF -> ours split for 2 tensor-parallel ranks (the CLI's --model-parallel-size) -> HF: every tensor
     comes back bit for bit, and transformers computes the same logits from it."""
@@ -424,9 +447,10 @@ def test_a_tensor_parallel_checkpoint_exports_to_hf_with_the_same_weights_and_lo
     tag_dir = tmp_path / "ckpt" / "global_step0"
     halves = [read_module_weights(tag_dir, mp) for mp in (0, 1)]
     qkv = "sequential.2.attention.query_key_value.weight"
-    # rows per rank: 2 of the 4 query heads, then its key and value heads (16 wide)
-    kv_heads_per_rank = {"neox_parallel": 2, "llama_gqa": 1, "llama_mqa": 1}[kind]
-    assert halves[0][qkv].shape == halves[1][qkv].shape == ((2 + 2 * kv_heads_per_rank) * 16, 64)
+    # rows per rank: 2 of the 4 query heads, then its key and value heads (16 wide, Qwen3's 32)
+    kv_heads_per_rank = {"neox_parallel": 2, "llama_gqa": 1, "llama_mqa": 1, "qwen3": 1}[kind]
+    head_dim = 32 if kind == "qwen3" else 16
+    assert halves[0][qkv].shape == halves[1][qkv].shape == ((2 + 2 * kv_heads_per_rank) * head_dim, 64)
     assert not torch.equal(halves[0][qkv], halves[1][qkv])
     if kind == "llama_mqa":  # each rank holds the one key and value head, as transformers has them
         attention = model.model.layers[0].self_attn

@@ -24,7 +24,7 @@ def possible_modes(report: dict) -> set[str]:
 
 
 def test_converted_checkpoint_and_hf_folder(tmp_path):
-    model = make_hf_model("llama_gqa")
+    model = make_hf_model("qwen3")
     hf_dir = save_hf(model, tmp_path / "hf")
     convert_hf_to_neox(hf_dir, tmp_path / "ckpt", dtype="bf16")
     expected_parameters = sum(p.numel() for p in model.parameters())
@@ -37,9 +37,13 @@ def test_converted_checkpoint_and_hf_folder(tmp_path):
     assert ours["saved_settings"]["num_kv_heads"] == 2 and ours["saved_settings"]["norm"] == "rmsnorm"
     assert possible_modes(ours) == {"no_load_optim", "finetune"}
     assert "holds none" in ours["load_modes"]["resume"]["reason"]
+    variants = ("grouped-query attention (2 key/value heads); heads 32 wide (kv_channels; hidden_size / heads is 16); "
+                "per-head query/key norm (qk_layernorm)")
+    assert ours["model"] == f"qwen3, {variants}"
+    assert f"model:  qwen3, {variants}" in ours["load_modes"]["finetune"]["plan"]
 
     hf = inspect(hf_dir)
-    assert hf["format"] == "hf" and hf["hf_family"] == "llama"
+    assert hf["format"] == "hf" and hf["hf_family"] == "qwen3" and hf["model"] == f"qwen3, {variants}"
     assert hf["parameters"]["elements_by_dtype"] == {"float32": expected_parameters}
     assert possible_modes(hf) == {"finetune"}
 

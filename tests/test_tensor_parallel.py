@@ -29,18 +29,20 @@ def run_worker(check: str, work_dir: Path, ranks: int = 2) -> str:
 
 
 def test_tp2_builds_the_same_model_and_gives_the_same_loss_and_gradients_as_tp1(tmp_path):
-    """Both families (and tied embeddings with learned positions): the full weights drawn at TP 2 equal
-    TP 1's bit for bit, and the loss (vocab-parallel cross entropy), logits and gradients agree."""
+    """Both families (and tied embeddings with learned positions, and Qwen3's variants): the full weights drawn
+    at TP 2 equal TP 1's bit for bit, and the loss (vocab-parallel cross entropy), logits and gradients agree."""
     stdout = run_worker("equivalence", tmp_path)
-    for family in ("neox", "tied-learned", "llama"):
+    for family in ("neox", "tied-learned", "llama", "qwen3-yarn"):
         assert f"{family}: loss" in stdout
 
 
 def test_tp2_deepspeed_step_clips_by_the_whole_model_norm_and_matches_tp1(tmp_path):
-    """DeepSpeed with the megatron-core mpu: ZeRO 0 and 1 at TP 2 take the same clipped step as TP 1."""
+    """DeepSpeed with the megatron-core mpu: ZeRO 0 and 1 at TP 2 take the same clipped step as TP 1; a Qwen3
+    folder fine-tuned at TP 2 through the load plan has transformers' loss and gradients."""
     stdout = run_worker("deepspeed", tmp_path)
     for family in ("neox", "llama"):
         assert f"{family} zero1: grad norm" in stdout
+    assert "qwen3 folder at tp2: loss" in stdout
 
 
 @pytest.mark.slow

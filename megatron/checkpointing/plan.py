@@ -17,6 +17,7 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron.architecture import ModelConfigError, describe_model
 from megatron.checkpointing import layout, manifest, preflight
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.data_position import DataPosition, data_position, resume_change_notes
@@ -54,6 +55,7 @@ class LoadPlan:
     files: tuple[Path, ...] = ()
     notes: tuple[str, ...] = ()
     strict: bool = True  # load_module_strict
+    model: str | None = None  # the model's family and variants (architecture.describe_model)
     tag_inventory: TagInventory | None = field(default=None, repr=False, compare=False)
     hf_source: WeightsSource | None = field(default=None, repr=False, compare=False)  # reads a FORMAT_HF folder
 
@@ -102,6 +104,8 @@ class LoadPlan:
             f"  fresh:  {', '.join(fresh) or 'nothing'}",
             f"  reads:  {files}",
         ]
+        if self.model:
+            lines.insert(1, f"  model:  {self.model}")
         lines += [f"  note:   {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -219,8 +223,17 @@ def _hf_plan(args, inventory: CheckpointInventory, mode: LoadMode) -> LoadPlan:
     inventory.hf_source.check_architecture(root, args.architecture())
     unchecked = f"no {layout.MANIFEST_FILE} in a Hugging Face folder: its files are not checksummed"
     return LoadPlan(mode=mode, load_dir=root, source_format=FORMAT_HF, strict=bool(args.load_module_strict),
-                    files=inventory.hf_files, hf_source=inventory.hf_source,
+                    files=inventory.hf_files, hf_source=inventory.hf_source, model=_model(args),
                     notes=(*_model_from_checkpoint_note(args, root), unchecked))
+
+
+def _model(args) -> str | None:
+    """The model's family and variants; None before the settings describe a whole model (no padded_vocab_size
+    yet: the compatibility checks say what is missing when it matters)."""
+    try:
+        return describe_model(args.architecture(), args.hf_model_type)
+    except ModelConfigError:
+        return None
 
 
 def _model_from_checkpoint_note(args, root: Path) -> list[str]:
@@ -334,6 +347,7 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         notes=tuple(_model_from_checkpoint_note(args, root) + notes),
         strict=bool(args.load_module_strict),
         tag_inventory=tag,
+        model=_model(args),
     )
     _check_iterations_left(plan, args)
     preflight.check_plan(files, load_optimizer, tag, args, data_parallel_size)

@@ -1,8 +1,14 @@
 """Translation between a Hugging Face config.json and our settings.
 
-Two families are supported: GPTNeoXForCausalLM (``model_type: gpt_neox``, Pythia) and
-LlamaForCausalLM (``model_type: llama``). Anything either side cannot represent exactly is refused,
-because a conversion that silently changes the architecture produces a model that loads but is wrong.
+Supported: GPTNeoXForCausalLM (``model_type: gpt_neox``, Pythia) and the Llama-like families, all
+options of our one architecture: LlamaForCausalLM (``llama``: every rope_type of
+``ROPE_SCALING_KEYS``), MistralForCausalLM (``mistral``: its sliding window), Qwen2ForCausalLM
+(``qwen2``: biases on q/k/v only) and Qwen3ForCausalLM (``qwen3``: per-head q/k RMSNorm, a head width
+apart from hidden_size / heads). Anything either side cannot represent exactly is refused, because a
+conversion that silently changes the architecture produces a model that loads but is wrong.
+
+Transformers' sliding window W lets a query see the keys less than W positions back; GPT-NeoX's
+sliding_window_width w, those at most w back: W = w + 1.
 """
 
 from __future__ import annotations
@@ -13,9 +19,12 @@ from typing import Any
 from megatron.architecture import GELU_EXACT, GELU_TANH, Architecture, ModelConfigError
 from megatron.hf.errors import HFConversionError
 from megatron.neox_arguments.arguments import NeoXArgs
+from megatron.neox_arguments.errors import ConfigError
 
-FAMILIES = ("gpt_neox", "llama")
-HF_CLASS_NAMES = {"gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM"}
+FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2", "qwen3")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")  # one layout of weights: model.layers.<i>.self_attn.q_proj, ...
+HF_CLASS_NAMES = {"gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # HF hidden_act -> our (activation, bias_gelu_fusion); each computes the same function as ours
 GPT_NEOX_ACTIVATIONS = {
     "gelu": ("gelu", False),
@@ -29,7 +38,8 @@ GPT_NEOX_ACTIVATIONS = {
 HF_ACTIVATION_NAMES = {("gelu", GELU_EXACT): "gelu", ("gelu", GELU_TANH): "gelu_pytorch_tanh",
                        ("relu", GELU_EXACT): "relu", ("silu", GELU_EXACT): "silu"}
 DEFAULT_ROPE_THETA = 10000.0
-DEFAULT_PARTIAL_ROTARY = {"gpt_neox": 0.25, "llama": 1.0}  # transformers' defaults when the key is absent
+DEFAULT_PARTIAL_ROTARY = {"gpt_neox": 0.25}  # transformers' default when the key is absent (1.0 for the others)
+_ROPE_BASE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")  # the rest of a block is the scaling
 
 
 @dataclass(frozen=True)
@@ -65,31 +75,46 @@ def intermediate_settings(width: int, gated: bool, source: str) -> dict[str, int
     return {"intermediate_size": 3 * width if gated else width, "mlp_multiple_of": 1}
 
 
-def _rope(hf: dict[str, Any], family: str, source: str) -> tuple[float, float]:
-    """(rope_theta, partial_rotary_factor) from transformers-5 ``rope_parameters`` or the older top-level keys."""
+def _rope(hf: dict[str, Any], family: str, source: str) -> tuple[float, float, dict[str, Any] | None]:
+    """(rope_theta, partial_rotary_factor, rope_scaling) from transformers-5 ``rope_parameters`` or the older
+    top-level keys and ``rope_scaling``; the scaling is checked by the architecture."""
     params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    for name, block in (("rope_parameters", params), ("rope_scaling", scaling)):
+    old_scaling = hf.get("rope_scaling") or {}
+    scaling = None
+    for name, block in (("rope_parameters", params), ("rope_scaling", old_scaling)):
         if not isinstance(block, dict) or any(isinstance(v, dict) for v in block.values()):
             raise HFConversionError(f"{source}: per-layer-type {name} are not supported; only one global rotary")
         rope_type = block.get("rope_type", block.get("type", "default"))
         if rope_type != "default":
-            raise HFConversionError(
-                f"{source}: {name} has rope_type {rope_type!r}; only plain rotary embedding (rope_type 'default') "
-                "is supported, RoPE scaling is not"
-            )
+            scaling = {"rope_type": rope_type, **{k: v for k, v in block.items() if k not in _ROPE_BASE_KEYS}}
+    if scaling is not None and scaling["rope_type"] == "yarn" and scaling.get("factor") is None \
+            and scaling.get("original_max_position_embeddings"):  # transformers' rule for a yarn without factor
+        scaling["factor"] = hf["max_position_embeddings"] / scaling["original_max_position_embeddings"]
     theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", DEFAULT_ROPE_THETA)))
     factor = params.get(
         "partial_rotary_factor",
-        hf.get("partial_rotary_factor", hf.get("rotary_pct", DEFAULT_PARTIAL_ROTARY[family])),
+        hf.get("partial_rotary_factor", hf.get("rotary_pct", DEFAULT_PARTIAL_ROTARY.get(family, 1.0))),
     )
-    return float(theta), float(factor)
+    return float(theta), float(factor), scaling
 
 
 def _require(hf: dict[str, Any], key: str, source: str) -> Any:
     if hf.get(key) is None:
         raise HFConversionError(f"{source}: the key {key!r} is missing; cannot tell the model's shape without it")
     return hf[key]
+
+
+def _sliding_window_width(hf: dict[str, Any], family: str, source: str) -> int | None:
+    """Our sliding_window_width for Mistral's window (see the module docstring); Qwen's per-layer windows are refused."""
+    if family == "mistral":
+        window = hf.get("sliding_window")
+        return None if window is None else int(window) - 1
+    layer_types = hf.get("layer_types") or []
+    if family in ("qwen2", "qwen3") and (hf.get("use_sliding_window") or "sliding_attention" in layer_types):
+        raise HFConversionError(
+            f"{source}: use_sliding_window / layer_types give some layers a sliding window and others none; a window "
+            "on some layers only is not supported (set use_sliding_window: false to train every layer on the full prefix)")
+    return None
 
 
 def _integral_theta(theta: float, source: str) -> int:
@@ -108,7 +133,7 @@ def spec_from_hf_config(hf: dict[str, Any], source: str = "config.json") -> HFMo
         )
     heads = _require(hf, "num_attention_heads", source)
     hidden = _require(hf, "hidden_size", source)
-    theta, rotary_pct = _rope(hf, family, source)
+    theta, rotary_pct, rope_scaling = _rope(hf, family, source)
     max_positions = _require(hf, "max_position_embeddings", source)
     settings: dict[str, Any] = {
         "num_layers": _require(hf, "num_hidden_layers", source),
@@ -121,6 +146,8 @@ def spec_from_hf_config(hf: dict[str, Any], source: str = "config.json") -> HFMo
         "rotary_emb_base": _integral_theta(theta, source),
         "no_weight_tying": not hf.get("tie_word_embeddings", False),
         "attention_dropout": float(hf.get("attention_dropout") or 0.0),
+        "rope_scaling": rope_scaling,
+        "hf_model_type": family,
     }
     act = hf.get("hidden_act", "gelu" if family == "gpt_neox" else "silu")
     width = _require(hf, "intermediate_size", source)
@@ -146,38 +173,33 @@ def spec_from_hf_config(hf: dict[str, Any], source: str = "config.json") -> HFMo
         )
     else:
         if act != "silu":
-            raise HFConversionError(f"{source}: hidden_act {act!r} is not supported for llama; only 'silu' (SwiGLU)")
-        head_dim = hf.get("head_dim") or hidden // heads
-        if head_dim * heads != hidden:
-            raise HFConversionError(
-                f"{source}: head_dim={head_dim} x num_attention_heads={heads} != hidden_size={hidden}; "
-                "a head width independent of hidden_size is not supported"
-            )
+            raise HFConversionError(f"{source}: hidden_act {act!r} is not supported for {family}; only 'silu' (SwiGLU)")
         if rotary_pct != 1.0:
-            raise HFConversionError(f"{source}: partial_rotary_factor={rotary_pct} is not supported for llama")
+            raise HFConversionError(f"{source}: partial_rotary_factor={rotary_pct} is not supported for {family}")
+        head_dim = hf.get("head_dim") or hidden // heads
         settings.update(intermediate_settings(width, True, source))
         settings.update(
             num_kv_heads=hf.get("num_key_value_heads") or heads,
+            kv_channels=None if head_dim * heads == hidden else head_dim,
             gpt_j_residual=False,
             norm="rmsnorm",
             rms_norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
             activation="swiglu",
             use_bias_in_norms=False,
-            use_bias_in_attn_linear=bool(hf.get("attention_bias", False)),
-            use_bias_in_mlp=bool(hf.get("mlp_bias", False)),
+            # Qwen2 has biases on q/k/v alone; Mistral none; Llama and Qwen3 say so in attention_bias
+            use_bias_in_attn_linear=family in ("llama", "qwen3") and bool(hf.get("attention_bias", False)),
+            add_qkv_bias=family == "qwen2",
+            use_bias_in_mlp=family == "llama" and bool(hf.get("mlp_bias", False)),
+            qk_layernorm=family == "qwen3",
+            sliding_window_width=_sliding_window_width(hf, family, source),
             hidden_dropout=0.0,
         )
     spec = HFModelSpec(family, settings, _require(hf, "vocab_size", source))
     try:
         spec.architecture()
-    except ModelConfigError as err:
+    except (ModelConfigError, ConfigError) as err:
         raise HFConversionError(f"{source}: the model it describes is not valid for us: {err}") from None
     return spec
-
-
-def family_of(arch: Architecture) -> str:
-    """The HF family that represents ``arch``: llama for RMSNorm + SwiGLU, else gpt_neox."""
-    return "llama" if arch.norm == "rmsnorm" and arch.activation == "swiglu" else "gpt_neox"
 
 
 def unrepresentable(arch: Architecture, family: str) -> list[str]:
@@ -192,10 +214,30 @@ def unrepresentable(arch: Architecture, family: str) -> list[str]:
                             f"(gpt_neox has {', '.join(GPT_NEOX_ACTIVATIONS)})")
         if arch.num_kv_heads != arch.num_attention_heads:
             problems.append(f"num_kv_heads={arch.num_kv_heads} (gpt_neox has no grouped-query attention)")
-    elif family == "llama":
-        wanted = {"norm": "rmsnorm", "activation": "swiglu", "parallel_residual": False, "rotary_pct": 1.0}
+    elif family in LLAMA_LIKE:
+        wanted = {"norm": "rmsnorm", "activation": "swiglu", "parallel_residual": False, "rotary_pct": 1.0,
+                  "qk_layernorm": family == "qwen3", "bias_in_norms": False}
+        if family != "mistral":
+            wanted["sliding_window_width"] = None
+        if family != "llama":
+            wanted["bias_in_mlp"] = False
+        if family == "qwen2":
+            wanted.update(add_qkv_bias=True, bias_in_attn_linear=False)
+        elif family == "mistral":
+            wanted.update(add_qkv_bias=False, bias_in_attn_linear=False)
+        elif arch.add_qkv_bias and not arch.bias_in_attn_linear:
+            problems.append(f"add_qkv_bias without use_bias_in_attn_linear ({family} has biases on every attention "
+                            "projection or none; qwen2 has them on q/k/v alone)")
     else:
         return [f"architecture {family!r} (supported: {', '.join(FAMILIES)})"]
+    if family == "gpt_neox":
+        for field in ("qk_layernorm", "add_qkv_bias"):
+            if getattr(arch, field):
+                problems.append(f"{field}=True (gpt_neox has no such option)")
+        if arch.head_dim * arch.num_attention_heads != arch.hidden_size:
+            problems.append(f"kv_channels={arch.head_dim} (gpt_neox's head width is hidden_size / heads)")
+        if arch.sliding_window_width is not None:
+            problems.append(f"sliding_window_width={arch.sliding_window_width} (gpt_neox has no sliding window)")
     problems += [
         f"{field}={getattr(arch, field)!r} ({family} needs {value!r})"
         for field, value in wanted.items()
@@ -206,7 +248,7 @@ def unrepresentable(arch: Architecture, family: str) -> list[str]:
 
 def hf_config_from_architecture(arch: Architecture, family: str, dtype: str) -> dict[str, Any]:
     """config.json for ``arch`` as ``family``; the caller has checked ``unrepresentable`` is empty."""
-    rope = {"rope_type": "default", "rope_theta": arch.rotary_emb_base}
+    rope = {**(arch.rope_scaling or {"rope_type": "default"}), "rope_theta": arch.rotary_emb_base}
     common = {
         "architectures": [HF_CLASS_NAMES[family]],
         "model_type": family,
@@ -236,13 +278,23 @@ def hf_config_from_architecture(arch: Architecture, family: str, dtype: str) -> 
             "rotary_pct": arch.rotary_pct,
             "rotary_emb_base": arch.rotary_emb_base,
         }
-    return {
+    config = {
         **common,
         "num_key_value_heads": arch.num_kv_heads,
         "head_dim": arch.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": arch.norm_epsilon,
-        "mlp_bias": arch.bias_in_mlp,
         "rope_parameters": rope,
         "rope_theta": arch.rotary_emb_base,  # transformers 4's name
     }
+    if family == "llama":
+        config["mlp_bias"] = arch.bias_in_mlp
+    if family in ("mistral", "qwen2"):
+        del config["attention_bias"]  # fixed by the family (see spec_from_hf_config)
+    if family == "mistral":
+        config["sliding_window"] = None if arch.sliding_window_width is None else arch.sliding_window_width + 1
+    if family in ("qwen2", "qwen3"):
+        config.update(use_sliding_window=False, sliding_window=None)
+    if family == "qwen2" and arch.head_dim * arch.num_attention_heads == arch.hidden_size:
+        del config["head_dim"]  # Qwen2Config has no such key; its attention reads one when present
+    return config

@@ -11,7 +11,7 @@ import deepspeed
 import torch
 import yaml
 
-from megatron.architecture import ModelConfigError
+from megatron.architecture import ModelConfigError, implied_family
 from megatron.checkpointing import layout
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
@@ -25,7 +25,6 @@ from megatron.fsio import write_atomically
 from megatron.hf.config import (
     FAMILIES,
     architecture_of,
-    family_of,
     hf_config_from_architecture,
     unrepresentable,
 )
@@ -191,7 +190,7 @@ def convert_neox_to_hf(
     except ModelConfigError as err:  # the model's own check of the settings
         raise HFConversionError(f"{tag_dir}: the saved settings do not describe a valid model: {err}") from None
     module = read_full_module_weights(tag_dir, tp_size, arch)
-    family = architecture or family_of(arch)
+    family = architecture or settings.get("hf_model_type") or implied_family(arch)
     problems = unrepresentable(arch, family)
     if problems:
         raise HFConversionError(

@@ -4,6 +4,8 @@ Ours are GPT-NeoX's sequential names (see megatron/model/gpt_model.py). Each ``C
 pairs a tuple of HF tensors with a tuple of ours and knows how to turn one side into the other:
 Llama's separate q/k/v projections become our fused ``query_key_value`` and its gate/up
 projections our ``mlp.linear1`` (up first, then gate); GPT-NeoX's names differ only in the prefix.
+Mistral, Qwen2 and Qwen3 name their weights as Llama does; Qwen3's ``q_norm``/``k_norm`` are our
+``attention.q_layernorm``/``k_layernorm``.
 
 Conversion streams: tensors may arrive in any order, one shard at a time, and a correspondence
 is converted as soon as all of its source tensors have arrived.
@@ -19,6 +21,7 @@ import torch
 
 from megatron.architecture import Architecture
 from megatron.checkpointing.legacy_names import is_legacy_buffer_key, translate_legacy_key
+from megatron.hf.config import FAMILIES, LLAMA_LIKE
 from megatron.hf.errors import HFConversionError
 from megatron.model.gpt_model import layer_key
 
@@ -112,16 +115,21 @@ def _llama_correspondences(arch: Architecture) -> list[Correspondence]:
     names = _ours(arch)
     fuse_qkv, split_qkv = _qkv_converters(arch)
     rules = [Correspondence(("model.embed_tokens.weight",), (names["embedding"],))]
-    attn_params = ("weight", "bias") if arch.bias_in_attn_linear else ("weight",)
+    qkv_params = ("weight", "bias") if arch.qkv_bias else ("weight",)
+    dense_params = ("weight", "bias") if arch.bias_in_attn_linear else ("weight",)
     mlp_params = ("weight", "bias") if arch.bias_in_mlp else ("weight",)
     for i in range(arch.num_layers):
         hf, ours = f"model.layers.{i}.", f"sequential.{layer_key(i)}."
         for norm in ("input_layernorm", "post_attention_layernorm"):
             rules.append(Correspondence((f"{hf}{norm}.weight",), (f"{ours}{norm}.scale",)))
-        for p in attn_params:
+        for p in qkv_params:
             qkv = tuple(f"{hf}self_attn.{x}_proj.{p}" for x in "qkv")
             rules.append(Correspondence(qkv, (f"{ours}attention.query_key_value.{p}",), fuse_qkv, split_qkv))
+        for p in dense_params:
             rules.append(Correspondence((f"{hf}self_attn.o_proj.{p}",), (f"{ours}attention.dense.{p}",)))
+        if arch.qk_layernorm:
+            for x in "qk":
+                rules.append(Correspondence((f"{hf}self_attn.{x}_norm.weight",), (f"{ours}attention.{x}_layernorm.scale",)))
         for p in mlp_params:
             up_gate = (f"{hf}mlp.up_proj.{p}", f"{hf}mlp.gate_proj.{p}")
             rules.append(Correspondence(up_gate, (f"{ours}mlp.linear1.{p}",), _cat_up_gate, _split_up_gate))
@@ -135,19 +143,19 @@ def _llama_correspondences(arch: Architecture) -> list[Correspondence]:
 def correspondences(family: str, arch: Architecture) -> list[Correspondence]:
     if family == "gpt_neox":
         return _gpt_neox_correspondences(arch)
-    if family == "llama":
+    if family in LLAMA_LIKE:
         return _llama_correspondences(arch)
-    raise HFConversionError(f"architecture {family!r} is not supported; use gpt_neox or llama")
+    raise HFConversionError(f"architecture {family!r} is not supported; use one of {', '.join(FAMILIES)}")
 
 
 # Buffers that some HF checkpoints carry but that are no parameters (recomputed from the config).
 _HF_BUFFERS = re.compile(r"(\.rotary_emb\.inv_freq|\.attention\.bias|\.attention\.masked_bias)$")
-_HF_OUTPUT_NAMES = {"gpt_neox": ("embed_out.weight", "lm_head.weight"), "llama": ("lm_head.weight",)}
+_HF_OUTPUT_NAMES = {"gpt_neox": ("embed_out.weight", "lm_head.weight")}  # the others: lm_head.weight
 
 
 def hf_to_ours(family: str, arch: Architecture) -> Direction:
     # with tied embeddings a stored output layer is the embedding again: skip it
-    skipped = set(_HF_OUTPUT_NAMES[family]) if arch.tied_embeddings else set()
+    skipped = set(_HF_OUTPUT_NAMES.get(family, ("lm_head.weight",))) if arch.tied_embeddings else set()
 
     def is_ignored(name: str) -> bool:
         return name in skipped or _HF_BUFFERS.search(name) is not None

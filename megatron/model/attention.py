@@ -4,6 +4,10 @@ Layout of ``query_key_value``'s output (per tensor-parallel partition):
 - num_kv_heads == num_attention_heads: per head [q, k, v], i.e. viewed as heads x 3 x head_dim;
 - num_kv_heads < num_attention_heads (grouped-query attention): all query heads, then all key
   heads, then all value heads.
+
+With ``qk_layernorm`` each head's query and key are normalised (one weight for queries, one for
+keys, over the head's width) before they are rotated. A tensor-parallel rank normalises only its own
+heads with these replicated weights, so their gradients are summed over the tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -13,15 +17,17 @@ import torch.nn.functional as F
 
 from megatron.architecture import Architecture
 from megatron.model.kv_cache import LayerKeysValues
+from megatron.model.norms import build_norm
 from megatron.model.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     model_parallel_config,
     sum_over_ranks_sharing_a_slot,
+    sum_over_tensor_parallel_ranks,
     tensor_parallel_rank,
     tensor_parallel_size,
 )
-from megatron.model.rotary import split_qkv
+from megatron.model.rotary import rotate, split_qkv
 
 
 def sliding_window_mask(seq_len: int, width: int | None, device: torch.device | None = None,
@@ -56,7 +62,7 @@ class SelfAttention(torch.nn.Module):
             fused_width,
             config=config,
             init_method=init_method,
-            bias=arch.bias_in_attn_linear,
+            bias=arch.qkv_bias,
             gather_output=False,
         )
         self.dense = RowParallelLinear(
@@ -68,6 +74,14 @@ class SelfAttention(torch.nn.Module):
             input_is_parallel=True,
             skip_bias_add=False,
         )
+        self.q_layernorm = self.k_layernorm = None
+        if arch.qk_layernorm:
+            self.q_layernorm = build_norm(arch.norm, arch.head_dim, arch.norm_epsilon, arch.bias_in_norms)
+            self.k_layernorm = build_norm(arch.norm, arch.head_dim, arch.norm_epsilon, arch.bias_in_norms)
+            if tp > 1:
+                for norm in (self.q_layernorm, self.k_layernorm):
+                    for param in norm.parameters():
+                        param.register_hook(sum_over_tensor_parallel_ranks)
         self.num_kv_heads = arch.num_kv_heads
         if arch.num_kv_heads < tp:
             self.shared_kv_head = tensor_parallel_rank() * arch.num_kv_heads // tp
@@ -96,7 +110,13 @@ class SelfAttention(torch.nn.Module):
         With `kv_cache`, `hidden` holds the tokens after the cached ones, which they attend to as well.
         """
         fused, _ = self.query_key_value(hidden)
-        q, k, v = split_qkv(fused, self.heads, self.kv_heads, self.head_dim, self.grouped_layout, rotary_cos_sin)
+        if self.q_layernorm is None:
+            q, k, v = split_qkv(fused, self.heads, self.kv_heads, self.head_dim, self.grouped_layout, rotary_cos_sin)
+        else:
+            q, k, v = split_qkv(fused, self.heads, self.kv_heads, self.head_dim, self.grouped_layout, None)
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+            if rotary_cos_sin is not None:
+                q, k = rotate(q, *rotary_cos_sin), rotate(k, *rotary_cos_sin)
         past = 0
         if kv_cache is not None:
             past = kv_cache.length

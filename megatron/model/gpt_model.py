@@ -90,7 +90,7 @@ class GPTModel(torch.nn.Module):
             modules[str(arch.num_layers + 4)] = OutputLayer(arch, init_method)
         self.sequential = torch.nn.ModuleDict(modules)
         self.rotary = (
-            RotaryEmbedding(arch.rotary_ndims, arch.rotary_emb_base) if arch.pos_emb == "rotary" else None
+            RotaryEmbedding(arch.rotary_ndims, arch.rotary_emb_base, arch.rope_scaling) if arch.pos_emb == "rotary" else None
         )
 
     def initialise_weights(self) -> None:

@@ -70,6 +70,13 @@ def sum_over_ranks_sharing_a_slot(part: torch.Tensor, slot: int, slots: int) -> 
     return buffer[slot]
 
 
+def sum_over_tensor_parallel_ranks(part: torch.Tensor) -> torch.Tensor:
+    """The sum of ``part`` over the tensor-parallel group (a gradient hook's new gradient)."""
+    total = part.clone()
+    torch.distributed.all_reduce(total, group=parallel_state.get_tensor_model_parallel_group())
+    return total
+
+
 def copy_to_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
     """Identity forward; the gradient is summed over the tensor-parallel group."""
     return x if tensor_parallel_size() == 1 else tensor_parallel.copy_to_tensor_model_parallel_region(x)

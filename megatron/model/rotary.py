@@ -9,6 +9,12 @@ of the pair's angle,
 
 which is ``x * cos + rotate_half(x) * sin`` with the same rounding, element for element.
 
+RoPE scaling (``rope_scaling``, megatron/architecture.py) changes the frequencies, and yarn also
+scales cos and sin, exactly as transformers' rope init functions (modeling_rope_utils) do; the
+llama3 rule and yarn's blend of frequencies are megatron-core's own. megatron-core's linear
+interpolation divides the positions instead of the frequencies, which rounds differently, so linear
+divides the frequencies as transformers does.
+
 ``split_qkv`` takes the fused query/key/value projection apart, rotates queries and keys, and
 returns all three as [batch, heads, seq, head_dim]; its backward writes every gradient straight
 into one buffer of the fused projection's shape. Built from slices and ``chunk`` instead, autograd
@@ -18,14 +24,52 @@ more than the rotation itself on a CPU.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
+
+
+def _yarn(inv_freq: torch.Tensor, rotary_ndims: int, base: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """Yarn's frequencies and the factor on cos and sin (transformers' _compute_yarn_parameters)."""
+    factor = scaling["factor"]
+    low, high = yarn_rotary_pos_embedding._yarn_find_correction_range(
+        scaling.get("beta_fast") or 32.0, scaling.get("beta_slow") or 1.0, rotary_ndims, base,
+        scaling["original_max_position_embeddings"], scaling.get("truncate", True))
+    extrapolated = 1 - yarn_rotary_pos_embedding._yarn_linear_ramp_mask(low, high, rotary_ndims // 2, inv_freq.device)
+    interpolated = 1.0 / (factor * base ** (torch.arange(0, rotary_ndims, 2, dtype=torch.float32) / rotary_ndims))
+    blended = interpolated * (1 - extrapolated) + inv_freq * extrapolated
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        both = bool(mscale and mscale_all_dim)  # transformers takes their ratio only when both are non-zero
+        attention_factor = yarn_rotary_pos_embedding._yarn_get_concentration_factor(
+            factor, mscale if both else None, mscale_all_dim if both else None)
+    return blended, float(attention_factor)
+
+
+def rotary_frequencies(rotary_ndims: int, base: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rotary_ndims / 2], factor on cos and sin) for plain or scaled rotary."""
+    plain = rotary_pos_embedding.RotaryEmbedding(rotary_ndims, 1.0, rotary_base=base, use_cpu_initialization=True)
+    inv_freq = plain.inv_freq
+    rope_type = scaling["rope_type"] if scaling else None
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if rope_type == "llama3":
+        return plain._apply_scaling(inv_freq, factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
+                                    high_freq_factor=scaling["high_freq_factor"],
+                                    original_max_position_embeddings=scaling["original_max_position_embeddings"]), 1.0
+    if rope_type == "yarn":
+        return _yarn(inv_freq, rotary_ndims, base, scaling)
+    return inv_freq, 1.0
 
 
 class RotaryEmbedding(torch.nn.Module):
-    def __init__(self, rotary_ndims: int, base: float):
+    def __init__(self, rotary_ndims: int, base: float, scaling: dict[str, Any] | None = None):
         super().__init__()
         self.rotary_ndims = rotary_ndims
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_ndims, 2, dtype=torch.float32) / rotary_ndims))
+        inv_freq, self.attention_factor = rotary_frequencies(rotary_ndims, base, scaling)
         # Not persistent: computed from the settings, so checkpoints hold only parameters.
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._prefix_cache: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -34,6 +78,8 @@ class RotaryEmbedding(torch.nn.Module):
         """cos and sin of shape [batch or 1, seq, rotary_ndims / 2], computed in fp32, returned in ``dtype``."""
         positions = position_ids if position_ids.dim() == 2 else position_ids.unsqueeze(0)
         angles = positions[..., None].float() * self.inv_freq.float()
+        if self.attention_factor != 1.0:
+            return (angles.cos() * self.attention_factor).to(dtype), (angles.sin() * self.attention_factor).to(dtype)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def cos_sin_for_length(self, seq_len: int, device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,6 +101,15 @@ def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
     out[..., half:2 * half].add_(x1 * sin, alpha=sign)
     if x.shape[-1] > 2 * half:
         out[..., 2 * half:].copy_(x[..., 2 * half:])
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, s, d] with its first 2 x cos.shape[-1] dims rotated, by autograd's own ops (the same
+    arithmetic as ``_rotate_into``): for queries and keys that are normalised after ``split_qkv``."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
 def qkv_views(fused: torch.Tensor, heads: int, kv_heads: int, head_dim: int, grouped: bool):

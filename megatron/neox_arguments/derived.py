@@ -14,6 +14,7 @@ from megatron.architecture import (
     ModelConfigError,
     built_intermediate_size,
     gelu_approximation,
+    rope_scaling_of,
     tensor_parallel_split_problem,
 )
 from megatron.neox_arguments.errors import ConfigError, where
@@ -61,6 +62,7 @@ def derive_all(v: dict[str, Any], sources: dict[str, str], require_run_settings:
     _derive_precision(v, sources)
     _derive_zero_stage(v, sources)
     _derive_optimizer(v, sources, require_run_settings)
+    _check_zero_supports_the_optimizer(v, sources)
     _derive_world(v, sources, notices if notices is not None else [])
     _derive_batch(v, sources, require_run_settings)
     if model_given:
@@ -264,13 +266,34 @@ def _derive_batch(v: dict[str, Any], sources: dict[str, str], require_run_settin
     v["train_micro_batch_size_per_gpu"], v["gradient_accumulation_steps"], v["train_batch_size"] = micro, accum, total
 
 
+def _check_zero_supports_the_optimizer(v: dict[str, Any], sources: dict[str, str]) -> None:
+    """DeepSpeed's engine asserts, at launch, that ZeRO runs only optimizers it has tested; say so before."""
+    import torch
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+
+    kind = v["optimizer"]["type"]
+    allowed = v["zero_allow_untested_optimizer"] or (v["deepspeed_extra_args"] or {}).get("zero_allow_untested_optimizer")
+    # DeepSpeed builds a type it does not know itself as torch.optim.<type>
+    untested = kind.lower() not in DEEPSPEED_OPTIMIZERS and getattr(torch.optim, kind) not in ZERO_SUPPORTED_OPTIMIZERS
+    if untested and v["zero_stage"] >= 1 and not allowed:
+        raise ConfigError(
+            f"{where(sources, 'optimizer')}: type {kind} with {where(sources, 'zero_optimization')} stage "
+            f"{v['zero_stage']}: DeepSpeed has not tested ZeRO with {kind} and refuses it at launch; set "
+            "zero_allow_untested_optimizer: true to run it anyway, or use Adam/AdamW, or ZeRO stage 0"
+        )
+
+
 def _derive_model_shape(v: dict[str, Any], sources: dict[str, str]) -> None:
     hidden, heads = v["hidden_size"], v["num_attention_heads"]
-    if hidden % heads:
+    if v["kv_channels"] is not None and v["kv_channels"] < 1:
+        raise _fail(sources, "kv_channels", f"must be at least 1 when set, got {v['kv_channels']}")
+    if hidden % heads and v["kv_channels"] is None:
         raise ConfigError(
             f"{where(sources, 'hidden_size')} ({hidden}) is not divisible by "
-            f"{where(sources, 'num_attention_heads')} ({heads})"
+            f"{where(sources, 'num_attention_heads')} ({heads}); set each head's width with kv_channels"
         )
+    head_dim = v["kv_channels"] or hidden // heads
     v["num_kv_heads"] = v["num_kv_heads"] or heads
     if heads % v["num_kv_heads"]:
         raise ConfigError(
@@ -278,9 +301,15 @@ def _derive_model_shape(v: dict[str, Any], sources: dict[str, str]) -> None:
             f"{where(sources, 'num_kv_heads')} ({v['num_kv_heads']})"
         )
     if v["pos_emb"] == "rotary":
-        rotary_dims = int(hidden // heads * v["rotary_pct"])
+        rotary_dims = int(head_dim * v["rotary_pct"])
         if rotary_dims < 2 or rotary_dims % 2:
-            raise _fail(sources, "rotary_pct", f"rotates {rotary_dims} of {hidden // heads} head dims; needs an even number >= 2")
+            raise _fail(sources, "rotary_pct", f"rotates {rotary_dims} of {head_dim} head dims; needs an even number >= 2")
+    try:
+        v["rope_scaling"] = rope_scaling_of(v["rope_scaling"])
+    except ModelConfigError as err:  # its message names rope_scaling
+        raise ConfigError(f"{sources.get('rope_scaling', '<defaults>')}: {err}") from None
+    if v["rope_scaling"] is not None and v["pos_emb"] != "rotary":
+        raise _fail(sources, "rope_scaling", f"scales rotary embedding, but pos_emb is {v['pos_emb']!r}")
     try:
         width = built_intermediate_size(hidden, v["intermediate_size"], v["activation"], v["mlp_multiple_of"])
     except ModelConfigError as err:

@@ -167,7 +167,9 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "num_unique_layers": (_falsy, _not_built("layer sharing", "remove num_unique_layers")),
     "soft_prompt_tuning": (_disabled_dict, _not_built("soft prompt tuning")),
     "opt_pos_emb_offset": (_falsy, _not_built("OPT's position-embedding offset")),
-    "use_qk_layernorm": (_falsy, _not_built("QK layer normalisation")),
+    "use_qk_layernorm": (_falsy, "GPT-NeoX's use_qk_layernorm (one norm shared by queries and keys over all heads of a "
+                                 "tensor-parallel rank) is not built here; qk_layernorm normalises each head's query "
+                                 "and key with weights of their own, as megatron-core and Qwen3 do"),
     "use_bnb_optimizer": (_falsy, _not_built("bitsandbytes optimizers", "use optimizer.type Adam/AdamW/SGD")),
     "curriculum_learning": (_disabled_dict, _not_built("curriculum learning")),
     "train_impl": (_equals("normal"), "only normal language-model training is built here (GPT-NeoX's DPO/KTO/RM/REINFORCE are not)"),

@@ -1,7 +1,7 @@
 """Convert a checkpoint of ours into a Hugging Face model folder that AutoModelForCausalLM loads.
 
     python tools/ckpts/convert_neox_to_hf.py --input CKPT_DIR [--tag TAG] --output HF_DIR
-                                             [--architecture gpt_neox|llama] [--config FILE.yml ...]
+                                             [--architecture gpt_neox|llama|mistral|qwen2|qwen3] [--config FILE.yml ...]
                                              [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
 
 GPT-NeoX's command line for this tool works too, flag for flag:
@@ -13,7 +13,7 @@ GPT-NeoX's command line for this tool works too, flag for flag:
 
 The architecture comes from the settings saved in the checkpoint, or from --config / --config_file YAML
 files (for checkpoints without saved settings, e.g. GPT-NeoX pipeline checkpoints). Unset, the family
-follows the model (llama for rmsnorm + swiglu, else gpt_neox).
+is the one the model came from (hf_model_type), else the one its architecture implies.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ def parse_command_line(argv: list[str] | None) -> argparse.Namespace:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--output", type=Path, help="Hugging Face model folder to write")
     target.add_argument("--output_dir", type=Path, help="GPT-NeoX's name of --output")
-    parser.add_argument("--architecture", choices=(*FAMILIES, *GPT_NEOX_ARCHITECTURES, "mistral"),
-                        help="default: llama for rmsnorm + swiglu, else gpt_neox (GPT-NeoX's neox)")
+    parser.add_argument("--architecture", choices=(*FAMILIES, *GPT_NEOX_ARCHITECTURES),
+                        help="default: the family the model came from (hf_model_type), else the one its "
+                             "architecture implies (GPT-NeoX's neox is gpt_neox)")
     configs = parser.add_mutually_exclusive_group()
     configs.add_argument("--config", type=Path, nargs="+", help="YAML files with the model settings")
     configs.add_argument("--config_file", type=Path, help="GPT-NeoX's flag: one YAML file with the model settings")
@@ -61,9 +62,6 @@ def parse_command_line(argv: list[str] | None) -> argparse.Namespace:
     options = parser.parse_args(argv)
     if options.tag and options.input_dir:
         parser.error("--tag goes with --input; --input_dir names the tag folder itself")
-    if options.architecture == "mistral":
-        parser.error("--architecture mistral: Hugging Face's Mistral is not written here; --architecture llama "
-                     "writes a model without a sliding window (Mistral's weights and names otherwise)")
     return options
 
 

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 with contextlib.redirect_stdout(sys.stderr):
     import torch
 
+    from megatron.architecture import ModelConfigError, describe_model
     from megatron.checkpointing import layout
     from megatron.checkpointing.errors import CheckpointError
     from megatron.checkpointing.inventory import CheckpointInventory, TagInventory, inventory_checkpoint
@@ -67,6 +68,16 @@ def tag_weights(tag: TagInventory) -> dict[str, torch.Tensor]:
     if tag.saved_tp_size == 1 or not settings:
         return read_module_weights(tag.path)
     return read_full_module_weights(tag.path, tag.saved_tp_size, architecture_of({**settings, "model_parallel_size": 1}))
+
+
+def saved_model(settings: dict[str, Any] | None) -> str | None:
+    """The family and variants of the model the saved settings describe; None where they describe none."""
+    if not settings:
+        return None
+    try:
+        return describe_model(architecture_of({**settings, "model_parallel_size": 1}), settings.get("hf_model_type"))
+    except (ConfigError, ModelConfigError):
+        return None
 
 
 def parameter_summary(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -115,7 +126,8 @@ def describe(root: Path, tag_name: str | None) -> dict[str, Any]:
     tag = chosen_tag(inventory, tag_name)
     if tag is None:
         spec, weights = read_hf_model(inventory.root)
-        report.update(hf_family=spec.family, saved_settings={**spec.settings, "padded_vocab_size": spec.vocab_size})
+        report.update(hf_family=spec.family, saved_settings={**spec.settings, "padded_vocab_size": spec.vocab_size},
+                      model=describe_model(spec.architecture(), spec.family))
     else:
         metadata = tag.metadata
         weights = tag_weights(tag)
@@ -134,6 +146,7 @@ def describe(root: Path, tag_name: str | None) -> dict[str, Any]:
                 "universal": tag.universal,
             },
             saved_settings=metadata.saved_args if metadata else None,
+            model=saved_model(metadata.saved_args if metadata else None),
         )
     report["parameters"] = parameter_summary(weights)
     report["load_modes"] = load_modes(inventory, tag, report["saved_settings"] or {})
@@ -177,6 +190,7 @@ def print_report(report: dict[str, Any]) -> None:
               f"ZeRO shards for DP ranks {optim['zero_shard_dp_ranks'] or 'none'}, universal {optim['universal']}")
     else:
         print(f"Hugging Face {report['hf_family']} model")
+    print(f"  model: {report['model'] or 'not described by the saved settings'}")
     params = report["parameters"]
     dtypes = ", ".join(f"{n:,} {d}" for d, n in params["elements_by_dtype"].items())
     print(f"  parameters: {params['parameters']:,} in {params['tensors']} tensors ({dtypes})")
