@@ -1,7 +1,7 @@
 """Hugging Face interop: HF <-> ours is bit-exact, logits agree with transformers, the CLIs work on real folders.
 
-transformers is the independent oracle: tiny randomly initialised GPTNeoXForCausalLM and
-LlamaForCausalLM models are built here (no download) and saved in each on-disk format HF uses.
+transformers is the independent oracle: tiny randomly initialised GPTNeoXForCausalLM, LlamaForCausalLM,
+MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM models are built here (no download) and saved in each on-disk format HF uses.
 """
 
 from __future__ import annotations
