@@ -92,6 +92,8 @@ def round_trip(work: Path, family: str, precision: str) -> None:
     train(engine, 2)
     saved = full_state(engine)
     save_checkpoint(args, engine, iteration=2, consumed_train_samples=12)
+    if (family, precision) == ("neox", "bf16"):
+        across_precisions(work, first, saved)
 
     args = settings(family, precision, 2, 3, load=str(first), save=str(second))
     engine, plan = resume(args, args.seed + 1)
@@ -114,6 +116,17 @@ def round_trip(work: Path, family: str, precision: str) -> None:
     train(engine, 1)  # the resumed engine trains on
     if dist.get_rank() == 0:
         print(f"{family} {precision}: ok", flush=True)
+
+
+def across_precisions(work: Path, saved_dir: Path, saved: dict) -> None:
+    """bf16 at DP 2, ZeRO-1 into fp32 at DP 1 x TP 2, ZeRO-2: the fp32 master and moments carry over as saved."""
+    args = settings("neox", "fp32", 2, 2, load=str(saved_dir), save=str(work / "neox-bf16-to-fp32"))
+    engine, plan = resume(args, args.seed + 5)
+    check("bf16 to fp32" in plan.describe(), f"plan block does not name the precisions:\n{plan.describe()}")
+    check(not differences(saved, full_state(engine)), f"bf16 to fp32: {differences(saved, full_state(engine))[:3]}")
+    check(step_counts(engine) == {2}, f"step counts {step_counts(engine)} after bf16 to fp32, saved 2")
+    if dist.get_rank() == 0:
+        print("bf16 to fp32: ok", flush=True)
 
 
 def one_moment_left_unrestored_is_caught(work: Path) -> None:
