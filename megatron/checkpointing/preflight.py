@@ -90,16 +90,18 @@ def _check_resume(tag: TagInventory, args, data_parallel_size: int) -> None:
             f"{layout.model_states_name(0)}). To start from its weights, {_MODULE_ONLY_HINT}."
         )
     meta = tag.metadata
-    universal = loads_universal(tag, args)
-    saved_stage = meta.zero_stage
-    if not universal:
+    if meta.zero_stage != 0:  # else the whole optimizer state sits in the model-states file
+        _check_shards_complete(tag)
+    if not loads_universal(tag, args):
         change = reshard.shape_change(tag, args, data_parallel_size, saved_tensor_parallel_size(tag))
         problem = change and reshard.refusal(tag, args, _MODULE_ONLY_HINT)
         if problem:
             raise CheckpointError(problem)
-    if saved_stage == 0:
-        return  # the whole optimizer state sits in the model-states file, independent of DP size
-    saved_dp = meta.dp_world_size or (max(tag.optimizer_dp_ranks) + 1)
+
+
+def _check_shards_complete(tag: TagInventory) -> None:
+    saved_stage = tag.metadata.zero_stage
+    saved_dp = tag.metadata.dp_world_size or (max(tag.optimizer_dp_ranks) + 1)
     expected = _expected_optimizer_files(tag, saved_dp)
     missing = [name for key, name in expected.items() if key not in tag.optimizer_files]
     if saved_stage == 3:
