@@ -146,6 +146,11 @@ def test_resume_at_another_shape_needs_a_save_directory_for_its_copy(checkpoints
         plan_for(checkpoints["zero1"], dp=2)
 
 
+def test_resume_at_another_shape_into_a_run_without_zero_is_refused(checkpoints, tmp_path):
+    with pytest.raises(CheckpointError, match=r"without ZeRO do not offer.*stage to 1, 2 or 3.*no_load_optim: true"):
+        plan_for(checkpoints["zero1"], dp=2, stage=0, save=str(tmp_path))
+
+
 def test_zero0_optimizer_in_the_model_file_resumes_only_at_its_shape(checkpoints, tmp_path):
     with pytest.raises(CheckpointError, match=r"ZeRO stage 0 in bf16.*cannot read.*no_load_optim: true"):
         plan_for(checkpoints["zero0"], stage=1, precision="bf16", save=str(tmp_path))

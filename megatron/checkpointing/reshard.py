@@ -13,8 +13,9 @@ Built on DeepSpeed's own machinery, one job each:
   as it does for weights (fused QKV and gated MLP blocks, replicated key/value heads).
 * Writing: the module and the fp32 master through ``module_load.load_module_only`` (the same path
   and verification as a module-only load), the moments through DeepSpeed's public
-  ``safe_set_full_optimizer_state`` (ZeRO 1-3, bf16 optimizer; a bare optimizer's state is set as
-  torch's optimizer state), the step count into every state and group of the base optimizer.
+  ``safe_set_full_optimizer_state`` (ZeRO 1-3, the bf16 optimizer; DeepSpeed's optimizers without
+  ZeRO offer no such state, so a run at stage 0 is refused), the step count into every state and
+  group of the base optimizer.
 
 A same-shape resume never comes here: it stays on DeepSpeed's ``engine.load_checkpoint``.
 """
@@ -103,6 +104,10 @@ def refusal(tag: TagInventory, args, way_out: str) -> str | None:
                 f"{tag.metadata.precision}), which DeepSpeed's universal checkpoint cannot read, so it resumes "
                 f"only at its own shape (ZeRO stage 0, {tag.metadata.precision}, the same tensor-parallel size). "
                 f"Resume there, or {way_out}.")
+    if run_shape(args, 1).zero_stage == 0:
+        return (f"a full resume of {tag.path} at another shape writes the Adam moments through DeepSpeed's "
+                "per-parameter optimizer-state API, which its optimizers without ZeRO do not offer. Set "
+                f"zero_optimization.stage to 1, 2 or 3 (or to {tag.metadata.zero_stage} at the saved shape), or {way_out}.")
     if not args.save:
         return (f"a full resume at another shape writes a resharded copy of {tag.path} into the save directory, and "
                 f"`save` is not set. Set `save: <directory>`, or {way_out}.")
@@ -261,21 +266,18 @@ def base_optimizer(engine) -> torch.optim.Optimizer | None:
 def _set_moments(engine, names: dict, reader: _UniversalReader) -> None:
     from deepspeed.utils import safe_set_full_optimizer_state
 
-    from megatron.checkpointing.master_weights import master_layout
-
-    bare = master_layout(engine) == "no-separate-master"
-    optimizer = base_optimizer(engine)
-    if not bare:
-        _link_moment_fragments(engine.optimizer, optimizer)
+    _link_moment_fragments(engine.optimizer, base_optimizer(engine))
     for param, name in names.items():
         if not param.requires_grad or not reader.holds(name):
             continue
+        if not (hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")):  # the API would skip it silently
+            raise CheckpointError(
+                f"the optimizer {type(engine.optimizer).__name__} keeps no per-parameter state DeepSpeed's "
+                f"safe_set_full_optimizer_state reaches ({name}), so the Adam moments cannot be restored at this "
+                "shape. Use ZeRO stage 1, 2 or 3, or set `no_load_optim: true` for a fresh optimizer."
+            )
         for key in MOMENTS:
-            value = reader.part(name, key)
-            if bare:  # the optimizer steps the module's own parameters: its state is torch's per parameter
-                optimizer.state[param][key] = value.to(param.device, torch.float32).reshape(param.shape).clone()
-            else:
-                safe_set_full_optimizer_state(param, value.to(torch.float32), key)
+            safe_set_full_optimizer_state(param, reader.part(name, key).to(torch.float32), key)
 
 
 def _link_moment_fragments(wrapper, optimizer: torch.optim.Optimizer) -> None:
@@ -313,6 +315,6 @@ def set_step(engine, step: int) -> None:
         if state:
             if torch.is_tensor(state.get("step")):
                 state["step"].fill_(step)
-            else:  # also the states _set_moments created, which have none yet
+            else:  # also the states _link_moment_fragments created, which have none yet
                 state["step"] = step
     replay_cpu_adam_step_count(engine)
