@@ -2,9 +2,9 @@
 
 Built on DeepSpeed's own machinery, one job each:
 
-* Reading: ``deepspeed.checkpoint.ds_to_universal`` turns the saved shards (ZeRO 1-3, the bf16
-  optimizer's shards at any stage) into one whole fp32 master, exp_avg, exp_avg_sq and step per
-  parameter. Global rank 0 converts into a folder of this run's (``<save>/<tag>.reshard``,
+* Reading: ``deepspeed.checkpoint.ds_to_universal`` turns the saved optimizer shards (ZeRO 1-3, and
+  the bf16 optimizer's where it writes them) into one whole fp32 master, exp_avg, exp_avg_sq and step
+  per parameter. Global rank 0 converts into a folder of this run's (``<save>/<tag>.reshard``,
   never the loaded tag, which may be shared and read-only), records a manifest over it, and every
   rank reads it back checked against that manifest and weights-only.
 * Tensor parallelism: with no slicing patterns declared, ds_to_universal concatenates the saved
