@@ -1,9 +1,9 @@
 """Full resume at another shape (reshard.py) against a same-shape full resume (DeepSpeed's own load).
 
-    python tools/bench/bench_reshard_resume.py [--layers 12] [--hidden 768] [--heads 12] [--vocab 16384]
+    python tools/bench/bench_reshard_resume.py [--layers 12] [--hidden 768] [--heads 12] [--vocab 20480]
         [--seq 32] [--precision fp32|bf16] [--zero-stage 1] [--repeats 3] [--threads N] [--json PATH]
 
-Saves one checkpoint at 1 data-parallel rank and one at 2 (a GPTModel, defaults: 110M parameters, in a real
+Saves one checkpoint at 1 data-parallel rank and one at 2 (a GPTModel, defaults: 104M parameters, in a real
 DeepSpeed engine with Adam after one training step, saved with save_checkpoint), then in a gloo world of
 2 ranks and in one of 1 rank times, alternating the order every repeat, the whole full resume
 (plan_load + load_checkpoint) of each: the tag saved at this world's size (DeepSpeed's engine.load_checkpoint)
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--vocab", type=int, default=16384)
+    parser.add_argument("--vocab", type=int, default=20480)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=1)
