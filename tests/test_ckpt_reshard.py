@@ -11,6 +11,7 @@ import pytest
 
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.data_position import data_position
+from megatron.checkpointing.reshard import Shape, ShapeChange
 from megatron.data.samplers import DistributedBatchSampler
 from tests.ckpt_engines import make_args
 from tests.conftest import free_port
@@ -55,3 +56,13 @@ def test_a_resume_at_another_data_parallel_size_reads_the_samples_the_unbroken_r
                      train_batch_size=GLOBAL_BATCH, num_gpus=data_parallel)
     position = data_position(saved, 3, args)
     assert samples_per_step(position.consumed_train_samples, micro, data_parallel, 3) == unbroken[3:]
+
+
+def test_fp16_to_bf16_says_the_loss_scaler_does_not_carry_over():
+    change = ShapeChange(Shape(2, 1, 1, "fp16"), Shape(1, 1, 3, "bf16"))
+    assert change.notes() == [
+        "full resume at another shape: optimizer state resharded from DP 2 x TP 1, ZeRO-1 to DP 1 x TP 1, ZeRO-3, "
+        "fp16 to bf16 (the fp32 master and Adam moments carry over as saved)",
+        "fp16 loss scaler not carried over: bf16 trains without one"]
+    assert ShapeChange(Shape(2, 1, 1, "bf16"), Shape(1, 1, 1, "bf16")).notes() == [
+        "full resume at another shape: optimizer state resharded from DP 2 x TP 1, ZeRO-1 to DP 1 x TP 1, ZeRO-1"]
