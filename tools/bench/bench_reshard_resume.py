@@ -3,7 +3,7 @@
     python tools/bench/bench_reshard_resume.py [--layers 12] [--hidden 768] [--heads 12] [--vocab 20480]
         [--seq 32] [--precision fp32|bf16] [--zero-stage 1] [--repeats 3] [--threads N] [--json PATH]
 
-Saves one checkpoint at 1 data-parallel rank and one at 2 (a GPTModel, defaults: 104M parameters, in a real
+Saves one checkpoint at 1 data-parallel rank and one at 2 (a GPTModel, defaults: 100.8M parameters, in a real
 DeepSpeed engine with Adam after one training step, saved with save_checkpoint), then in a gloo world of
 2 ranks and in one of 1 rank times, alternating the order every repeat, the whole full resume
 (plan_load + load_checkpoint) of each: the tag saved at this world's size (DeepSpeed's engine.load_checkpoint)
