@@ -128,10 +128,32 @@ def test_zero3_resume_reads_deepspeeds_files_and_the_full_module_file_the_name_c
 
 def test_universal_checkpoint_may_change_dp_size_when_enabled(zero1_copy):
     (zero1_copy / "global_step2" / "zero").mkdir()  # what ds_to_universal writes
-    with pytest.raises(CheckpointError, match="load_universal: true"):
-        plan_for(zero1_copy, dp=2)
     plan = plan_for(zero1_copy, dp=2, deepspeed_extra_args={"checkpoint": {"load_universal": True}})
+    assert plan.load_optimizer and plan.reshard is None  # DeepSpeed's own universal load, as the user asked
+
+
+def test_resume_at_another_shape_is_planned_as_a_reshard(checkpoints, tmp_path):
+    plan = plan_for(checkpoints["zero1"], dp=2, stage=3, precision="bf16", save=str(tmp_path))
     assert plan.load_optimizer
+    assert ("full resume at another shape: optimizer state resharded from DP 1 x TP 1, ZeRO-1 to DP 2 x TP 1, "
+            "ZeRO-3, fp32 to bf16") in plan.describe()
+    assert plan.files == tuple(sorted((checkpoints["zero1"] / "global_step2").glob("*_states.pt")))
+    assert plan_for(checkpoints["zero1"], save=str(tmp_path)).reshard is None  # the same shape: DeepSpeed's load
+
+
+def test_resume_at_another_shape_needs_a_save_directory_for_its_copy(checkpoints):
+    with pytest.raises(CheckpointError, match=r"resharded copy .*`save` is not set.*no_load_optim: true"):
+        plan_for(checkpoints["zero1"], dp=2)
+
+
+def test_resume_at_another_shape_into_a_run_without_zero_is_refused(checkpoints, tmp_path):
+    with pytest.raises(CheckpointError, match=r"without ZeRO do not offer.*stage to 1, 2 or 3.*no_load_optim: true"):
+        plan_for(checkpoints["zero1"], dp=2, stage=0, save=str(tmp_path))
+
+
+def test_zero0_optimizer_in_the_model_file_resumes_only_at_its_shape(checkpoints, tmp_path):
+    with pytest.raises(CheckpointError, match=r"ZeRO stage 0 in bf16.*cannot read.*no_load_optim: true"):
+        plan_for(checkpoints["zero0"], stage=1, precision="bf16", save=str(tmp_path))
 
 
 def test_zero3_module_only_reads_shards_when_no_full_module_file(checkpoints):
@@ -252,7 +274,7 @@ def test_missing_optimizer_shard_is_named(zero1_copy):
     tag_dir = zero1_copy / "global_step2"
     (tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt").rename(tag_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     with pytest.raises(CheckpointError, match="zero_pp_rank_0_mp_rank_00_optim_states.pt"):
-        plan_for(zero1_copy, dp=2)
+        plan_for(zero1_copy, dp=2, save=str(zero1_copy.parent / "save"))
 
 
 def test_truncated_optimizer_file_is_named_before_any_engine(zero1_copy):
@@ -263,27 +285,9 @@ def test_truncated_optimizer_file_is_named_before_any_engine(zero1_copy):
     assert plan_for(zero1_copy, finetune=True).module_only  # a module-only load never reads it
 
 
-def test_resume_with_another_dp_size_is_refused(checkpoints):
-    with pytest.raises(CheckpointError, match=r"for 1 data-parallel ranks, this run has 2.*no_load_optim"):
-        plan_for(checkpoints["zero1"], dp=2)
-    assert plan_for(checkpoints["zero1"], dp=2, finetune=True).module_only
-
-
-def test_resume_with_another_zero_stage_is_refused(checkpoints):
-    with pytest.raises(CheckpointError, match="saved with ZeRO stage 1, this run uses stage 2"):
-        plan_for(checkpoints["zero1"], stage=2)
-
-
-def test_resume_with_another_precision_is_refused(checkpoints):
-    with pytest.raises(CheckpointError, match="saved in fp32, this run trains in bf16"):
-        plan_for(checkpoints["zero1"], precision="bf16")
-    assert plan_for(checkpoints["zero1"], precision="bf16", finetune=True).module_only
-
-
-def test_full_resume_at_another_tensor_parallel_size_is_refused_with_the_way_out(checkpoints):
-    with pytest.raises(CheckpointError, match=r"tensor-parallel size 1 .*model_parallel_size 2; its optimizer "
-                                              r"shards cannot be re-split.*no_load_optim: true.*finetune: true"):
-        plan_for(checkpoints["zero1"], model_parallel_size=2, num_gpus=2)
+def test_full_resume_at_another_tensor_parallel_size_is_planned_as_a_reshard(checkpoints, tmp_path):
+    plan = plan_for(checkpoints["zero1"], model_parallel_size=2, num_gpus=2, save=str(tmp_path))
+    assert "resharded from DP 1 x TP 1, ZeRO-1 to DP 1 x TP 2, ZeRO-1" in plan.describe()
 
 
 @pytest.mark.parametrize("mode", [{"finetune": True}, {"no_load_optim": True}])

@@ -55,6 +55,7 @@ def test_a_checkpoint_converted_for_two_tensor_parallel_ranks_lists_the_modes_a_
     assert report["tensor_parallel_size"] == 2 and report["saved_settings"]["model_parallel_size"] == 2
     assert possible_modes(report) == {"no_load_optim", "finetune"}
     assert "holds none" in report["load_modes"]["resume"]["reason"]
+    assert report["full_resume_at"] == {"parallel_sizes": [], "zero_stages_and_precisions": []}
 
 
 @pytest.mark.usefixtures("single_rank_world")
@@ -70,6 +71,11 @@ def test_zero2_engine_checkpoint_can_resume(tmp_path):
     assert report["optimizer_states"]["zero_shard_dp_ranks"] == [0]
     assert report["parameters"]["parameters"] == sum(p.numel() for p in engine.module.parameters())
     assert possible_modes(report) == {"resume", "no_load_optim", "finetune"}
+    # saved at DP 1 x TP 1, ZeRO-2, bf16: the optimizer shards reshard to any of these (the model has 4 heads;
+    # DeepSpeed's optimizers without ZeRO have no per-parameter state to restore the moments into)
+    assert report["full_resume_at"] == {
+        "parallel_sizes": [f"DP {dp} x TP {tp}" for tp in (1, 2) for dp in (1, 2, 4)],
+        "zero_stages_and_precisions": [f"ZeRO-{z} {p}" for z in (1, 2, 3) for p in ("fp32", "fp16", "bf16")]}
 
 
 def test_pipeline_checkpoint_and_diff(tmp_path):

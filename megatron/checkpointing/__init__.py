@@ -274,7 +274,14 @@ def load_checkpoint(args, engine, plan: LoadPlan) -> LoadOutcome | None:
             ancestors_up_to = plan.saved_iteration if plan.iteration_from_checkpoint else None
             _lineages[Path(plan.load_dir).resolve()] = _Lineage(plan.tag, ancestors_up_to)
     module_report = None
-    if plan.load_optimizer:
+    if plan.reshard is not None:
+        from megatron.checkpointing.reshard import resume_at_another_shape
+
+        _check_names_for_resume(plan, engine, args)
+        module_report = resume_at_another_shape(engine, plan.tag_inventory, plan.reshard, args.save,
+                                                args.architecture(), _module_weights(plan, args))
+        client_state = plan.client_state
+    elif plan.load_optimizer:
         from megatron.checkpointing.safe_checkpoint_engine import use_weights_only_checkpoint_engine
         from megatron.checkpointing.safe_unpickle import every_torch_load_weights_only
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron.architecture import ModelConfigError, describe_model
-from megatron.checkpointing import layout, manifest, preflight
+from megatron.checkpointing import layout, manifest, preflight, reshard
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.data_position import DataPosition, data_position, resume_change_notes
 from megatron.checkpointing.errors import CheckpointError
@@ -56,6 +56,7 @@ class LoadPlan:
     notes: tuple[str, ...] = ()
     strict: bool = True  # load_module_strict
     model: str | None = None  # the model's family and variants (architecture.describe_model)
+    reshard: reshard.ShapeChange | None = None  # a full resume at another shape (reshard.py)
     tag_inventory: TagInventory | None = field(default=None, repr=False, compare=False)
     hf_source: WeightsSource | None = field(default=None, repr=False, compare=False)  # reads a FORMAT_HF folder
 
@@ -301,7 +302,12 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         )
     has_manifest = manifest.read_manifest(tag.path) is not None  # refuses a damaged, empty or incomplete one
     load_optimizer = mode is LoadMode.RESUME
-    if load_optimizer:
+    change = None
+    if load_optimizer and tag.metadata is not None and not preflight.loads_universal(tag, args):
+        change = reshard.shape_change(tag, args, data_parallel_size, preflight.saved_tensor_parallel_size(tag))
+    if change is not None:
+        files = reshard.files_read(tag)
+    elif load_optimizer:
         files = _resume_files(tag, preflight.loads_universal(tag, args))
     else:
         files = tuple(dict.fromkeys((*filter(None, [tag.metadata_file]), *_module_files(tag))))
@@ -318,6 +324,8 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
             "and the tag is not named global_step<N>), so training cannot continue from it. Set `finetune: true` to start at iteration 0 "
             "from its weights."
         )
+    if change is not None:
+        notes = [*change.notes(), *notes]
     position = None
     if mode is not LoadMode.FINETUNE:
         position = data_position(client, saved_iteration, args)
@@ -346,6 +354,7 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         files=files,
         notes=tuple(_model_from_checkpoint_note(args, root) + notes),
         strict=bool(args.load_module_strict),
+        reshard=change,
         tag_inventory=tag,
         model=_model(args),
     )

@@ -12,10 +12,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from megatron.architecture import architecture_mismatches, fields_of_settings
-from megatron.checkpointing import layout
+from megatron.checkpointing import layout, reshard
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.inventory import FORMAT_PIPELINE, TagInventory
-from megatron.optimizer_layout import precision_of, zero_stage_of
 
 _SHOWN_MISMATCHES = 3
 _MODULE_ONLY_HINT = ("set `no_load_optim: true` (keep iteration and data position, fresh optimizer) "
@@ -32,7 +31,7 @@ def _check_tensor_parallel(tag: TagInventory, args, load_optimizer: bool) -> Non
     wanted, saved = args.model_parallel_size or 1, saved_tensor_parallel_size(tag)
     if saved == wanted:
         return
-    if load_optimizer:
+    if load_optimizer and not tag.optimizer_files:  # else resharded (reshard.py)
         raise CheckpointError(
             f"{tag.path} was saved with tensor-parallel size {saved} (mp_rank files for ranks "
             f"{list(tag.mp_ranks)}), this run has model_parallel_size {wanted}; its optimizer shards cannot be "
@@ -91,25 +90,18 @@ def _check_resume(tag: TagInventory, args, data_parallel_size: int) -> None:
             f"{layout.model_states_name(0)}). To start from its weights, {_MODULE_ONLY_HINT}."
         )
     meta = tag.metadata
-    universal = loads_universal(tag, args)
-    saved_stage, saved_precision = meta.zero_stage, meta.precision
-    stage = zero_stage_of(args.zero_optimization, args.zero_stage)
-    precision = precision_of(args.precision, args.fp16, args.bf16)
-    if not universal:
-        if saved_stage != stage:
-            raise CheckpointError(
-                f"{tag.path} was saved with ZeRO stage {saved_stage}, this run uses stage {stage}; optimizer "
-                f"shards of one stage do not load into another. Set zero_optimization.stage to {saved_stage}, "
-                f"or {_MODULE_ONLY_HINT}."
-            )
-        if saved_precision != precision:
-            raise CheckpointError(
-                f"{tag.path} was saved in {saved_precision}, this run trains in {precision}; the optimizer "
-                f"states do not carry over. Train in {saved_precision}, or {_MODULE_ONLY_HINT}."
-            )
-    if saved_stage == 0:
-        return  # the whole optimizer state sits in the model-states file, independent of DP size
-    saved_dp = meta.dp_world_size or (max(tag.optimizer_dp_ranks) + 1)
+    if meta.zero_stage != 0:  # else the whole optimizer state sits in the model-states file
+        _check_shards_complete(tag)
+    if not loads_universal(tag, args):
+        change = reshard.shape_change(tag, args, data_parallel_size, saved_tensor_parallel_size(tag))
+        problem = change and reshard.refusal(tag, args, _MODULE_ONLY_HINT)
+        if problem:
+            raise CheckpointError(problem)
+
+
+def _check_shards_complete(tag: TagInventory) -> None:
+    saved_stage = tag.metadata.zero_stage
+    saved_dp = tag.metadata.dp_world_size or (max(tag.optimizer_dp_ranks) + 1)
     expected = _expected_optimizer_files(tag, saved_dp)
     missing = [name for key, name in expected.items() if key not in tag.optimizer_files]
     if saved_stage == 3:
@@ -121,14 +113,6 @@ def _check_resume(tag: TagInventory, args, data_parallel_size: int) -> None:
             f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} "
             f"({len(missing)} file(s)) are missing. Restore them, load another tag with `iteration: N`, "
             f"or {_MODULE_ONLY_HINT}."
-        )
-    if saved_dp != data_parallel_size and not universal:
-        hint = (" The tag holds a universal checkpoint: set `deepspeed_extra_args: {checkpoint: "
-                "{load_universal: true}}` to load it at another size." if tag.universal else "")
-        raise CheckpointError(
-            f"{tag.path} holds ZeRO stage {saved_stage} optimizer shards for {saved_dp} data-parallel ranks, "
-            f"this run has {data_parallel_size}; the shards cannot be re-partitioned here. Run with "
-            f"{saved_dp} data-parallel ranks, or {_MODULE_ONLY_HINT}.{hint}"
         )
 
 

@@ -5,7 +5,9 @@
 CKPT_DIR is a checkpoint of ours (DeepSpeed model-states, ZeRO shards or GPT-NeoX pipeline layer
 files) or a Hugging Face model folder. Which load modes work is decided by the trainer's own load
 plan (megatron.checkpointing.plan), asked once per mode with the checkpoint's own ZeRO stage,
-precision and data-parallel size. --diff compares the weights (under our names) with another
+precision and data-parallel size, and asked for a full resume at each shape of a small grid (data- and
+tensor-parallel size, ZeRO stage, precision; a resume at another shape reshards the optimizer state).
+--diff compares the weights (under our names) with another
 checkpoint: keys on one side only, shape changes, and the largest absolute difference per tensor.
 """
 
@@ -34,6 +36,7 @@ with contextlib.redirect_stdout(sys.stderr):
     from megatron.hf.config import architecture_of
     from megatron.hf.load import HF_FOLDER, read_hf_model
     from megatron.neox_arguments import ConfigError, NeoXArgs
+    from megatron.optimizer_layout import PRECISIONS
 
 MODE_FLAGS = {
     LoadMode.RESUME: {},
@@ -113,6 +116,42 @@ def load_modes(
     return result
 
 
+# The shapes a full resume is asked about, around the saved one: data- and tensor-parallel sizes (at the
+# saved ZeRO stage and precision), and ZeRO stages and precisions (at the saved sizes).
+DATA_PARALLEL_SIZES = (1, 2, 4)
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def full_resume_shapes(inventory: CheckpointInventory, tag: TagInventory | None,
+                       settings: dict[str, Any]) -> dict[str, list[str]]:
+    """Where the trainer's load plan accepts a full resume with the same global batch (a resume at another
+    shape reshards the optimizer state): the parallel sizes, and the ZeRO stages and precisions."""
+    if tag is None or tag.metadata is None:
+        return {"parallel_sizes": [], "zero_stages_and_precisions": []}
+    base = {key: value for key, value in settings.items() if key not in ("gradient_accumulation_steps", "num_gpus")}
+    base.update(load=str(inventory.root), save=str(inventory.root), finetune=False, no_load_optim=False,
+                iteration=tag.iteration if tag.tag != inventory.latest else None)
+    saved_dp, saved_tp = tag.saved_dp_size or tag.metadata.dp_world_size or 1, tag.saved_tp_size
+
+    def accepted(dp: int, tp: int, stage: int, precision: str) -> bool:
+        values = {**base, "model_parallel_size": tp, "num_gpus": tp * dp, "precision": precision,
+                  "zero_optimization": {"stage": stage}, "fp16": {"enabled": precision == "fp16"},
+                  "bf16": {"enabled": precision == "bf16"}}
+        try:
+            build_load_plan(NeoXArgs.from_saved(values, str(inventory.root), require_model=False), inventory, dp)
+        except (CheckpointError, ConfigError):
+            return False
+        return True
+
+    stage, precision = tag.metadata.zero_stage, tag.metadata.precision
+    return {
+        "parallel_sizes": [f"DP {dp} x TP {tp}" for tp in sorted({1, 2, saved_tp, 2 * saved_tp})
+                           for dp in DATA_PARALLEL_SIZES if accepted(dp, tp, stage, precision)],
+        "zero_stages_and_precisions": [f"ZeRO-{z} {p}" for z in ZERO_STAGES for p in PRECISIONS
+                                       if accepted(saved_dp, saved_tp, z, p)],
+    }
+
+
 def describe(root: Path, tag_name: str | None) -> dict[str, Any]:
     inventory = inventory_checkpoint(root, HF_FOLDER)
     if not inventory.exists:
@@ -150,6 +189,7 @@ def describe(root: Path, tag_name: str | None) -> dict[str, Any]:
         )
     report["parameters"] = parameter_summary(weights)
     report["load_modes"] = load_modes(inventory, tag, report["saved_settings"] or {})
+    report["full_resume_at"] = full_resume_shapes(inventory, tag, report["saved_settings"] or {})
     return report
 
 
@@ -200,6 +240,11 @@ def print_report(report: dict[str, Any]) -> None:
     for mode, verdict in report["load_modes"].items():
         text = verdict["plan"].splitlines()[0] if verdict["possible"] else verdict["reason"]
         print(f"  {mode}: {'possible' if verdict['possible'] else 'not possible'}: {text}")
+    if "tag" in report:
+        shapes = report["full_resume_at"]
+        print(f"  full resume (same global batch) at {', '.join(shapes['parallel_sizes']) or 'no parallel size'} "
+              f"(ZeRO stage and precision as saved); with {', '.join(shapes['zero_stages_and_precisions']) or 'none'} "
+              "(parallel sizes as saved)")
 
 
 def print_diff(result: dict[str, Any]) -> None:
