@@ -17,7 +17,6 @@ from megatron.divergence import NonFiniteWatch, check_weights_finite
 from megatron.initialize import (
     ModelParallelUnit,
     current_device,
-    data_parallel_rank_and_size,
     initialize_distributed,
     set_seeds,
     zero3_construction,
@@ -26,12 +25,12 @@ from megatron.learning_rates import Schedule, schedule_for_resume, set_learning_
 from megatron.logging import (
     MetricsWriter,
     ProgressReporter,
-    current_rank,
     get_logger,
     quiet_deepspeed,
     tee_output_to,
 )
 from megatron.optimizers import build_param_groups
+from megatron.ranks import data_parallel_rank_and_size, global_rank
 from megatron.stop_signals import StopSignals, hold_before_save, signal_name
 
 
@@ -242,7 +241,7 @@ def setup(args):
 
 def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals | None = None) -> RunResult:
     def agreed_stop() -> int | None:
-        return stop_signals.agreed_stop(current_device()) if stop_signals is not None else None
+        return stop_signals.agreed_stop() if stop_signals is not None else None
 
     stop = agreed_stop()
     if stop is not None:  # asked for during set-up: no step taken, nothing to save
@@ -257,7 +256,7 @@ def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals 
     start_iteration = state.iteration
     saved_at = None
     state.schedule = state.schedule or Schedule.from_args(args)
-    profiler = StepProfiler(args, current_rank())
+    profiler = StepProfiler(args, global_rank())
     norms: dict[str, float] = {}
     if state.iteration == 0 and _should_save(args, 0):
         _save(args, engine, state)  # extra_save_iters may ask for the untrained model

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 from megatron.checkpointing import commit, layout, manifest, preflight, save_lock
 from megatron.checkpointing.client_state import ClientState
-from megatron.checkpointing.collective import all_gather, barrier
 from megatron.checkpointing.data_position import DataPosition, data_position
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.inventory import inventory_checkpoint
@@ -24,6 +23,8 @@ from megatron.checkpointing.neox_config import write_neox_config
 from megatron.checkpointing.plan import LoadMode, LoadPlan, build_load_plan
 from megatron.checkpointing.rng import collect_rng_states, restore_rng_states
 from megatron.checkpointing.weights_source import WeightsSource
+from megatron.collective import all_gather, barrier
+from megatron.ranks import global_rank, rank_and_world, tensor_parallel_rank, tensor_parallel_size
 
 if TYPE_CHECKING:  # module_load imports DeepSpeed's ZeRO internals; loaded only when a load needs it
     from megatron.checkpointing.module_load import ModuleLoadReport
@@ -79,12 +80,6 @@ def _logger():
     return get_logger()
 
 
-def _rank() -> int:
-    from megatron.logging import current_rank
-
-    return current_rank()
-
-
 def save_checkpoint(
     args, engine, iteration: int, consumed_train_samples: int, lr_schedule_start: int = 0,
     lr_schedule: dict | None = None, consumed_valid_samples: int = 0,
@@ -116,7 +111,7 @@ def save_checkpoint(
 
     partial = layout.partial_tag(tag)
     try:
-        if _rank() == 0:
+        if global_rank() == 0:
             commit.start_tag(save_dir, tag)
             layout.copy_configs(args.config_files, save_dir / partial)
             write_neox_config(args.to_dict(), save_dir / partial / layout.CONFIGS_DIR / layout.NEOX_CONFIG_FILE)
@@ -130,7 +125,7 @@ def save_checkpoint(
         if failure is None:
             raise
         raise failure from err
-    if _rank() == 0:
+    if global_rank() == 0:
         _prune(args, save_dir, tag, iteration)
     barrier()
     return tag_dir
@@ -160,7 +155,7 @@ def check_save_dir(args) -> None:
     if not args.save:
         return
     problem = None
-    if _rank() == 0:
+    if global_rank() == 0:
         try:
             commit.check_save_dir(args.save, 0)
             save_lock.acquire(args.save, list(args.config_files or ()), notice=_logger().info)
@@ -169,8 +164,8 @@ def check_save_dir(args) -> None:
     first = all_gather(problem)[0]
     if first:
         raise CheckpointError(first)
-    if _rank() != 0:
-        commit.check_save_dir(args.save, _rank())
+    if global_rank() != 0:
+        commit.check_save_dir(args.save, global_rank())
 
 
 def plan_load(args, data_parallel_size: int, hf_source: WeightsSource | None = None) -> LoadPlan | None:
@@ -191,19 +186,11 @@ def _module_weights(plan: LoadPlan, args):
         return _this_ranks_part([plan.hf_source.read_weights(plan.load_dir, args.architecture())], args)
     from megatron.checkpointing.module_weights import read_module_weights
 
-    rank, size = _tensor_parallel_rank_and_size()
+    rank, size = tensor_parallel_rank(), tensor_parallel_size()
     saved = preflight.saved_tensor_parallel_size(plan.tag_inventory)
     if saved == size:
         return read_module_weights(plan.tag_dir, rank)
     return _this_ranks_part([read_module_weights(plan.tag_dir, mp) for mp in range(saved)], args)
-
-
-def _tensor_parallel_rank_and_size() -> tuple[int, int]:
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return 0, 1
-    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
 def _this_ranks_part(parts: list[dict], args) -> dict:
@@ -211,7 +198,7 @@ def _this_ranks_part(parts: list[dict], args) -> dict:
     read only where the slices lie)."""
     from megatron.model.partitioning import repartition_state_dict
 
-    rank, size = _tensor_parallel_rank_and_size()
+    rank, size = tensor_parallel_rank(), tensor_parallel_size()
     if len(parts) == size:
         return parts[rank]
     return repartition_state_dict(parts, args.architecture(), rank, size)
@@ -240,7 +227,7 @@ def _check_names_for_resume(plan: LoadPlan, engine, args) -> None:
         )
     if not args.load_module_strict:
         targets = engine.module.state_dict(keep_vars=True)
-        report = compare_module_keys(targets, read_module_weights(plan.tag_dir, _tensor_parallel_rank_and_size()[0]))
+        report = compare_module_keys(targets, read_module_weights(plan.tag_dir, tensor_parallel_rank()))
         check_random_layers(report, targets, args.load_module_allow_random or ())
         if not report.complete:
             _logger().info(report.describe())
@@ -248,8 +235,6 @@ def _check_names_for_resume(plan: LoadPlan, engine, args) -> None:
 
 def _verify_files(plan: LoadPlan) -> None:
     """Check the files DeepSpeed's load reads against the tag's manifest, each file on one rank, before any is read."""
-    from megatron.checkpointing.collective import rank_and_world
-
     records = manifest.read_manifest(plan.tag_dir)
     if records is None:
         return
@@ -308,7 +293,7 @@ def load_checkpoint(args, engine, plan: LoadPlan) -> LoadOutcome | None:
     if args.checkpoint_validation_with_forward_pass and plan.source_format != "hf":
         forward_validation.check(engine, args, client_state.forward_validation, source=str(plan.tag_dir))
     if plan.restore_rng:
-        restore_rng_states(client_state.rng_states[_rank()])
+        restore_rng_states(client_state.rng_states[global_rank()])
     iteration, position = _saved_progress(plan, client_state, args)
     _logger().info(f"loaded {plan.tag_dir or plan.load_dir} ({plan.mode.value}): starting at iteration {iteration}, "
                    f"{position.consumed_train_samples} samples consumed")

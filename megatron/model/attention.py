@@ -17,10 +17,9 @@ from megatron.model.parallel_layers import (
     RowParallelLinear,
     model_parallel_config,
     sum_over_ranks_sharing_a_slot,
-    tensor_parallel_rank,
-    tensor_parallel_size,
 )
 from megatron.model.rotary import split_qkv
+from megatron.ranks import tensor_parallel_rank, tensor_parallel_size
 
 
 def sliding_window_mask(seq_len: int, width: int, device: torch.device | None = None) -> torch.Tensor:
