@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megatron.checkpointing.data_position import samples_per_evaluation
 from megatron.checkpointing.layout import tag_for_iteration
+from megatron.checkpointing.lineage import Lineage
 from megatron.diagnostics import StepProfiler, parameter_norms
 from megatron.divergence import NonFiniteWatch, check_weights_finite
 from megatron.initialize import (
@@ -43,6 +44,7 @@ class TrainState:
     # optimizer starts a fresh schedule (warmup included) while the iteration count carries on.
     lr_schedule_start: int = 0
     schedule: Schedule | None = None  # what the LR follows; None until the run's settings decide it
+    lineage: Lineage = field(default_factory=Lineage)  # the tags of `save` this run may prune
 
     @property
     def lr_step(self) -> int:
@@ -51,20 +53,17 @@ class TrainState:
 
 
 def state_after_load(outcome, args=None) -> TrainState:
-    """Where training continues after `load_checkpoint`: the plan decided iteration and data position.
+    """Where training continues after `load_checkpoint`: the plan decided iteration, data position and the
+    iteration the LR schedule counts from.
 
     With `args`, also the LR schedule: a full resume checks the configs' schedule against the one the
     checkpoint recorded (override_lr_scheduler / use_checkpoint_lr_scheduler decide, as in GPT-NeoX).
     """
     schedule = Schedule.from_args(args) if args is not None else None
-    if outcome.loaded_optimizer:
-        schedule_start = outcome.client_state.lr_schedule_start
-        if schedule is not None:
-            schedule = _resumed_schedule(args, schedule, outcome.client_state.lr_schedule)
-    else:
-        schedule_start = outcome.iteration
+    if outcome.loaded_optimizer and schedule is not None:
+        schedule = _resumed_schedule(args, schedule, outcome.client_state.lr_schedule)
     return TrainState(outcome.iteration, outcome.consumed_train_samples, outcome.consumed_valid_samples,
-                      schedule_start, schedule)
+                      outcome.lr_schedule_start, schedule, outcome.lineage)
 
 
 def _resumed_schedule(args, configured: Schedule, saved: dict | None) -> Schedule:
@@ -172,7 +171,8 @@ def _save(args, engine, state: TrainState) -> Path:
 
     check_weights_finite(engine, state.iteration, args)
     return save_checkpoint(args, engine, state.iteration, state.consumed_train_samples, state.lr_schedule_start,
-                           lr_schedule=state.schedule.to_dict(), consumed_valid_samples=state.consumed_valid_samples)
+                           lr_schedule=state.schedule.to_dict(), consumed_valid_samples=state.consumed_valid_samples,
+                           lineage=state.lineage)
 
 
 def _stop_after_signal(args, engine, state: TrainState, signum: int, saved_at: int | None) -> None:
@@ -226,7 +226,7 @@ def setup(args):
     state = TrainState(schedule=Schedule.from_args(args))
     restored_rng = False
     if plan is not None:
-        outcome = load_checkpoint(args, engine, plan)
+        outcome = load_checkpoint(engine, plan)
         if outcome is not None:
             state = state_after_load(outcome, args)
             restored_rng = outcome.restored_rng

@@ -184,7 +184,7 @@ def module_only_load_from_tp2_to_tp4(work_dir: Path) -> None:
 
     args4 = NeoXArgs.from_dict({**settings, "model_parallel_size": 4, "load": str(work_dir), "finetune": True})
     engine = trained_engine(args4, args4.seed + 1)  # other weights than the checkpoint's until the load
-    load_checkpoint(args4, engine, plan_load(args4, 1))
+    load_checkpoint(engine, plan_load(args4, 1))
     engine.eval()
     with torch.no_grad():
         logits4 = engine(tokens)

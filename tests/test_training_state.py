@@ -1,13 +1,17 @@
 """Where training continues after a load: iteration, data position and the LR schedule's step."""
 
-from megatron.checkpointing import ClientState, LoadOutcome
+from megatron.checkpointing import ClientState, LoadMode, LoadOutcome
+from megatron.checkpointing.plan import schedule_start
 from megatron.training import TrainState, state_after_load
 
 
 def outcome(iteration, loaded_optimizer, lr_schedule_start=0):
+    """What load_checkpoint returns after a full resume, a no_load_optim load (iteration > 0) or a fine-tune."""
+    mode = LoadMode.RESUME if loaded_optimizer else LoadMode.NO_LOAD_OPTIM if iteration else LoadMode.FINETUNE
+    client = ClientState(iteration=iteration, lr_schedule_start=lr_schedule_start)
     return LoadOutcome(iteration=iteration, consumed_train_samples=iteration * 8, loaded_optimizer=loaded_optimizer,
-                       restored_rng=False, tag=f"global_step{iteration}",
-                       client_state=ClientState(iteration=iteration, lr_schedule_start=lr_schedule_start))
+                       restored_rng=False, tag=f"global_step{iteration}", client_state=client,
+                       lr_schedule_start=schedule_start(mode, iteration, client))
 
 
 def test_a_fresh_run_takes_schedule_step_1_first():
@@ -49,7 +53,7 @@ SAVED = {"peak_lr": 0.002, "min_lr": 0.0, "warmup_iters": 10.0, "decay_iters": 1
 def _resume(args, saved=SAVED):
     return state_after_load(LoadOutcome(
         iteration=20, consumed_train_samples=160, loaded_optimizer=True, restored_rng=True, tag="global_step20",
-        client_state=ClientState(iteration=20, lr_schedule=saved)), args)
+        client_state=ClientState(iteration=20, lr_schedule=saved), lr_schedule_start=0), args)
 
 
 def test_resume_with_a_changed_schedule_is_refused_by_default():

@@ -8,7 +8,9 @@
 `iteration: N` picks tag `global_step<N>`; otherwise the tag in `latest`. The learning rate is a
 function of the schedule's step (megatron/learning_rates.py), counted from the iteration the schedule
 started at: a fresh optimizer starts a fresh schedule, so after `no_load_optim` the schedule's step
-is not the iteration (megatron.training.state_after_load).
+is not the iteration (`schedule_start`).
+
+The plan is the whole contract of a load: `load.load_checkpoint(engine, plan)` reads no settings.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron.architecture import Architecture
 from megatron.checkpointing import layout, manifest, preflight
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.data_position import DataPosition, data_position, resume_change_notes
@@ -54,6 +57,12 @@ class LoadPlan:
     files: tuple[Path, ...] = ()
     notes: tuple[str, ...] = ()
     strict: bool = True  # load_module_strict
+    allow_random: tuple[str, ...] = ()  # load_module_allow_random: patterns of layers that may stay random
+    validate_forward: bool = False  # checkpoint_validation_with_forward_pass (never for a Hugging Face folder)
+    precision: str = "fp32"  # the run's, which forward validation compares in
+    architecture: Architecture | None = field(default=None, repr=False)  # the run's model
+    lr_schedule_start: int = 0  # the iteration the LR schedule counts from after this load
+    saves_here: bool = False  # `save` is the directory loaded from: the loaded tag is the run's own history
     tag_inventory: TagInventory | None = field(default=None, repr=False, compare=False)
     hf_source: WeightsSource | None = field(default=None, repr=False, compare=False)  # reads a FORMAT_HF folder
 
@@ -111,6 +120,21 @@ def _relative(path: Path, root: Path) -> str:
         return str(path.relative_to(root))
     except ValueError:
         return str(path)
+
+
+def schedule_start(mode: LoadMode, saved_iteration: int | None, client: ClientState) -> int:
+    """The iteration the LR schedule counts from after a load: a full resume continues the saved schedule;
+    a fresh optimizer starts a fresh schedule (warmup included) at the iteration the run continues from."""
+    if mode is LoadMode.RESUME:
+        return client.lr_schedule_start
+    return int(saved_iteration or 0) if mode is LoadMode.NO_LOAD_OPTIM else 0
+
+
+def _contract(args) -> dict:
+    """What a load takes from the settings besides the choice of files."""
+    return dict(strict=bool(args.load_module_strict), allow_random=tuple(args.load_module_allow_random or ()),
+                precision=args.precision, architecture=args.architecture(),
+                saves_here=layout.same_directory(args.load, args.save))
 
 
 def requested_mode(args) -> LoadMode:
@@ -218,7 +242,7 @@ def _hf_plan(args, inventory: CheckpointInventory, mode: LoadMode) -> LoadPlan:
         )
     inventory.hf_source.check_architecture(root, args.architecture())
     unchecked = f"no {layout.MANIFEST_FILE} in a Hugging Face folder: its files are not checksummed"
-    return LoadPlan(mode=mode, load_dir=root, source_format=FORMAT_HF, strict=bool(args.load_module_strict),
+    return LoadPlan(mode=mode, load_dir=root, source_format=FORMAT_HF, **_contract(args),
                     files=inventory.hf_files, hf_source=inventory.hf_source,
                     notes=(*_model_from_checkpoint_note(args, root), unchecked))
 
@@ -332,7 +356,9 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         data_position=position,
         files=files,
         notes=tuple(_model_from_checkpoint_note(args, root) + notes),
-        strict=bool(args.load_module_strict),
+        **_contract(args),
+        validate_forward=bool(args.checkpoint_validation_with_forward_pass),
+        lr_schedule_start=schedule_start(mode, saved_iteration, client),
         tag_inventory=tag,
     )
     _check_iterations_left(plan, args)
