@@ -195,6 +195,16 @@ class CheckpointInventory:
             return self.tags[self.latest].format
         return None
 
+    def requested_tag(self, iteration: int | None = None, tag: str | None = None) -> str | None:
+        """The one rule for which tag a load, an inspection or a conversion reads: `tag` when named, else
+        `global_step<iteration>` when an iteration is asked for, else the tag `latest` names (None without
+        `latest`). Whether that tag exists and may be read is the caller's to check."""
+        if tag:
+            return tag
+        if iteration is not None:
+            return layout.tag_for_iteration(iteration)
+        return self.latest
+
     @property
     def iterations(self) -> list[int]:
         return [t.iteration for t in self.tags.values() if t.iteration is not None]

@@ -16,6 +16,7 @@ The plan is the whole contract of a load: `load.load_checkpoint(engine, plan)` r
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,11 +61,17 @@ class LoadPlan:
     allow_random: tuple[str, ...] = ()  # load_module_allow_random: patterns of layers that may stay random
     validate_forward: bool = False  # checkpoint_validation_with_forward_pass (never for a Hugging Face folder)
     precision: str = "fp32"  # the run's, which forward validation compares in
-    architecture: Architecture | None = field(default=None, repr=False)  # the run's model
+    # The run's model (its settings' architecture()), resolved only where the weights are re-split for it
+    # (another tensor-parallel size, a Hugging Face folder): inspecting a plan needs no padded vocabulary.
+    run_architecture: Callable[[], Architecture] | None = field(default=None, repr=False, compare=False)
     lr_schedule_start: int = 0  # the iteration the LR schedule counts from after this load
     saves_here: bool = False  # `save` is the directory loaded from: the loaded tag is the run's own history
     tag_inventory: TagInventory | None = field(default=None, repr=False, compare=False)
     hf_source: WeightsSource | None = field(default=None, repr=False, compare=False)  # reads a FORMAT_HF folder
+
+    @property
+    def architecture(self) -> Architecture:
+        return self.run_architecture()
 
     @property
     def nothing_to_load(self) -> bool:
@@ -133,8 +140,7 @@ def schedule_start(mode: LoadMode, saved_iteration: int | None, client: ClientSt
 def _contract(args) -> dict:
     """What a load takes from the settings besides the choice of files."""
     return dict(strict=bool(args.load_module_strict), allow_random=tuple(args.load_module_allow_random or ()),
-                precision=args.precision, architecture=args.architecture(),
-                saves_here=layout.same_directory(args.load, args.save))
+                precision=args.precision, run_architecture=args.architecture, saves_here=layout.same_directory(args.load, args.save))
 
 
 def requested_mode(args) -> LoadMode:
@@ -152,8 +158,8 @@ def _available(inventory: CheckpointInventory) -> str:
 
 def _choose_tag(args, inventory: CheckpointInventory) -> str:
     root = inventory.root
+    tag = inventory.requested_tag(iteration=args.iteration)
     if args.iteration is not None:
-        tag = layout.tag_for_iteration(args.iteration)
         if tag not in inventory.tags:
             raise CheckpointError(
                 f"`iteration: {args.iteration}` asks for {root / tag}, which does not exist; "
@@ -161,7 +167,7 @@ def _choose_tag(args, inventory: CheckpointInventory) -> str:
                 f"the tag named in {root / layout.LATEST_FILE}."
             )
         return tag
-    if inventory.latest is None:
+    if tag is None:
         raise CheckpointError(
             f"{root} has no `{layout.LATEST_FILE}` file naming the tag to load; {_available(inventory)}. "
             f"Set `iteration: N` to pick one."

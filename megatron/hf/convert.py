@@ -15,7 +15,7 @@ from megatron.architecture import ModelConfigError
 from megatron.checkpointing import layout
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.inventory import inventory_tag
+from megatron.checkpointing.inventory import inventory_checkpoint, inventory_tag
 from megatron.checkpointing.module_weights import (
     read_client_state,
     read_full_module_weights,
@@ -158,7 +158,7 @@ def convert_neox_to_hf(
 ) -> Path:
     """Write an HF model folder for tag ``tag`` (default: the one in ``latest``) of our checkpoint."""
     ckpt_dir = Path(ckpt_dir)
-    tag = tag or layout.read_latest(ckpt_dir)
+    tag = inventory_checkpoint(ckpt_dir).requested_tag(tag=tag)
     if tag is None:
         raise HFConversionError(f"{ckpt_dir} has no `latest` file; name the tag to convert with --tag")
     tag_dir = ckpt_dir / tag
