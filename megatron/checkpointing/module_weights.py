@@ -130,26 +130,6 @@ def read_this_ranks_module_weights(tag_dir: str | Path, saved_tensor_parallel_si
     return this_ranks_part([read_module_weights(tag_dir, mp) for mp in range(saved_tensor_parallel_size)], arch)
 
 
-def read_client_state(tag_dir: str | Path, mp_rank: int = 0) -> dict:
-    """Everything in the tag's model-states file except the module weights (iteration, args, rng, ...).
-
-    A ZeRO-3 tag saved by DeepSpeed alone has no ``mp_rank_<MP>`` file; its rank-0 model-states file
-    carries the same client state.
-    """
-    tag_dir = Path(tag_dir)
-    candidates = [
-        tag_dir / layout.model_states_name(mp_rank),
-        tag_dir / layout.zero3_model_states_name(0, mp_rank),
-    ]
-    for path in candidates:
-        if path.is_file():
-            state = load_checkpoint_file(path)
-            return {key: value for key, value in state.items() if key != "module"}
-    raise CheckpointError(
-        f"no model-states file in {tag_dir}: expected {candidates[0].name} or {candidates[1].name}"
-    )
-
-
 def _module_from_model_states_file(path: Path) -> dict[str, torch.Tensor] | None:
     if not path.is_file():
         return None
