@@ -89,3 +89,11 @@ def test_periodic_saves_start_after_the_first_step_and_extra_save_iters_may_ask_
     assert [step for step in range(5) if _should_save(periodic, step)] == [2, 4]
     extra = SimpleNamespace(save="ckpt", checkpoint_factor=2, extra_save_iters=[0, 3])
     assert [step for step in range(5) if _should_save(extra, step)] == [0, 2, 3, 4]
+
+
+def test_the_loads_lineage_is_the_one_the_runs_saves_add_to():
+    """save_checkpoint prunes only the tags of state.lineage: the loaded tag and those before it come from the load."""
+    loaded = outcome(20, True)
+    assert state_after_load(loaded).lineage is loaded.lineage
+    fresh = TrainState().lineage  # a run that loaded nothing owns no tag yet
+    assert (fresh.loaded_tag, fresh.saved) == (None, set())
