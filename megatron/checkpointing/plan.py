@@ -140,7 +140,8 @@ def schedule_start(mode: LoadMode, saved_iteration: int | None, client: ClientSt
 def _contract(args) -> dict:
     """What a load takes from the settings besides the choice of files."""
     return dict(strict=bool(args.load_module_strict), allow_random=tuple(args.load_module_allow_random or ()),
-                precision=args.precision, run_architecture=args.architecture, saves_here=layout.same_directory(args.load, args.save))
+                precision=args.precision, run_architecture=args.architecture,
+                saves_here=layout.same_directory(args.load, args.save))
 
 
 def requested_mode(args) -> LoadMode:
