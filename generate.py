@@ -19,7 +19,8 @@ from megatron.rank_errors import run_rank  # noqa: E402
 
 def main() -> None:
     from megatron.generation import check_generation_settings, generate_samples
-    from megatron.logging import current_rank, get_logger
+    from megatron.logging import get_logger
+    from megatron.ranks import global_rank
     from megatron.tokenizer import build_tokenizer
     from megatron.training import setup_for_inference
 
@@ -27,7 +28,7 @@ def main() -> None:
     check_generation_settings(args)
     tokenizer = build_tokenizer(args)
     engine = setup_for_inference(args)
-    generate_samples(engine.module, tokenizer, args, current_rank(), get_logger())
+    generate_samples(engine.module, tokenizer, args, global_rank(), get_logger())
 
 
 if __name__ == "__main__":

@@ -12,10 +12,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
+from megatron.collective import reported_by_ranks
 from megatron.errors import ExpectedError
-from megatron.initialize import current_device
 
 
 class DivergenceError(ExpectedError, RuntimeError):
@@ -24,11 +23,7 @@ class DivergenceError(ExpectedError, RuntimeError):
 
 def any_rank(flag: bool) -> bool:
     """True on every rank when `flag` is true on at least one."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    value = torch.tensor([1.0 if flag else 0.0], device=current_device())
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+    return bool(reported_by_ranks(True if flag else None))
 
 
 def _finite(value: float | None) -> bool:

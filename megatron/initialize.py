@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron.ranks import data_parallel_rank_and_size
+
 
 def initialize_distributed(args) -> None:
     """DeepSpeed's process group (NCCL on GPU, gloo on CPU) and megatron-core's model-parallel groups."""
@@ -136,12 +138,6 @@ def zero3_construction(ds_config: dict):
 
     mpu = ModelParallelUnit()
     return deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=mpu, data_parallel_group=mpu.get_data_parallel_group())
-
-
-def data_parallel_rank_and_size() -> tuple[int, int]:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
 
 def current_device() -> torch.device:

@@ -8,20 +8,14 @@ import socket
 import sys
 import time
 
+from megatron.ranks import global_rank
+
 LOGGER_NAME = "neox"
-
-
-def current_rank() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
 
 
 class _RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return current_rank() == 0 or record.levelno >= logging.WARNING
+        return global_rank() == 0 or record.levelno >= logging.WARNING
 
 
 def get_logger() -> logging.Logger:
@@ -115,7 +109,7 @@ class ProgressReporter:
         self.started = time.perf_counter()
         self.logger = get_logger()
         self.bar = None
-        if current_rank() == 0 and sys.stdout.isatty():
+        if global_rank() == 0 and sys.stdout.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=args.train_iters, initial=first_iteration, dynamic_ncols=True, leave=False)
@@ -156,7 +150,7 @@ class MetricsWriter:
     def __init__(self, args):
         self.tensorboard = None
         self.wandb_run = None
-        if current_rank() != 0:
+        if global_rank() != 0:
             return
         if args.tensorboard_dir:
             try:

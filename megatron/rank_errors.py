@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from megatron.errors import ExpectedError
+from megatron.ranks import global_rank
 
 EXIT_EXPECTED_ERROR = 1
 # How long a rank other than 0 stays quiet before reporting its error (DeepSpeed's launcher polls
@@ -61,7 +62,7 @@ def expected_error_line(error: BaseException) -> str | None:
 
 
 def _report(line: str, stop_requested: Callable[[], bool]) -> None:
-    rank = int(os.environ.get("RANK", "0"))
+    rank = global_rank()
     if rank != 0:
         quiet_until = time.monotonic() + OTHER_RANKS_QUIET_SECONDS
         while not stop_requested() and time.monotonic() < quiet_until:

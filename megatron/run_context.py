@@ -14,7 +14,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megatron.checkpointing import layout
 from megatron.neox_arguments import SETTINGS, ConfigError, NeoXArgs, padded_vocab_size
 from megatron.neox_arguments.derived import EMBEDDED_CORPUS_SOURCE, MODEL_REQUIRED
 from megatron.neox_arguments.yaml_files import merge_config_files
@@ -70,7 +69,7 @@ def _checkpoint_model_settings(load: Path, iteration: int | None, tensor_paralle
     inventory = inventory_checkpoint(load, HF_FOLDER)
     if inventory.is_hf:
         return _hf_model_settings(load, tensor_parallel)
-    tag_name = layout.tag_for_iteration(iteration) if iteration is not None else inventory.latest
+    tag_name = inventory.requested_tag(iteration=iteration)
     tag = inventory.tags.get(tag_name) if tag_name else None
     try:  # the tag's model-states file: checked against its manifest, unpickled weights-only
         settings = tag.metadata.saved_args if tag is not None and tag.metadata is not None else None

@@ -5,7 +5,7 @@ Schedulers send SIGTERM to every process of a job some time before they kill it;
 passes a signal it gets on to every rank. One request therefore reaches a rank as several copies
 within moments: signals within SAME_REQUEST_SECONDS of the first are copies of it, a later one is a
 second request. A rank only notes the signal; the training loop asks `agreed_stop()` once per step
-(and once before the first), which all-reduces the note, so every rank stops after the same step
+(and once before the first), which gathers every rank's note, so every rank stops after the same step
 even when the signal reached them during different steps, or reached only one of them.
 """
 
@@ -15,6 +15,9 @@ import os
 import signal
 import threading
 import time
+
+from megatron.collective import reported_by_ranks
+from megatron.ranks import global_rank
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Copies of one request (the scheduler's own, deepy.py's, the launcher's) arrive within this of each other.
@@ -79,22 +82,15 @@ class StopSignals:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
             signal.pthread_kill(threading.get_ident(), signum)
             return
-        if os.environ.get("RANK", "0") == "0":
+        if global_rank() == 0:
             os.write(2, f"{signal.Signals(signum).name} received: stopping after this iteration with a "
                         f"checkpoint; send it again ({SAME_REQUEST_SECONDS:g} s or more later) to stop at once\n"
                         .encode())
 
-    def agreed_stop(self, device) -> int | None:
+    def agreed_stop(self) -> int | None:
         """The stop signal any rank received (the same answer on every rank), or None; a collective."""
-        import torch
-        import torch.distributed as dist
-
-        noted = self.received or 0
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            flag = torch.tensor([noted], dtype=torch.int32, device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            noted = int(flag.item())
-        return noted or None
+        noted = [signum for _, signum in reported_by_ranks(self.received)]
+        return max(noted) if noted else None
 
 
 def hold_before_save() -> None:

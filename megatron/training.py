@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -12,12 +12,12 @@ import torch.distributed as dist
 
 from megatron.checkpointing.data_position import samples_per_evaluation
 from megatron.checkpointing.layout import tag_for_iteration
+from megatron.checkpointing.lineage import Lineage
 from megatron.diagnostics import StepProfiler, parameter_norms
 from megatron.divergence import NonFiniteWatch, check_weights_finite
 from megatron.initialize import (
     ModelParallelUnit,
     current_device,
-    data_parallel_rank_and_size,
     initialize_distributed,
     set_seeds,
     zero3_construction,
@@ -26,12 +26,12 @@ from megatron.learning_rates import Schedule, schedule_for_resume, set_learning_
 from megatron.logging import (
     MetricsWriter,
     ProgressReporter,
-    current_rank,
     get_logger,
     quiet_deepspeed,
     tee_output_to,
 )
 from megatron.optimizers import build_param_groups
+from megatron.ranks import data_parallel_rank_and_size, global_rank
 from megatron.stop_signals import StopSignals, hold_before_save, signal_name
 
 
@@ -48,6 +48,7 @@ class TrainState:
     # restored by a full resume. They do not advance the schedule: GPT-NeoX's DeepSpeed steps its LR
     # scheduler only after a step it applied.
     skipped_steps: int = 0
+    lineage: Lineage = field(default_factory=Lineage)  # the tags of `save` this run may prune
 
     @property
     def lr_step(self) -> int:
@@ -56,20 +57,17 @@ class TrainState:
 
 
 def state_after_load(outcome, args=None) -> TrainState:
-    """Where training continues after `load_checkpoint`: the plan decided iteration and data position.
+    """Where training continues after `load_checkpoint`: the plan decided iteration, data position and the
+    iteration the LR schedule counts from.
 
     With `args`, also the LR schedule: a full resume checks the configs' schedule against the one the
     checkpoint recorded (override_lr_scheduler / use_checkpoint_lr_scheduler decide, as in GPT-NeoX).
     """
     schedule = Schedule.from_args(args) if args is not None else None
-    if outcome.loaded_optimizer:
-        schedule_start = outcome.client_state.lr_schedule_start
-        if schedule is not None:
-            schedule = _resumed_schedule(args, schedule, outcome.client_state.lr_schedule)
-    else:
-        schedule_start = outcome.iteration
+    if outcome.loaded_optimizer and schedule is not None:
+        schedule = _resumed_schedule(args, schedule, outcome.client_state.lr_schedule)
     return TrainState(outcome.iteration, outcome.consumed_train_samples, outcome.consumed_valid_samples,
-                      schedule_start, schedule)
+                      outcome.lr_schedule_start, schedule, outcome.lineage)
 
 
 def _resumed_schedule(args, configured: Schedule, saved: dict | None) -> Schedule:
@@ -188,7 +186,8 @@ def _save(args, engine, state: TrainState) -> Path:
 
     check_weights_finite(engine, state.iteration, args)
     return save_checkpoint(args, engine, state.iteration, state.consumed_train_samples, state.lr_schedule_start,
-                           lr_schedule=state.schedule.to_dict(), consumed_valid_samples=state.consumed_valid_samples)
+                           lr_schedule=state.schedule.to_dict(), consumed_valid_samples=state.consumed_valid_samples,
+                           lineage=state.lineage)
 
 
 def _stop_after_signal(args, engine, state: TrainState, signum: int, saved_at: int | None) -> None:
@@ -242,7 +241,7 @@ def setup(args):
     state = TrainState(schedule=Schedule.from_args(args))
     restored_rng = False
     if plan is not None:
-        outcome = load_checkpoint(args, engine, plan)
+        outcome = load_checkpoint(engine, plan)
         if outcome is not None:
             state = state_after_load(outcome, args)
             restored_rng = outcome.restored_rng
@@ -291,14 +290,14 @@ def setup_for_inference(args):
     _log_model(args, model, 0, data_parallel_rank_and_size()[1])
     engine, _, _, _ = deepspeed.initialize(model=model, config=build_inference_deepspeed_config(args.to_dict()),
                                            mpu=ModelParallelUnit())
-    load_checkpoint(weights_only, engine, plan)
+    load_checkpoint(engine, plan)
     engine.eval()
     return engine
 
 
 def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals | None = None) -> RunResult:
     def agreed_stop() -> int | None:
-        return stop_signals.agreed_stop(current_device()) if stop_signals is not None else None
+        return stop_signals.agreed_stop() if stop_signals is not None else None
 
     stop = agreed_stop()
     if stop is not None:  # asked for during set-up: no step taken, nothing to save
@@ -313,7 +312,7 @@ def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals 
     start_iteration = state.iteration
     saved_at = None
     state.schedule = state.schedule or Schedule.from_args(args)
-    profiler = StepProfiler(args, current_rank())
+    profiler = StepProfiler(args, global_rank())
     options = batch_options_for(args)
     norms: dict[str, float] = {}
     if state.iteration == 0 and _should_save(args, 0):

@@ -191,6 +191,16 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
+def stored_client_state(tag_dir: Path) -> dict:
+    """Every entry of the model-states file a tag's client state is read from (the inventory's choice), but the
+    module weights."""
+    from megatron.checkpointing.inventory import inventory_tag
+    from megatron.checkpointing.module_weights import load_checkpoint_file
+
+    tag = inventory_tag(Path(tag_dir).parent, Path(tag_dir).name)
+    return {key: value for key, value in load_checkpoint_file(tag.metadata_file).items() if key != "module"}
+
+
 def saved_checkpoint(root: Path, args: NeoXArgs, iterations=(1,), client_state: dict | None = None) -> Path:
     """Train a fresh engine and let DeepSpeed itself save global_step<N> after each listed iteration."""
     engine = build_engine(args)

@@ -181,7 +181,7 @@ def hf_folder_at_tp2_has_the_gradient_of_transformers(work_dir: Path) -> None:
         "optimizer": {"type": "Adam", "params": {"lr": 1e-6}}, "zero_optimization": {"stage": 0},
         "load": str(hf_dir), "finetune": True})
     engine = trained_engine(args, args.seed)
-    load_checkpoint(args, engine, plan_load(args, 1, hf_source=HF_FOLDER))
+    load_checkpoint(engine, plan_load(args, 1, hf_source=HF_FOLDER))
     tokens = torch.randint(0, spec.vocab_size, (2, 41), generator=torch.Generator().manual_seed(3))
     loss = causal_lm_loss(engine(tokens[:, :-1], parallel_output=True), tokens[:, 1:], vocab_parallel=True)
     engine.backward(loss)
@@ -230,7 +230,7 @@ def module_only_load_from_tp2_to_tp4(work_dir: Path) -> None:
 
     args4 = NeoXArgs.from_dict({**settings, "model_parallel_size": 4, "load": str(work_dir), "finetune": True})
     engine = trained_engine(args4, args4.seed + 1)  # other weights than the checkpoint's until the load
-    load_checkpoint(args4, engine, plan_load(args4, 1))
+    load_checkpoint(engine, plan_load(args4, 1))
     engine.eval()
     with torch.no_grad():
         logits4 = engine(tokens)

@@ -52,7 +52,7 @@ def finetune_and_check(args, data_parallel_size: int, expected: dict[str, torch.
     plan = plan_load(args, data_parallel_size)
     assert plan.module_only and all("optim_states" not in path.name for path in plan.files)
     engine = build_engine(args, seed=1)  # other initial weights: only the load can make them equal
-    load_checkpoint(args, engine, plan)
+    load_checkpoint(engine, plan)
     set_lr(engine, 0.0)
     train_step(engine, tiny_batch(args, 500 + rank))
     dtype = DTYPES[args.precision]

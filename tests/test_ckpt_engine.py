@@ -14,7 +14,7 @@ from megatron.checkpointing import master_weights as master_weights_module
 from megatron.checkpointing.engine_save import save_engine_checkpoint
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.module_load import load_module_only
-from megatron.checkpointing.module_weights import read_client_state, read_module_weights
+from megatron.checkpointing.module_weights import read_module_weights
 from tests.ckpt_engines import (
     DTYPES,
     batch,
@@ -24,6 +24,7 @@ from tests.ckpt_engines import (
     eval_loss,
     master_weights,
     set_lr,
+    stored_client_state,
     train_step,
     training_weights,
 )
@@ -223,7 +224,7 @@ def test_zero3_reads_the_requested_tag_not_latest(tmp_path):
     engine_b = build_engine(config, seed=2)
     load_module_only(engine_b, read_module_weights(old_dir))
     _assert_engine_holds(engine_b, old)
-    assert read_client_state(old_dir)["iteration"] == 1
+    assert stored_client_state(old_dir)["iteration"] == 1
 
 
 def test_zero3_load_after_a_step_reaches_whole_persistent_params(tmp_path):
@@ -321,7 +322,7 @@ def test_module_file_keys_are_the_state_dict_names(tmp_path):
     assert list(weights) == list(engine_a.module.state_dict())
     # Parameters hold their fp32 master; buffers the engine's dtype (0.14-0.15 cast them to bf16).
     assert all(weights[name].dtype == torch.float32 for name, _ in engine_a.module.named_parameters())
-    client = read_client_state(tag_dir)
+    client = stored_client_state(tag_dir)
     assert "module" not in client and client["iteration"] == 1 and client["ds_version"]
     assert client["numpy_rng"][0] == "MT19937" and isinstance(client["numpy_rng"][1], np.ndarray)
 
@@ -329,7 +330,7 @@ def test_module_file_keys_are_the_state_dict_names(tmp_path):
 def test_client_state_of_a_deepspeed_only_zero3_tag(tmp_path):
     _, tag_dir, _ = _save_trained(tmp_path, ds_config("bf16", 3))
     (tag_dir / "mp_rank_00_model_states.pt").unlink()
-    client = read_client_state(tag_dir)
+    client = stored_client_state(tag_dir)
     assert client["iteration"] == 1 and "param_shapes" in client
 
 
@@ -350,7 +351,7 @@ def test_pipeline_layer_files_are_read(tmp_path):
     read = read_module_weights(tag_dir)
     assert list(read) == list(full)
     assert all(torch.equal(read[key], full[key]) for key in full)
-    assert read_client_state(tag_dir)["iteration"] == 3
+    assert stored_client_state(tag_dir)["iteration"] == 3
 
 
 def test_truncated_file_is_named(tmp_path):

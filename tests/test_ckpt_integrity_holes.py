@@ -111,7 +111,7 @@ def test_a_resumes_plan_names_exactly_the_files_its_load_opens(single_rank_world
     _opened = []
     try:
         plan = plan_load(args, 1)
-        load_checkpoint(args, engine, plan)
+        load_checkpoint(engine, plan)
         opened = {Path(name) for name in _opened if Path(name).parent == tag_dir}
     finally:
         _opened = None

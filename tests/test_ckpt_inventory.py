@@ -146,3 +146,17 @@ def test_truncated_model_states_file_is_named(single_rank_world, tmp_path):
     tag = inventory_checkpoint(tmp_path).tags["global_step1"]
     with pytest.raises(CheckpointError, match=f"cannot read checkpoint file {path}"):
         _ = tag.metadata
+
+
+def test_one_rule_names_the_tag_a_request_reads(tmp_path):
+    """The load plan, the run context, inspect_checkpoint and the HF export all ask requested_tag."""
+    for name in ("global_step2", "global_step5"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "latest").write_text("global_step5")
+    inventory = inventory_checkpoint(tmp_path)
+    assert inventory.requested_tag() == "global_step5"
+    assert inventory.requested_tag(iteration=2) == "global_step2"
+    assert inventory.requested_tag(iteration=7) == "global_step7"  # named, absent: the caller refuses it
+    assert inventory.requested_tag(tag="global_step2", iteration=5) == "global_step2"
+    (tmp_path / "latest").unlink()
+    assert inventory_checkpoint(tmp_path).requested_tag() is None

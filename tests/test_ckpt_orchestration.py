@@ -9,7 +9,14 @@ import pytest
 import torch
 from deepspeed import zero
 
-from megatron.checkpointing import CheckpointError, LoadMode, load_checkpoint, plan_load, save_checkpoint
+from megatron.checkpointing import (
+    CheckpointError,
+    Lineage,
+    LoadMode,
+    load_checkpoint,
+    plan_load,
+    save_checkpoint,
+)
 from megatron.checkpointing.rng import collect_rng_states, restore_rng_states
 from megatron.hf import HF_FOLDER
 from tests.ckpt_engines import (
@@ -59,7 +66,7 @@ def test_resume_continues_exactly_like_the_uninterrupted_run(single_rank_world, 
     assert plan.mode is LoadMode.RESUME and plan.tag == "global_step2"
     resumed = build_engine(args, seed=1)  # other initial weights: only the checkpoint can make them equal
     torch.manual_seed(999)  # and another RNG state: only the restore can give the same dropout mask
-    outcome = load_checkpoint(args, resumed, plan)
+    outcome = load_checkpoint(resumed, plan)
     assert (outcome.iteration, outcome.consumed_train_samples) == (2, 4)
     assert outcome.loaded_optimizer and outcome.restored_rng and outcome.tag == "global_step2"
     train_step(resumed, tiny_batch(args, 3))
@@ -75,7 +82,7 @@ def test_resume_without_rng_restore_differs(single_rank_world, tmp_path):
     expected = full_weights(original)
     resumed = build_engine(args, seed=1)
     torch.manual_seed(999)
-    outcome = load_checkpoint(args, resumed, plan_load(args, 1))
+    outcome = load_checkpoint(resumed, plan_load(args, 1))
     assert outcome.loaded_optimizer and not outcome.restored_rng
     train_step(resumed, tiny_batch(args, 3))
     assert any(not torch.equal(v, expected[k]) for k, v in full_weights(resumed).items())
@@ -94,7 +101,7 @@ def test_module_only_modes(single_rank_world, tmp_path, mode, stage, precision):
     plan = plan_load(args, 1)
     assert all("optim_states" not in p.name for p in plan.files)
     torch.manual_seed(999)
-    outcome = load_checkpoint(args, fresh, plan)
+    outcome = load_checkpoint(fresh, plan)
     for name, value in full_weights(fresh).items():
         torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=name)
     assert not outcome.loaded_optimizer
@@ -117,7 +124,7 @@ def test_zero3_shards_without_module_file_finetune(single_rank_world, tmp_path):
     plan = plan_load(args, 1)
     assert plan.source_format == "zero3"
     fresh = build_engine(args, seed=1)
-    outcome = load_checkpoint(args, fresh, plan)
+    outcome = load_checkpoint(fresh, plan)
     assert outcome.iteration == 0
     for name, value in full_weights(fresh).items():
         torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=name)
@@ -134,7 +141,7 @@ def test_finetune_from_hugging_face_dir_gives_the_same_logits(single_rank_world,
     model = build_model(args.architecture(), args.seed)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=ds_config(args.precision, args.zero_stage))
-    outcome = load_checkpoint(args, engine, plan)
+    outcome = load_checkpoint(engine, plan)
     assert (outcome.iteration, outcome.loaded_optimizer, outcome.tag) == (0, False, None)
 
     from transformers import GPTNeoXForCausalLM
@@ -163,7 +170,7 @@ def test_forward_pass_validation_runs_on_save_and_load(single_rank_world, tmp_pa
     args = run_args(tmp_path, **settings)
     tag_dir = save_checkpoint(args, gpt_engine(args), 1, 2)
     other_init = run_args(tmp_path, seed=5, **settings)
-    assert load_checkpoint(args, gpt_engine(other_init), plan_load(args, 1)).tag == "global_step1"
+    assert load_checkpoint(gpt_engine(other_init), plan_load(args, 1)).tag == "global_step1"
 
     # logits that the saved weights do not produce must stop the load; without the manifest, which
     # would refuse the rewritten file before the forward pass could
@@ -173,16 +180,17 @@ def test_forward_pass_validation_runs_on_save_and_load(single_rank_world, tmp_pa
     torch.save(state, path)
     (tag_dir / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="forward-pass validation of .*global_step1 failed"):
-        load_checkpoint(args, gpt_engine(args), plan_load(args, 1))
+        load_checkpoint(gpt_engine(args), plan_load(args, 1))
 
 
 def test_save_writes_configs_latest_and_prunes(single_rank_world, tmp_path):
     args = run_args(tmp_path, keep_last_n_checkpoints=2)
     engine = build_engine(args)
     root = tmp_path / "checkpoints"
+    lineage = Lineage()  # the run's own tags, which pruning may delete
     for step in (1, 2, 3):
         train_step(engine, tiny_batch(args, step))
-        tag_dir = save_checkpoint(args, engine, step, 2 * step, lr_schedule_start=1)
+        tag_dir = save_checkpoint(args, engine, step, 2 * step, lr_schedule_start=1, lineage=lineage)
         assert tag_dir == root / f"global_step{step}"
         assert (root / "latest").read_text() == f"global_step{step}"
     kept = sorted(p.name for p in root.iterdir() if p.is_dir())  # DeepSpeed adds zero_to_fp32.py etc.
@@ -199,7 +207,7 @@ def test_auto_resume_first_run_loads_nothing(single_rank_world, tmp_path):
     args = run_args(tmp_path)
     plan = plan_load(args, 1)
     assert plan.nothing_to_load
-    assert load_checkpoint(args, build_engine(args), plan) is None
+    assert load_checkpoint(build_engine(args), plan) is None
 
 
 def test_silently_not_loaded_is_an_error(single_rank_world, tmp_path):
@@ -211,7 +219,7 @@ def test_silently_not_loaded_is_an_error(single_rank_world, tmp_path):
     # that vanished between the plan and the load.
     engine.load_checkpoint = lambda *a, **k: (None, None)
     with pytest.raises(CheckpointError, match="did not load .*global_step2"):
-        load_checkpoint(args, engine, plan)
+        load_checkpoint(engine, plan)
 
 
 def test_rng_states_round_trip():
@@ -255,7 +263,7 @@ def test_a_non_strict_load_says_what_it_skipped(single_rank_world, tmp_path):
     handler.emit = records.append
     get_logger().addHandler(handler)
     try:
-        outcome = load_checkpoint(args, build_engine(args, seed=1), plan_load(args, 1))
+        outcome = load_checkpoint(build_engine(args, seed=1), plan_load(args, 1))
     finally:
         get_logger().removeHandler(handler)
     report = outcome.module_report

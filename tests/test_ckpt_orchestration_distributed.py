@@ -48,7 +48,7 @@ def _rank_main(rank: int, port: int, root: str) -> None:
     assert plan.load_optimizer and plan.restore_rng
     resumed = build_engine(args, seed=1)
     torch.manual_seed(999)  # the same on both ranks: only a per-rank restore gives back the masks
-    outcome = load_checkpoint(args, resumed, plan)
+    outcome = load_checkpoint(resumed, plan)
     assert (outcome.iteration, outcome.consumed_train_samples) == (2, 8)
     step(resumed, 3)
     for name, value in _full_weights(resumed).items():

@@ -35,11 +35,11 @@ def run_args(tmp_path, stage=1, **settings):
     return make_args(stage=stage, save=directory, load=directory, config_files=CONFIGS, **settings)
 
 
-def save_steps(args, steps, engine=None):
+def save_steps(args, steps, engine=None, lineage=None):
     engine = engine or build_engine(args)
     for step in steps:
         train_step(engine, tiny_batch(args, step))
-        save_checkpoint(args, engine, step, 2 * step)
+        save_checkpoint(args, engine, step, 2 * step, lineage=lineage)
     return engine
 
 
@@ -95,10 +95,10 @@ def test_damage_inside_a_file_is_refused_naming_it_and_the_older_tag_still_loads
     tag_dir = tmp_path / "checkpoints" / "global_step2"
     overwrite_inside_largest_tensor(tag_dir / damaged)
     with pytest.raises(CheckpointError, match="is damaged") as raised:  # the plan reads the model-states file
-        load_checkpoint(args, build_engine(args, seed=1), plan_load(args, 1))
+        load_checkpoint(build_engine(args, seed=1), plan_load(args, 1))
     assert str(tag_dir / damaged) in one_line(raised)
     older = run_args(tmp_path, stage=stage, finetune=finetune, iteration=1)
-    assert load_checkpoint(older, build_engine(older, seed=1), plan_load(older, 1)).tag == "global_step1"
+    assert load_checkpoint(build_engine(older, seed=1), plan_load(older, 1)).tag == "global_step1"
 
 
 @pytest.mark.parametrize("finetune", [True, False], ids=["module-only", "resume"])
@@ -111,11 +111,11 @@ def test_a_sha256_manifest_of_an_earlier_save_still_verifies_and_catches_damage(
     earlier = {"manifest_version": 1, "files": {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
                                                  for name, data in files.items()}}
     (tag_dir / "manifest.json").write_text(json.dumps(earlier))
-    assert load_checkpoint(args, build_engine(args, seed=1), plan_load(args, 1)).tag == "global_step1"
+    assert load_checkpoint(build_engine(args, seed=1), plan_load(args, 1)).tag == "global_step1"
 
     overwrite_inside_largest_tensor(tag_dir / "mp_rank_00_model_states.pt")
     with pytest.raises(CheckpointError, match="is damaged: its SHA-256 differs") as raised:
-        load_checkpoint(args, build_engine(args, seed=1), plan_load(args, 1))
+        load_checkpoint(build_engine(args, seed=1), plan_load(args, 1))
     assert str(tag_dir / "mp_rank_00_model_states.pt") in one_line(raised)
 
 
@@ -128,7 +128,7 @@ def test_without_the_manifest_the_same_damage_loads_silently(single_rank_world, 
     (tag_dir / "manifest.json").unlink()
     plan = plan_load(args, 1)
     assert any("no manifest.json" in note for note in plan.notes)
-    assert load_checkpoint(args, build_engine(args, seed=1), plan).tag == "global_step1"
+    assert load_checkpoint(build_engine(args, seed=1), plan).tag == "global_step1"
 
 
 def test_interrupted_save_is_skipped_and_removed_by_the_next_save(single_rank_world, tmp_path):
@@ -166,18 +166,19 @@ def test_pruning_after_a_rollback_keeps_the_loaded_tag_and_reports_later_ones(si
 
     rolled_back = run_args(tmp_path, iteration=2, keep_last_n_checkpoints=2)
     engine = build_engine(rolled_back, seed=1)
-    assert load_checkpoint(rolled_back, engine, plan_load(rolled_back, 1)).tag == "global_step2"
-    save_steps(rolled_back, [3], engine)  # replaces the old global_step3
+    outcome = load_checkpoint(engine, plan_load(rolled_back, 1))
+    assert outcome.tag == "global_step2"
+    save_steps(rolled_back, [3], engine, outcome.lineage)  # replaces the old global_step3
     assert list(p.name for p in sorted(root.iterdir()) if p.is_dir()) == ["global_step2", "global_step3",
                                                                           "global_step4"]
     assert (root / "latest").read_text() == "global_step3"
-    save_steps(rolled_back, [4, 5], engine)
+    save_steps(rolled_back, [4, 5], engine, outcome.lineage)
     # 3 is older than the two newest of this run's lineage; 2 is the tag it loaded
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["global_step2", "global_step4",
                                                                     "global_step5"]
     # the tag that replaced global_step3 was this run's: its weights are the resumed engine's
     resumed = run_args(tmp_path, iteration=5, finetune=True)
-    assert load_checkpoint(resumed, build_engine(resumed), plan_load(resumed, 1)).tag == "global_step5"
+    assert load_checkpoint(build_engine(resumed), plan_load(resumed, 1)).tag == "global_step5"
 
 
 def test_save_dir_checks_before_the_first_step(tmp_path):

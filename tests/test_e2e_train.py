@@ -11,10 +11,11 @@ import torch
 import yaml
 
 from megatron.architecture import architecture_mismatches, fields_of_settings
-from megatron.checkpointing.module_weights import read_client_state, read_module_weights
+from megatron.checkpointing.module_weights import read_module_weights
 from megatron.learning_rates import learning_rate_at
 from megatron.neox_arguments import NeoXArgs, padded_vocab_size
 from megatron.tokenizer import build_tokenizer
+from tests.ckpt_engines import stored_client_state
 from tests.e2e import checkpoint_files, run_deepy, train_lines, write_overrides
 from tests.test_neox_config import keys_gpt_neox_refuses
 
@@ -77,7 +78,7 @@ def assert_gpt_neox_config_describes_the_files(tag_dir: Path) -> dict:
     # Our own loader reads it back as the run that saved it.
     reread = NeoXArgs.from_yaml_files([tag_dir / "configs" / "neox_config.yml"]).with_values(
         {"padded_vocab_size": padded}, "test")
-    assert architecture_mismatches(fields_of_settings(read_client_state(tag_dir)["args"]), reread.architecture().compared_fields()) == []
+    assert architecture_mismatches(fields_of_settings(stored_client_state(tag_dir)["args"]), reread.architecture().compared_fields()) == []
     return config
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron.checkpointing.module_weights import read_client_state, read_module_weights
+from megatron.checkpointing.module_weights import read_module_weights
 from megatron.hf import HFConversionError, is_hf_model_dir, load_hf_module_weights
 from megatron.hf.config import spec_from_hf_config
 from megatron.hf.convert import convert_hf_to_neox, convert_neox_to_hf
@@ -26,6 +26,7 @@ from megatron.model import build_model
 from megatron.neox_arguments import NeoXArgs
 from megatron.run_context import resolve_run_settings
 from megatron.tokenizer import build_tokenizer, train_bpe_tokenizer
+from tests.ckpt_engines import stored_client_state
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 320  # > 258: room for a real byte-level BPE tokenizer
@@ -206,7 +207,7 @@ def test_convert_hf_to_neox_cli_writes_a_module_only_checkpoint(fmt, tmp_path):
     assert (out / "latest").read_text() == "global_step0"
     tag_dir = out / "global_step0"
     assert sorted(p.name for p in tag_dir.iterdir()) == ["mp_rank_00_model_states.pt"]  # no optimizer files
-    client = read_client_state(tag_dir)
+    client = stored_client_state(tag_dir)
     assert client["iteration"] == 0 and client["args"]["padded_vocab_size"] == VOCAB
     spec = spec_from_hf_config(model.config.to_dict())
     expected = convert_tensors(hf_reference(model).items(), hf_to_ours(spec.family, spec.architecture()), "test")
@@ -367,7 +368,7 @@ def test_convert_neox_to_hf_takes_gpt_neox_command_line(kind, gpt_neox_flags, tm
 
     model = make_hf_model(kind)
     tag_dir = convert_hf_to_neox(save_hf(model, tmp_path / "hf", tokenizer=True), tmp_path / "ckpt").tag_dir
-    config_file = write_neox_config(read_client_state(tag_dir)["args"], tag_dir / "configs" / "neox_config.yml")
+    config_file = write_neox_config(stored_client_state(tag_dir)["args"], tag_dir / "configs" / "neox_config.yml")
     tool = convert_neox_to_hf_tool()
     argv = ["--input_dir", str(tag_dir), "--config_file", str(config_file), "--output_dir", str(tmp_path / "back"),
             *gpt_neox_flags]

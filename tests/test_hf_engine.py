@@ -85,7 +85,7 @@ def test_bf16_zero2_finetune_starts_at_the_hf_loss_and_stays_there(load_from, tm
         random_init_loss = engine_loss(engine, batch).item()
     assert abs(random_init_loss - hf_loss) > 1.0  # so the comparison below can tell the two apart
 
-    outcome = load_checkpoint(args, engine, plan)
+    outcome = load_checkpoint(engine, plan)
     assert outcome.iteration == 0 and not outcome.loaded_optimizer
     losses = []
     for _ in range(2):

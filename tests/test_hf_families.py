@@ -72,7 +72,7 @@ def test_one_step_from_the_folder_has_the_gradient_of_transformers(kind, tmp_pat
     args = engine_args(model, load=str(hf_dir), finetune=True, zero_optimization={"stage": 0})
     plan = plan_load(args, data_parallel_size=1, hf_source=HF_FOLDER)
     engine = build_engine(args)
-    load_checkpoint(args, engine, plan)
+    load_checkpoint(engine, plan)
     batch = long_tokens(seed=1)
     loss = engine_loss(engine, batch)
     engine.backward(loss)

@@ -145,7 +145,7 @@ def resume(hf_model, run: Path, stage: int):
     """A full resume of `run` on a fresh engine: the load plan, then DeepSpeed's load_checkpoint."""
     args = engine_args(hf_model, "bf16", load=str(run), zero_optimization={"stage": stage})
     plan = plan_load(args, 1, hf_source=HF_FOLDER)
-    return load_checkpoint(args, build_engine(args), plan)
+    return load_checkpoint(build_engine(args), plan)
 
 
 @pytest.mark.usefixtures("single_rank_world")

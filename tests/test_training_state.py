@@ -1,13 +1,17 @@
 """Where training continues after a load: iteration, data position and the LR schedule's step."""
 
-from megatron.checkpointing import ClientState, LoadOutcome
+from megatron.checkpointing import ClientState, LoadMode, LoadOutcome
+from megatron.checkpointing.plan import schedule_start
 from megatron.training import TrainState, state_after_load
 
 
 def outcome(iteration, loaded_optimizer, lr_schedule_start=0):
+    """What load_checkpoint returns after a full resume, a no_load_optim load (iteration > 0) or a fine-tune."""
+    mode = LoadMode.RESUME if loaded_optimizer else LoadMode.NO_LOAD_OPTIM if iteration else LoadMode.FINETUNE
+    client = ClientState(iteration=iteration, lr_schedule_start=lr_schedule_start)
     return LoadOutcome(iteration=iteration, consumed_train_samples=iteration * 8, loaded_optimizer=loaded_optimizer,
-                       restored_rng=False, tag=f"global_step{iteration}",
-                       client_state=ClientState(iteration=iteration, lr_schedule_start=lr_schedule_start))
+                       restored_rng=False, tag=f"global_step{iteration}", client_state=client,
+                       lr_schedule_start=schedule_start(mode, iteration, client))
 
 
 def test_a_fresh_run_takes_schedule_step_1_first():
@@ -49,7 +53,7 @@ SAVED = {"peak_lr": 0.002, "min_lr": 0.0, "warmup_iters": 10.0, "decay_iters": 1
 def _resume(args, saved=SAVED):
     return state_after_load(LoadOutcome(
         iteration=20, consumed_train_samples=160, loaded_optimizer=True, restored_rng=True, tag="global_step20",
-        client_state=ClientState(iteration=20, lr_schedule=saved)), args)
+        client_state=ClientState(iteration=20, lr_schedule=saved), lr_schedule_start=0), args)
 
 
 def test_resume_with_a_changed_schedule_is_refused_by_default():
@@ -85,3 +89,11 @@ def test_periodic_saves_start_after_the_first_step_and_extra_save_iters_may_ask_
     assert [step for step in range(5) if _should_save(periodic, step)] == [2, 4]
     extra = SimpleNamespace(save="ckpt", checkpoint_factor=2, extra_save_iters=[0, 3])
     assert [step for step in range(5) if _should_save(extra, step)] == [0, 2, 3, 4]
+
+
+def test_the_loads_lineage_is_the_one_the_runs_saves_add_to():
+    """save_checkpoint prunes only the tags of state.lineage: the loaded tag and those before it come from the load."""
+    loaded = outcome(20, True)
+    assert state_after_load(loaded).lineage is loaded.lineage
+    fresh = TrainState().lineage  # a run that loaded nothing owns no tag yet
+    assert (fresh.loaded_tag, fresh.saved) == (None, set())

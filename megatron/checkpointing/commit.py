@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron.checkpointing import layout, manifest
-from megatron.checkpointing.collective import all_gather, barrier, rank_and_world
 from megatron.checkpointing.errors import CheckpointError
+from megatron.collective import all_gather, barrier, reported_by_ranks
 from megatron.fsio import fsync_path, replace_dir
+from megatron.ranks import rank_and_world
 
 # Test-only: "<moment>@<iteration>" makes the saving process SIGKILL itself at that moment of that
 # save, so kill tests hit the moment they mean every time. Moments: SAVE_MOMENTS.
@@ -138,7 +139,7 @@ def stop_if_any_rank_failed(save_dir: Path, tag: str, failure: WriteFailure | No
     """Collective, once every rank's writes of `tag` are done: when any rank's write failed, every rank
     raises the same one-line error (the first failed rank's), so none waits for another in a later collective."""
     line = str(save_failed(save_dir, tag, failure.error, failure.path)) if failure else None
-    failed = [(rank, text) for rank, text in enumerate(all_gather(line)) if text]
+    failed = reported_by_ranks(line)
     if failed:
         rank, text = failed[0]
         world = rank_and_world()[1]

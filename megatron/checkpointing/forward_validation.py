@@ -41,8 +41,9 @@ def capture(engine, args) -> dict:
     return {"tokens": tokens, "logits": forward_logits(engine, tokens), "precision": args.precision}
 
 
-def check(engine, args, stored: dict | None, source: str) -> float:
-    """Compare the loaded model's logits with the stored ones; returns the relative difference."""
+def check(engine, precision: str, stored: dict | None, source: str) -> float:
+    """Compare the loaded model's logits with the stored ones (`precision`: the run's); returns the relative
+    difference."""
     if stored is None:
         raise CheckpointError(
             f"checkpoint_validation_with_forward_pass is set but {source} holds no stored logits "
@@ -55,7 +56,7 @@ def check(engine, args, stored: dict | None, source: str) -> float:
             f"forward-pass validation of {source}: logits have shape {tuple(logits.shape)}, the stored ones "
             f"{tuple(expected.shape)}; the vocabulary differs from the saved model"
         )
-    coarser = max(stored.get("precision", "fp32"), args.precision, key=_COARSENESS.index)
+    coarser = max(stored.get("precision", "fp32"), precision, key=_COARSENESS.index)
     relative = ((logits - expected).abs().max() / (1.0 + expected.abs().max())).item()
     if relative > _RELATIVE_TOLERANCE[coarser]:
         raise CheckpointError(

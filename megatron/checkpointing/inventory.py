@@ -25,15 +25,6 @@ FORMAT_ZERO3 = "zero3"  # only ZeRO-3 partitions: zero_pp_rank_X_mp_rank_YY_mode
 FORMAT_HF = "hf"  # a Hugging Face model folder: config.json + weights, read through a WeightsSource
 FORMAT_INCOMPLETE = "incomplete"  # a tag folder without any module file
 
-# Keys DeepSpeed itself writes into a model-states file; every other key is client state.
-DEEPSPEED_KEYS = frozenset({
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps",
-    "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
-    "checkpoint_parallel_dimensions",
-})
-
-
 @dataclass(frozen=True)
 class SavedMetadata:
     """The small facts a model-states file holds about the run that wrote it."""
@@ -68,7 +59,7 @@ def _read_metadata_cached(path: str, _mtime_ns: int, _size: int) -> SavedMetadat
             f"checkpoint file {path} holds a {type(state).__name__}, not a DeepSpeed model-states dict."
         )
     ds_config = state.get("ds_config") if isinstance(state.get("ds_config"), dict) else {}
-    client_state = ClientState.from_dict({key: value for key, value in state.items() if key not in DEEPSPEED_KEYS})
+    client_state = ClientState.from_dict(state)  # its own keys; DeepSpeed's beside them are not client state
     saved_args = client_state.settings or {}
     zero_stage = zero_stage_of(ds_config.get("zero_optimization"), saved_args.get("zero_stage", 0))
     precision = precision_of(saved_args.get("precision"), ds_config.get("fp16"),
@@ -194,6 +185,16 @@ class CheckpointInventory:
         if self.latest in self.tags:
             return self.tags[self.latest].format
         return None
+
+    def requested_tag(self, iteration: int | None = None, tag: str | None = None) -> str | None:
+        """The one rule for which tag a load, an inspection or a conversion reads: `tag` when named, else
+        `global_step<iteration>` when an iteration is asked for, else the tag `latest` names (None without
+        `latest`). Whether that tag exists and may be read is the caller's to check."""
+        if tag:
+            return tag
+        if iteration is not None:
+            return layout.tag_for_iteration(iteration)
+        return self.latest
 
     @property
     def iterations(self) -> list[int]:

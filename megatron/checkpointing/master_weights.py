@@ -31,11 +31,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from megatron.checkpointing.errors import CheckpointError
+from megatron.collective import reported_by_ranks
 from megatron.zero3_partition import owned_range
 
 
@@ -99,8 +99,8 @@ def refresh_master_weights(engine, full_precision: Mapping[str, torch.Tensor]) -
 def verify_master_weights(engine) -> None:
     """Every fp32 master element, cast to the training dtype, equals its training-dtype element.
 
-    Checked on local partitions only (no gathers); the mismatch counts of all ranks are summed so
-    every rank raises when any rank found one.
+    Checked on local partitions only (no gathers of weights); every rank learns which ranks found a
+    mismatch, so every rank raises when any rank found one.
     """
     first_mismatch = None
     mismatches = 0
@@ -111,10 +111,9 @@ def verify_master_weights(engine) -> None:
             if differing and first_mismatch is None:
                 first_mismatch = (fragment.name, differing, fragment.master.numel())
             mismatches += differing
-    per_rank = _mismatches_per_rank(mismatches)
-    if not any(per_rank):
+    bad_ranks = [rank for rank, _ in reported_by_ranks(mismatches or None)]
+    if not bad_ranks:
         return
-    bad_ranks = [rank for rank, count in enumerate(per_rank) if count]
     here = ""
     if first_mismatch is not None:
         name, differing, total = first_mismatch
@@ -276,14 +275,3 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     """The raw bits, so equality is exact (NaN equals an identical NaN, -0.0 differs from 0.0)."""
     integer = {2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
     return tensor.contiguous().view(integer)
-
-
-def _mismatches_per_rank(local_mismatches: int) -> list[int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return [local_mismatches]
-    counts = torch.zeros(
-        dist.get_world_size(), dtype=torch.int64, device=get_accelerator().current_device_name()
-    )
-    counts[dist.get_rank()] = local_mismatches
-    dist.all_reduce(counts)
-    return counts.tolist()

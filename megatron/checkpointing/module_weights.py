@@ -32,6 +32,7 @@ from megatron.checkpointing import layout, manifest
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.legacy_names import is_legacy_key, translate_legacy_module
 from megatron.checkpointing.safe_unpickle import load_weights_only
+from megatron.ranks import tensor_parallel_rank, tensor_parallel_size
 from megatron.zero3_partition import partition_numel
 
 
@@ -109,24 +110,24 @@ def read_full_module_weights(tag_dir: str | Path, tensor_parallel_size: int, arc
     return parts[0] if tensor_parallel_size == 1 else repartition_state_dict(parts, arch, 0, 1)
 
 
-def read_client_state(tag_dir: str | Path, mp_rank: int = 0) -> dict:
-    """Everything in the tag's model-states file except the module weights (iteration, args, rng, ...).
+def this_ranks_part(parts: list[dict[str, torch.Tensor]], arch) -> dict[str, torch.Tensor]:
+    """This tensor-parallel rank's slices of weights saved by ``len(parts)`` ranks (memory-mapped parts are
+    read only where the slices lie); ``arch``, the run's Architecture, says how each tensor is split."""
+    from megatron.model.partitioning import repartition_state_dict
 
-    A ZeRO-3 tag saved by DeepSpeed alone has no ``mp_rank_<MP>`` file; its rank-0 model-states file
-    carries the same client state.
-    """
-    tag_dir = Path(tag_dir)
-    candidates = [
-        tag_dir / layout.model_states_name(mp_rank),
-        tag_dir / layout.zero3_model_states_name(0, mp_rank),
-    ]
-    for path in candidates:
-        if path.is_file():
-            state = load_checkpoint_file(path)
-            return {key: value for key, value in state.items() if key != "module"}
-    raise CheckpointError(
-        f"no model-states file in {tag_dir}: expected {candidates[0].name} or {candidates[1].name}"
-    )
+    rank, size = tensor_parallel_rank(), tensor_parallel_size()
+    if len(parts) == size:
+        return parts[rank]
+    return repartition_state_dict(parts, arch, rank, size)
+
+
+def read_this_ranks_module_weights(tag_dir: str | Path, saved_tensor_parallel_size: int,
+                                   arch) -> dict[str, torch.Tensor]:
+    """This tensor-parallel rank's module weights from a tag saved by ``saved_tensor_parallel_size`` ranks:
+    its own rank file at the same size, re-split from every rank file at another."""
+    if saved_tensor_parallel_size == tensor_parallel_size():
+        return read_module_weights(tag_dir, tensor_parallel_rank())
+    return this_ranks_part([read_module_weights(tag_dir, mp) for mp in range(saved_tensor_parallel_size)], arch)
 
 
 def _module_from_model_states_file(path: Path) -> dict[str, torch.Tensor] | None:

@@ -8,16 +8,19 @@
 `iteration: N` picks tag `global_step<N>`; otherwise the tag in `latest`. The learning rate is a
 function of the schedule's step (megatron/learning_rates.py), counted from the iteration the schedule
 started at: a fresh optimizer starts a fresh schedule, so after `no_load_optim` the schedule's step
-is not the iteration (megatron.training.state_after_load).
+is not the iteration (`schedule_start`).
+
+The plan is the whole contract of a load: `load.load_checkpoint(engine, plan)` reads no settings.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron.architecture import ModelConfigError, describe_model
+from megatron.architecture import Architecture, ModelConfigError, describe_model
 from megatron.checkpointing import layout, manifest, preflight, reshard
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.data_position import DataPosition, data_position, resume_change_notes
@@ -55,10 +58,22 @@ class LoadPlan:
     files: tuple[Path, ...] = ()
     notes: tuple[str, ...] = ()
     strict: bool = True  # load_module_strict
+    allow_random: tuple[str, ...] = ()  # load_module_allow_random: patterns of layers that may stay random
+    validate_forward: bool = False  # checkpoint_validation_with_forward_pass (never for a Hugging Face folder)
+    precision: str = "fp32"  # the run's, which forward validation compares in
+    # The run's model (its settings' architecture()), resolved only where the weights are re-split for it
+    # (another tensor-parallel size, a Hugging Face folder): inspecting a plan needs no padded vocabulary.
+    run_architecture: Callable[[], Architecture] | None = field(default=None, repr=False, compare=False)
+    lr_schedule_start: int = 0  # the iteration the LR schedule counts from after this load
     model: str | None = None  # the model's family and variants (architecture.describe_model)
     reshard: reshard.ShapeChange | None = None  # a full resume at another shape (reshard.py)
+    saves_here: bool = False  # `save` is the directory loaded from: the loaded tag is the run's own history
     tag_inventory: TagInventory | None = field(default=None, repr=False, compare=False)
     hf_source: WeightsSource | None = field(default=None, repr=False, compare=False)  # reads a FORMAT_HF folder
+
+    @property
+    def architecture(self) -> Architecture:
+        return self.run_architecture()
 
     @property
     def nothing_to_load(self) -> bool:
@@ -118,6 +133,21 @@ def _relative(path: Path, root: Path) -> str:
         return str(path)
 
 
+def schedule_start(mode: LoadMode, saved_iteration: int | None, client: ClientState) -> int:
+    """The iteration the LR schedule counts from after a load: a full resume continues the saved schedule;
+    a fresh optimizer starts a fresh schedule (warmup included) at the iteration the run continues from."""
+    if mode is LoadMode.RESUME:
+        return client.lr_schedule_start
+    return int(saved_iteration or 0) if mode is LoadMode.NO_LOAD_OPTIM else 0
+
+
+def _contract(args) -> dict:
+    """What a load takes from the settings besides the choice of files."""
+    return dict(strict=bool(args.load_module_strict), allow_random=tuple(args.load_module_allow_random or ()),
+                precision=args.precision, run_architecture=args.architecture,
+                saves_here=layout.same_directory(args.load, args.save))
+
+
 def requested_mode(args) -> LoadMode:
     if args.finetune:
         return LoadMode.FINETUNE
@@ -133,8 +163,8 @@ def _available(inventory: CheckpointInventory) -> str:
 
 def _choose_tag(args, inventory: CheckpointInventory) -> str:
     root = inventory.root
+    tag = inventory.requested_tag(iteration=args.iteration)
     if args.iteration is not None:
-        tag = layout.tag_for_iteration(args.iteration)
         if tag not in inventory.tags:
             raise CheckpointError(
                 f"`iteration: {args.iteration}` asks for {root / tag}, which does not exist; "
@@ -142,7 +172,7 @@ def _choose_tag(args, inventory: CheckpointInventory) -> str:
                 f"the tag named in {root / layout.LATEST_FILE}."
             )
         return tag
-    if inventory.latest is None:
+    if tag is None:
         raise CheckpointError(
             f"{root} has no `{layout.LATEST_FILE}` file naming the tag to load; {_available(inventory)}. "
             f"Set `iteration: N` to pick one."
@@ -223,7 +253,7 @@ def _hf_plan(args, inventory: CheckpointInventory, mode: LoadMode) -> LoadPlan:
         )
     inventory.hf_source.check_architecture(root, args.architecture())
     unchecked = f"no {layout.MANIFEST_FILE} in a Hugging Face folder: its files are not checksummed"
-    return LoadPlan(mode=mode, load_dir=root, source_format=FORMAT_HF, strict=bool(args.load_module_strict),
+    return LoadPlan(mode=mode, load_dir=root, source_format=FORMAT_HF, **_contract(args),
                     files=inventory.hf_files, hf_source=inventory.hf_source, model=_model(args),
                     notes=(*_model_from_checkpoint_note(args, root), unchecked))
 
@@ -353,8 +383,10 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         data_position=position,
         files=files,
         notes=tuple(_model_from_checkpoint_note(args, root) + notes),
-        strict=bool(args.load_module_strict),
+        **_contract(args),
         reshard=change,
+        validate_forward=bool(args.checkpoint_validation_with_forward_pass),
+        lr_schedule_start=schedule_start(mode, saved_iteration, client),
         tag_inventory=tag,
         model=_model(args),
     )

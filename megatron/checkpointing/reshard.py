@@ -32,10 +32,11 @@ from pathlib import Path
 import torch
 
 from megatron.checkpointing import layout, manifest
-from megatron.checkpointing.collective import all_gather, barrier, rank_and_world
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.inventory import TagInventory
+from megatron.collective import all_gather, barrier
 from megatron.optimizer_layout import precision_of, zero_stage_of
+from megatron.ranks import rank_and_world
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _MASTER = "fp32"
@@ -57,6 +58,7 @@ class Shape:
 class ShapeChange:
     saved: Shape
     run: Shape
+    work_dir: Path | None = None  # where the resharded copy goes: under `save`, never into the loaded tag
 
     def describe(self) -> str:
         line = f"full resume at another shape: optimizer state resharded from {self.saved.describe()} to {self.run.describe()}"
@@ -94,7 +96,9 @@ def shape_change(tag: TagInventory, args, data_parallel_size: int, saved_tensor_
     saved, run = saved_shape(tag, saved_tensor_parallel), run_shape(args, data_parallel_size)
     if saved.zero_stage == run.zero_stage == 0:
         saved = Shape(run.data_parallel, saved.tensor_parallel, saved.zero_stage, saved.precision)
-    return None if saved == run else ShapeChange(saved, run)
+    if saved == run:
+        return None
+    return ShapeChange(saved, run, Path(args.save).expanduser() / layout.reshard_dir_name(tag.tag) if args.save else None)
 
 
 def refusal(tag: TagInventory, args, way_out: str) -> str | None:
@@ -120,13 +124,12 @@ def files_read(tag: TagInventory) -> tuple[Path, ...]:
                          *tag.optimizer_files.values()}))
 
 
-def resume_at_another_shape(engine, tag: TagInventory, change: ShapeChange, save_dir: str | Path, arch,
-                            module_weights: dict[str, torch.Tensor]):
+def resume_at_another_shape(engine, tag: TagInventory, change: ShapeChange, arch, module_weights: dict[str, torch.Tensor]):
     """Load `tag`'s full training state into `engine` (collective). `module_weights` is this rank's
     tensor-parallel part of the saved module (keys and buffers); returns the module-load report."""
     from megatron.checkpointing.module_load import load_module_only
 
-    work = Path(save_dir).expanduser() / layout.reshard_dir_name(tag.tag)
+    work = change.work_dir
     _convert_on_one_rank(tag, work)
     try:
         universal = work / layout.RESHARD_UNIVERSAL_DIR

@@ -6,7 +6,7 @@ unpickles with ``weights_only=False``. This subclass unpickles through safe_unpi
 exactly as DeepSpeed's own. Its universal-checkpoint readers call torch.load themselves; the load
 runs inside safe_unpickle.every_torch_load_weights_only for them.
 
-The files are checked against the manifest before DeepSpeed reads any (checkpointing._verify_files),
+The files are checked against the manifest before DeepSpeed reads any (checkpointing.load._verify_files),
 not here again.
 """
 

@@ -15,9 +15,8 @@ from megatron.architecture import ModelConfigError, implied_family
 from megatron.checkpointing import layout
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.inventory import inventory_tag
+from megatron.checkpointing.inventory import TagInventory, inventory_checkpoint, inventory_tag
 from megatron.checkpointing.module_weights import (
-    read_client_state,
     read_full_module_weights,
     read_module_weights,
 )
@@ -141,16 +140,16 @@ def _token_of(tokenizer_file: Path, token_id: int, where: Path) -> str:
     return token
 
 
-def _settings_of_checkpoint(tag_dir: Path, config_files: list[Path] | None) -> dict[str, Any]:
+def _settings_of_checkpoint(tag: TagInventory, config_files: list[Path] | None) -> dict[str, Any]:
     if config_files:
         return dict(merge_config_files(list(config_files)).values)
     try:
-        args = ClientState.from_dict(read_client_state(tag_dir)).settings
-    except CheckpointError:  # GPT-NeoX pipeline tags may hold layer files only
+        args = tag.metadata.saved_args if tag.metadata is not None else None  # pipeline tags: maybe layer files only
+    except CheckpointError:
         args = None
     if args is None:
         raise HFConversionError(
-            f"{tag_dir} holds no saved settings (client state `args`); pass the run's YAML files with --config"
+            f"{tag.path} holds no saved settings (client state `args`); pass the run's YAML files with --config"
         )
     return args
 
@@ -173,13 +172,14 @@ def convert_neox_to_hf(
     false; ``pad_token_id`` names the padding token instead of GPT-NeoX's <|padding|> (GPT-NeoX's
     converter's --pad-token-id)."""
     ckpt_dir = Path(ckpt_dir)
-    tag = tag or layout.read_latest(ckpt_dir)
+    tag = inventory_checkpoint(ckpt_dir).requested_tag(tag=tag)
     if tag is None:
         raise HFConversionError(f"{ckpt_dir} has no `latest` file; name the tag to convert with --tag")
     tag_dir = ckpt_dir / tag
-    tp_size = inventory_tag(ckpt_dir, tag).saved_tp_size
+    tag_inventory = inventory_tag(ckpt_dir, tag)
+    tp_size = tag_inventory.saved_tp_size
     first_part = read_module_weights(tag_dir)
-    settings = _settings_of_checkpoint(tag_dir, config_files)
+    settings = _settings_of_checkpoint(tag_inventory, config_files)
     embedding = first_part.get("sequential.0.word_embeddings.weight")
     if embedding is None:
         raise HFConversionError(f"{tag_dir}: no sequential.0.word_embeddings.weight; not a checkpoint of this model")

@@ -24,10 +24,9 @@ from megatron.model.parallel_layers import (
     model_parallel_config,
     sum_over_ranks_sharing_a_slot,
     sum_over_tensor_parallel_ranks,
-    tensor_parallel_rank,
-    tensor_parallel_size,
 )
 from megatron.model.rotary import rotate, split_qkv
+from megatron.ranks import tensor_parallel_rank, tensor_parallel_size
 
 
 def sliding_window_mask(seq_len: int, width: int | None, device: torch.device | None = None,

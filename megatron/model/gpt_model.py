@@ -30,11 +30,10 @@ from megatron.model.parallel_layers import (
     copy_to_tensor_parallel_region,
     gather_last_dim,
     model_parallel_config,
-    tensor_parallel_rank,
-    tensor_parallel_size,
 )
 from megatron.model.rotary import RotaryEmbedding
 from megatron.model.transformer_layer import TransformerLayer
+from megatron.ranks import tensor_parallel_rank, tensor_parallel_size
 
 
 class FinalNorm(torch.nn.Module):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-from megatron.model.parallel_layers import tensor_parallel_size
+from megatron.ranks import tensor_parallel_size
 
 
 def causal_lm_loss(

@@ -12,6 +12,7 @@ import torch
 from megatron.architecture import ModelConfigError
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.ranks import tensor_parallel_rank, tensor_parallel_size
 
 
 def model_parallel_config() -> ModelParallelConfig:
@@ -27,14 +28,6 @@ def model_parallel_config() -> ModelParallelConfig:
         perform_initialization=False,
         params_dtype=torch.float32,
     )
-
-
-def tensor_parallel_size() -> int:
-    return parallel_state.get_tensor_model_parallel_world_size()
-
-
-def tensor_parallel_rank() -> int:
-    return parallel_state.get_tensor_model_parallel_rank()
 
 
 class _GatherLastDim(torch.autograd.Function):

@@ -98,7 +98,7 @@ def rank_main(rank: int, ranks: int, port: int, options: argparse.Namespace, wor
             dist.barrier()
             start = time.perf_counter()
             plan = plan_load(args, ranks)
-            load_checkpoint(args, engine, plan)
+            load_checkpoint(engine, plan)
             times[name].append(slowest(time.perf_counter() - start))
             if (plan.reshard is not None) != (name == "reshard"):
                 raise AssertionError(f"{name}: the plan {'did not see' if name == 'reshard' else 'saw'} a change of shape")

@@ -48,7 +48,7 @@ MODE_FLAGS = {
 def chosen_tag(inventory: CheckpointInventory, tag: str | None) -> TagInventory | None:
     if inventory.is_hf:
         return None
-    name = tag or inventory.latest
+    name = inventory.requested_tag(tag=tag)
     if name is None:
         raise CheckpointError(
             f"{inventory.root} has no `latest` file; name a tag with --tag (tags: {', '.join(inventory.tags) or 'none'})"

@@ -1,0 +1,179 @@
+"""Load: the one place a checkpoint is carried into an engine.
+
+    plan = plan_load(args, dp_size)          # before deepspeed.initialize: inspect files, fail fast
+    engine = deepspeed.initialize(...)
+    outcome = load_checkpoint(engine, plan)  # the plan is the whole contract: no settings are read here
+
+A full resume goes through DeepSpeed's own engine.load_checkpoint (files checked against the manifest
+first, unpickled weights-only); a fresh optimizer takes the module-only path (module_weights.py,
+module_load.py, master_weights.py). The outcome says where training continues and starts the run's
+pruning lineage (lineage.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from megatron.checkpointing import manifest
+from megatron.checkpointing.client_state import ClientState
+from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.inventory import inventory_checkpoint
+from megatron.checkpointing.lineage import Lineage
+from megatron.checkpointing.plan import LoadPlan, build_load_plan
+from megatron.checkpointing.rng import restore_rng_states
+from megatron.checkpointing.weights_source import WeightsSource
+from megatron.collective import reported_by_ranks
+from megatron.ranks import global_rank, rank_and_world, tensor_parallel_rank
+
+if TYPE_CHECKING:  # module_load imports DeepSpeed's ZeRO internals; loaded only when a load needs it
+    from megatron.checkpointing.module_load import ModuleLoadReport
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    iteration: int
+    consumed_train_samples: int
+    loaded_optimizer: bool
+    restored_rng: bool
+    tag: str | None
+    client_state: ClientState = field(repr=False)
+    consumed_valid_samples: int = 0  # where the next evaluation's validation batches start
+    lr_schedule_start: int = 0  # the iteration the LR schedule counts from (plan.schedule_start)
+    # the tags the run may prune; its saves add theirs (save.save_checkpoint)
+    lineage: Lineage = field(default_factory=Lineage, repr=False, compare=False)
+    # what a module-only load copied and skipped (None when DeepSpeed resumed the whole engine)
+    module_report: ModuleLoadReport | None = field(default=None, repr=False)
+
+
+def _logger():
+    from megatron.logging import get_logger
+
+    return get_logger()
+
+
+def plan_load(args, data_parallel_size: int, hf_source: WeightsSource | None = None) -> LoadPlan | None:
+    """Inspect `args.load` and decide what to load; call before deepspeed.initialize so bad loads fail fast.
+
+    None when `load` is unset. Raises CheckpointError when the plan cannot be carried out. With
+    `hf_source` (megatron.hf.HF_FOLDER) `load` may name a Hugging Face model folder.
+    """
+    if not args.load:
+        return None
+    plan = build_load_plan(args, inventory_checkpoint(args.load, hf_source), data_parallel_size)
+    _logger().info(plan.describe())
+    return plan
+
+
+def _module_weights(plan: LoadPlan):
+    from megatron.checkpointing import preflight
+    from megatron.checkpointing.module_weights import read_this_ranks_module_weights, this_ranks_part
+
+    if plan.hf_source is not None:
+        return this_ranks_part([plan.hf_source.read_weights(plan.load_dir, plan.architecture)], plan.architecture)
+    saved = preflight.saved_tensor_parallel_size(plan.tag_inventory)
+    return read_this_ranks_module_weights(plan.tag_dir, saved, plan.architecture)
+
+
+def _check_names_for_resume(plan: LoadPlan, engine) -> None:
+    """DeepSpeed restores the module of a full resume under the names stored; older GPT-NeoX names and a
+    non-strict load are checked here first, as the module-only path checks them."""
+    from megatron.checkpointing.module_load import check_random_layers, compare_module_keys
+    from megatron.checkpointing.module_weights import legacy_names_in_model_states_file, read_module_weights
+
+    legacy = legacy_names_in_model_states_file(plan.tag_dir)
+    if legacy:
+        raise CheckpointError(
+            f"{plan.tag_dir} stores GPT-NeoX's older parameter names ({', '.join(legacy[:3])}, ...); a full resume "
+            "restores the module under the stored names, which this model does not have. Set `no_load_optim: true` "
+            "(keeps iteration and data position) or `finetune: true` to load these weights with a fresh optimizer."
+        )
+    if not plan.strict:
+        targets = engine.module.state_dict(keep_vars=True)
+        report = compare_module_keys(targets, read_module_weights(plan.tag_dir, tensor_parallel_rank()))
+        check_random_layers(report, targets, plan.allow_random)
+        if not report.complete:
+            _logger().info(report.describe())
+
+
+def _verify_files(plan: LoadPlan) -> None:
+    """Check the files DeepSpeed's load reads against the tag's manifest, each file on one rank, before any is read."""
+    records = manifest.read_manifest(plan.tag_dir)
+    if records is None:
+        return
+    rank, world = rank_and_world()
+    mine = [manifest.check_file(path, records, plan.tag_dir) for path in plan.files[rank::world]]
+    problems = reported_by_ranks(next(filter(None, mine), None))
+    if problems:
+        raise CheckpointError(problems[0][1])
+
+
+def _resume(engine, plan: LoadPlan) -> ClientState:
+    """DeepSpeed's own load of the whole engine: module, optimizer states (fp32 master, moments), step counts."""
+    from megatron.checkpointing.safe_checkpoint_engine import use_weights_only_checkpoint_engine
+    from megatron.checkpointing.safe_unpickle import every_torch_load_weights_only
+    from megatron.optimizers import replay_cpu_adam_step_count
+
+    _check_names_for_resume(plan, engine)
+    use_weights_only_checkpoint_engine(engine)
+    with every_torch_load_weights_only(plan.tag_dir):
+        load_path, stored = engine.load_checkpoint(
+            str(plan.load_dir),
+            tag=plan.tag,
+            load_module_strict=plan.strict,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,  # the LR is a function of the iteration
+        )
+    if load_path is None:
+        raise CheckpointError(
+            f"DeepSpeed did not load {plan.tag_dir} (engine.load_checkpoint returned no path); "
+            f"the files it reads are {[p.name for p in plan.files]}. Check they are readable."
+        )
+    replay_cpu_adam_step_count(engine)
+    return ClientState.from_dict(stored or {})
+
+
+def load_checkpoint(engine, plan: LoadPlan) -> LoadOutcome | None:
+    """Carry out `plan` on `engine`; None when the plan has nothing to load (auto-resume first run)."""
+    from megatron.checkpointing import forward_validation
+
+    if plan.nothing_to_load:
+        return None
+    lineage = Lineage()
+    if plan.tag_dir is not None:
+        if plan.load_optimizer:  # the module-only path checks the files it reads itself
+            _verify_files(plan)
+        if plan.saves_here:
+            # a fine-tune counts from 0 again: the tags before the one it loaded are not its history
+            lineage = Lineage(plan.tag, plan.saved_iteration if plan.iteration_from_checkpoint else None)
+    module_report = None
+    if plan.reshard is not None:
+        from megatron.checkpointing.reshard import resume_at_another_shape
+
+        _check_names_for_resume(plan, engine)
+        module_report = resume_at_another_shape(engine, plan.tag_inventory, plan.reshard, plan.architecture,
+                                                _module_weights(plan))
+        client_state = plan.client_state
+    elif plan.load_optimizer:
+        client_state = _resume(engine, plan)
+    else:
+        from megatron.checkpointing.module_load import load_module_only
+
+        module_report = load_module_only(engine, _module_weights(plan), strict=plan.strict,
+                                         allow_random=plan.allow_random)
+        if not module_report.complete:
+            _logger().info(module_report.describe())
+        client_state = plan.client_state
+    if plan.validate_forward:
+        forward_validation.check(engine, plan.precision, client_state.forward_validation, source=str(plan.tag_dir))
+    if plan.restore_rng:
+        restore_rng_states(client_state.rng_states[global_rank()])
+    iteration = int(plan.saved_iteration) if plan.iteration_from_checkpoint else 0
+    train_samples = plan.data_position.consumed_train_samples if plan.iteration_from_checkpoint else 0
+    valid_samples = plan.data_position.consumed_valid_samples if plan.iteration_from_checkpoint else 0
+    _logger().info(f"loaded {plan.tag_dir or plan.load_dir} ({plan.mode.value}): starting at iteration {iteration}, "
+                   f"{train_samples} samples consumed")
+    return LoadOutcome(iteration=iteration, consumed_train_samples=train_samples,
+                       consumed_valid_samples=valid_samples, loaded_optimizer=plan.load_optimizer,
+                       restored_rng=plan.restore_rng, tag=plan.tag, client_state=client_state,
+                       lr_schedule_start=plan.lr_schedule_start, lineage=lineage, module_report=module_report)

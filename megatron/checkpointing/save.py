@@ -1,0 +1,123 @@
+"""Save: the one place a checkpoint is written.
+
+    check_save_dir(args)                     # before the first step: `save` writable, room for a tag, locked
+    ...
+    save_checkpoint(args, engine, iteration, consumed_train_samples, ..., lineage=outcome.lineage)
+
+A tag is written into `<tag>.partial`, sealed with its manifest and renamed (commit.py); `latest` moves
+last; then the run's older tags are pruned (lineage.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from megatron.checkpointing import commit, layout, save_lock
+from megatron.checkpointing.client_state import ClientState
+from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.lineage import Lineage
+from megatron.checkpointing.neox_config import write_neox_config
+from megatron.checkpointing.rng import collect_rng_states
+from megatron.collective import all_gather, barrier
+from megatron.ranks import global_rank
+
+
+def _gather_rng_states() -> list[dict[str, Any]]:
+    """Every rank's generator states, indexed by global rank (dropout differs per rank)."""
+    return all_gather(collect_rng_states())
+
+
+def _logger():
+    from megatron.logging import get_logger
+
+    return get_logger()
+
+
+def save_checkpoint(
+    args, engine, iteration: int, consumed_train_samples: int, lr_schedule_start: int = 0,
+    lr_schedule: dict | None = None, consumed_valid_samples: int = 0, lineage: Lineage | None = None,
+) -> Path:
+    """Save tag global_step<iteration> under `args.save`; all ranks call it (DeepSpeed's save is collective).
+
+    The run's YAML files and all its settings as one GPT-NeoX config (neox_config.py) go into
+    `<tag>/configs/` first, then the engine's files; `latest` names the tag once every file is written, then old
+    tags are pruned per `keep_last_n_checkpoints`: only tags of `lineage` (the run's own, which this save joins;
+    without one, only this tag).
+    """
+    from megatron.checkpointing import forward_validation
+    from megatron.checkpointing.engine_save import save_engine_checkpoint
+
+    if not args.save:
+        raise CheckpointError("save_checkpoint was called but `save` is not set; set `save: <directory>`.")
+    save_dir = Path(args.save).expanduser()
+    tag = layout.tag_for_iteration(iteration)
+    client_state = ClientState(
+        iteration=int(iteration),
+        consumed_train_samples=int(consumed_train_samples),
+        consumed_valid_samples=int(consumed_valid_samples),
+        settings=args.to_dict(),
+        rng_states=_gather_rng_states(),
+        lr_schedule_start=int(lr_schedule_start),
+        lr_schedule=lr_schedule,
+        forward_validation=(forward_validation.capture(engine, args)
+                            if args.checkpoint_validation_with_forward_pass else None),
+    )
+
+    partial = layout.partial_tag(tag)
+    try:
+        if global_rank() == 0:
+            commit.start_tag(save_dir, tag)
+            layout.copy_configs(args.config_files, save_dir / partial)
+            write_neox_config(args.to_dict(), save_dir / partial / layout.CONFIGS_DIR / layout.NEOX_CONFIG_FILE)
+        barrier()
+        commit.stop_if_any_rank_failed(
+            save_dir, tag, save_engine_checkpoint(engine, save_dir, partial, client_state.to_dict()))
+        tag_dir = commit.seal_tag(save_dir, tag, iteration)
+    except Exception as err:
+        failure = commit.save_failed(save_dir, tag, err)
+        commit.discard_partial(save_dir, tag)
+        if failure is None:
+            raise
+        raise failure from err
+    lineage = lineage if lineage is not None else Lineage()
+    lineage.saved.add(tag)
+    if global_rank() == 0:
+        _prune(args, save_dir, tag, lineage)
+    barrier()
+    return tag_dir
+
+
+def _prune(args, save_dir: Path, tag: str, lineage: Lineage) -> None:
+    message = f"saved checkpoint {save_dir / tag}"
+    if args.keep_last_n_checkpoints is not None:
+        ours = lineage.tags(save_dir)
+        deleted = layout.prune_checkpoints(save_dir, args.keep_last_n_checkpoints, ours,
+                                           protected=[lineage.loaded_tag] if lineage.loaded_tag else [])
+        if deleted:
+            message += f" (deleted older tags {', '.join(deleted)}: keep_last_n_checkpoints is {args.keep_last_n_checkpoints})"
+        others = [name for name in layout.list_tags(save_dir) if name not in ours]
+        if others:
+            message += (f"; kept {', '.join(others)}: not saved by this run nor before the tag it loaded "
+                        f"(left from before a rollback?), so keep_last_n_checkpoints does not delete them")
+    _logger().info(message)
+
+
+def check_save_dir(args) -> None:
+    """Before the first step, on every rank (collective): `save` can be written, has room for one more tag, and no
+    other run saves there. Global rank 0 takes the directory's lock for the rest of its process (save_lock.py);
+    when it cannot, every rank raises the same one-line error."""
+    if not args.save:
+        return
+    problem = None
+    if global_rank() == 0:
+        try:
+            commit.check_save_dir(args.save, 0)
+            save_lock.acquire(args.save, list(args.config_files or ()), notice=_logger().info)
+        except CheckpointError as err:
+            problem = str(err)
+    first = all_gather(problem)[0]
+    if first:
+        raise CheckpointError(first)
+    if global_rank() != 0:
+        commit.check_save_dir(args.save, global_rank())
