@@ -190,3 +190,22 @@ def test_train_tokenizer_cli(tmp_path):
     tokenizer = HFTokenizer(output)
     assert tokenizer.vocab_size == 280
     assert tokenizer.detokenize(tokenizer.tokenize(LINES[1])) == LINES[1]
+
+
+def test_a_tokenizer_without_endoftext_ends_documents_with_its_folders_eos_token_as_llama_3s_does(tmp_path):
+    from tokenizers import Tokenizer as LibraryTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    library = LibraryTokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    library.pre_tokenizer = pre_tokenizers.Whitespace()
+    library.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>"])
+    library.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(TokenizerError, match="has no '<|endoftext|>' token.*tokenizer_config.json naming the eos_token"):
+        HFTokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|end_of_text|>"}}))
+    tokenizer = HFTokenizer(tmp_path / "tokenizer.json")
+    assert tokenizer.eod == library.token_to_id("<|end_of_text|>") == 4
+    assert tokenizer.tokenize("hello world<|end_of_text|>") == [0, 1, 4]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
+    with pytest.raises(TokenizerError, match="has no '<|eot_id|>' token"):
+        HFTokenizer(tmp_path / "tokenizer.json")

@@ -3,6 +3,7 @@ vocab.json + merges.txt pair (GPT2BPETokenizer)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from megatron.tokenizer.base import EOD_TOKEN, PAD_TOKEN, Tokenizer, existing_file
@@ -12,13 +13,11 @@ from megatron.tokenizer.errors import TokenizerError
 class _LibraryTokenizer(Tokenizer):
     """A `tokenizers.Tokenizer`; "<|endoftext|>" ends documents, "<|padding|>" pads (else eod)."""
 
-    def __init__(self, tokenizer, kind: str, described_by: str, vocab_size: int):
-        eod = tokenizer.token_to_id(EOD_TOKEN)
+    def __init__(self, tokenizer, kind: str, described_by: str, vocab_size: int, eod_token: str = EOD_TOKEN,
+                 hint: str = "add it as a special token when training the tokenizer"):
+        eod = tokenizer.token_to_id(eod_token)
         if eod is None:
-            raise TokenizerError(
-                f"{described_by} has no {EOD_TOKEN!r} token, which {kind} uses to end documents; "
-                "add it as a special token when training the tokenizer"
-            )
+            raise TokenizerError(f"{described_by} has no {eod_token!r} token, which {kind} uses to end documents; {hint}")
         pad = tokenizer.token_to_id(PAD_TOKEN)
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -35,8 +34,24 @@ class _LibraryTokenizer(Tokenizer):
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
+def _folder_eos_token(tokenizer_file: Path) -> str | None:
+    """The eos_token of the tokenizer_config.json beside `tokenizer_file` (a Hugging Face folder's), if any."""
+    config = tokenizer_file.parent / "tokenizer_config.json"
+    try:
+        token = json.loads(config.read_text()).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    token = token.get("content") if isinstance(token, dict) else token
+    return token if isinstance(token, str) else None
+
+
 class HFTokenizer(_LibraryTokenizer):
-    """GPT-NeoX's HFTokenizer: a `tokenizers` JSON file; vocab_size counts the added tokens too."""
+    """GPT-NeoX's HFTokenizer: a `tokenizers` JSON file; vocab_size counts the added tokens too.
+
+    Documents end with "<|endoftext|>" as in GPT-NeoX. A tokenizer without it (Llama 3's, Qwen's, ...) ends
+    them with the eos_token of the tokenizer_config.json beside it, the token its model was trained to end
+    a text with; GPT-NeoX leaves the end of a document undefined there.
+    """
 
     def __init__(self, vocab_file: str | Path):
         from tokenizers import Tokenizer as LibraryTokenizer
@@ -50,8 +65,12 @@ class HFTokenizer(_LibraryTokenizer):
                 f"vocab_file {str(path)!r} is not a readable `tokenizers` JSON file ({err}); "
                 "point vocab_file at a tokenizer.json"
             ) from err
+        eod_token = EOD_TOKEN
+        if tokenizer.token_to_id(EOD_TOKEN) is None:
+            eod_token = _folder_eos_token(path) or EOD_TOKEN
         super().__init__(tokenizer, "HFTokenizer", f"vocab_file {str(path)!r}",
-                         tokenizer.get_vocab_size(with_added_tokens=True))
+                         tokenizer.get_vocab_size(with_added_tokens=True), eod_token,
+                         "add it as a special token, or put a tokenizer_config.json naming the eos_token beside it")
 
 
 class GPT2BPETokenizer(_LibraryTokenizer):
