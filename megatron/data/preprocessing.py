@@ -30,6 +30,12 @@ class PreprocessResult:
     tokens: int
     seconds: float
 
+    def summary(self, unit: str) -> str:
+        """What the tools print when they are done: counts, rate, and each key's output prefix."""
+        rate = self.tokens / max(self.seconds, 1e-9)
+        lines = [f"{self.documents} {unit}, {self.tokens} tokens in {self.seconds:.1f} s ({rate:.0f} tokens/s)"]
+        return "\n".join(lines + [f"{key}: {prefix}" for key, prefix in self.prefixes.items()])
+
 
 _worker_tokenizer: Tokenizer | None = None
 

@@ -63,10 +63,7 @@ def run(args: argparse.Namespace) -> None:
         log_interval=args.log_interval,
         expected_documents=args.num_docs,
     )
-    rate = result.tokens / max(result.seconds, 1e-9)
-    print(f"{result.documents} documents, {result.tokens} tokens in {result.seconds:.1f} s ({rate:.0f} tokens/s)")
-    for key, prefix in result.prefixes.items():
-        print(f"{key}: {prefix}")
+    print(result.summary("documents"))
 
 
 if __name__ == "__main__":

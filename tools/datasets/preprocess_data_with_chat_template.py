@@ -60,10 +60,7 @@ def main(argv: list[str] | None = None) -> None:
                                            log_interval=args.log_interval, expected_documents=args.num_docs)
     except DataError as err:
         sys.exit(f"preprocess_data_with_chat_template.py: error: {err}")
-    rate = result.tokens / max(result.seconds, 1e-9)
-    print(f"{result.documents} chats, {result.tokens} tokens in {result.seconds:.1f} s ({rate:.0f} tokens/s)")
-    for name, prefix in result.prefixes.items():
-        print(f"{name}: {prefix}")
+    print(result.summary("chats"))
 
 
 if __name__ == "__main__":
