@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -112,6 +113,34 @@ def test_module_only_modes(single_rank_world, tmp_path, mode, stage, precision):
         assert (outcome.iteration, outcome.consumed_train_samples, outcome.restored_rng) == (0, 0, False)
         torch.manual_seed(7)
         assert torch.equal(torch.rand(1), rng_after_save_elsewhere)  # generators left alone
+
+
+@pytest.mark.parametrize("stage, precision", [(0, "bf16"), (2, "fp32"), (3, "fp32")])
+def test_no_save_optim_saves_weights_only_and_a_resume_starts_a_fresh_optimizer(single_rank_world, tmp_path, stage,
+                                                                                 precision):
+    """Without ZeRO (a bf16 optimizer writes both kinds), under ZeRO-2 and under ZeRO-3 (the full module file)."""
+    args = run_args(tmp_path, stage=stage, precision=precision, no_save_optim=True)
+    original = trained_and_saved(args)
+    saved = full_weights(original)
+    tag_dir = tmp_path / "checkpoints" / "global_step2"
+    written = sorted(p.relative_to(tag_dir).as_posix() for p in tag_dir.rglob("*") if p.is_file())
+    assert not any("optim_states" in name for name in written), written
+    assert not (tmp_path / "checkpoints" / "zero_to_fp32.py").exists()  # it reads optimizer shards
+    state = torch.load(tag_dir / "mp_rank_00_model_states.pt", weights_only=True)
+    assert state["optimizer"] is None and state["module"]  # the layout GPT-NeoX's converter reads
+    recorded = json.loads((tag_dir / "manifest.json").read_text())["files"]
+    assert sorted(recorded) == [name for name in written if name != "manifest.json"]
+
+    plan = plan_load(run_args(tmp_path, stage=stage, precision=precision), data_parallel_size=1)  # a full resume
+    assert plan.mode is LoadMode.NO_LOAD_OPTIM and not plan.load_optimizer
+    fresh_lines = [line for line in plan.describe().splitlines() if "optimizer starts fresh" in line]
+    assert len(fresh_lines) == 1 and "no_save_optim" in fresh_lines[0]
+    resumed = build_engine(args, seed=1)
+    outcome = load_checkpoint(resumed, plan)
+    assert (outcome.iteration, outcome.consumed_train_samples, outcome.restored_rng) == (2, 4, True)
+    assert not outcome.loaded_optimizer and plan.lr_schedule_start == 2  # a fresh schedule, warmup included
+    for name, value in full_weights(resumed).items():
+        torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=name)
 
 
 def test_zero3_shards_without_module_file_finetune(single_rank_world, tmp_path):

@@ -4,8 +4,11 @@ llama3-8b-sft.yml, scaled down)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from megatron.hf.convert import convert_neox_to_hf
 from tests.e2e import run_deepy, tensorboard_scalars, train_lines, write_overrides
 from tests.test_preprocess_chat import CHAT, make_chat_tokenizer, run, write_jsonl
 
@@ -31,10 +34,21 @@ def test_sft_from_a_hugging_face_llama_on_two_ranks(tmp_path):
         valid_label_data_paths=[labels], pack_impl="unpacked", allow_chopped=False, num_gpus=2,
         train_micro_batch_size_per_gpu=2, precision="bf16", bf16={"enabled": True}, zero_optimization={"stage": 1},
         optimizer={"type": "Adam", "params": {"lr": 0.001}}, train_iters=2, eval_interval=2, eval_iters=1,
-        num_workers=0)
+        num_workers=0, no_save_optim=True)
     result = run_deepy([finetune])
     assert f"model settings taken from {hf_dir / 'config.json'}" in result.stdout
     assert "checkpoint load plan: finetune" in result.stdout
     assert [line.iteration for line in train_lines(result.stdout)] == [1, 2]
     scalars = tensorboard_scalars(tmp_path / "tb")
     assert set(scalars["valid/loss"]) == {2} and (tmp_path / "run" / "global_step2").is_dir()
+
+    # no_save_optim: a weights-only tag, every file of it in the manifest, exported as any tag is.
+    tag_dir = tmp_path / "run" / "global_step2"
+    written = sorted(p.relative_to(tag_dir).as_posix() for p in tag_dir.rglob("*") if p.is_file())
+    assert not any("optim_states" in name for name in written), written
+    assert sorted(json.loads((tag_dir / "manifest.json").read_text())["files"]) == \
+        [name for name in written if name != "manifest.json"]
+    convert_neox_to_hf(tmp_path / "run", tmp_path / "export")
+    exported, loading = LlamaForCausalLM.from_pretrained(tmp_path / "export", output_loading_info=True)
+    assert not any(loading.values()), loading
+    assert sorted(exported.state_dict()) == sorted(LlamaForCausalLM.from_pretrained(hf_dir).state_dict())

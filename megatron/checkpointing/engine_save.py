@@ -19,8 +19,11 @@ from megatron.fsio import write_atomically
 from megatron.zero3_partition import is_partitioned
 
 
-def save_engine_checkpoint(engine, save_dir: str | Path, tag: str, client_state: dict) -> WriteFailure | None:
+def save_engine_checkpoint(engine, save_dir: str | Path, tag: str, client_state: dict,
+                           optimizer_states: bool = True) -> WriteFailure | None:
     """Save tag ``tag`` under ``save_dir`` on every rank (collective); return this rank's failed write, if any.
+
+    Without ``optimizer_states`` (``no_save_optim``) the tag holds the model-states files alone (below).
 
     A write that fails (a full disk, a file-size limit) does not leave this rank halfway through the
     save while the others wait for it in the save's collectives: this rank writes nothing more, goes
@@ -45,11 +48,31 @@ def save_engine_checkpoint(engine, save_dir: str | Path, tag: str, client_state:
     """
     save_dir = Path(save_dir)
     failures: list[WriteFailure] = []
-    with _writes_recording_failures(engine, failures):
+    with _writes_recording_failures(engine, failures), _optimizer_left_out(engine, not optimizer_states):
         engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
     if engine.zero_optimization_partition_weights():
         _write_full_module_file(engine, save_dir / tag, failures)
     return failures[0] if failures else None
+
+
+@contextmanager
+def _optimizer_left_out(engine, leave_out: bool) -> Iterator[None]:
+    """DeepSpeed 0.19.8's save_checkpoint has no switch for a save without optimizer states. It writes the
+    optimizer shards (and copies zero_to_fp32.py, which reads them) from the ranks whose
+    ``save_zero_checkpoint`` it set, and without ZeRO puts ``engine.optimizer.state_dict()`` into the
+    model-states file. For this save no rank is a shard writer, and without ZeRO the engine shows no
+    optimizer, so the model-states file holds ``optimizer: None`` as one saved without an optimizer does."""
+    if not leave_out:
+        yield
+        return
+    writes_shards, optimizer = engine.save_zero_checkpoint, engine.optimizer
+    engine.save_zero_checkpoint = False
+    if not engine.zero_optimization():
+        engine.optimizer = None
+    try:
+        yield
+    finally:
+        engine.save_zero_checkpoint, engine.optimizer = writes_shards, optimizer
 
 
 @contextmanager

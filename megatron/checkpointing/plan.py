@@ -5,6 +5,9 @@
 | `load` + `no_load_optim`| yes     | fresh     | restarts (warmup) | from checkpoint | yes, unless no_load_rng | from iteration |
 | `load` + `finetune`     | yes     | fresh     | restarts (warmup) | 0               | no                      | start          |
 
+A tag saved with `no_save_optim` holds no optimizer states by design: a full resume of it loads as the
+`no_load_optim` row and says so in one note; a tag that lost its optimizer files is still refused.
+
 `iteration: N` picks tag `global_step<N>`; otherwise the tag in `latest`. The learning rate is a
 function of the schedule's step (megatron/learning_rates.py), counted from the iteration the schedule
 started at: a fresh optimizer starts a fresh schedule, so after `no_load_optim` the schedule's step
@@ -154,6 +157,12 @@ def requested_mode(args) -> LoadMode:
     if args.no_load_optim:
         return LoadMode.NO_LOAD_OPTIM
     return LoadMode.RESUME
+
+
+def _saved_without_optimizer(tag: TagInventory) -> bool:
+    """The tag was saved with `no_save_optim`: it holds no optimizer states by design, not by loss."""
+    settings = tag.metadata.saved_args if tag.metadata is not None else None
+    return bool((settings or {}).get("no_save_optim")) and not tag.has_optimizer_states
 
 
 def _available(inventory: CheckpointInventory) -> str:
@@ -331,6 +340,11 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
             f"{_available(inventory)}; pick another with `iteration: N`."
         )
     has_manifest = manifest.read_manifest(tag.path) is not None  # refuses a damaged, empty or incomplete one
+    fresh_optimizer = []
+    if mode is LoadMode.RESUME and _saved_without_optimizer(tag):
+        mode = LoadMode.NO_LOAD_OPTIM
+        fresh_optimizer.append(f"optimizer starts fresh: {tag.path} was saved with no_save_optim (weights only), "
+                               "so this resume loads as with no_load_optim")
     load_optimizer = mode is LoadMode.RESUME
     change = None
     if load_optimizer and tag.metadata is not None and not preflight.loads_universal(tag, args):
@@ -343,6 +357,7 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         files = tuple(dict.fromkeys((*filter(None, [tag.metadata_file]), *_module_files(tag))))
     world_size = data_parallel_size * max(args.model_parallel_size or 1, 1) * max(args.pipe_parallel_size or 1, 1)
     restore_rng, notes = _rng_decision(args, mode, tag, world_size)
+    notes = fresh_optimizer + notes
     client = tag.metadata.client_state if tag.metadata else ClientState(format_version=None)
     client.check_readable(tag.metadata_file)
     saved_iteration = next((value for value in (client.iteration, tag.iteration,

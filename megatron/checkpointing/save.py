@@ -72,7 +72,8 @@ def save_checkpoint(
             write_neox_config(args.to_dict(), save_dir / partial / layout.CONFIGS_DIR / layout.NEOX_CONFIG_FILE)
         barrier()
         commit.stop_if_any_rank_failed(
-            save_dir, tag, save_engine_checkpoint(engine, save_dir, partial, client_state.to_dict()))
+            save_dir, tag, save_engine_checkpoint(engine, save_dir, partial, client_state.to_dict(),
+                                              optimizer_states=not args.no_save_optim))
         tag_dir = commit.seal_tag(save_dir, tag, iteration)
     except Exception as err:
         failure = commit.save_failed(save_dir, tag, err)

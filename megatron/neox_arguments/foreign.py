@@ -194,7 +194,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "log_gradient_noise_scale": (_falsy, _not_built("the gradient noise scale logger")),
     "serve_model_weights": (_falsy, _not_built("serving weights over a socket")),
     "s3_path": (_falsy, _not_built("uploading checkpoints to S3")),
-    "no_save_optim": (_falsy, _not_built("saving checkpoints without optimizer states")),
     "no_save_rng": (_falsy, _not_built("saving checkpoints without RNG states")),
     "exit_interval": (_falsy, _not_built("exit_interval", "set train_iters")),
     "char_level_ppl": (_falsy, _not_built("character-level perplexity")),
