@@ -150,6 +150,8 @@ class SavedOptimizerState:
     """
 
     def __init__(self, tag: TagInventory, saved_tensor_parallel: int, arch):
+        from torch.utils.serialization import config as torch_load_config
+
         from megatron.checkpointing.safe_unpickle import every_torch_load_weights_only
 
         self.saved, self.arch = saved_tensor_parallel, arch
@@ -158,7 +160,9 @@ class SavedOptimizerState:
         self._shapes: dict[str, dict[int, torch.Size]] = {}
         self._steps: set[int] = set()
         try:
-            with every_torch_load_weights_only(tag.path):
+            # mapped, not read: DeepSpeed's readers load whole model-states files for their shapes alone, and
+            # only each parameter's fragments of a shard are copied out (privately mapped: nothing is written)
+            with every_torch_load_weights_only(tag.path), torch_load_config.patch("load.mmap", True):
                 if tag.metadata.zero_stage == 3:
                     self._read_zero3(tag)
                 else:
