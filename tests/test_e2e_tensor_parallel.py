@@ -86,7 +86,6 @@ def test_a_tp2_zero1_save_resumes_fully_on_one_rank_under_zero3_and_the_loss_goe
     assert [line.iteration for line in after] == [line.iteration for line in lines[3:]]
     for resumed, unbroken in zip(after, lines[3:], strict=True):
         assert resumed.loss == pytest.approx(unbroken.loss, rel=2**-8), (resumed, unbroken)
-    assert not (work / "tp1-zero3" / "global_step3.reshard").exists()  # the converted copy is gone
 
 
 @pytest.mark.slow

@@ -14,7 +14,6 @@ GPT-NeoX so their tools can read what we write and we can read what they wrote::
     <root>/global_step<N>/configs/neox_config_extra.yml        its settings GPT-NeoX does not have
     <root>/global_step<N>/manifest.json                        size and checksum of every other file
     <root>/global_step<N>.partial/                             a save in progress (or interrupted)
-    <root>/global_step<N>.reshard/universal/                   a run's resharded copy of a loaded tag, while it loads
 
 A tag is written as ``<tag>.partial`` and renamed to ``<tag>`` once every file is on disk, so a
 folder named ``global_step<N>`` is never half written by us, and nothing lists a partial one.
@@ -47,9 +46,6 @@ OPTIM_STATES_RE = re.compile(r"^(?:(?P<prefix>[a-z0-9]+)_)?zero_pp_rank_(?P<dp>\
 LAYER_FILE_RE = re.compile(r"^layer_(?P<layer>\d+)-model_(?P<mp>\d+)-model_states\.pt$")
 # Written by ds_to_universal: a tag holding this folder can be loaded at another DP size.
 UNIVERSAL_DIR = "zero"
-# A run resuming at another shape converts the loaded tag under its own save directory (reshard.py).
-RESHARD_SUFFIX = ".reshard"
-RESHARD_UNIVERSAL_DIR = "universal"
 
 
 def tag_for_iteration(iteration: int) -> str:
@@ -60,11 +56,6 @@ def iteration_of_tag(tag: str) -> int | None:
     """The iteration a `global_step<N>` tag names; None for tags named otherwise."""
     match = TAG_RE.match(tag)
     return int(match.group(1)) if match else None
-
-
-def reshard_dir_name(tag: str) -> str:
-    """The folder of the save directory a resume at another shape converts `tag` into."""
-    return f"{tag}{RESHARD_SUFFIX}"
 
 
 def partial_tag(tag: str) -> str:

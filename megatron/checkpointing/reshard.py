@@ -2,15 +2,14 @@
 
 Built on DeepSpeed's own machinery, one job each:
 
-* Reading: ``deepspeed.checkpoint.ds_to_universal`` turns the saved optimizer shards (ZeRO 1-3, and
-  the bf16 optimizer's where it writes them) into one whole fp32 master, exp_avg, exp_avg_sq and step
-  per parameter. Global rank 0 converts into a folder of this run's (``<save>/<tag>.reshard``,
-  never the loaded tag, which may be shared and read-only), records a manifest over it, and every
-  rank reads it back checked against that manifest and weights-only.
-* Tensor parallelism: with no slicing patterns declared, ds_to_universal concatenates the saved
-  tensor-parallel slices along dim 0, so cutting the whole tensor back into ``saved`` equal parts gives
-  each saved rank's slice exactly; ``megatron.model.partitioning`` then re-slices them to this run's size
-  as it does for weights (fused QKV and gated MLP blocks, replicated key/value heads).
+* Reading: every rank reads the saved optimizer shards (ZeRO 1-3, and the bf16 optimizer's) in memory
+  with DeepSpeed's own checkpoint readers and cuts each parameter's fp32 master, exp_avg and exp_avg_sq
+  out of them as ds_to_universal's extraction does (``SavedOptimizerState``): no converted copy is
+  written, so nothing is written at all, and the files read are the tag's own, checked against its
+  manifest by the load and unpickled weights-only.
+* Tensor parallelism: the saved tensor-parallel slices of each parameter, whole over data parallelism,
+  go to ``megatron.model.partitioning``, which re-slices them to this run's size as it does for weights
+  (fused QKV and gated MLP blocks, replicated key/value heads).
 * Writing: the module and the fp32 master through ``module_load.load_module_only`` (the same path
   and verification as a module-only load), the moments through DeepSpeed's public
   ``safe_set_full_optimizer_state`` (ZeRO 1-3, the bf16 optimizer; DeepSpeed's optimizers without
@@ -22,21 +21,16 @@ A same-shape resume never comes here: it stays on DeepSpeed's ``engine.load_chec
 
 from __future__ import annotations
 
-import contextlib
-import io
-import shutil
-from argparse import Namespace
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from megatron.checkpointing import layout, manifest
+from megatron.checkpointing import layout
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.inventory import TagInventory
-from megatron.collective import all_gather, barrier
+from megatron.collective import all_gather
 from megatron.optimizer_layout import precision_of, zero_stage_of
-from megatron.ranks import rank_and_world
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _MASTER = "fp32"
@@ -58,7 +52,6 @@ class Shape:
 class ShapeChange:
     saved: Shape
     run: Shape
-    work_dir: Path | None = None  # where the resharded copy goes: under `save`, never into the loaded tag
 
     def describe(self) -> str:
         line = f"full resume at another shape: optimizer state resharded from {self.saved.describe()} to {self.run.describe()}"
@@ -98,7 +91,7 @@ def shape_change(tag: TagInventory, args, data_parallel_size: int, saved_tensor_
         saved = Shape(run.data_parallel, saved.tensor_parallel, saved.zero_stage, saved.precision)
     if saved == run:
         return None
-    return ShapeChange(saved, run, Path(args.save).expanduser() / layout.reshard_dir_name(tag.tag) if args.save else None)
+    return ShapeChange(saved, run)
 
 
 def refusal(tag: TagInventory, args, way_out: str) -> str | None:
@@ -112,14 +105,11 @@ def refusal(tag: TagInventory, args, way_out: str) -> str | None:
         return (f"a full resume of {tag.path} at another shape writes the Adam moments through DeepSpeed's "
                 "per-parameter optimizer-state API, which its optimizers without ZeRO do not offer. Set "
                 f"zero_optimization.stage to 1, 2 or 3 (or to {tag.metadata.zero_stage} at the saved shape), or {way_out}.")
-    if not args.save:
-        return (f"a full resume at another shape writes a resharded copy of {tag.path} into the save directory, and "
-                f"`save` is not set. Set `save: <directory>`, or {way_out}.")
     return None
 
 
 def files_read(tag: TagInventory) -> tuple[Path, ...]:
-    """Every file the conversion reads: all model-states files and every optimizer shard."""
+    """Every file a resume at another shape reads: all model-states files and every optimizer shard."""
     return tuple(sorted({*tag.model_states_files.values(), *tag.zero3_model_states_files.values(),
                          *tag.optimizer_files.values()}))
 
@@ -129,131 +119,156 @@ def resume_at_another_shape(engine, tag: TagInventory, change: ShapeChange, arch
     tensor-parallel part of the saved module (keys and buffers); returns the module-load report."""
     from megatron.checkpointing.module_load import load_module_only
 
-    work = change.work_dir
-    _convert_on_one_rank(tag, work)
+    problem = None
     try:
-        universal = work / layout.RESHARD_UNIVERSAL_DIR
-        reader = _UniversalReader(universal, change.saved.tensor_parallel, arch)
-        names = {param: name for name, param in engine.module.named_parameters()}
-        masters = {name: reader.part(name, _MASTER) for name in names.values() if reader.holds(name)}
-        report = load_module_only(engine, {**module_weights, **masters})
-        step = reader.step()
-        _set_moments(engine, names, reader)
-        set_step(engine, step)
-        engine.global_steps = int(tag.metadata.global_steps or step)
-        engine.global_samples = engine.global_steps * engine.train_batch_size()
-    finally:
-        barrier()  # every rank has read the copy
-        if rank_and_world()[0] == 0:
-            shutil.rmtree(work, ignore_errors=True)
+        saved = SavedOptimizerState(tag, change.saved.tensor_parallel, arch)
+    except CheckpointError as err:
+        problem = str(err)
+    problem = next(filter(None, all_gather(problem)), None)  # every rank stops when one could not read
+    if problem:
+        raise CheckpointError(problem)
+    names = {param: name for name, param in engine.module.named_parameters()}
+    masters = {name: saved.part(name, _MASTER) for name in names.values() if saved.holds(name)}
+    report = load_module_only(engine, {**module_weights, **masters})
+    step = saved.step()
+    _set_moments(engine, names, saved)
+    set_step(engine, step)
+    engine.global_steps = int(tag.metadata.global_steps or step)
+    engine.global_samples = engine.global_steps * engine.train_batch_size()
     return report
 
 
-def _convert_on_one_rank(tag: TagInventory, work: Path) -> None:
-    """Global rank 0 converts `tag` into `work`; every rank raises rank 0's error when it failed."""
-    problem = None
-    if rank_and_world()[0] == 0:
-        try:
-            convert_to_universal(tag, work)
-        except CheckpointError as err:
-            problem = str(err)
-    problem = all_gather(problem)[0]
-    if problem:
-        raise CheckpointError(problem)
+class SavedOptimizerState:
+    """Each parameter's saved fp32 master, exp_avg and exp_avg_sq, read in memory from `tag`'s optimizer
+    shards on this rank, as ds_to_universal's extraction and merge read them, without its files.
 
-
-def convert_to_universal(tag: TagInventory, work: Path) -> Path:
-    """Run DeepSpeed's ds_to_universal on `tag` into ``work/<RESHARD_UNIVERSAL_DIR>``, record its manifest.
-
-    It reads a folder of links to exactly the files it understands (our ZeRO-3 tags also hold a full
-    module file it would take for a shard), every torch.load weights-only.
+    DeepSpeed's own readers do the reading: ``DeepSpeedCheckpoint`` and its ZeRO reader (the shards of
+    ZeRO 1-2 and of the bf16 optimizer, their paddings stripped, each parameter's fragment found through
+    its ``param_slice_mappings``), and ds_to_universal's ZeRO-3 file grid with the partitioned sizes of
+    each sub-group's parameters. Every torch.load is weights-only; the files were checked against the
+    tag's manifest by the load (``files_read``).
     """
-    from deepspeed.checkpoint import ds_to_universal
 
-    from megatron.checkpointing.safe_unpickle import every_torch_load_weights_only
+    def __init__(self, tag: TagInventory, saved_tensor_parallel: int, arch):
+        from torch.utils.serialization import config as torch_load_config
 
-    shutil.rmtree(work, ignore_errors=True)  # left by a run killed while it loaded
-    sources = work / "input"
-    sources.mkdir(parents=True)
-    stage3 = tag.metadata.zero_stage == 3
-    for path in files_read(tag):
-        if not (stage3 and layout.MODEL_STATES_RE.match(path.name)):
-            (sources / path.name).symlink_to(path.resolve())
-    output = work / layout.RESHARD_UNIVERSAL_DIR
-    options = Namespace(input_folder=str(sources), output_folder=str(output), num_extract_workers=1,
-                        num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
-    chatter = io.StringIO()
-    try:
-        with every_torch_load_weights_only(tag.path), contextlib.redirect_stdout(chatter), \
-                contextlib.redirect_stderr(chatter):
-            ds_to_universal.main(options)
-    except CheckpointError:
-        raise
-    except Exception as err:
-        raise CheckpointError(
-            f"DeepSpeed's ds_to_universal could not convert {tag.path} for a resume at another shape: "
-            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Resume at the shape it was saved "
-            "at, or set `no_load_optim: true` to keep its weights with a fresh optimizer."
-        ) from None
-    records = {name: manifest.FileRecord(size=(output / name).stat().st_size, checksum=manifest.CHECKSUM,
-                                         digest=manifest.file_checksum(output / name))
-               for name in manifest.tag_file_names(output)}
-    manifest.write_manifest(output, records)
-    return output
+        from megatron.checkpointing.safe_unpickle import every_torch_load_weights_only
 
+        self.saved, self.arch = saved_tensor_parallel, arch
+        # name -> saved tensor-parallel rank -> state -> its fragments in data-parallel order, and the shapes
+        self._fragments: dict[str, dict[int, dict[str, list[torch.Tensor]]]] = {}
+        self._shapes: dict[str, dict[int, torch.Size]] = {}
+        self._steps: set[int] = set()
+        try:
+            # mapped, not read: DeepSpeed's readers load whole model-states files for their shapes alone, and
+            # only each parameter's fragments of a shard are copied out (privately mapped: nothing is written)
+            with every_torch_load_weights_only(tag.path), torch_load_config.patch("load.mmap", True):
+                if tag.metadata.zero_stage == 3:
+                    self._read_zero3(tag)
+                else:
+                    self._read_zero12(tag.path)
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise CheckpointError(
+                f"DeepSpeed's checkpoint readers could not read the optimizer shards of {tag.path} for a resume "
+                f"at another shape: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Resume "
+                "at the shape it was saved at, or set `no_load_optim: true` to keep its weights with a fresh "
+                "optimizer."
+            ) from None
+        read = {len(slices) for slices in self._shapes.values()}
+        if read != {self.saved}:
+            raise CheckpointError(
+                f"the optimizer shards of {tag.path} are of {sorted(read)} tensor-parallel rank(s), its model-states "
+                f"files of {self.saved}; the optimizer state cannot be resharded from them. Set `no_load_optim: true` "
+                "to keep the weights with a fresh optimizer."
+            )
 
-class _UniversalReader:
-    """This rank's tensor-parallel part of each parameter's state in a ds_to_universal folder."""
+    def _add(self, name: str, tp: int, shape, states: dict[str, torch.Tensor], offset: int, numel: int) -> None:
+        self._shapes.setdefault(name, {})[tp] = torch.Size(shape)
+        fragments = self._fragments.setdefault(name, {}).setdefault(tp, {})
+        for state, flat in states.items():
+            fragments.setdefault(state, []).append(flat.narrow(0, offset, numel))
 
-    def __init__(self, root: Path, saved_tensor_parallel: int, arch):
-        self.root, self.saved, self.arch = root, saved_tensor_parallel, arch
-        self.records = manifest.read_manifest(root)
+    def _read_zero12(self, tag_dir: Path) -> None:
+        from deepspeed.checkpoint import DeepSpeedCheckpoint
+        from deepspeed.checkpoint.constants import (
+            BASE_OPTIMIZER_STATE,
+            OPTIMIZER_STATE_DICT,
+            PARAM_SHAPES,
+            PARAM_SLICE_MAPPINGS,
+            SINGLE_PARTITION_OF_FP32_GROUPS,
+        )
+
+        checkpoint = DeepSpeedCheckpoint(str(tag_dir))
+        if checkpoint.pp_degree > 1:
+            raise CheckpointError(f"{tag_dir} was saved with pipeline parallelism, whose optimizer state this "
+                                  "resume cannot reshard. Resume at its shape, or set `no_load_optim: true`.")
+        for tp in range(checkpoint.tp_degree):
+            shapes = checkpoint.model_state_metadata[tp][1][PARAM_SHAPES]
+            for dp in range(checkpoint.dp_degree):
+                optim = checkpoint.get_zero_checkpoint_state(pp_index=0, tp_index=tp, dp_index=dp)[OPTIMIZER_STATE_DICT]
+                groups = optim[BASE_OPTIMIZER_STATE]["state"]
+                for group, mapping in enumerate(optim[PARAM_SLICE_MAPPINGS]):
+                    flats = {_MASTER: optim[SINGLE_PARTITION_OF_FP32_GROUPS][group],
+                             **{key: groups[group][key] for key in MOMENTS}}
+                    if _STEP in groups[group]:
+                        self._steps.add(int(groups[group][_STEP]))
+                    for name, fragment in mapping.items():
+                        self._add(name, tp, shapes[name], flats, fragment.start, fragment.numel)
+
+    def _read_zero3(self, tag: TagInventory) -> None:
+        from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT, PARAM_SHAPES
+        from deepspeed.checkpoint.ds_to_universal import _build_zero3_rank_grid, _zero_partitioned_param_info
+
+        model_grid, tp_degree, dp_degree = _build_zero3_rank_grid(tag.zero3_model_states_files.values())
+        optim_grid, *_ = _build_zero3_rank_grid(tag.optimizer_files.values())
+        for tp in range(tp_degree):
+            sub_groups = torch.load(model_grid[tp][0], map_location="cpu")[PARAM_SHAPES]
+            for dp in range(dp_degree):
+                optim = torch.load(optim_grid[tp][dp], map_location="cpu")[OPTIMIZER_STATE_DICT]
+                partitions = optim.get("ds_zero_partition_groups") or []
+                for index, shapes in enumerate(sub_groups):
+                    inner = optim["optimizer_state_dict"]["state"][index]
+                    if _STEP in inner:
+                        self._steps.add(int(inner[_STEP]))
+                    flats = {_MASTER: optim[FP32_FLAT_GROUPS][index], **{key: inner[key] for key in MOMENTS}}
+                    partition = partitions[index] if index < len(partitions) else {}
+                    count, rank = partition.get("partition_count", dp_degree), partition.get("partition_rank", dp)
+                    offset = 0
+                    for name, shape in shapes.items():
+                        whole = torch.Size(shape).numel()
+                        size, _ = _zero_partitioned_param_info(whole, count)
+                        self._add(name, tp, shape, flats, offset, max(0, min(size, whole - rank * size)))
+                        offset += size
 
     def holds(self, name: str) -> bool:
-        return (self._path(name, _MASTER)).is_file()
+        return name in self._fragments
 
-    def _path(self, name: str, state: str) -> Path:
-        return self.root / layout.UNIVERSAL_DIR / name / f"{state}.pt"
-
-    def _read(self, path: Path):
-        from megatron.checkpointing.safe_unpickle import load_weights_only
-
-        problem = manifest.check_file(path, self.records, self.root)
-        if problem:
-            raise CheckpointError(problem)
-        return load_weights_only(path)
-
-    def whole(self, name: str, state: str) -> torch.Tensor:
-        from deepspeed.checkpoint.constants import PARAM
-
-        return self._read(self._path(name, state))[PARAM]
+    def whole_slices(self, name: str, state: str) -> list[torch.Tensor]:
+        """`name`'s `state` on each saved tensor-parallel rank, whole over data parallelism."""
+        return [torch.cat(self._fragments[name][tp][state]).view(self._shapes[name][tp])
+                for tp in sorted(self._fragments[name])]
 
     def part(self, name: str, state: str) -> torch.Tensor:
         from megatron.core import parallel_state
         from megatron.model.partitioning import partitioning, repartition
 
-        value = self.whole(name, state)
-        saved_parts = list(value.chunk(self.saved, dim=0)) if self.saved > 1 else [value]
         if parallel_state.model_parallel_is_initialized():
             rank = parallel_state.get_tensor_model_parallel_rank()
             size = parallel_state.get_tensor_model_parallel_world_size()
         else:
             rank, size = 0, 1
-        return repartition(saved_parts, partitioning(name, self.arch), rank, size).contiguous()
+        return repartition(self.whole_slices(name, state), partitioning(name, self.arch), rank, size).contiguous()
 
     def step(self) -> int:
-        steps = {int(self._read(path)) for path in (self.root / layout.UNIVERSAL_DIR).glob(f"*/{_STEP}.pt")}
-        if not steps:  # ZeRO-3 shards keep it only in the optimizer state ds_to_universal copies whole
-            saved = self._read(self.root / layout.UNIVERSAL_DIR / "optimizer_state.pt")
-            inner = saved.get("optimizer_state_dict") or saved.get("base_optimizer_state") or {}
-            steps = {int(state["step"]) for state in inner.get("state", {}).values() if "step" in state}
-        if len(steps) != 1:
+        if len(self._steps) != 1:
             raise CheckpointError(
-                f"the universal copy in {self.root} records {'no' if not steps else 'several'} optimizer step "
-                f"count(s) {sorted(steps)}; the optimizer state cannot be resumed from it. Set `no_load_optim: true` "
-                "to keep the weights with a fresh optimizer."
+                f"the optimizer shards record {'no' if not self._steps else 'several'} optimizer step "
+                f"count(s) {sorted(self._steps)}; the optimizer state cannot be resumed from them. Set "
+                "`no_load_optim: true` to keep the weights with a fresh optimizer."
             )
-        return steps.pop()
+        return next(iter(self._steps))
 
 
 def base_optimizer(engine) -> torch.optim.Optimizer | None:
@@ -266,7 +281,7 @@ def base_optimizer(engine) -> torch.optim.Optimizer | None:
     return optimizer
 
 
-def _set_moments(engine, names: dict, reader: _UniversalReader) -> None:
+def _set_moments(engine, names: dict, reader: SavedOptimizerState) -> None:
     from deepspeed.utils import safe_set_full_optimizer_state
 
     _link_moment_fragments(engine.optimizer, base_optimizer(engine))

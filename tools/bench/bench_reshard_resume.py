@@ -7,7 +7,7 @@ Saves one checkpoint at 1 data-parallel rank and one at 2 (a GPTModel, defaults:
 DeepSpeed engine with Adam after one training step, saved with save_checkpoint), then in a gloo world of
 2 ranks and in one of 1 rank times, alternating the order every repeat, the whole full resume
 (plan_load + load_checkpoint) of each: the tag saved at this world's size (DeepSpeed's engine.load_checkpoint)
-and the one saved at the other size (ds_to_universal into a copy under the save directory, module,
+and the one saved at the other size (its shards read in memory by DeepSpeed's readers, module,
 masters and moments written back). Prints the medians (the slowest rank's wall time) and the ratio lines
 ``RATIO reshard_1to2/same_shape_2 wall`` and ``RATIO reshard_2to1/same_shape_1 wall``.
 """
