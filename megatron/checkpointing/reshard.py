@@ -21,6 +21,7 @@ A same-shape resume never comes here: it stays on DeepSpeed's ``engine.load_chec
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -219,14 +220,14 @@ class SavedOptimizerState:
 
     def _read_zero3(self, tag: TagInventory) -> None:
         from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT, PARAM_SHAPES
-        from deepspeed.checkpoint.ds_to_universal import _build_zero3_rank_grid, _zero_partitioned_param_info
 
-        model_grid, tp_degree, dp_degree = _build_zero3_rank_grid(tag.zero3_model_states_files.values())
-        optim_grid, *_ = _build_zero3_rank_grid(tag.optimizer_files.values())
+        # the inventory has checked the (dp, mp) grid of files complete (preflight)
+        tp_degree = 1 + max(mp for _, mp in tag.optimizer_files)
+        dp_degree = 1 + max(dp for dp, _ in tag.optimizer_files)
         for tp in range(tp_degree):
-            sub_groups = torch.load(model_grid[tp][0], map_location="cpu")[PARAM_SHAPES]
+            sub_groups = torch.load(tag.zero3_model_states_files[(0, tp)], map_location="cpu")[PARAM_SHAPES]
             for dp in range(dp_degree):
-                optim = torch.load(optim_grid[tp][dp], map_location="cpu")[OPTIMIZER_STATE_DICT]
+                optim = torch.load(tag.optimizer_files[(dp, tp)], map_location="cpu")[OPTIMIZER_STATE_DICT]
                 partitions = optim.get("ds_zero_partition_groups") or []
                 for index, shapes in enumerate(sub_groups):
                     inner = optim["optimizer_state_dict"]["state"][index]
@@ -238,7 +239,7 @@ class SavedOptimizerState:
                     offset = 0
                     for name, shape in shapes.items():
                         whole = torch.Size(shape).numel()
-                        size, _ = _zero_partitioned_param_info(whole, count)
+                        size = math.ceil(whole / count)  # each rank's part, the last one padded
                         self._add(name, tp, shape, flats, offset, max(0, min(size, whole - rank * size)))
                         offset += size
 
