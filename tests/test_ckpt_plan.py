@@ -487,3 +487,17 @@ def test_a_checkpoint_that_read_no_data_yet_takes_any_seq_length(single_rank_wor
     root = _saved(tmp_path / "ckpt", iterations=(1,), iteration=0, consumed_train_samples=0)
     plan = plan_for(root, stage=0, no_load_optim=True, seq_length=8)
     assert plan.data_position == DataPosition(0, 0) and "seq_length" not in plan.describe()
+
+
+def test_a_resume_asking_for_another_number_of_samples_says_unpacked_samples_come_in_another_order(
+        single_rank_world, tmp_path):
+    root = tmp_path / "ckpt"
+    saved_checkpoint(root, make_args(stage=0, pack_impl="unpacked", train_iters=12))
+    plan = plan_for(root, stage=0, pack_impl="unpacked", train_iters=20)
+    assert ("train_iters x train_batch_size 12 x 2 -> 20 x 2: with pack_impl unpacked the order of the samples is "
+            "drawn for the run's 40 training samples, not the saved run's 24, so from sample 2 on this run reads "
+            "other samples than the saved run would have (as in GPT-NeoX); keep both to continue exactly") \
+        in plan.describe()
+    assert "order of the samples" not in plan_for(root, stage=0, pack_impl="unpacked", train_iters=12).describe()
+    saved_checkpoint(tmp_path / "packed", make_args(stage=0, train_iters=12))
+    assert "order of the samples" not in plan_for(tmp_path / "packed", stage=0, train_iters=20).describe()

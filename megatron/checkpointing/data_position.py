@@ -65,6 +65,7 @@ def resume_change_notes(args, client: ClientState, tag: str, tag_iteration: int 
     _refuse_other_seq_length(args, saved, tag)
     notes += _batch_notes(args, saved)
     notes += _data_notes(args, saved, position)
+    notes += _sample_order_notes(args, saved, position)
     return notes
 
 
@@ -106,6 +107,23 @@ def _data_notes(args, saved: dict, position: DataPosition) -> list[str]:
     return [f"{what}: training continues at sample {position.consumed_train_samples} of the new data, skipping "
             "as many of its samples as the checkpoint had consumed of the old (the same ones if only the files "
             "moved); set `finetune: true` to start the new data at its first sample"]
+
+
+def _sample_order_notes(args, saved: dict, position: DataPosition) -> list[str]:
+    """`unpacked` and `pack_until_overflow` draw the order of the samples for the number the run asks for, as
+    GPT-NeoX does, so a resume that asks for another number reads other samples from its position on."""
+    counts = (saved.get("train_iters"), saved.get("train_batch_size"), args.train_iters, args.train_batch_size)
+    if args.pack_impl == "packed" or None in counts:
+        return []
+    before = saved["train_iters"] * saved["train_batch_size"]
+    now = args.train_iters * args.train_batch_size
+    if before == now:
+        return []
+    return [f"train_iters x train_batch_size {saved['train_iters']} x {saved['train_batch_size']} -> {args.train_iters} "
+            f"x {args.train_batch_size}: with pack_impl {args.pack_impl} the order of the samples is drawn for the "
+            f"run's {now} training samples, not the saved run's {before}, so from sample "
+            f"{position.consumed_train_samples} on this run reads other samples than the saved run would have "
+            "(as in GPT-NeoX); keep both to continue exactly"]
 
 
 def _comparable(name: str, value):
