@@ -66,8 +66,9 @@ def state_after_load(outcome, args=None) -> TrainState:
     schedule = Schedule.from_args(args) if args is not None else None
     if outcome.loaded_optimizer and schedule is not None:
         schedule = _resumed_schedule(args, schedule, outcome.client_state.lr_schedule)
-    return TrainState(outcome.iteration, outcome.consumed_train_samples, outcome.consumed_valid_samples,
-                      outcome.lr_schedule_start, schedule, outcome.lineage)
+    return TrainState(iteration=outcome.iteration, consumed_train_samples=outcome.consumed_train_samples,
+                      consumed_valid_samples=outcome.consumed_valid_samples,
+                      lr_schedule_start=outcome.lr_schedule_start, schedule=schedule, lineage=outcome.lineage)
 
 
 def _resumed_schedule(args, configured: Schedule, saved: dict | None) -> Schedule:
