@@ -121,11 +121,9 @@ class SelfAttention(torch.nn.Module):
             past = kv_cache.length
             k, v = kv_cache.extend(k, v)
         mask = attention_mask
-        if past:  # is_causal would align the queries with the first keys, not the last
+        # with cached keys is_causal would align the queries with the first keys, not the last
+        if past or (self.sliding_window_width is not None and self.sliding_window_width < q.shape[2] - 1):
             window = sliding_window_mask(q.shape[2], self.sliding_window_width, q.device, past)
-            mask = window if mask is None else mask & window
-        elif self.sliding_window_width is not None and self.sliding_window_width < q.shape[2] - 1:
-            window = sliding_window_mask(q.shape[2], self.sliding_window_width, q.device)
             mask = window if mask is None else mask & window
         context = F.scaled_dot_product_attention(
             q,
