@@ -77,9 +77,11 @@ def format_duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
 
 
-def format_train_line(iteration: int, train_iters: int, scalars: dict, elapsed: float, left: float) -> str:
+def format_train_line(iteration: int, train_iters: int, scalars: dict, elapsed: float, left: float,
+                      metric_names: tuple[str, ...] = ()) -> str:
+    """The iteration line: the loss, then the objective's metrics (`train/<name>` in scalars), then the rest."""
     parts = [f"iteration {iteration:>{len(str(train_iters))}}/{train_iters}", f"loss {scalars['train/loss']:.4f}",
-             f"lr {scalars['train/lr']:.3e}"]
+             *(f"{name} {scalars[f'train/{name}']:.4f}" for name in metric_names), f"lr {scalars['train/lr']:.3e}"]
     if scalars.get("train/grad_norm") is not None:
         parts.append(f"grad norm {scalars['train/grad_norm']:.3f}")
     if scalars.get("train/loss_scale") is not None:
@@ -99,8 +101,9 @@ class ProgressReporter:
     spent in steps only, not in evaluation or saving): one step's rate swings too much to read.
     """
 
-    def __init__(self, args, first_iteration: int):
+    def __init__(self, args, first_iteration: int, metric_names: tuple[str, ...] = ()):
         self.train_iters = args.train_iters
+        self.metric_names = metric_names
         self.log_interval = max(args.log_interval, 1)
         self.first_iteration = first_iteration
         self.tokens_per_step = args.train_batch_size * args.seq_length
@@ -130,7 +133,7 @@ class ProgressReporter:
         elapsed = time.perf_counter() - self.started
         per_step = elapsed / max(iteration - self.first_iteration, 1)
         self.message(format_train_line(iteration, self.train_iters, {**scalars, **averages}, elapsed,
-                                       per_step * (self.train_iters - iteration)))
+                                       per_step * (self.train_iters - iteration), self.metric_names))
         return averages
 
     def message(self, line: str) -> None:

@@ -17,7 +17,6 @@ from megatron.diagnostics import StepProfiler, parameter_norms
 from megatron.divergence import NonFiniteWatch, check_weights_finite
 from megatron.initialize import (
     ModelParallelUnit,
-    current_device,
     initialize_distributed,
     set_seeds,
     zero3_construction,
@@ -104,17 +103,6 @@ def samples_per_split(args) -> tuple[int, int, int]:
     )
 
 
-def forward_loss(engine, samples, batch_options=None) -> torch.Tensor:
-    """The loss of one micro batch: the mean over the targets its loss mask trains."""
-    from megatron.data import BatchOptions, get_batch
-    from megatron.model import causal_lm_loss
-
-    batch = get_batch(samples, batch_options or BatchOptions()).to(current_device())
-    logits = engine(batch.tokens, position_ids=batch.position_ids, attention_mask=batch.attention_mask,
-                    parallel_output=True)
-    return causal_lm_loss(logits, batch.labels, batch.loss_mask, vocab_parallel=True)
-
-
 def batch_options_for(args):
     """How batches are formed: the settings that need the tokenizer's eod id get it."""
     from megatron.data import BatchOptions
@@ -124,37 +112,56 @@ def batch_options_for(args):
     return BatchOptions.from_args(args, build_tokenizer(args).eod if needs_eod else None)
 
 
-def _mean_over_ranks(value: torch.Tensor) -> float:
-    value = value.detach().float().clone()
+def _mean_over_micro_batches_and_ranks(results: list[tuple[torch.Tensor, dict]]) -> tuple[float, dict[str, float]]:
+    """The loss and each metric averaged over the micro batches, then over the ranks (one all-reduce)."""
+    names = list(results[0][1])
+    values = torch.stack([torch.stack([loss.detach().float(), *(metrics[n].detach().float() for n in names)])
+                          for loss, metrics in results]).mean(dim=0)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value)
-        value /= dist.get_world_size()
-    return value.item()
+        dist.all_reduce(values)
+        values /= dist.get_world_size()
+    loss, *metric_values = values.tolist()
+    return loss, dict(zip(names, metric_values, strict=True))
 
 
-def train_step(engine, train_iterator, before_optimizer_step=None, batch_options=None) -> float:
+def train_step(engine, train_iterator, objective, before_optimizer_step=None) -> tuple[float, dict[str, float]]:
     """One optimizer step: ``gradient_accumulation_steps`` micro batches, then DeepSpeed steps.
 
-    `before_optimizer_step` runs after the last backward, when the step's gradients are complete.
+    Returns the loss and the objective's metrics, averaged. `before_optimizer_step` runs after the last
+    backward, when the step's gradients are complete.
     """
-    losses = []
+    results = []
     micro_batches = engine.gradient_accumulation_steps()
     for micro_batch in range(micro_batches):
-        loss = forward_loss(engine, next(train_iterator), batch_options)
+        loss, metrics = objective(engine, next(train_iterator))
         engine.backward(loss)
         if before_optimizer_step is not None and micro_batch == micro_batches - 1:
             before_optimizer_step()
         engine.step()
-        losses.append(loss.detach().float())
-    return _mean_over_ranks(torch.stack(losses).mean())
+        results.append((loss, metrics))
+    return _mean_over_micro_batches_and_ranks(results)
 
 
 @torch.no_grad()
-def evaluate(engine, iterator, eval_iters: int, batch_options=None) -> float:
+def evaluate(engine, iterator, eval_iters: int, objective) -> tuple[float, dict[str, float]]:
     engine.eval()
-    losses = [forward_loss(engine, next(iterator), batch_options).float() for _ in range(eval_iters)]
+    results = [objective(engine, next(iterator)) for _ in range(eval_iters)]
     engine.train()
-    return _mean_over_ranks(torch.stack(losses).mean())
+    return _mean_over_micro_batches_and_ranks(results)
+
+
+def _evaluation_scalars(split: str, loss: float, metrics: dict[str, float], objective) -> dict[str, float]:
+    scalars = {f"{split}/loss": loss, **{f"{split}/{name}": value for name, value in metrics.items()}}
+    if objective.reports_perplexity:
+        scalars[f"{split}/ppl"] = _perplexity(loss)
+    return scalars
+
+
+def _evaluation_line(loss: float, metrics: dict[str, float], objective) -> str:
+    parts = [f"loss {loss:.4f}", *(f"{name} {value:.4f}" for name, value in metrics.items())]
+    if objective.reports_perplexity:
+        parts.append(f"perplexity {_perplexity(loss):.2f}")
+    return " | ".join(parts)
 
 
 def _loss_scale(engine) -> float | None:
@@ -296,7 +303,11 @@ def setup_for_inference(args):
     return engine
 
 
-def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals | None = None) -> RunResult:
+def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals | None = None,
+          objective=None) -> RunResult:
+    """The training loop; `objective` (default: the one `train_impl` names) gives each micro batch's loss."""
+    from megatron.objectives import objective_for
+
     def agreed_stop() -> int | None:
         return stop_signals.agreed_stop() if stop_signals is not None else None
 
@@ -306,15 +317,15 @@ def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals 
                           "of this run; nothing to save")
         return RunResult(state.iteration, None, None, None)
     train_iterator, valid_iterator, test_iterator = iterators
+    objective = objective or objective_for(args, batch_options_for(args))
     metrics = MetricsWriter(args)
-    progress = ProgressReporter(args, first_iteration=state.iteration)
+    progress = ProgressReporter(args, first_iteration=state.iteration, metric_names=objective.metric_names)
     watch = NonFiniteWatch(args)
     last_train_loss = last_valid_loss = None
     start_iteration = state.iteration
     saved_at = None
     state.schedule = state.schedule or Schedule.from_args(args)
     profiler = StepProfiler(args, global_rank())
-    options = batch_options_for(args)
     norms: dict[str, float] = {}
     if state.iteration == 0 and _should_save(args, 0):
         _save(args, engine, state)  # extra_save_iters may ask for the untrained model
@@ -331,12 +342,13 @@ def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals 
         set_learning_rate(engine.optimizer, lr)
         started = time.perf_counter()
         profiler.before_step(state.iteration)
-        last_train_loss = train_step(engine, train_iterator, inspect, options)
+        last_train_loss, train_metrics = train_step(engine, train_iterator, objective, inspect)
         profiler.after_step(state.iteration)
         state.iteration = step
         state.consumed_train_samples += args.train_batch_size
         step_seconds = time.perf_counter() - started
-        scalars = {"train/loss": last_train_loss, "train/lr": lr, "train/grad_norm": _grad_norm(engine),
+        scalars = {"train/loss": last_train_loss, **{f"train/{name}": value for name, value in train_metrics.items()},
+                   "train/lr": lr, "train/grad_norm": _grad_norm(engine),
                    "train/loss_scale": _loss_scale(engine), "train/skipped_steps": _skipped_steps(engine),
                    "train/step_seconds": step_seconds}
         metrics.write({**scalars, **norms}, step)
@@ -347,11 +359,11 @@ def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals 
         watch.after_step(step, last_train_loss, scalars["train/grad_norm"], engine.was_step_applied(),
                          scalars["train/loss_scale"])
         if valid_iterator is not None and args.eval_interval and step % args.eval_interval == 0:
-            last_valid_loss = evaluate(engine, valid_iterator, args.eval_iters, options)
+            last_valid_loss, valid_metrics = evaluate(engine, valid_iterator, args.eval_iters, objective)
             state.consumed_valid_samples += samples_per_evaluation(args)
-            metrics.write({"valid/loss": last_valid_loss, "valid/ppl": _perplexity(last_valid_loss)}, step)
-            progress.message(f"validation at iteration {step}: loss {last_valid_loss:.4f} | "
-                             f"perplexity {_perplexity(last_valid_loss):.2f}")
+            metrics.write(_evaluation_scalars("valid", last_valid_loss, valid_metrics, objective), step)
+            progress.message(f"validation at iteration {step}: "
+                             f"{_evaluation_line(last_valid_loss, valid_metrics, objective)}")
         if _should_save(args, step) and step != args.train_iters:
             _save(args, engine, state)
             saved_at = step
@@ -368,9 +380,9 @@ def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals 
         _save(args, engine, state)
     test_loss = None
     if test_iterator is not None and args.eval_iters > 0:
-        test_loss = evaluate(engine, test_iterator, args.eval_iters, options)
-        metrics.write({"test/loss": test_loss, "test/ppl": _perplexity(test_loss)}, state.iteration)
-        get_logger().info(f"test: loss {test_loss:.4f} | perplexity {_perplexity(test_loss):.2f}")
+        test_loss, test_metrics = evaluate(engine, test_iterator, args.eval_iters, objective)
+        metrics.write(_evaluation_scalars("test", test_loss, test_metrics, objective), state.iteration)
+        get_logger().info(f"test: {_evaluation_line(test_loss, test_metrics, objective)}")
     metrics.close()
     return RunResult(state.iteration, last_train_loss, last_valid_loss, test_loss)
 

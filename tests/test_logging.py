@@ -62,3 +62,9 @@ def test_the_line_averages_throughput_over_the_steps_since_the_previous_line(cap
     # 100 tokens a step: 200 tokens in 4 s, then 200 tokens in 1 s
     assert windows[1] == {"train/tokens_per_second": 50.0, "train/step_seconds": 2.0}
     assert windows[3] == {"train/tokens_per_second": 200.0, "train/step_seconds": 0.5}
+
+
+def test_objective_metrics_follow_the_loss_in_their_order():
+    scalars = {**SCALARS, "train/reward_acc": 0.75, "train/chosen_rewards": -0.125}
+    line = format_train_line(7, 300, scalars, 65, 3725, metric_names=("chosen_rewards", "reward_acc"))
+    assert "| loss 3.2500 | chosen_rewards -0.1250 | reward_acc 0.7500 | lr 1.500e-04 |" in line

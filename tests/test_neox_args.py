@@ -514,3 +514,8 @@ def test_the_number_rule_on_its_own():
     assert as_number("9223372036854775807", int) == 2**63 - 1  # exact, not through a float
     assert as_number(5e8, int) == 500_000_000 and type(as_number(5e8, int)) is int
     assert [as_number(value, int) for value in ("5.5", 5.5, True, "0x10", "1_000", None)] == [None] * 6
+
+
+def test_reinforce_is_refused_in_one_line_saying_what_it_needs(tmp_path):
+    message = config_error(tmp_path, train_impl="reinforce")
+    assert "\n" not in message and "vLLM" in message and "dpo, kto or rm" in message

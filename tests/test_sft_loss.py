@@ -1,4 +1,4 @@
-"""The SFT loss as training computes it (megatron.training.forward_loss) against Hugging Face's loss
+"""The SFT loss as training computes it (megatron.objectives.language_model.forward_loss) against Hugging Face's loss
 with labels -100 at the same places, for both model families; documents kept apart in a packed sample."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron.data import BatchOptions, get_batch
-from megatron.training import forward_loss
+from megatron.objectives.language_model import forward_loss
 from tests.test_model import VOCAB
 from tests.test_model_hf_equivalence import gpt_neox_pair, llama_pair
 

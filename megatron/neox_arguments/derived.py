@@ -70,6 +70,7 @@ def derive_all(v: dict[str, Any], sources: dict[str, str], require_run_settings:
     _derive_schedule(v, sources)
     _derive_checkpointing(v, sources)
     _check_profiling(v, sources)
+    _check_train_impl(v, sources)
     if require_run_settings:
         _check_data(v, sources)
 
@@ -373,6 +374,15 @@ def _check_profiling(v: dict[str, Any], sources: dict[str, str]) -> None:
         raise _fail(sources, "profile", "the trace is written to tensorboard_dir (as in GPT-NeoX); set tensorboard_dir")
     if v["memory_profiling"] and not v["memory_profiling_path"]:
         raise _fail(sources, "memory_profiling", "needs memory_profiling_path, the folder for the snapshot")
+
+
+def _check_train_impl(v: dict[str, Any], sources: dict[str, str]) -> None:
+    if v["train_impl"] == "reinforce":
+        raise _fail(sources, "train_impl", "reinforce needs GPT-NeoX's external vLLM generation server fed the "
+                                           "policy's weights over CUDA IPC, which this framework does not have; use "
+                                           "dpo, kto or rm")
+    if v["train_impl"] != "normal":
+        raise _fail(sources, "train_impl", f"{v['train_impl']} is not built yet; use normal")
 
 
 def _check_data(v: dict[str, Any], sources: dict[str, str]) -> None:

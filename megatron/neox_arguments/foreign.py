@@ -172,7 +172,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
                                  "and key with weights of their own, as megatron-core and Qwen3 do"),
     "use_bnb_optimizer": (_falsy, _not_built("bitsandbytes optimizers", "use optimizer.type Adam/AdamW/SGD")),
     "curriculum_learning": (_disabled_dict, _not_built("curriculum learning")),
-    "train_impl": (_equals("normal"), "only normal language-model training is built here (GPT-NeoX's DPO/KTO/RM/REINFORCE are not)"),
     "dataset_impl": (_equals("gpt2"), _not_built("pairwise and online datasets", "use dataset_impl: gpt2")),
     "mlp_type": (_equals("regular"), "for Llama's gated MLP write `activation: swiglu` instead of mlp_type"),
     "gpt_j_tied": (_falsy, "tied parallel-residual norms are not supported (gpt_j_residual with two norms is)"),

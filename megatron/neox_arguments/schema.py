@@ -85,6 +85,8 @@ SETTINGS_LIST: list[Setting] = [
     _model("model_parallel_size", int, 1, "tensor-parallel size: ranks that split each layer (heads, MLP, vocabulary) between them"),
     _model("pipe_parallel_size", int, 0, "pipeline-parallel size (0 or 1: no pipeline)"),
     # --- optimisation ---------------------------------------------------------------------
+    _train("train_impl", str, "normal", "the objective (megatron/objectives): normal (language modelling, SFT), "
+           "dpo, kto, rm (reward model) or reinforce", choices=("normal", "dpo", "kto", "rm", "reinforce")),
     _train("optimizer", (dict, type(None)), None, "optimizer as {type: Adam|AdamW|SGD, params: {lr, betas, eps, ...}}"),
     _train("lr", OPT_FLOAT, None, "peak learning rate; normally given as optimizer.params.lr; unset in both: 0.001 (GPT-NeoX's Adam default)"),
     _train("min_lr", FLOAT, 0.0, "learning rate at the end of the decay"),

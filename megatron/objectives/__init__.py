@@ -1,0 +1,35 @@
+"""Training objectives: what one micro batch's loss is, chosen by `train_impl` (GPT-NeoX's setting).
+
+| train_impl | module           | samples' keys (from the dataset)           | reference model     |
+|------------|------------------|--------------------------------------------|---------------------|
+| normal     | language_model   | text [, label]                             | none                |
+
+An objective is called with the engine and one micro batch of collated samples and returns the
+loss to minimise (a 0-dim tensor, what `engine.backward` takes) and its metrics (0-dim tensors named
+as GPT-NeoX names them, in `metric_names` order). The training loop only averages and reports them:
+it knows no objective by name. Objectives that compare against a frozen reference get it at
+construction, from the load plan.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from megatron.data import BatchOptions
+
+
+class Objective(Protocol):
+    metric_names: tuple[str, ...]  # what __call__ reports besides the loss, in the iteration line's order
+    reports_perplexity: bool  # exp(loss) means something only for a language-model loss
+
+    def __call__(self, engine, samples: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        ...
+
+
+def objective_for(args, batch_options: BatchOptions) -> Objective:
+    """The objective `args.train_impl` names."""
+    from megatron.objectives.language_model import LanguageModelLoss
+
+    return LanguageModelLoss(batch_options)
