@@ -6,6 +6,7 @@ from, so every error can name the file and key to fix.
 
 from __future__ import annotations
 
+import inspect
 import math
 from pathlib import Path
 from typing import Any
@@ -199,7 +200,42 @@ def _derive_optimizer(v: dict[str, Any], sources: dict[str, str], require_run_se
     params["weight_decay"] = v["weight_decay"]
     if v["lr"] is not None:
         params["lr"] = v["lr"]
+    _check_optimizer_params(OPTIMIZER_TYPES[kind.lower()], params, v["zero_optimization"], sources)
     v["optimizer"] = {"type": OPTIMIZER_TYPES[kind.lower()], "params": params}
+
+
+def _optimizer_deepspeed_builds(kind: str, params: dict[str, Any], zero: dict[str, Any]) -> tuple[type, set[str]]:
+    """The optimizer class DeepSpeed's engine builds for `kind` and the params keys DeepSpeed itself consumes.
+
+    Its rule (engine._configure_basic_optimizer, the same from 0.16 on): Adam and AdamW are torch's with
+    `torch_adam`, DeepSpeedCPUAdam when ZeRO offloads the optimizer to the CPU, FusedAdam otherwise;
+    any other type is the torch.optim class of that name.
+    """
+    import torch
+
+    if kind == "SGD":
+        return torch.optim.SGD, set()
+    consumed = {"torch_adam", "adam_w_mode"}
+    if params.get("torch_adam"):
+        return (torch.optim.AdamW if kind == "AdamW" else torch.optim.Adam), consumed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    offload = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
+    return (DeepSpeedCPUAdam if offload else FusedAdam), consumed
+
+
+def _check_optimizer_params(kind: str, params: dict[str, Any], zero: dict[str, Any], sources: dict[str, str]) -> None:
+    """An optimizer.params key the optimizer does not take fails here in one line, not as a TypeError on a rank."""
+    location = f"{sources['optimizer']}: optimizer.params" if "optimizer" in sources else "optimizer.params"
+    if "max_grad_norm" in params:
+        raise ConfigError(f"{location}.max_grad_norm: DeepSpeed clips with gradient_clipping; set that instead")
+    optimizer_class, consumed = _optimizer_deepspeed_builds(kind, params, zero)
+    # the parameters and DeepSpeedCPUAdam's adamw_mode are DeepSpeed's to pass
+    accepted = (set(inspect.signature(optimizer_class).parameters) - {"params", "model_params", "adamw_mode"}) | consumed
+    unknown = sorted(set(params) - accepted)
+    if unknown:
+        raise ConfigError(f"{location}.{unknown[0]}: not a parameter of {optimizer_class.__name__}, which DeepSpeed "
+                          f"builds for type {kind} here (it takes {', '.join(sorted(accepted))}); remove it")
 
 
 def _agree(v: dict[str, Any], sources: dict[str, str], name: str, other: Any, other_name: str) -> Any:
