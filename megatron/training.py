@@ -144,8 +144,10 @@ def train_step(engine, train_iterator, objective, before_optimizer_step=None) ->
 
 @torch.no_grad()
 def evaluate(engine, iterator, eval_iters: int, objective) -> tuple[float, dict[str, float]]:
+    """The loss and metrics over `eval_iters` batches; a batch is gradient_accumulation_steps micro batches, as
+    in GPT-NeoX (and DeepSpeed's pipeline engine), so an evaluation reads eval_iters x train_batch_size samples."""
     engine.eval()
-    results = [objective(engine, next(iterator)) for _ in range(eval_iters)]
+    results = [objective(engine, next(iterator)) for _ in range(eval_iters * engine.gradient_accumulation_steps())]
     engine.train()
     return _mean_over_micro_batches_and_ranks(results)
 
