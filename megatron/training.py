@@ -152,6 +152,21 @@ def evaluate(engine, iterator, eval_iters: int, objective) -> tuple[float, dict[
     return _mean_over_micro_batches_and_ranks(results)
 
 
+def missing_evaluation_notes(args, valid_iterator, test_iterator) -> list[str]:
+    """What a run that would evaluate cannot, for want of data: said once before the first step, not silently."""
+    def why(split: str) -> str:
+        if args.data_path:
+            return f"split {args.split!r} of data_path gives it no documents"
+        return f"{split}_data_paths is not set"
+
+    notes = []
+    if args.eval_iters > 0 and valid_iterator is None and args.eval_interval <= args.train_iters:
+        notes.append(f"no validation data ({why('valid')}): no evaluation every {args.eval_interval} steps")
+    if args.eval_iters > 0 and test_iterator is None:
+        notes.append(f"no test data ({why('test')}): no test evaluation at the end")
+    return notes
+
+
 def _evaluation_scalars(split: str, loss: float, metrics: dict[str, float], objective) -> dict[str, float]:
     scalars = {f"{split}/loss": loss, **{f"{split}/{name}": value for name, value in metrics.items()}}
     if objective.reports_perplexity:
@@ -319,6 +334,8 @@ def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals 
                           "of this run; nothing to save")
         return RunResult(state.iteration, None, None, None)
     train_iterator, valid_iterator, test_iterator = iterators
+    for note in missing_evaluation_notes(args, valid_iterator, test_iterator):
+        get_logger().info(note)
     objective = objective or objective_for(args, batch_options_for(args))
     metrics = MetricsWriter(args)
     progress = ProgressReporter(args, first_iteration=state.iteration, metric_names=objective.metric_names)

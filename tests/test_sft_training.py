@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.data import build_train_valid_test_datasets
+from megatron.data import build_data_iterators, build_train_valid_test_datasets
 from megatron.model import build_model
 from megatron.neox_arguments import NeoXArgs
 from megatron.run_context import resolve_run_settings
-from megatron.training import samples_per_split, setup, train
+from megatron.training import missing_evaluation_notes, samples_per_split, setup, train
 from tests.test_preprocess_chat import CHAT, make_chat_tokenizer, run, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
@@ -70,3 +70,11 @@ def test_an_evaluation_reads_eval_iters_batches_of_gradient_accumulation_micro_b
     assert per_sample[0] != pytest.approx(per_sample[1], rel=1e-3)  # the two samples tell the counts apart
     assert result.last_valid_loss == pytest.approx(sum(per_sample) / 2, rel=1e-5)
     assert state.consumed_valid_samples == 2  # where the next evaluation starts: after both
+
+
+def test_a_run_without_validation_data_says_it_will_not_evaluate(tmp_path):
+    args = sft_args(tmp_path, valid_data_paths=None, valid_label_data_paths=None)
+    _, valid, test = build_data_iterators(args, samples_per_split(args), 0, 1)
+    assert valid is None and test is not None
+    assert missing_evaluation_notes(args, valid, test) == [
+        "no validation data (valid_data_paths is not set): no evaluation every 1 steps"]
