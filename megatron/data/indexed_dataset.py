@@ -23,7 +23,7 @@ INDEX_VERSION = 1
 _HEADER = struct.Struct("<9sQBqq")
 
 # The integer codes mean the same to GPT-NeoX and Megatron-core; the float ones do not: GPT-NeoX reads 6 as
-# float32 and 7 as float64 (before 2023 both as float64), Megatron-core 6 as float64 and 7 as float32. The
+# float32 and 7 as float64 (older releases both as float64), Megatron-core 6 as float64 and 7 as float32. The
 # reader settles 6 and 7 from the .bin size; the writer uses GPT-NeoX's codes, whose tools read float files
 # (precomputed reference log-probabilities).
 DTYPE_CODES: dict[int, np.dtype] = {
