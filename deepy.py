@@ -45,7 +45,20 @@ def parse_command_line(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("configs", nargs="+", help="YAML config files; later ones override earlier ones")
     parser.add_argument("-d", "--conf_dir", help="directory put in front of every config path (as in GPT-NeoX)")
     parser.add_argument("--dry-run", action="store_true", help="print the resolved settings and exit")
+    # GPT-NeoX's evaluation flags; each overrides the setting of its name in the config files
+    evaluation = parser.add_argument_group("eval.py and generate.py")
+    evaluation.add_argument("--eval_tasks", nargs="+", help="the harness's tasks eval.py runs")
+    evaluation.add_argument("--eval_results_prefix", help="eval.py's results file: <prefix>_eval_results_<date>.json")
+    evaluation.add_argument("--iteration", type=int, help="load tag global_step<iteration> instead of the latest")
     return parser.parse_args(argv)
+
+
+COMMAND_LINE_SETTINGS = ("eval_tasks", "eval_results_prefix", "iteration")
+
+
+def command_line_settings(command_line: argparse.Namespace) -> dict:
+    return {name: getattr(command_line, name) for name in COMMAND_LINE_SETTINGS
+            if getattr(command_line, name) is not None}
 
 
 def send_deepspeed_logs_to_stderr() -> None:
@@ -62,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     command_line = parse_command_line(argv)
     send_deepspeed_logs_to_stderr()
     try:
-        args = settings_for_run(gpt_neox_config_paths(command_line.configs, command_line.conf_dir))
+        args = settings_for_run(gpt_neox_config_paths(command_line.configs, command_line.conf_dir),
+                                command_line_settings(command_line))
         for notice in args.notices:
             print(notice, file=sys.stderr)
         # what the start would refuse, --dry-run refuses too

@@ -238,8 +238,9 @@ def setup(args):
     from megatron.neox_arguments import ConfigError, NeoXArgs
     from megatron.tokenizer import build_tokenizer
 
-    if not args.requires_run_settings:  # files for generate.py: what training needs was not required of them
-        NeoXArgs.from_dict(args.given, "the config files (text_gen_type is set, as for generate.py)",
+    if not args.requires_run_settings:  # files for generate.py / eval.py: what training needs was not required of them
+        NeoXArgs.from_dict(args.given, "the config files (text_gen_type or eval_tasks is set, as for generate.py "
+                           "or eval.py)",
                            require_run_settings=True)
     if args.log_dir:
         tee_output_to(args.log_dir)
@@ -304,11 +305,11 @@ def setup_for_inference(args):
         tee_output_to(args.log_dir)
     quiet_deepspeed()
     if args.padded_vocab_size is None:
-        raise ConfigError("padded_vocab_size is not resolved: start generate.py through deepy.py, which resolves the "
+        raise ConfigError("padded_vocab_size is not resolved: start generate.py / eval.py through deepy.py, which resolves the "
                           "tokenizer once (megatron.run_context.resolve_run_settings)")
     initialize_distributed(args)
     weights_only = args.with_values({"finetune": True, "no_load_optim": False},
-                                    "generate.py (loads the weights only)")
+                                    "generate.py / eval.py (loads the weights only)")
     plan = plan_load(weights_only, data_parallel_rank_and_size()[1], hf_source=HF_FOLDER)
     set_seeds(args.seed)
     model = build_model(args.architecture(), args.seed)

@@ -1,0 +1,152 @@
+"""eval.py on the LM Evaluation Harness: a small local task (its YAML files and data written here, nothing
+downloaded) scored through our engine gives the scores the Hugging Face model gives on the same weights,
+computed here with transformers; GPT-NeoX's command line and results file."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+
+from megatron.logging import get_logger  # noqa: E402
+from megatron.training import setup_for_inference  # noqa: E402
+from tests.test_generate import hf_greedy, model_of_tokenizer_size  # noqa: E402
+from tests.test_hf_conversion import our_args, save_hf  # noqa: E402
+
+# the word's space belongs to the continuation, as the harness's tasks write them
+CONTINUATIONS = [("the quick brown", " fox jumps over"), ("a stitch in", " time saves nine"), ("hello", " world"),
+                 ("the lazy", " dog saves the quick fox")]
+TEXTS = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine",
+         "hello world hello fox"]
+PROMPTS = ["the quick brown", "a stitch"]
+GEN_TOKENS = 6
+RESULTS_FILE = re.compile(r"tiny_eval_results_\d\d-\d\d-\d{4}-\d\d-\d\d-\d\d\.json")
+TASKS = ["tiny_continuations", "tiny_texts", "tiny_completions"]
+
+
+@pytest.fixture(autouse=True)
+def offline(tmp_path, monkeypatch):
+    """The harness reads the datasets of the local task; it must not try the hub."""
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets_cache"))
+
+
+def hf_tokenizer_of(hf_dir):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_file=str(hf_dir / "tokenizer.json"))
+
+
+def write_task_files(directory, hf, tokenizer) -> None:
+    """Three local tasks, one of each request type; the completion targets are transformers' greedy ones."""
+    directory.mkdir(parents=True)
+    eod = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    targets = [tokenizer.decode(hf_greedy(hf, tokenizer.encode(p), GEN_TOKENS, eod)[0]).split("\n")[0]
+               for p in PROMPTS]
+    rows = {"continuations": [{"context": c, "continuation": t} for c, t in CONTINUATIONS],
+            "texts": [{"text": t} for t in TEXTS],
+            "completions": [{"prompt": p, "target": t} for p, t in zip(PROMPTS, targets, strict=True)]}
+    for name, records in rows.items():
+        (directory / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def task(name, **config):
+        data = {"dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(directory / f"{name}.jsonl")}},
+                "test_split": "test"}
+        (directory / f"tiny_{name}.yaml").write_text(json.dumps({"task": f"tiny_{name}", **data, **config}))
+
+    task("continuations", output_type="loglikelihood", doc_to_text="{{context}}", doc_to_target="{{continuation}}",
+         metric_list=[{"metric": "perplexity"}, {"metric": "acc"}])
+    task("texts", output_type="loglikelihood_rolling", doc_to_text="", doc_to_target="{{text}}",
+         metric_list=[{"metric": "word_perplexity"}, {"metric": "bits_per_byte"}])
+    task("completions", output_type="generate_until", doc_to_text="{{prompt}}", doc_to_target="{{target}}",
+         generation_kwargs={"until": ["\n"], "max_gen_toks": GEN_TOKENS, "do_sample": False},
+         metric_list=[{"metric": "exact_match"}])
+
+
+@torch.no_grad()
+def hf_log_probs(hf, tokens: list[int]) -> torch.Tensor:
+    """log p(tokens[i] | tokens[:i]) for i >= 1, by transformers."""
+    logits = hf(torch.tensor([tokens[:-1]])).logits[0].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(tokens[1:]).unsqueeze(-1)).squeeze(-1)
+
+
+def hf_scores(hf, tokenizer) -> dict[str, dict[str, float]]:
+    """The metrics of the three tasks, from transformers' log-probabilities (the harness's definitions:
+    the continuation's tokens are the whole text's after the context's; a text is scored after an eod)."""
+    eod = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    log_likelihoods, greedy = [], []
+    for context, target in CONTINUATIONS:
+        whole, start = tokenizer.encode(context + target), len(tokenizer.encode(context))
+        log_likelihoods.append(float(hf_log_probs(hf, whole)[start - 1:].sum()))
+        logits = hf(torch.tensor([whole[:-1]])).logits[0, start - 1:]
+        greedy.append(bool((logits.argmax(-1) == torch.tensor(whole[start:])).all()))
+    rolling = [float(hf_log_probs(hf, [eod, *tokenizer.encode(text)]).sum()) for text in TEXTS]
+    words = sum(len(re.split(r"\s+", text)) for text in TEXTS)
+    text_bytes = sum(len(text.encode()) for text in TEXTS)
+    return {"tiny_continuations": {"perplexity,none": math.exp(-sum(log_likelihoods) / len(log_likelihoods)),
+                                   "acc,none": sum(greedy) / len(greedy)},
+            "tiny_texts": {"word_perplexity,none": math.exp(-sum(rolling) / words),
+                           "bits_per_byte,none": -sum(rolling) / text_bytes / math.log(2)},
+            "tiny_completions": {"exact_match,none": 1.0}}
+
+
+def assert_scores_equal(results: dict, expected: dict[str, dict[str, float]]) -> None:
+    for task, metrics in expected.items():
+        for metric, value in metrics.items():
+            assert results["results"][task][metric] == pytest.approx(value, rel=1e-5, abs=1e-6), (task, metric)
+
+
+def eval_settings(hf_dir, tasks_dir, **settings):
+    return dict(tokenizer_type="HFTokenizer", vocab_file=str(hf_dir / "tokenizer.json"),
+                eval_include_path=str(tasks_dir), eval_bootstrap_iters=0, seq_length=64, **settings)
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_the_harness_scores_a_gpt_neox_model_as_transformers_does(tmp_path):
+    """In-process, from the Hugging Face folder: loglikelihood, rolling and generation requests."""
+    from megatron.evaluation import evaluate
+    from megatron.tokenizer import build_tokenizer
+
+    hf = model_of_tokenizer_size("neox_parallel", tmp_path)
+    hf_dir = save_hf(hf, tmp_path / "hf", tokenizer=True)
+    tokenizer = hf_tokenizer_of(hf_dir)
+    write_task_files(tmp_path / "tasks", hf, tokenizer)
+    args = our_args(hf_dir, load=str(hf_dir), finetune=True, eval_tasks=TASKS,
+                    train_micro_batch_size_per_gpu=3, **eval_settings(hf_dir, tmp_path / "tasks"))
+    results = evaluate(setup_for_inference(args).module, build_tokenizer(args), args)
+    assert sorted(results["results"]) == sorted(TASKS)
+    assert_scores_equal(results, hf_scores(hf, tokenizer))
+    get_logger().info(f"scores: {results['results']}")
+
+
+@pytest.mark.e2e
+def test_deepy_eval_py_writes_gpt_neox_results_file_with_transformers_scores(tmp_path):
+    """The user's command, on a checkpoint of ours (a Llama converted from transformers): the tasks from
+    --eval_tasks, the results file named and laid out as GPT-NeoX writes it."""
+    from megatron.hf.convert import convert_hf_to_neox
+    from tests.e2e import run_deepy, write_overrides
+
+    hf = model_of_tokenizer_size("llama_gqa", tmp_path)
+    hf_dir = save_hf(hf, tmp_path / "hf", tokenizer=True)
+    tokenizer = hf_tokenizer_of(hf_dir)
+    write_task_files(tmp_path / "tasks", hf, tokenizer)
+    checkpoint = convert_hf_to_neox(hf_dir, tmp_path / "ckpt").tag_dir.parent
+    prefix = tmp_path / "out" / "tiny"
+    overrides = write_overrides(tmp_path, load=str(checkpoint), eval_results_prefix=str(prefix),
+                                **eval_settings(hf_dir, tmp_path / "tasks"))
+    result = run_deepy([overrides], "--eval_tasks", *TASKS, script="eval.py")
+
+    written = list((tmp_path / "out").iterdir())
+    assert len(written) == 1 and RESULTS_FILE.fullmatch(written[0].name), written
+    results = json.loads(written[0].read_text())
+    assert {"results", "configs", "versions", "n-shot", "config", "git_hash"} <= set(results)
+    assert results["config"]["model"] == "neox" and results["config"]["model_args"]["load"] == str(checkpoint)
+    assert all("alias" not in metrics for metrics in results["results"].values())
+    assert_scores_equal(results, hf_scores(hf, tokenizer))
+    assert "tiny_texts" in result.stdout  # the harness's table
