@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """Validate GPT-NeoX style YAML configs, then start every rank through DeepSpeed's launcher.
 
-    python deepy.py TRAIN_SCRIPT CONFIG [CONFIG ...] [--dry-run]
+    python deepy.py TRAIN_SCRIPT CONFIG [CONFIG ...] [--dry-run] [--eval_tasks TASK ...] [--iteration N]
 
 Config paths are taken as given, else under configs/. Later files override earlier ones key by
 key (a nested dict such as zero_optimization is replaced as a whole, as in GPT-NeoX). --dry-run
 prints the resolved settings and the DeepSpeed config and starts nothing. Every rank receives
 the validated settings in one argv flag and reads them with
-megatron.neox_arguments.load_args_on_rank().
+megatron.neox_arguments.load_args_on_rank(). GPT-NeoX's --eval_tasks, --eval_results_prefix and
+--iteration set those settings over every file.
 
 The launcher runs in its own process group: a SIGTERM or SIGINT (Ctrl-C) to deepy.py, to the launcher,
 to a rank or to all of them is passed on to the ranks, which finish their step, save a checkpoint and

@@ -287,7 +287,7 @@ def _log_model(args, model, zero_stage: int, dp_size: int) -> None:
 
 
 def setup_for_inference(args):
-    """The checkpoint named by `load` in an engine that only runs forward (generation), in eval mode.
+    """The checkpoint named by `load` in an engine that only runs forward (generation, evaluation), in eval mode.
 
     Loaded by the training load plan as a fine-tune loads it, weights only, so any checkpoint a run can
     start from (ours at any tensor-parallel size, GPT-NeoX's, a Hugging Face folder) can be sampled; the

@@ -125,22 +125,31 @@ def test_the_harness_scores_a_gpt_neox_model_as_transformers_does(tmp_path):
     get_logger().info(f"scores: {results['results']}")
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
-def test_deepy_eval_py_writes_gpt_neox_results_file_with_transformers_scores(tmp_path):
-    """The user's command, on a checkpoint of ours (a Llama converted from transformers): the tasks from
-    --eval_tasks, the results file named and laid out as GPT-NeoX writes it."""
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind, model_parallel_size", [("llama_gqa", 1), ("neox_parallel", 2)],
+                         ids=["data_parallel_2", "tensor_parallel_2"])
+def test_deepy_eval_py_writes_gpt_neox_results_file_with_transformers_scores(kind, model_parallel_size, tmp_path):
+    """The user's command on 2 ranks, on a checkpoint of ours (converted from transformers at tensor-parallel
+    size 1): the tasks from --eval_tasks, split between 2 data-parallel ranks or run by 2 tensor-parallel ranks
+    together; one results file, named and laid out as GPT-NeoX writes it, with transformers' scores."""
     from megatron.hf.convert import convert_hf_to_neox
     from tests.e2e import run_deepy, write_overrides
 
-    hf = model_of_tokenizer_size("llama_gqa", tmp_path)
+    hf = model_of_tokenizer_size(kind, tmp_path)
     hf_dir = save_hf(hf, tmp_path / "hf", tokenizer=True)
     tokenizer = hf_tokenizer_of(hf_dir)
     write_task_files(tmp_path / "tasks", hf, tokenizer)
     checkpoint = convert_hf_to_neox(hf_dir, tmp_path / "ckpt").tag_dir.parent
     prefix = tmp_path / "out" / "tiny"
-    overrides = write_overrides(tmp_path, load=str(checkpoint), eval_results_prefix=str(prefix),
+    # the checkpoint's 300 vocabulary rows, split in 2 (the load plan says so when not set)
+    padding = {"make_vocab_size_divisible_by": 150} if model_parallel_size == 2 else {}
+    overrides = write_overrides(tmp_path, load=str(checkpoint), eval_results_prefix=str(prefix), num_gpus=2,
+                                model_parallel_size=model_parallel_size, **padding,
                                 **eval_settings(hf_dir, tmp_path / "tasks"))
     result = run_deepy([overrides], "--eval_tasks", *TASKS, script="eval.py")
+    assert f"{2 // model_parallel_size} data-parallel rank(s) x {model_parallel_size} tensor-parallel" in result.stdout
 
     written = list((tmp_path / "out").iterdir())
     assert len(written) == 1 and RESULTS_FILE.fullmatch(written[0].name), written
@@ -150,3 +159,75 @@ def test_deepy_eval_py_writes_gpt_neox_results_file_with_transformers_scores(tmp
     assert all("alias" not in metrics for metrics in results["results"].values())
     assert_scores_equal(results, hf_scores(hf, tokenizer))
     assert "tiny_texts" in result.stdout  # the harness's table
+
+
+EVAL_ONLY = {"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "seq_length": 8, "load": "/ckpt",
+             "eval_tasks": ["lambada_openai"]}
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"eval_tasks": None}, "eval_tasks: not set"),
+    ({"eval_tasks": []}, "eval_tasks: not set"),
+    ({"load": None}, "load: not set"),
+    ({"eval_include_path": "/nonexistent/tasks"}, "eval_include_path: '/nonexistent/tasks' is not a directory"),
+    ({"eval_num_fewshot": -1}, "eval_num_fewshot: -1 is negative"),
+])
+def test_settings_eval_py_cannot_use_are_one_line_errors(change, expected):
+    from megatron.evaluation import EvaluationError, check_evaluation_settings
+    from megatron.neox_arguments import NeoXArgs
+
+    settings = {k: v for k, v in {**EVAL_ONLY, **change}.items() if v is not None}
+    with pytest.raises(EvaluationError, match=re.escape(expected)):
+        check_evaluation_settings(NeoXArgs.from_dict(settings))
+
+
+def test_without_the_harness_eval_py_says_how_to_install_it(monkeypatch):
+    import sys
+
+    from megatron.evaluation import EvaluationError, check_evaluation_settings
+    from megatron.neox_arguments import NeoXArgs
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError, as when not installed
+    with pytest.raises(EvaluationError, match=re.escape("not installed: pip install -e '.[eval]'")):
+        check_evaluation_settings(NeoXArgs.from_dict(EVAL_ONLY))
+
+
+def test_eval_tasks_are_matched_as_gpt_neox_matches_them():
+    from megatron.evaluation import EvaluationError
+    from megatron.evaluation.harness import task_names
+
+    known = ["hellaswag", "lambada_openai", "lambada_standard", "piqa"]
+    assert task_names(["piqa", "lambada_*", "lambada_openai"], known) == ["piqa", "lambada_openai", "lambada_standard"]
+    with pytest.raises(EvaluationError, match="the harness has no task 'lambda'"):
+        task_names(["piqa", "lambda"], known)
+
+
+def test_deepy_eval_tasks_flag_overrides_the_files_and_needs_no_training_settings(tmp_path, capsys):
+    """GPT-NeoX's `--eval_tasks`, `--eval_results_prefix` and `--iteration` win over the files; a config for
+    eval.py needs no train_iters, optimizer or batch size."""
+    import yaml
+
+    import deepy
+    from tests.test_neox_args import write_yaml
+
+    config = write_yaml(tmp_path, "model.yml", {**EVAL_ONLY, "load": None, "num_gpus": 1, "eval_tasks": ["piqa"],
+                                                "tokenizer_type": "ByteLevelTokenizer",
+                                                "iteration": 5})
+    assert deepy.main(["eval.py", str(config), "--eval_tasks", "hellaswag", "lambada_*", "--iteration", "7",
+                       "--eval_results_prefix", "out/run1", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    settings = yaml.safe_load(out)["settings"]
+    assert (settings["eval_tasks"], settings["iteration"], settings["eval_results_prefix"]) == (
+        ["hellaswag", "lambada_*"], 7, "out/run1")
+    assert "  iteration: 7  # the command line" in out.splitlines()
+    assert settings["train_iters"] is None
+
+
+def test_results_file_is_named_as_gpt_neox_names_it():
+    from datetime import datetime
+
+    from megatron.evaluation import results_path
+
+    now = datetime(2026, 3, 4, 5, 6, 7)
+    assert str(results_path("", now)) == "eval_results_03-04-2026-05-06-07.json"
+    assert str(results_path("runs/pythia", now)) == "runs/pythia_eval_results_03-04-2026-05-06-07.json"
