@@ -231,3 +231,19 @@ def test_results_file_is_named_as_gpt_neox_names_it():
     now = datetime(2026, 3, 4, 5, 6, 7)
     assert str(results_path("", now)) == "eval_results_03-04-2026-05-06-07.json"
     assert str(results_path("runs/pythia", now)) == "runs/pythia_eval_results_03-04-2026-05-06-07.json"
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_a_stop_rule_ends_the_completion_at_the_token_it_holds_for():
+    """How eval.py stops at a task's stop strings instead of generating max_gen_toks tokens each time."""
+    from megatron.generation import Limits, Sampling, complete
+    from megatron.model import build_model
+    from tests.test_model import randomize_, tiny_args
+
+    model = build_model(tiny_args(pos_emb="rotary").architecture(), seed=3)
+    randomize_(model)
+    model.eval()
+    limits = Limits(seq_length=32, maximum_tokens=10, eod=-1)
+    full = complete(model, [5, 6, 7], limits, Sampling())
+    stopped = complete(model, [5, 6, 7], limits, Sampling(), stop=lambda tokens: tokens == full.tokens[:4])
+    assert len(full.tokens) == 10 and (stopped.tokens, stopped.finished) == (full.tokens[:4], False)

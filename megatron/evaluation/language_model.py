@@ -131,8 +131,9 @@ class NeoXLanguageModel(TemplateLM):
                     if gen_kwargs.get("do_sample") else Sampling())
         # room for the completion: the context loses its first tokens, as in the harness's HF model
         prompt = self.tok_encode(context)[-max(self._max_length - maximum_tokens, 1):] or [self.eot_token_id]
+        # every tensor-parallel rank holds the same tokens, so all of them stop at the same one
         completion = complete(self._model, prompt, Limits(self._max_length, maximum_tokens, self.eot_token_id),
-                              sampling)
+                              sampling, stop=lambda tokens: any(s in self.tok_decode(tokens) for s in until))
         text = self.tok_decode(completion.tokens)
         for stop in until:
             text = text.split(stop)[0]
