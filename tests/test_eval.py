@@ -119,10 +119,23 @@ def test_the_harness_scores_a_gpt_neox_model_as_transformers_does(tmp_path):
     write_task_files(tmp_path / "tasks", hf, tokenizer)
     args = our_args(hf_dir, load=str(hf_dir), finetune=True, eval_tasks=TASKS,
                     train_micro_batch_size_per_gpu=3, **eval_settings(hf_dir, tmp_path / "tasks"))
-    results = evaluate(setup_for_inference(args).module, build_tokenizer(args), args)
+    model = setup_for_inference(args).module
+    results = evaluate(model, build_tokenizer(args), args)
     assert sorted(results["results"]) == sorted(TASKS)
     assert_scores_equal(results, hf_scores(hf, tokenizer))
     get_logger().info(f"scores: {results['results']}")
+
+    # request by request, in the harness's order (the batches run longest first)
+    from lm_eval.api.instance import Instance
+
+    from megatron.evaluation.language_model import NeoXLanguageModel
+
+    language_model = NeoXLanguageModel(model, build_tokenizer(args), max_length=64, batch_size=3)
+    requests = [Instance("loglikelihood", doc={}, arguments=pair, idx=0) for pair in CONTINUATIONS]
+    expected = [float(hf_log_probs(hf, tokenizer.encode(c + t))[len(tokenizer.encode(c)) - 1:].sum())
+                for c, t in CONTINUATIONS]
+    got = [log_likelihood for log_likelihood, _ in language_model.loglikelihood(requests)]
+    assert got == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.slow
