@@ -29,7 +29,7 @@ import os
 import sys
 from pathlib import Path
 
-from megatron.launcher import launch_command, launcher_environment, rendezvous_port, runs_on_one_machine
+from megatron.launcher import launch_command, launcher_environment, rendezvous_port, starts_only_local_ranks
 from megatron.neox_arguments import ConfigError
 from megatron.neox_arguments.dry_run import render_dry_run, tokenizer_summary
 from megatron.neox_arguments.handover import HANDOVER_FLAG, handover_argv
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = [part if not part.startswith(HANDOVER_FLAG) else f"{HANDOVER_FLAG}=<settings>" for part in command]
     print("deepy.py: " + " ".join(shown), file=sys.stderr, flush=True)
     return Supervisor(command, launcher_environment(dict(os.environ), cpu_only=cpu_only),
-                      one_machine=runs_on_one_machine(args)).run()
+                      one_machine=starts_only_local_ranks(args)).run()
 
 
 if __name__ == "__main__":
