@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"train script {command_line.train_script!r} not found")
         check_precision_on_cpu(args)
         if command_line.dry_run:
+            # what DeepSpeed's runner would refuse of the launcher settings (megatron/launcher.py)
+            launch_command(args, command_line.train_script, [], cpu_only=accelerator_is_cpu())
             sys.stdout.write(render_dry_run(args, tokenizer_summary(args)))
             return 0
         args = resolve_run_settings(args)  # builds the tokenizer: a file it cannot read stops here

@@ -267,3 +267,13 @@ def test_node_rank_without_a_hostfile_is_a_config_error(tmp_path):
         launch_args(node_rank=0, master_addr="10.0.0.1")
     with pytest.raises(ConfigError, match=r"hostfile: .*absent' does not exist"):  # not run on this machine alone
         launch_args(node_rank=0, master_addr="10.0.0.1", hostfile=str(tmp_path / "absent"))
+
+
+def test_dry_run_refuses_what_deepspeeds_mpi_runner_would(hostfile, tmp_path, capsys):
+    import deepy
+    from tests.test_dry_run import RANK_ECHO, write_yaml
+
+    config = write_yaml(tmp_path, "mpi.yml", {**TINY_RUN, "hostfile": hostfile, "launcher": "openmpi", "num_gpus": 2,
+                                              "master_addr": "10.0.0.1"})
+    assert deepy.main([RANK_ECHO, str(config), "--dry-run"]) == 2
+    assert "mpi.yml: launcher: openmpi: DeepSpeed says: " in capsys.readouterr().err
