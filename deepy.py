@@ -30,7 +30,7 @@ import os
 import sys
 from pathlib import Path
 
-from megatron.launcher import launch_command, launcher_environment, rendezvous_port, runs_on_one_machine
+from megatron.launcher import launch_command, launcher_environment, rendezvous_port, starts_only_local_ranks
 from megatron.neox_arguments import ConfigError
 from megatron.neox_arguments.dry_run import render_dry_run, tokenizer_summary
 from megatron.neox_arguments.handover import HANDOVER_FLAG, handover_argv
@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"train script {command_line.train_script!r} not found")
         check_precision_on_cpu(args)
         if command_line.dry_run:
+            # what DeepSpeed's runner would refuse of the launcher settings (megatron/launcher.py)
+            launch_command(args, command_line.train_script, [], cpu_only=accelerator_is_cpu())
             sys.stdout.write(render_dry_run(args, tokenizer_summary(args)))
             return 0
         args = resolve_run_settings(args)  # builds the tokenizer: a file it cannot read stops here
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = [part if not part.startswith(HANDOVER_FLAG) else f"{HANDOVER_FLAG}=<settings>" for part in command]
     print("deepy.py: " + " ".join(shown), file=sys.stderr, flush=True)
     return Supervisor(command, launcher_environment(dict(os.environ), cpu_only=cpu_only),
-                      one_machine=runs_on_one_machine(args)).run()
+                      one_machine=starts_only_local_ranks(args)).run()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from megatron.architecture import (
 )
 from megatron.neox_arguments.errors import ConfigError, where
 from megatron.neox_arguments.numbers import deepspeed_sections
-from megatron.neox_arguments.world import count_ranks
+from megatron.neox_arguments.world import active_hosts, effective_hostfile
 from megatron.optimizer_layout import precision_of, zero_stage_of
 from megatron.tokenizer.tokenizer import TOKENIZER_FILES
 
@@ -248,12 +248,16 @@ def _agree(v: dict[str, Any], sources: dict[str, str], name: str, other: Any, ot
 
 def _derive_world(v: dict[str, Any], sources: dict[str, str], notices: list[str]) -> None:
     num_nodes = None if v["num_nodes"] == -1 else v["num_nodes"]
-    if v["hostfile"] is not None and not Path(v["hostfile"]).is_file() and not (num_nodes or 1) > 1:
+    if (v["hostfile"] is not None and not Path(v["hostfile"]).is_file() and not (num_nodes or 1) > 1
+            and v["node_rank"] is None):
         # what DeepSpeed's launcher does with a hostfile that is not there: warn, run on this machine
         notices.append(f"notice: {where(sources, 'hostfile')}: {v['hostfile']!r} does not exist; "
                        "running on this machine only, as DeepSpeed does")
         v["hostfile"] = None
-    ranks = count_ranks(v["num_gpus"], num_nodes, v["hostfile"], v["include"], v["exclude"])
+    hosts = active_hosts(v["num_gpus"], num_nodes, v["hostfile"], v["include"], v["exclude"])
+    if v["node_rank"] is not None:
+        _check_node_rank(v, sources, hosts)
+    ranks = sum(len(slots) for _, slots in hosts)
     if v["global_num_gpus"] is not None and v["global_num_gpus"] != ranks:
         raise _fail(sources, "global_num_gpus", f"{v['global_num_gpus']}, but the launcher settings "
                     f"(num_gpus/num_nodes/hostfile/include/exclude) start {ranks} rank(s); remove global_num_gpus "
@@ -265,6 +269,26 @@ def _derive_world(v: dict[str, Any], sources: dict[str, str], notices: list[str]
                     "ranks (num_gpus x nodes); every tensor-parallel group needs that many ranks, so start "
                     "a multiple of it or choose a size that divides the rank count")
     v["data_parallel_size"] = ranks // model_ranks
+
+
+def _check_node_rank(v: dict[str, Any], sources: dict[str, str], hosts: list[tuple[str, list[int]]]) -> None:
+    """node_rank: this deepy.py starts one node's ranks by itself (DeepSpeed's --no_ssh --node_rank), so
+    every node must read the same hostfile and find node 0 at an address given, not asked over ssh."""
+    node_rank = v["node_rank"]
+    if v["deepspeed_slurm"] or v["deepspeed_mpi"]:
+        launcher = "deepspeed_slurm" if v["deepspeed_slurm"] else "deepspeed_mpi"
+        raise _fail(sources, "node_rank", f"{node_rank}, but {where(sources, launcher)} has srun/mpirun start "
+                    "every node's ranks; keep one of them")
+    if effective_hostfile(v["hostfile"]) is None:
+        raise _fail(sources, "node_rank", f"{node_rank} needs a hostfile naming every node (lines `host slots=N`), "
+                    "the same file on every node; set hostfile")
+    if not 0 <= node_rank < len(hosts):
+        names = ", ".join(host for host, _ in hosts)
+        raise _fail(sources, "node_rank", f"{node_rank}, but the hostfile gives {len(hosts)} node(s) ({names}), "
+                    f"numbered 0 to {len(hosts) - 1}; give each node its own number in that range")
+    if not v["master_addr"]:
+        raise _fail(sources, "node_rank", f"{node_rank} needs master_addr: the address of node 0 "
+                    f"({hosts[0][0]}) that every node reaches, the same on every node; set master_addr")
 
 
 def _derive_batch(v: dict[str, Any], sources: dict[str, str], require_run_settings: bool) -> None:

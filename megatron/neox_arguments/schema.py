@@ -213,7 +213,8 @@ SETTINGS_LIST: list[Setting] = [
     _launch("exclude", OPT_STR, None, "DeepSpeed --exclude host/slot filter"),
     _launch("master_port", int, 29500, "rendezvous port"),
     _launch("master_addr", OPT_STR, None, "rendezvous address"),
-    _launch("launcher", str, "pdsh", "multi-node launcher", choices=("pdsh", "openmpi", "mvapich", "slurm", "jsrun", "mpich", "impi")),
+    _launch("launcher", str, "pdsh", "multi-node launcher", choices=("pdsh", "openmpi", "mvapich", "slurm", "mpich", "impi")),  # DeepSpeed's runners (jsrun is DeeperSpeed's)
+    _launch("node_rank", OPT_INT, None, "start only this node's ranks, those of the hostfile's node_rank-th host, without ssh (DeepSpeed's --no_ssh --node_rank, as torchrun's): run deepy.py on every node with its own node_rank, one hostfile and master_addr", gpt_neox=False),
     _launch("deepspeed_slurm", bool, False, "ranks started by SLURM (srun): rank and world size come from SLURM's environment"),
     _launch("deepspeed_mpi", bool, False, "ranks started by MPI: rank and world size come from the MPI environment"),
     # --- derived (set by the loader, never by a YAML) -------------------------------------
