@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,12 +54,18 @@ class FileRecord:
 
 def file_checksum(path: Path, checksum: str = CHECKSUM) -> str:
     """The hex digest of the file's bytes by `checksum` (a key of _CHECKSUMS)."""
+    with open(path, "rb", buffering=0) as handle:
+        return _open_file_checksum(handle, checksum)
+
+
+def _open_file_checksum(handle, checksum: str) -> str:
+    """The digest of every byte of the open file `handle`, read from its start."""
     running = _CHECKSUMS[checksum][1]()
     buffer = bytearray(_CHUNK_BYTES)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as handle:
-        while length := handle.readinto(buffer):
-            running.update(view[:length])
+    handle.seek(0)
+    while length := handle.readinto(buffer):
+        running.update(view[:length])
     return running.hexdigest()
 
 
@@ -129,23 +136,41 @@ def check_file(path: Path, records: dict[str, FileRecord] | None, tag_dir: Path)
     """
     if records is None:
         return None
+    try:
+        with open(path, "rb", buffering=0) as handle:
+            return check_open_file(handle, Path(path), records, tag_dir)
+    except OSError as err:
+        return _unreadable(path, err)
+
+
+def check_open_file(handle, path: Path, records: dict[str, FileRecord] | None, tag_dir: Path) -> str | None:
+    """check_file for the file open as `handle` (unbuffered, binary; opened from `path`): the bytes checked are
+    those of the open file, so a reader that goes on with `handle` reads exactly what was checked."""
+    if records is None:
+        return None
     manifest = Path(tag_dir) / layout.MANIFEST_FILE
     if not records:
         return f"{manifest} lists no files, so {path} cannot be checked. {_WAY_OUT}"
     record = records.get(Path(path).relative_to(tag_dir).as_posix())
     if record is None:
         return f"{manifest} does not list checkpoint file {path}, so it cannot be checked before it is read. {_WAY_OUT}"
-    fix = "Load another tag with `iteration: N`, or restore the file from a copy."
     try:
-        size = Path(path).stat().st_size
+        size = os.fstat(handle.fileno()).st_size
         if size != record.size:
-            return f"checkpoint file {path} has {size} bytes, but {manifest} recorded {record.size} when it was saved. {fix}"
-        if file_checksum(path, record.checksum) != record.digest:
+            return f"checkpoint file {path} has {size} bytes, but {manifest} recorded {record.size} when it was saved. {_FIX}"
+        if _open_file_checksum(handle, record.checksum) != record.digest:
             return (f"checkpoint file {path} is damaged: its {_CHECKSUMS[record.checksum][0]} differs from the one "
-                    f"{manifest} recorded when it was saved. {fix}")
+                    f"{manifest} recorded when it was saved. {_FIX}")
     except OSError as err:
-        return f"cannot read checkpoint file {path}: {err.strerror or err}. {fix}"
+        return _unreadable(path, err)
     return None
+
+
+_FIX = "Load another tag with `iteration: N`, or restore the file from a copy."
+
+
+def _unreadable(path: Path, err: OSError) -> str:
+    return f"cannot read checkpoint file {path}: {err.strerror or err}. {_FIX}"
 
 
 def verify_files(tag_dir: Path, paths) -> None:

@@ -54,11 +54,9 @@ from megatron.checkpointing import commit, layout, manifest  # noqa: E402
 from megatron.checkpointing.engine_save import save_engine_checkpoint  # noqa: E402
 from megatron.checkpointing.master_weights import verify_master_weights  # noqa: E402
 from megatron.checkpointing.module_load import load_module_only  # noqa: E402
-from megatron.checkpointing.module_weights import (  # noqa: E402
-    forget_verified_files,
-    read_module_weights,
-)
+from megatron.checkpointing.module_weights import read_module_weights  # noqa: E402
 from megatron.checkpointing.safe_unpickle import load_weights_only  # noqa: E402
+from megatron.checkpointing.verified_files import forget_checked_files  # noqa: E402
 from megatron.initialize import ModelParallelUnit  # noqa: E402
 from megatron.model import build_model, causal_lm_loss  # noqa: E402
 from megatron.model.partitioning import repartition_state_dict  # noqa: E402
@@ -212,7 +210,7 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
             samples["train_step"].append(timed(lambda: train_step(engine, tokens)))
             if options.cold:
                 evict_from_page_cache(tag_dir)
-            forget_verified_files()  # every repeat checks the files, as each restarted run does
+            forget_checked_files()  # every repeat checks the files, as each restarted run does
             dist.barrier()
             samples[name].append(timed_then_sampled(load))
             if repeat < 2 and name != "raw":  # raw leaves the master stale: it is a floor, not a load
