@@ -129,6 +129,13 @@ def evict_from_page_cache(tag_dir: Path) -> None:
                 os.close(fd)
 
 
+def read_whole_file(path: Path) -> None:
+    buffer = bytearray(1 << 20)
+    with open(path, "rb", buffering=0) as handle:
+        while handle.readinto(buffer):
+            pass
+
+
 def timed(call) -> dict[str, float]:
     """Run ``call`` once: wall and CPU seconds, RSS peak and kept growth (MiB)."""
     gc.collect()
@@ -205,7 +212,14 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
         loads.append(("raw", raw))
     samples: dict[str, list[dict]] = {name: [] for name, _ in loads}
     samples.update(verify=[], checksum=[], train_step=[])
+    if options.cold:  # the eviction works where a read of the evicted file is slower than one from the cache
+        samples.update(read_evicted=[], read_cached=[])
     for repeat in range(options.repeats):
+        if options.cold:
+            evict_from_page_cache(tag_dir)
+            dist.barrier()
+            samples["read_evicted"].append(timed(lambda: read_whole_file(module_file)))
+            samples["read_cached"].append(timed(lambda: read_whole_file(module_file)))
         for name, load in loads if repeat % 2 == 0 else loads[::-1]:
             samples["train_step"].append(timed(lambda: train_step(engine, tokens)))
             if options.cold:
@@ -288,6 +302,9 @@ def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[f
               f"against one saved at {options.tp}")
         ratio("resplit/ours node_private", node("resplit", "peak_private"), node("ours", "peak_private"),
               "node's peak private memory of that load against the same-size load")
+    if "read_evicted" in names:
+        ratio("read_evicted/read_cached wall", slowest("read_evicted", "wall"), slowest("read_cached", "wall"),
+              "a plain read of the module file after the eviction against one from the page cache: above 1, it was cold")
     if "raw" in names:
         ratio("ours/raw wall", slowest("ours", "wall"), slowest("raw", "wall"),
               "against torch.load(mmap) + load_state_dict, which leaves the master stale")
