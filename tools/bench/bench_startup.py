@@ -2,8 +2,8 @@
 
     python tools/bench/bench_startup.py [--ranks 1|2] [--repeats 3] [--json PATH]
 
-A first run of configs/tiny.yml (one step) builds the embedded corpus's cache (if not yet there) and
-saves a checkpoint; every timed run then resumes from it (`load`, no `save`) and trains one step, so
+A first run of configs/tiny.yml (two steps) builds the embedded corpus's cache (if not yet there) and
+saves global_step1; every timed run then resumes from it (`load`, `iteration: 1`, no `save`) and trains one step, so
 the load is part of the start-up as after a restart. The rank script is tools/bench/startup_rank.py:
 train.py with each phase of setup() timed where it runs. Phases, rank 0's (the slowest rank's end of
 the first step for the total):
@@ -95,10 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as name:
         scratch = Path(name)
         checkpoint = scratch / "checkpoint"
-        first = write_config(scratch / "first.yml", options.ranks, save=str(checkpoint), load=None, train_iters=1,
+        first = write_config(scratch / "first.yml", options.ranks, save=str(checkpoint), load=None, train_iters=2,
                              checkpoint_factor=1)
         deepy(first, scratch)  # corpus cache and the checkpoint every timed run loads
-        resume = write_config(scratch / "resume.yml", options.ranks, save=None, load=str(checkpoint), train_iters=2)
+        resume = write_config(scratch / "resume.yml", options.ranks, save=None, load=str(checkpoint), train_iters=2,
+                              iteration=1)
         runs: dict[str, list[dict[str, float]]] = {"startup": [], "floor": []}
         for repeat in range(options.repeats):
             dry_start = deepy(resume, scratch, dry_run=True)
