@@ -48,6 +48,19 @@ def check_open_checkpoint_file(handle, path: Path) -> None:
     _checked_here.add(key)
 
 
+def checkpoint_file_problem(path: Path) -> str | None:
+    """check_open_checkpoint_file for `path` as a one-line problem (None when it matches), for callers that
+    gather the ranks' problems before raising."""
+    try:
+        with open(path, "rb", buffering=0) as handle:
+            check_open_checkpoint_file(handle, Path(path))
+    except OSError as err:
+        return f"cannot read checkpoint file {path}: {err.strerror or err}. Load another tag with `iteration: N`."
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
 def forget_checked_files() -> None:
     """Check every file again at its next read, as a new launch would (benchmarks repeat loads in one launch)."""
     _checked_here.clear()

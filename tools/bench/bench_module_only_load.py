@@ -17,6 +17,10 @@ with save_engine_checkpoint, then, alternating the order every repeat, measures 
 * ``verify_master_weights(engine)`` alone, against one training step (forward + backward + step);
 * the manifest check alone (the checksum of the model-states file against the tag's manifest.json), which
   ``read_module_weights`` runs before reading, so it is part of "ours";
+* with ``--cold`` (every file of the tag evicted from the page cache with ``posix_fadvise(DONTNEED)`` before
+  each load, as for the first read of a restarted job): read_evicted, a plain read of the evicted module
+  file, and read_cached, the same read again from the page cache; ``RATIO read_evicted/read_cached`` above
+  1 shows the eviction worked;
 * resplit (with ``--saved-tp`` other than ``--tp``): ours from a checkpoint an engine at tensor-parallel
   size ``--saved-tp`` saved first: every saved rank's file read (memory-mapped), this rank's slices
   taken with ``repartition_state_dict`` as a run's module-only load takes them, then
