@@ -45,6 +45,15 @@ def test_module_only_load_bench_prints_its_ratios(zero_stage):
 
 
 @pytest.mark.slow
+def test_module_only_load_bench_cold_shows_the_eviction():
+    ratios = run_bench(
+        "bench_module_only_load.py", "--cold", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
+        "--seq", "8", "--repeats", "1", "--precision", "bf16",
+    )
+    assert "read_evicted/read_cached wall" in ratios and "ours/raw wall" in ratios
+
+
+@pytest.mark.slow
 def test_module_only_load_bench_runs_two_ranks():
     ratios = run_bench(
         "bench_module_only_load.py", "--ranks", "2", "--layers", "1", "--hidden", "32", "--heads", "2",

@@ -22,6 +22,7 @@ from megatron.checkpointing.inventory import inventory_checkpoint
 from megatron.checkpointing.lineage import Lineage
 from megatron.checkpointing.plan import LoadPlan, build_load_plan
 from megatron.checkpointing.rng import restore_rng_states
+from megatron.checkpointing.verified_files import checkpoint_file_problem
 from megatron.checkpointing.weights_source import WeightsSource
 from megatron.collective import reported_by_ranks
 from megatron.ranks import global_rank, rank_and_world, tensor_parallel_rank
@@ -97,12 +98,12 @@ def _check_names_for_resume(plan: LoadPlan, engine) -> None:
 
 
 def _verify_files(plan: LoadPlan) -> None:
-    """Check the files DeepSpeed's load reads against the tag's manifest, each file on one rank, before any is read."""
-    records = manifest.read_manifest(plan.tag_dir)
-    if records is None:
+    """Check the files DeepSpeed's load reads against the tag's manifest, each file on one rank, before any is read
+    (a file the load plan read already, the model-states file, is not checked again)."""
+    if manifest.read_manifest(plan.tag_dir) is None:
         return
     rank, world = rank_and_world()
-    mine = [manifest.check_file(path, records, plan.tag_dir) for path in plan.files[rank::world]]
+    mine = [checkpoint_file_problem(path) for path in plan.files[rank::world]]
     problems = reported_by_ranks(next(filter(None, mine), None))
     if problems:
         raise CheckpointError(problems[0][1])

@@ -16,52 +16,42 @@ Whatever the source, the names come back as this model's: GPT-NeoX's older MLP n
 
 The ``latest`` file is never read, and no optimizer file is opened while a module source exists.
 Every file is read by load_checkpoint_file: checked against the tag's manifest, where the tag has one,
-before it is unpickled, and unpickled weights-only.
+before it is unpickled (once per node), and unpickled weights-only from the file that was checked.
 """
 
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron.checkpointing import layout, manifest
+from megatron.checkpointing import layout
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.legacy_names import is_legacy_key, translate_legacy_module
 from megatron.checkpointing.safe_unpickle import load_weights_only
+from megatron.checkpointing.verified_files import check_open_checkpoint_file
 from megatron.ranks import tensor_parallel_rank, tensor_parallel_size
 from megatron.zero3_partition import partition_numel
 
 
 def load_checkpoint_file(path: Path) -> Any:
-    """One checkpoint file on CPU, memory-mapped: checked against its tag's manifest (where the tag has one),
-    then unpickled weights-only (safe_unpickle), so reading it runs no code from it."""
+    """One checkpoint file on CPU, memory-mapped: checked against its tag's manifest (where the tag has one;
+    once per node, verified_files), then unpickled weights-only (safe_unpickle), so reading it runs no code
+    from it. The file is opened once: what is unpickled is the open file that was checked, even if the
+    path is replaced meanwhile."""
     path = Path(path)
-    _verify_against_manifest(path, _file_state(path), _file_state(path.parent / layout.MANIFEST_FILE))
-    return load_weights_only(path)
+    with open(path, "rb", buffering=0) as handle:
+        check_open_checkpoint_file(handle, path)
+        return load_weights_only(_open_file_path(handle, path), shown_as=path)
 
 
-def _file_state(path: Path) -> tuple[int, int, int] | None:
-    try:
-        stat = path.stat()
-    except FileNotFoundError:
-        return None
-    return stat.st_ino, stat.st_size, stat.st_mtime_ns
-
-
-@lru_cache(maxsize=256)
-def _verify_against_manifest(path: Path, _file_stat, _manifest_stat) -> None:
-    """Cached per state of the file and of the manifest: the load plan and the module read that follows it
-    read the same model-states file, and its checksum is computed once."""
-    manifest.verify_files(path.parent, [path])
-
-
-def forget_verified_files() -> None:
-    """Check every file again at its next read, as a new process would (benchmarks repeat loads in one process)."""
-    _verify_against_manifest.cache_clear()
+def _open_file_path(handle, path: Path) -> Path:
+    """A path that opens the very file `handle` has open (Linux's /proc/self/fd), for torch.load's mmap,
+    which takes only paths; `path` itself where there is no /proc."""
+    link = Path(f"/proc/self/fd/{handle.fileno()}")
+    return link if link.exists() else path
 
 
 def read_module_weights(tag_dir: str | Path, mp_rank: int = 0) -> dict[str, torch.Tensor]:

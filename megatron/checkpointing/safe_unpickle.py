@@ -60,19 +60,22 @@ def trusted_globals() -> list:
 _REFUSED_GLOBAL = re.compile(r"GLOBAL (\S+) (?:was not an allowed global|whose module)")
 
 
-def load_weights_only(path: str | Path, map_location: Any = "cpu", mmap: bool = True) -> Any:
-    """torch.load `path` weights-only with trusted_globals(); a refused or unreadable file is a CheckpointError.
+def load_weights_only(path: str | Path, map_location: Any = "cpu", mmap: bool = True,
+                      shown_as: str | Path | None = None) -> Any:
+    """torch.load `path` weights-only with trusted_globals(); a refused or unreadable file is a CheckpointError
+    naming `shown_as` (default `path`).
 
     With ``mmap`` the tensors are mapped from the file, read only where they are used.
     """
+    shown_as = path if shown_as is None else shown_as
     with torch.serialization.safe_globals(trusted_globals()):
         try:
             return torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
         except pickle.UnpicklingError as err:
-            raise refused_file_error(f"checkpoint file {path}", err) from None
+            raise refused_file_error(f"checkpoint file {shown_as}", err) from None
         except Exception as err:  # torch raises several types for a damaged pickle / zip archive
             raise CheckpointError(
-                f"cannot read checkpoint file {path}: {type(err).__name__}: {_first_line(err)}. The file is "
+                f"cannot read checkpoint file {shown_as}: {type(err).__name__}: {_first_line(err)}. The file is "
                 "truncated or corrupt (an interrupted save?); load another checkpoint tag or re-create this one."
             ) from None
 

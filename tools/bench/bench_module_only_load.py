@@ -17,6 +17,10 @@ with save_engine_checkpoint, then, alternating the order every repeat, measures 
 * ``verify_master_weights(engine)`` alone, against one training step (forward + backward + step);
 * the manifest check alone (the checksum of the model-states file against the tag's manifest.json), which
   ``read_module_weights`` runs before reading, so it is part of "ours";
+* with ``--cold`` (every file of the tag evicted from the page cache with ``posix_fadvise(DONTNEED)`` before
+  each load, as for the first read of a restarted job): read_evicted, a plain read of the evicted module
+  file, and read_cached, the same read again from the page cache; ``RATIO read_evicted/read_cached`` above
+  1 shows the eviction worked;
 * resplit (with ``--saved-tp`` other than ``--tp``): ours from a checkpoint an engine at tensor-parallel
   size ``--saved-tp`` saved first: every saved rank's file read (memory-mapped), this rank's slices
   taken with ``repartition_state_dict`` as a run's module-only load takes them, then
@@ -54,11 +58,9 @@ from megatron.checkpointing import commit, layout, manifest  # noqa: E402
 from megatron.checkpointing.engine_save import save_engine_checkpoint  # noqa: E402
 from megatron.checkpointing.master_weights import verify_master_weights  # noqa: E402
 from megatron.checkpointing.module_load import load_module_only  # noqa: E402
-from megatron.checkpointing.module_weights import (  # noqa: E402
-    forget_verified_files,
-    read_module_weights,
-)
+from megatron.checkpointing.module_weights import read_module_weights  # noqa: E402
 from megatron.checkpointing.safe_unpickle import load_weights_only  # noqa: E402
+from megatron.checkpointing.verified_files import forget_checked_files  # noqa: E402
 from megatron.initialize import ModelParallelUnit  # noqa: E402
 from megatron.model import build_model, causal_lm_loss  # noqa: E402
 from megatron.model.partitioning import repartition_state_dict  # noqa: E402
@@ -129,6 +131,13 @@ def evict_from_page_cache(tag_dir: Path) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def read_whole_file(path: Path) -> None:
+    buffer = bytearray(1 << 20)
+    with open(path, "rb", buffering=0) as handle:
+        while handle.readinto(buffer):
+            pass
 
 
 def timed(call) -> dict[str, float]:
@@ -207,12 +216,19 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
         loads.append(("raw", raw))
     samples: dict[str, list[dict]] = {name: [] for name, _ in loads}
     samples.update(verify=[], checksum=[], train_step=[])
+    if options.cold:  # the eviction works where a read of the evicted file is slower than one from the cache
+        samples.update(read_evicted=[], read_cached=[])
     for repeat in range(options.repeats):
+        if options.cold:
+            evict_from_page_cache(tag_dir)
+            dist.barrier()
+            samples["read_evicted"].append(timed(lambda: read_whole_file(module_file)))
+            samples["read_cached"].append(timed(lambda: read_whole_file(module_file)))
         for name, load in loads if repeat % 2 == 0 else loads[::-1]:
             samples["train_step"].append(timed(lambda: train_step(engine, tokens)))
             if options.cold:
                 evict_from_page_cache(tag_dir)
-            forget_verified_files()  # every repeat checks the files, as each restarted run does
+            forget_checked_files()  # every repeat checks the files, as each restarted run does
             dist.barrier()
             samples[name].append(timed_then_sampled(load))
             if repeat < 2 and name != "raw":  # raw leaves the master stale: it is a floor, not a load
@@ -290,6 +306,9 @@ def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[f
               f"against one saved at {options.tp}")
         ratio("resplit/ours node_private", node("resplit", "peak_private"), node("ours", "peak_private"),
               "node's peak private memory of that load against the same-size load")
+    if "read_evicted" in names:
+        ratio("read_evicted/read_cached wall", slowest("read_evicted", "wall"), slowest("read_cached", "wall"),
+              "a plain read of the module file after the eviction against one from the page cache: above 1, it was cold")
     if "raw" in names:
         ratio("ours/raw wall", slowest("ours", "wall"), slowest("raw", "wall"),
               "against torch.load(mmap) + load_state_dict, which leaves the master stale")

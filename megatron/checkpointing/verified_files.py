@@ -1,0 +1,105 @@
+"""Which checkpoint files were checked against their tag's manifest, so each is checked once per node.
+
+The load plan and the module read that follows it read the same model-states file, and every rank of
+a node reads the same files of a tag; the checksum pass is a full read of the file. The first rank of a
+launch on this node to read a file checks it; the others wait for that check (an exclusive lock on the
+file's key) and take its result from a marker, a file in a folder under the temporary directory that
+only this user can write, named by the launch (the process that started the ranks, by id and start
+time). A rank run on its own (no launcher process of its kind, or no /proc) remembers its checks for
+itself only.
+
+A file is known by its identity and state (device, inode, size, modification and change time) and by
+the state of its manifest, so a replaced, rewritten or touched file, or a changed manifest, is checked
+again. A failed check writes no marker: every rank that reads a damaged file finds the damage itself.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from megatron.checkpointing import layout, manifest
+from megatron.checkpointing.errors import CheckpointError
+
+_checked_here: set[tuple] = set()
+
+
+def check_open_checkpoint_file(handle, path: Path) -> None:
+    """Raise CheckpointError when the file open as `handle` (read from `path`) does not match its tag's
+    manifest; a tag without a manifest passes unchecked. The bytes checked are those of `handle`."""
+    key = _state_key(handle, path)
+    if key in _checked_here:
+        return
+    markers = _launch_marker_dir()
+    if markers is None:
+        _check(handle, path)
+    else:
+        name = hashlib.sha256(repr(key).encode()).hexdigest()
+        with open(markers / f"{name}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the lock file closes
+            marker = markers / name
+            if not marker.exists():
+                _check(handle, path)
+                marker.touch()
+    _checked_here.add(key)
+
+
+def checkpoint_file_problem(path: Path) -> str | None:
+    """check_open_checkpoint_file for `path` as a one-line problem (None when it matches), for callers that
+    gather the ranks' problems before raising."""
+    try:
+        with open(path, "rb", buffering=0) as handle:
+            check_open_checkpoint_file(handle, Path(path))
+    except OSError as err:
+        return f"cannot read checkpoint file {path}: {err.strerror or err}. Load another tag with `iteration: N`."
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def forget_checked_files() -> None:
+    """Check every file again at its next read, as a new launch would (benchmarks repeat loads in one launch)."""
+    _checked_here.clear()
+    markers = _launch_marker_dir()
+    if markers is not None:
+        shutil.rmtree(markers, ignore_errors=True)
+
+
+def _check(handle, path: Path) -> None:
+    tag_dir = path.parent
+    problem = manifest.check_open_file(handle, path, manifest.read_manifest(tag_dir), tag_dir)
+    if problem:
+        raise CheckpointError(problem)
+
+
+def _state_key(handle, path: Path) -> tuple:
+    def state(stat: os.stat_result) -> tuple:
+        return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
+
+    try:
+        manifest_state = state(os.stat(path.parent / layout.MANIFEST_FILE))
+    except FileNotFoundError:
+        manifest_state = None
+    return str(path), state(os.fstat(handle.fileno())), manifest_state
+
+
+def _launch_marker_dir() -> Path | None:
+    """This launch's marker folder on this node, made private to this user; None when the launch has no name."""
+    try:
+        parent = os.getppid()
+        launcher_start = Path(f"/proc/{parent}/stat").read_text().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return None
+    folder = Path(tempfile.gettempdir()) / f"neox-checked-files-{os.getuid()}-{parent}-{launcher_start}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        owner = folder.lstat()
+    except OSError:
+        return None
+    if owner.st_uid != os.getuid() or owner.st_mode & 0o077 or folder.is_symlink():
+        return None  # another user's folder could claim checks that never ran
+    return folder

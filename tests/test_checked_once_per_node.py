@@ -1,0 +1,82 @@
+"""A checkpoint file is checked against its manifest once per node: sibling processes of one launch (here:
+children of this pytest process, as ranks are children of DeepSpeed's launcher) reuse the first check,
+and a file changed after it is checked again.
+
+Each child reads the file through load_checkpoint_file and counts the checksum passes it ran (the real
+manifest.check_open_file, wrapped to count its calls).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.checkpointing import layout, manifest
+
+REPO = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import json, sys
+from pathlib import Path
+from megatron.checkpointing import manifest
+from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.module_weights import load_checkpoint_file
+
+checks = []
+check_open_file = manifest.check_open_file
+def counted(*args, **kwargs):
+    checks.append(1)
+    return check_open_file(*args, **kwargs)
+manifest.check_open_file = counted
+try:
+    total = float(load_checkpoint_file(Path(sys.argv[1]))["module"]["w"].double().sum())
+    print(json.dumps({"checks": len(checks), "sum": total}))
+except CheckpointError as err:
+    print(json.dumps({"checks": len(checks), "error": str(err)}))
+"""
+
+
+def _child(path: Path) -> dict:
+    done = subprocess.run([sys.executable, "-c", CHILD, str(path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def tag_file(tmp_path):
+    tag_dir = tmp_path / "global_step1"
+    tag_dir.mkdir()
+    path = tag_dir / layout.model_states_name(0)
+    weights = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
+    torch.save({"module": {"w": weights}}, path)
+    manifest.write_manifest(tag_dir, {path.name: manifest.record_file(path)})
+    return path, float(weights.double().sum())
+
+
+@pytest.mark.slow  # three fresh interpreters importing torch: ~10 s idle, ~30 s on this shared machine
+def test_a_sibling_reuses_the_check_and_a_changed_file_is_checked_again(tag_file):
+    path, expected_sum = tag_file
+    size = path.stat().st_size
+
+    first = _child(path)
+    assert first["sum"] == expected_sum
+    assert first["checks"] == 1
+
+    second = _child(path)  # a sibling of the first: same parent, same node
+    assert second["sum"] == expected_sum
+    assert second["checks"] == 0, "the second process checked the file again"
+
+    # damage one byte in place (same inode, same size) inside the tensor's data
+    with open(path, "r+b") as handle:
+        handle.seek(size // 2)
+        byte = handle.read(1)
+        handle.seek(size // 2)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    third = _child(path)
+    assert third["checks"] == 1 and "is damaged" in third.get("error", ""), third

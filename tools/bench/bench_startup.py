@@ -1,0 +1,135 @@
+"""Start-up: from ``python deepy.py ...`` to the end of the first training step of the tiny model, by phase.
+
+    python tools/bench/bench_startup.py [--ranks 1|2] [--repeats 3] [--json PATH]
+
+A first run of configs/tiny.yml (two steps) builds the embedded corpus's cache (if not yet there) and
+saves global_step1; every timed run then resumes from it (`load`, `iteration: 1`, no `save`) and trains one step, so
+the load is part of the start-up as after a restart. The rank script is tools/bench/startup_rank.py:
+train.py with each phase of setup() timed where it runs. Phases, rank 0's (the slowest rank's end of
+the first step for the total):
+
+* deepy.py: its own work before it starts DeepSpeed's launcher (imports, settings, tokenizer and corpus
+  resolution), measured as ``deepy.py --dry-run`` of the same configs, which does the same and then stops;
+* launcher: the rest of the time until the rank's interpreter runs its first line (DeepSpeed's runner
+  and launch processes, the rank's interpreter start);
+* imports, process group, tokenizer, load plan, model, engine, load, data, first step: as timed in the
+  rank; "other" is the time between them (seeds, checks, logging).
+
+The baseline, ``floor``: the same deepy.py launch of a rank that only imports torch and DeepSpeed and
+joins the gloo process group. ``RATIO startup/floor wall`` is the whole start-up against it;
+``RATIO ours/startup wall`` the share after the floor's own phases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+RANK_SCRIPT = "tools/bench/startup_rank.py"
+ORDER = ("deepy.py", "launcher", "imports", "process group", "tokenizer", "load plan", "model", "engine", "load",
+         "data", "first step", "other")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def write_config(path: Path, ranks: int, **settings) -> Path:
+    base = {"num_gpus": ranks, "log_interval": 1, "eval_interval": 1000, "eval_iters": 1,
+            "tensorboard_dir": None, "master_port": free_port()}
+    path.write_text(yaml.safe_dump({**base, **settings}, sort_keys=False))
+    return path
+
+
+def deepy(config: Path, out_dir: Path, floor: bool = False, dry_run: bool = False) -> float:
+    """Run deepy.py on configs/tiny.yml + `config`; the wall seconds of the whole command."""
+    env = {**os.environ, "BENCH_STARTUP_DIR": str(out_dir), "PYTHONUNBUFFERED": "1"}
+    if floor:
+        env["BENCH_STARTUP_FLOOR"] = "1"
+    command = [sys.executable, "deepy.py", RANK_SCRIPT, "configs/tiny.yml", str(config)] + (["--dry-run"] if dry_run else [])
+    start = time.time()
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return start
+
+
+def breakdown(start: float, deepy_seconds: float, ranks: list[dict]) -> dict[str, float]:
+    """Seconds per phase of rank 0, and 'total' to the slowest rank's end of its first step."""
+    rank0 = ranks[0]
+    phases = {"deepy.py": deepy_seconds, "launcher": rank0["started"] - start - deepy_seconds,
+              "imports": rank0["imported"] - rank0["started"]}
+    for name, begin, end in rank0["phases"]:
+        phases[name] = phases.get(name, 0.0) + end - begin
+    phases["total"] = max(rank["first_step"] for rank in ranks) - start
+    phases["other"] = rank0["first_step"] - start - sum(v for k, v in phases.items() if k != "total")
+    return phases
+
+
+def timed_run(config: Path, scratch: Path, ranks: int, deepy_seconds: float, floor: bool) -> dict[str, float]:
+    out = Path(tempfile.mkdtemp(dir=scratch))
+    start = deepy(config, out, floor=floor)
+    return breakdown(start, deepy_seconds, [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    options = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="bench_startup_") as name:
+        scratch = Path(name)
+        checkpoint = scratch / "checkpoint"
+        first = write_config(scratch / "first.yml", options.ranks, save=str(checkpoint), load=None, train_iters=2,
+                             checkpoint_factor=1)
+        deepy(first, scratch)  # corpus cache and the checkpoint every timed run loads
+        resume = write_config(scratch / "resume.yml", options.ranks, save=None, load=str(checkpoint), train_iters=2,
+                              iteration=1)
+        runs: dict[str, list[dict[str, float]]] = {"startup": [], "floor": []}
+        for repeat in range(options.repeats):
+            dry_start = deepy(resume, scratch, dry_run=True)
+            deepy_seconds = time.time() - dry_start
+            for kind in ("startup", "floor") if repeat % 2 == 0 else ("floor", "startup"):
+                runs[kind].append(timed_run(resume, scratch, options.ranks, deepy_seconds, floor=kind == "floor"))
+    load_average = (load_before, os.getloadavg()[0])
+    medians = {kind: {key: statistics.median(run[key] for run in samples) for key in samples[0]}
+               for kind, samples in runs.items()}
+    print(f"tiny model (configs/tiny.yml), {options.ranks} rank(s), resumed from a checkpoint, {options.repeats} "
+          f"repeats, {os.cpu_count()} CPUs, load average before {load_average[0]:.2f}, after {load_average[1]:.2f}")
+    print(f"{'phase':<14} {'startup s':>10} {'floor s':>8}")
+    for phase in (*ORDER, "total"):
+        if phase in medians["startup"]:
+            floor_value = medians["floor"].get(phase)
+            print(f"{phase:<14} {medians['startup'][phase]:>10.2f} "
+                  f"{'-' if floor_value is None else f'{floor_value:.2f}':>8}")
+    total, floor_total = medians["startup"]["total"], medians["floor"]["total"]
+    floor_phases = ("deepy.py", "launcher", "process group")
+    ours = total - sum(medians["startup"][phase] for phase in floor_phases)
+    spread = [s["total"] / f["total"] for s, f in zip(runs["startup"], runs["floor"], strict=True)]
+    print(f"RATIO startup/floor wall = {total / floor_total:.3f}  (per repeat {min(spread):.2f}-{max(spread):.2f}; "
+          f"from `python deepy.py` to the end of the first step, against a rank that only imports and joins)")
+    print(f"RATIO ours/startup wall = {ours / total:.3f}  (all but deepy.py, the launcher and the process group)")
+    if options.json:
+        options.json.write_text(json.dumps({"options": vars(options) | {"json": str(options.json)},
+                                            "load_average": load_average, "medians": medians, "runs": runs},
+                                           indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
