@@ -193,6 +193,8 @@ def _save(args, engine, state: TrainState) -> Path:
 
 def _stop_after_signal(args, engine, state: TrainState, signum: int, saved_at: int | None) -> None:
     """The graceful end of a run stopped by SIGTERM/SIGINT: a checkpoint of this step, one line."""
+    from megatron.checkpointing import wait_for_save_in_flight
+
     if not args.save:
         outcome = "no checkpoint saved (`save` is not set)"
     elif saved_at == state.iteration:
@@ -200,6 +202,7 @@ def _stop_after_signal(args, engine, state: TrainState, signum: int, saved_at: i
     else:
         hold_before_save()
         outcome = f"checkpoint saved to {_save(args, engine, state)}"
+    wait_for_save_in_flight()  # the line says saved once the tag is committed
     get_logger().info(f"stopped by {signal_name(signum)} at iteration {state.iteration}; {outcome}")
 
 
@@ -297,6 +300,16 @@ def setup_for_inference(args):
 
 
 def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals | None = None) -> RunResult:
+    """The training loop; however it ends (done, stopped by a signal, diverged), not before the save in flight."""
+    from megatron.checkpointing import saves_waited_for
+
+    with saves_waited_for():
+        return _train(args, engine, state, iterators, stop_signals)
+
+
+def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals | None = None) -> RunResult:
+    from megatron.checkpointing import check_save_in_flight
+
     def agreed_stop() -> int | None:
         return stop_signals.agreed_stop() if stop_signals is not None else None
 
@@ -352,6 +365,7 @@ def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals 
             metrics.write({"valid/loss": last_valid_loss, "valid/ppl": _perplexity(last_valid_loss)}, step)
             progress.message(f"validation at iteration {step}: loss {last_valid_loss:.4f} | "
                              f"perplexity {_perplexity(last_valid_loss):.2f}")
+        check_save_in_flight()
         if _should_save(args, step) and step != args.train_iters:
             _save(args, engine, state)
             saved_at = step
