@@ -43,6 +43,11 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self.name = f"snapshot for {writer.name}"
         self.writer = writer
         self.files: list[tuple[Path, Any]] = []
+        self.after_files: list[Callable[[], None]] = []  # writes that follow the state files
+
+    def deferred(self, write: Callable[..., None]) -> Callable[..., None]:
+        """`write` made to run in the background once the state files are written."""
+        return lambda *args, **kwargs: self.after_files.append(lambda: write(*args, **kwargs))
 
     def save(self, state_dict, path: str):
         self.files.append((Path(path), host_copy(state_dict)))
@@ -198,13 +203,16 @@ def _write_and_commit(flight: _InFlight, save_dir: Path, tag: str, iteration: in
 def _write_files(partial: Path, snapshot: SnapshotCheckpointEngine
                  ) -> tuple[WriteFailure | None, dict[str, manifest.FileRecord]]:
     """Write this rank's files (each host copy freed once written), then fsync and checksum them."""
-    written = []
+    written, path = [], None
     try:
         while snapshot.files:
             path, state = snapshot.files.pop(0)
             snapshot.writer.save(state, str(path))
             del state
             written.append(path)
+        for write in snapshot.after_files:
+            path = None
+            write()
         return None, {path.relative_to(partial).as_posix(): manifest.record_file(path) for path in written}
     except Exception as err:
         snapshot.files.clear()
@@ -224,6 +232,11 @@ def _publish(save_dir: Path, tag: str, iteration: int, partial: Path, exchanged,
         return commit.first_failure([(0, commit.failure_line(save_dir, tag, WriteFailure(None, err)))])
     committed()
     return None
+
+
+def save_in_flight() -> bool:
+    """Whether a save started and has not been agreed done (the same answer on every rank)."""
+    return _in_flight is not None
 
 
 def check_save_in_flight() -> None:

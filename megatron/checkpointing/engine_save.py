@@ -52,7 +52,7 @@ def save_engine_checkpoint(engine, save_dir: str | Path, tag: str, client_state:
     """
     save_dir = Path(save_dir)
     failures: list[WriteFailure] = []
-    with (snapshot_engine(engine, snapshot), _writes_recording_failures(engine, failures),
+    with (snapshot_engine(engine, snapshot), _writes_recording_failures(engine, failures, snapshot),
           _optimizer_left_out(engine, not optimizer_states)):
         engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
     if engine.zero_optimization_partition_weights():
@@ -81,10 +81,12 @@ def _optimizer_left_out(engine, leave_out: bool) -> Iterator[None]:
 
 
 @contextmanager
-def _writes_recording_failures(engine, failures: list[WriteFailure]) -> Iterator[None]:
+def _writes_recording_failures(engine, failures: list[WriteFailure],
+                               snapshot: SnapshotCheckpointEngine | None = None) -> Iterator[None]:
     """Make DeepSpeed's writes append a failed write to `failures` instead of raising, and write nothing
     after one: ``checkpoint_engine.save`` (every state file) and ``_copy_recovery_script`` (rank 0 copies
-    zero_to_fp32.py into the save directory, which would otherwise appear after a failed save)."""
+    zero_to_fp32.py into the save directory, which would otherwise appear after a failed save; with a
+    `snapshot`, the background thread copies them once this rank's files are written)."""
 
     def recording(write, path_of):
         def guarded(*args, **kwargs):
@@ -104,7 +106,10 @@ def _writes_recording_failures(engine, failures: list[WriteFailure]) -> Iterator
                (engine, "_copy_recovery_script", lambda save_path: save_path)]
     patched = [(owner, name, path_of) for owner, name, path_of in patched if hasattr(owner, name)]
     for owner, name, path_of in patched:
-        setattr(owner, name, recording(getattr(owner, name), path_of))
+        write = getattr(owner, name)
+        if snapshot is not None and name == "_copy_recovery_script":
+            write = snapshot.deferred(write)  # no script left beside a background save that failed
+        setattr(owner, name, recording(write, path_of))
     try:
         yield
     finally:
