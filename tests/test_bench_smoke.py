@@ -98,4 +98,4 @@ def test_save_bench_prints_its_ratios():
         "--repeats", "1", "--max-steps-in-flight", "2",
     )
     assert_ratios(ratios, {"blocked/synchronous wall", "slowed_steps/synchronous wall",
-                           "no_save_optim/synchronous wall", "async/synchronous peak_rss"})
+                           "no_save_optim/synchronous wall", "async peak_rss/tag size"})

@@ -1,10 +1,10 @@
 """A save's cost to training: synchronous, asynchronous (async_save) and without optimizer states.
 
-    python tools/bench/bench_save.py [--ranks 1|2] [--layers 8] [--hidden 768] [--heads 12] [--vocab 32768]
+    python tools/bench/bench_save.py [--ranks 1|2] [--layers 12] [--hidden 768] [--heads 12] [--vocab 32768]
         [--precision bf16|fp32] [--zero-stage 1] [--repeats 3] [--batch 1] [--seq 32] [--threads N]
         [--save-dir DIR] [--json PATH]
 
-Builds a GPTModel (defaults: 107M parameters) in a real DeepSpeed engine with Adam on a gloo world of
+Builds a GPTModel (defaults: 110M parameters) in a real DeepSpeed engine with Adam on a gloo world of
 ``--ranks`` processes on this machine, trains a few steps to time a step, then per repeat (the order
 alternating) saves through ``save_checkpoint`` into ``--save-dir`` (a temporary folder by default;
 keep_last_n_checkpoints 1):
@@ -20,7 +20,7 @@ keep_last_n_checkpoints 1):
 Then, untimed, one save of each kind measured for peak RSS growth (rank 0's; the asynchronous one from
 its call until committed). Prints the slowest rank's medians, and ``RATIO`` lines: ``blocked/synchronous
 wall`` (the goal: at most 0.1), ``slowed_steps/synchronous wall``, ``no_save_optim/synchronous wall``,
-``async/synchronous peak_rss``.
+``async peak_rss/tag size`` (the host copy; a synchronous save grows RSS by little).
 """
 
 from __future__ import annotations
@@ -94,17 +94,21 @@ class Saves:
         self.engine, self.tokens, self.options = engine, tokens, options
         self.lineage = Lineage()
         self.iteration = 0
+        self.steps_without_save: list[float] = []
 
-    def step(self) -> float:
+    def step(self, save_in_flight: bool = False) -> float:
         started = time.perf_counter()
         train_step(self.engine, self.tokens)
-        return time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        if not save_in_flight:
+            self.steps_without_save.append(seconds)
+        return seconds
 
     def save(self, kind: str) -> None:
         self.iteration += 1
         save_checkpoint(self.args[kind], self.engine, self.iteration, self.iteration, lineage=self.lineage)
 
-    def timed(self, kind: str, step_seconds: float) -> dict[str, float]:
+    def timed(self, kind: str) -> dict[str, float]:
         barrier()
         started = time.perf_counter()
         self.save(kind)
@@ -113,14 +117,13 @@ class Saves:
             return {"wall": called}
         steps, stepped = 0, 0.0
         while steps < self.options.max_steps_in_flight and save_in_flight():
-            stepped += self.step()
+            stepped += self.step(save_in_flight=True)
             steps += 1
             check_save_in_flight()
         started = time.perf_counter()
         wait_for_save_in_flight()
         waited = time.perf_counter() - started
-        return {"wall": called + waited, "call": called, "waited": waited, "steps": steps,
-                "slowed_steps": max(stepped - steps * step_seconds, 0.0)}
+        return {"wall": called + waited, "call": called, "waited": waited, "steps": steps, "stepped": stepped}
 
     def peak_rss(self, kind: str) -> float:
         def save_until_committed():
@@ -139,12 +142,17 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
                            generator=torch.Generator().manual_seed(0))
     saves = Saves(options, save_dir, engine, tokens)
     saves.step()  # warm-up: the optimizer state exists from here on
-    step_seconds = median([saves.step() for _ in range(3)])
+    saves.steps_without_save.clear()
+    for _ in range(2):
+        saves.step()
     results: dict[str, list[dict]] = {kind: [] for kind in KINDS}
     for repeat in range(options.repeats):
         for kind in (KINDS if repeat % 2 == 0 else tuple(reversed(KINDS))):
-            results[kind].append(saves.timed(kind, step_seconds))
+            results[kind].append(saves.timed(kind))
             saves.step()
+    step_seconds = median(saves.steps_without_save)  # steps between the saves, as loaded as the others
+    for run in results["async"]:
+        run["slowed_steps"] = max(run.pop("stepped") - run["steps"] * step_seconds, 0.0)
     peaks = {kind: saves.peak_rss(kind) for kind in ("synchronous", "async")}
     tag_bytes = commit.newest_tag_size(save_dir)[1] if save_dir.exists() else 0
     medians = {kind: {key: median([r[key] for r in runs]) for key in runs[0]} for kind, runs in results.items()}
@@ -193,15 +201,15 @@ def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[f
                "extra time of the steps run while the background thread writes, against the synchronous save")
     ratios.add("no_save_optim/synchronous wall", slowest("no_save_optim", "wall"), slowest("synchronous", "wall"),
                "a synchronous save without optimizer states, against the full one")
-    ratios.add("async/synchronous peak_rss", first["peak_rss"]["async"], first["peak_rss"]["synchronous"],
-               "rank 0's peak RSS growth: the host copy of the state, against writing it directly")
+    ratios.add("async peak_rss/tag size", first["peak_rss"]["async"], first["tag_mib"] / options.ranks,
+               "rank 0's peak RSS growth from the call until committed, against its share of the tag")
     return ratios.values
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=1, help="ranks (processes on this machine)")
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32768, help="padded vocabulary size")
