@@ -11,26 +11,28 @@ from megatron.ranks import rank_and_world
 T = TypeVar("T")
 
 
-def barrier() -> None:
+def barrier(group=None) -> None:
+    """Over every rank, or over the ranks of `group` (a torch.distributed group of all ranks, as below)."""
     import torch.distributed as dist
 
     if rank_and_world()[1] > 1:
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def all_gather(value: Any) -> list[Any]:
-    """Every rank's `value` (picklable), indexed by global rank."""
+def all_gather(value: Any, group=None) -> list[Any]:
+    """Every rank's `value` (picklable), indexed by global rank; over `group`, a group of all ranks that
+    another thread may use while the main thread runs collectives of its own."""
     import torch.distributed as dist
 
     world = rank_and_world()[1]
     if world == 1:
         return [value]
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, value)
+    dist.all_gather_object(gathered, value, group=group)
     return gathered
 
 
-def reported_by_ranks(value: T | None) -> list[tuple[int, T]]:
+def reported_by_ranks(value: T | None, group=None) -> list[tuple[int, T]]:
     """(rank, value) of every rank whose `value` is not None, in rank order: the same list on every rank,
-    so every rank takes the same decision from it. A collective."""
-    return [(rank, reported) for rank, reported in enumerate(all_gather(value)) if reported is not None]
+    so every rank takes the same decision from it. A collective (over `group`, as all_gather)."""
+    return [(rank, reported) for rank, reported in enumerate(all_gather(value, group)) if reported is not None]

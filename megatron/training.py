@@ -217,6 +217,8 @@ def _save(args, engine, state: TrainState) -> Path:
 
 def _stop_after_signal(args, engine, state: TrainState, signum: int, saved_at: int | None) -> None:
     """The graceful end of a run stopped by SIGTERM/SIGINT: a checkpoint of this step, one line."""
+    from megatron.checkpointing import wait_for_save_in_flight
+
     if not args.save:
         outcome = "no checkpoint saved (`save` is not set)"
     elif saved_at == state.iteration:
@@ -224,6 +226,7 @@ def _stop_after_signal(args, engine, state: TrainState, signum: int, saved_at: i
     else:
         hold_before_save()
         outcome = f"checkpoint saved to {_save(args, engine, state)}"
+    wait_for_save_in_flight()  # the line says saved once the tag is committed
     get_logger().info(f"stopped by {signal_name(signum)} at iteration {state.iteration}; {outcome}")
 
 
@@ -323,7 +326,16 @@ def setup_for_inference(args):
 
 def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals | None = None,
           objective=None) -> RunResult:
-    """The training loop; `objective` (default: the one `train_impl` names) gives each micro batch's loss."""
+    """The training loop; `objective` (default: the one `train_impl` names) gives each micro batch's loss.
+    However it ends (done, stopped by a signal, diverged), not before the save in flight."""
+    from megatron.checkpointing import saves_waited_for
+
+    with saves_waited_for():
+        return _train(args, engine, state, iterators, stop_signals, objective)
+
+
+def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals | None, objective) -> RunResult:
+    from megatron.checkpointing import check_save_in_flight
     from megatron.objectives import objective_for
 
     def agreed_stop() -> int | None:
@@ -384,6 +396,7 @@ def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals 
             metrics.write(_evaluation_scalars("valid", last_valid_loss, valid_metrics, objective), step)
             progress.message(f"validation at iteration {step}: "
                              f"{_evaluation_line(last_valid_loss, valid_metrics, objective)}")
+        check_save_in_flight()
         if _should_save(args, step) and step != args.train_iters:
             _save(args, engine, state)
             saved_at = step

@@ -98,3 +98,13 @@ def test_train_step_bench_prints_its_ratios(tmp_path):
         ("neox", "fp32"), ("neox", "bf16"), ("llama", "fp32"), ("llama", "bf16")]
     # the transformers model was built with the MLP width ours has, so the two do the same work
     assert all(r["parameters"]["ours"] == r["parameters"]["hf"] for r in results)
+
+
+@pytest.mark.slow
+def test_save_bench_prints_its_ratios():
+    ratios = run_bench(
+        "bench_save.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "8",
+        "--repeats", "1", "--max-steps-in-flight", "2",
+    )
+    assert_ratios(ratios, {"blocked/synchronous wall", "slowed_steps/synchronous wall",
+                           "no_save_optim/synchronous wall", "async peak_rss/tag size"})

@@ -213,6 +213,16 @@ def test_two_ranks_agree_on_the_step_to_stop_at_and_both_save(tmp_path, receiver
     assert_graceful_stop(run, save, signal.SIGTERM, ranks=2)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_with_async_save_the_stop_ends_once_the_checkpoint_it_names_is_committed(tmp_path):
+    save = tmp_path / "ckpt"
+    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save, num_gpus=2, async_save=True)])
+    run.wait_for(r"iteration\s+3/2000")
+    signal_the_job(run, "every process", signal.SIGTERM)
+    assert_graceful_stop(run, save, signal.SIGTERM, ranks=2)
+
+
 def test_a_signal_to_every_process_while_the_rank_starts_stops_before_the_first_step(tmp_path):
     save = tmp_path / "ckpt"
     run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save)])

@@ -6,8 +6,10 @@
     outcome = load_checkpoint(engine, plan)  # load.py: the plan is the whole contract
     ...
     save_checkpoint(args, engine, iteration, consumed_train_samples, ..., lineage=outcome.lineage)  # save.py
+    check_save_in_flight()                   # async_save.py, every step; saves_waited_for() around the loop
 """
 
+from megatron.checkpointing.async_save import check_save_in_flight, saves_waited_for, wait_for_save_in_flight
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.lineage import Lineage
@@ -17,5 +19,6 @@ from megatron.checkpointing.save import check_save_dir, save_checkpoint
 
 __all__ = [
     "CheckpointError", "ClientState", "Lineage", "LoadMode", "LoadOutcome", "LoadPlan", "check_save_dir",
-    "load_checkpoint", "plan_load", "save_checkpoint",
+    "check_save_in_flight", "load_checkpoint", "plan_load", "save_checkpoint", "saves_waited_for",
+    "wait_for_save_in_flight",
 ]

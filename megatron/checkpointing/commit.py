@@ -108,16 +108,24 @@ def seal_tag(save_dir: Path, tag: str, iteration: int) -> Path:
     records = {name: manifest.record_file(partial / name) for name in names[rank::world]}
     for part in all_gather(records):
         records.update(part)
-    _test_kill_point("files_written", iteration)
+    kill_point_for_tests("files_written", iteration)
     if rank == 0:
-        manifest.write_manifest(partial, records)
-        for folder in {(partial / name).parent for name in names}:
-            fsync_path(folder)
-        _test_kill_point("manifest_written", iteration)
-        replace_dir(partial, final)
-        _test_kill_point("renamed", iteration)
-        layout.write_latest(save_dir, tag)
+        publish_tag(save_dir, tag, iteration, records)
     barrier()
+    return final
+
+
+def publish_tag(save_dir: Path, tag: str, iteration: int, records: dict[str, manifest.FileRecord]) -> Path:
+    """Rank 0, once every file of the tag is fsynced and in `records`: write the manifest, rename
+    ``<tag>.partial`` to ``<tag>``, then point ``latest`` at it."""
+    partial, final = save_dir / layout.partial_tag(tag), save_dir / tag
+    manifest.write_manifest(partial, records)
+    for folder in {(partial / name).parent for name in records}:
+        fsync_path(folder)
+    kill_point_for_tests("manifest_written", iteration)
+    replace_dir(partial, final)
+    kill_point_for_tests("renamed", iteration)
+    layout.write_latest(save_dir, tag)
     return final
 
 
@@ -138,12 +146,26 @@ class WriteFailure:
 def stop_if_any_rank_failed(save_dir: Path, tag: str, failure: WriteFailure | None) -> None:
     """Collective, once every rank's writes of `tag` are done: when any rank's write failed, every rank
     raises the same one-line error (the first failed rank's), so none waits for another in a later collective."""
-    line = str(save_failed(save_dir, tag, failure.error, failure.path)) if failure else None
-    failed = reported_by_ranks(line)
+    failed = first_failure(reported_by_ranks(failure_line(save_dir, tag, failure)))
     if failed:
-        rank, text = failed[0]
-        world = rank_and_world()[1]
-        raise CheckpointError(f"rank {rank}: {text}" if world > 1 else text)
+        raise CheckpointError(failed)
+
+
+def failure_line(save_dir: Path, tag: str, failure: WriteFailure | None) -> str | None:
+    """The one line for this rank's failed write of `tag`; also for an error that is no write failure
+    (a bug), so that the other ranks hear of it rather than wait."""
+    if failure is None:
+        return None
+    known = save_failed(save_dir, tag, failure.error, failure.path)
+    return str(known) if known else f"saving {tag} failed: {type(failure.error).__name__}: {failure.error}"
+
+
+def first_failure(failed: list[tuple[int, str]]) -> str | None:
+    """The line every rank raises for the (rank, line) failures reported_by_ranks gathered."""
+    if not failed:
+        return None
+    rank, text = failed[0]
+    return f"rank {rank}: {text}" if rank_and_world()[1] > 1 else text
 
 
 def _file_size_limit() -> int | None:
@@ -199,7 +221,7 @@ def discard_partial(save_dir: Path, tag: str) -> None:
     shutil.rmtree(save_dir / layout.partial_tag(tag), ignore_errors=True)
 
 
-def _test_kill_point(moment: str, iteration: int) -> None:
+def kill_point_for_tests(moment: str, iteration: int) -> None:
     wanted = os.environ.get(KILL_DURING_SAVE_ENV)
     if wanted and wanted == f"{moment}@{iteration}":
         import signal

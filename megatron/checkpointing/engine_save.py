@@ -13,6 +13,7 @@ from deepspeed import zero
 from deepspeed.utils import safe_get_full_fp32_param
 
 from megatron.checkpointing import layout
+from megatron.checkpointing.async_save import SnapshotCheckpointEngine, snapshot_engine
 from megatron.checkpointing.commit import WriteFailure, is_write_error
 from megatron.checkpointing.module_weights import load_checkpoint_file
 from megatron.fsio import write_atomically
@@ -20,10 +21,13 @@ from megatron.zero3_partition import is_partitioned
 
 
 def save_engine_checkpoint(engine, save_dir: str | Path, tag: str, client_state: dict,
-                           optimizer_states: bool = True) -> WriteFailure | None:
+                           optimizer_states: bool = True, snapshot: SnapshotCheckpointEngine | None = None
+                           ) -> WriteFailure | None:
     """Save tag ``tag`` under ``save_dir`` on every rank (collective); return this rank's failed write, if any.
 
     Without ``optimizer_states`` (``no_save_optim``) the tag holds the model-states files alone (below).
+    With a ``snapshot`` (async_save.py) the state files are not written but copied into it, to be
+    written by the save's background thread.
 
     A write that fails (a full disk, a file-size limit) does not leave this rank halfway through the
     save while the others wait for it in the save's collectives: this rank writes nothing more, goes
@@ -48,10 +52,11 @@ def save_engine_checkpoint(engine, save_dir: str | Path, tag: str, client_state:
     """
     save_dir = Path(save_dir)
     failures: list[WriteFailure] = []
-    with _writes_recording_failures(engine, failures), _optimizer_left_out(engine, not optimizer_states):
+    with (snapshot_engine(engine, snapshot), _writes_recording_failures(engine, failures, snapshot),
+          _optimizer_left_out(engine, not optimizer_states)):
         engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
     if engine.zero_optimization_partition_weights():
-        _write_full_module_file(engine, save_dir / tag, failures)
+        _write_full_module_file(engine, save_dir / tag, failures, snapshot)
     return failures[0] if failures else None
 
 
@@ -76,10 +81,12 @@ def _optimizer_left_out(engine, leave_out: bool) -> Iterator[None]:
 
 
 @contextmanager
-def _writes_recording_failures(engine, failures: list[WriteFailure]) -> Iterator[None]:
+def _writes_recording_failures(engine, failures: list[WriteFailure],
+                               snapshot: SnapshotCheckpointEngine | None = None) -> Iterator[None]:
     """Make DeepSpeed's writes append a failed write to `failures` instead of raising, and write nothing
     after one: ``checkpoint_engine.save`` (every state file) and ``_copy_recovery_script`` (rank 0 copies
-    zero_to_fp32.py into the save directory, which would otherwise appear after a failed save)."""
+    zero_to_fp32.py into the save directory, which would otherwise appear after a failed save; with a
+    `snapshot`, the background thread copies them once this rank's files are written)."""
 
     def recording(write, path_of):
         def guarded(*args, **kwargs):
@@ -99,7 +106,10 @@ def _writes_recording_failures(engine, failures: list[WriteFailure]) -> Iterator
                (engine, "_copy_recovery_script", lambda save_path: save_path)]
     patched = [(owner, name, path_of) for owner, name, path_of in patched if hasattr(owner, name)]
     for owner, name, path_of in patched:
-        setattr(owner, name, recording(getattr(owner, name), path_of))
+        write = getattr(owner, name)
+        if snapshot is not None and name == "_copy_recovery_script":
+            write = snapshot.deferred(write)  # no script left beside a background save that failed
+        setattr(owner, name, recording(write, path_of))
     try:
         yield
     finally:
@@ -107,7 +117,8 @@ def _writes_recording_failures(engine, failures: list[WriteFailure]) -> Iterator
             delattr(owner, name)  # the class's method again
 
 
-def _write_full_module_file(engine, tag_dir: Path, failures: list[WriteFailure]) -> None:
+def _write_full_module_file(engine, tag_dir: Path, failures: list[WriteFailure],
+                            snapshot: SnapshotCheckpointEngine | None) -> None:
     dp_group = getattr(engine.optimizer, "dp_process_group", None)
     mp_rank = _model_parallel_rank(engine)
     writer = dist.get_rank(group=dp_group) == 0
@@ -116,9 +127,13 @@ def _write_full_module_file(engine, tag_dir: Path, failures: list[WriteFailure])
     try:
         module = _gather_full_module(engine.module, scratch)
         if module is not None:
-            state = load_checkpoint_file(tag_dir / layout.zero3_model_states_name(0, mp_rank))
-            state["module"] = module
-            write_atomically(path, lambda tmp: torch.save(state, tmp))
+            dp_rank0_file = tag_dir / layout.zero3_model_states_name(0, mp_rank)
+            if snapshot is not None:  # the module's tensors are the scratch file's, no copy needed
+                snapshot.add(path, {**snapshot.state_of(dp_rank0_file), "module": module})
+            else:
+                state = load_checkpoint_file(dp_rank0_file)
+                state["module"] = module
+                write_atomically(path, lambda tmp: torch.save(state, tmp))
     except Exception as err:
         if not is_write_error(err):
             raise

@@ -5,7 +5,8 @@
     save_checkpoint(args, engine, iteration, consumed_train_samples, ..., lineage=outcome.lineage)
 
 A tag is written into `<tag>.partial`, sealed with its manifest and renamed (commit.py); `latest` moves
-last; then the run's older tags are pruned (lineage.py).
+last; then the run's older tags are pruned (lineage.py). With `async_save` the same happens in a
+background thread once the state is copied to host memory (async_save.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megatron.checkpointing import commit, layout, save_lock
+from megatron.checkpointing import async_save, commit, layout, save_lock
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.lineage import Lineage
@@ -44,12 +45,16 @@ def save_checkpoint(
     `<tag>/configs/` first, then the engine's files; `latest` names the tag once every file is written, then old
     tags are pruned per `keep_last_n_checkpoints`: only tags of `lineage` (the run's own, which this save joins;
     without one, only this tag).
+
+    With `async_save` it returns once the state is copied to host memory, and the files, the manifest,
+    `latest` and the pruning follow in the background (async_save.py); it waits first for the save in flight.
     """
     from megatron.checkpointing import forward_validation
     from megatron.checkpointing.engine_save import save_engine_checkpoint
 
     if not args.save:
         raise CheckpointError("save_checkpoint was called but `save` is not set; set `save: <directory>`.")
+    async_save.wait_for_save_in_flight()
     save_dir = Path(args.save).expanduser()
     tag = layout.tag_for_iteration(iteration)
     client_state = ClientState(
@@ -71,10 +76,12 @@ def save_checkpoint(
             layout.copy_configs(args.config_files, save_dir / partial)
             write_neox_config(args.to_dict(), save_dir / partial / layout.CONFIGS_DIR / layout.NEOX_CONFIG_FILE)
         barrier()
+        snapshot = async_save.SnapshotCheckpointEngine(engine.checkpoint_engine) if args.async_save else None
         commit.stop_if_any_rank_failed(
             save_dir, tag, save_engine_checkpoint(engine, save_dir, partial, client_state.to_dict(),
-                                              optimizer_states=not args.no_save_optim))
-        tag_dir = commit.seal_tag(save_dir, tag, iteration)
+                                              optimizer_states=not args.no_save_optim, snapshot=snapshot))
+        if snapshot is None:
+            commit.seal_tag(save_dir, tag, iteration)
     except Exception as err:
         failure = commit.save_failed(save_dir, tag, err)
         commit.discard_partial(save_dir, tag)
@@ -83,10 +90,17 @@ def save_checkpoint(
         raise failure from err
     lineage = lineage if lineage is not None else Lineage()
     lineage.saved.add(tag)
-    if global_rank() == 0:
+
+    def committed() -> None:
         _prune(args, save_dir, tag, lineage)
+
+    if snapshot is not None:
+        async_save.start(save_dir, tag, iteration, snapshot, committed)
+        return save_dir / tag
+    if global_rank() == 0:
+        committed()
     barrier()
-    return tag_dir
+    return save_dir / tag
 
 
 def _prune(args, save_dir: Path, tag: str, lineage: Lineage) -> None:

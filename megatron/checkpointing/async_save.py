@@ -1,0 +1,283 @@
+"""Saves that do not stop training (`async_save`): training waits while the state is copied to host
+memory; a thread of each rank then writes, fsyncs, checksums and commits the tag.
+
+    with saves_waited_for():      # train(): a run (ended, stopped by a signal, diverged) leaves no save behind
+        save_checkpoint(...)      # returns once the state is copied; waits first for the save in flight
+        check_save_in_flight()    # every step: a failed background save stops every rank here, in one line
+
+DeepSpeed (0.16-0.19) writes every file of a save through ``engine.checkpoint_engine.save(state_dict,
+path)``. During an asynchronous save that engine is a SnapshotCheckpointEngine: it keeps a host copy
+of each state instead of writing it, the copy sharing storage where the original did, so torch.save
+later writes the bytes the synchronous save writes. The thread writes the files through the engine's
+own checkpoint engine and seals the tag as commit.seal_tag does, over a gloo group of its own (the
+main thread's collectives go on meanwhile): every rank fsyncs and checksums the files it wrote, the
+ranks exchange the records, global rank 0 writes the manifest, renames the folder, moves `latest`,
+prunes, and tells every rank the outcome, so all of them stop, or go on, alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+from megatron.checkpointing import commit, layout, manifest
+from megatron.checkpointing.commit import WriteFailure
+from megatron.checkpointing.errors import CheckpointError
+from megatron.collective import all_gather
+from megatron.ranks import rank_and_world
+
+
+class SnapshotCheckpointEngine(CheckpointEngine):
+    """Takes the place of the engine's checkpoint engine (`writer`) for one save: `save` keeps a host copy."""
+
+    def __init__(self, writer: CheckpointEngine):
+        super().__init__()
+        self.name = f"snapshot for {writer.name}"
+        self.writer = writer
+        self.files: list[tuple[Path, Any]] = []
+        self.after_files: list[Callable[[], None]] = []  # writes that follow the state files
+
+    def deferred(self, write: Callable[..., None]) -> Callable[..., None]:
+        """`write` made to run in the background once the state files are written."""
+        return lambda *args, **kwargs: self.after_files.append(lambda: write(*args, **kwargs))
+
+    def save(self, state_dict, path: str):
+        self.files.append((Path(path), host_copy(state_dict)))
+
+    def add(self, path: Path, state) -> None:
+        """A state that is already this save's own (no copy taken), written with the others."""
+        self.files.append((Path(path), state))
+
+    def state_of(self, path: Path):
+        return next(state for saved, state in self.files if saved == Path(path))
+
+    def create(self, *args, **kwargs):
+        return self.writer.create(*args, **kwargs)
+
+    def commit(self, *args, **kwargs):
+        return self.writer.commit(*args, **kwargs)
+
+    def makedirs(self, path, exist_ok=False):
+        self.writer.makedirs(path, exist_ok=exist_ok)
+
+    def load(self, path: str, map_location=None):
+        return self.writer.load(path, map_location=map_location)
+
+    def is_data_parallel_writer(self, dp_rank):
+        return self.writer.is_data_parallel_writer(dp_rank)
+
+    def preserves_storage_sharing(self):
+        return self.writer.preserves_storage_sharing()
+
+
+def host_copy(value: Any) -> Any:
+    """A copy of `value` that training may not change: every tensor copied to host memory (pinned where
+    CUDA runs), dicts, lists and tuples rebuilt around them, everything else deep-copied. What the
+    original shares stays shared (an object held twice, tensors viewing one storage), so torch.save
+    writes the copy exactly as it would the original."""
+    memo: dict[int, Any] = {}
+    storages: dict[tuple[str, int], torch.UntypedStorage] = {}
+    copied = _copy(value, memo, storages)
+    if any(device.startswith("cuda") for device, _ in storages):
+        torch.cuda.synchronize()
+    return copied
+
+
+def _copy(value: Any, memo: dict, storages: dict) -> Any:
+    if id(value) in memo:
+        return memo[id(value)]
+    if isinstance(value, torch.Tensor):
+        copied = _tensor_copy(value.detach(), storages)
+        if isinstance(value, torch.nn.Parameter):
+            copied = torch.nn.Parameter(copied, requires_grad=value.requires_grad)
+        else:
+            copied.requires_grad_(value.requires_grad)  # saved with the tensor
+        for name, attribute in vars(value).items():  # saved too (ZeRO-3 tags its partitions with ds_id)
+            setattr(copied, name, _copy(attribute, memo, storages))
+    elif isinstance(value, dict):
+        copied = copy.copy(value)  # keeps the type (OrderedDict, defaultdict) and its attributes
+        for key, item in value.items():
+            copied[key] = _copy(item, memo, storages)
+    elif isinstance(value, list):
+        copied = type(value)(_copy(item, memo, storages) for item in value)
+    elif isinstance(value, tuple):
+        items = [_copy(item, memo, storages) for item in value]
+        copied = type(value)._make(items) if hasattr(type(value), "_make") else type(value)(items)
+    else:
+        return copy.deepcopy(value, memo)  # a record a step may change (fp16's loss scaler); numbers, strings
+    memo[id(value)] = copied
+    return copied
+
+
+def _tensor_copy(tensor: torch.Tensor, storages: dict) -> torch.Tensor:
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0:
+        return tensor.to("cpu", copy=True)
+    key = (str(storage.device), storage.data_ptr())
+    host = storages.get(key)
+    if host is None:
+        pinned = storage.device.type == "cuda"
+        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pinned).untyped_storage()
+        host.copy_(storage, non_blocking=pinned)
+        storages[key] = host
+    return torch.empty(0, dtype=tensor.dtype).set_(host, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+
+@contextmanager
+def snapshot_engine(engine, snapshot: SnapshotCheckpointEngine | None) -> Iterator[None]:
+    """`snapshot` as the engine's checkpoint engine for the save inside; nothing changes without one."""
+    if snapshot is None:
+        yield
+        return
+    engine.checkpoint_engine = snapshot
+    try:
+        yield
+    finally:
+        engine.checkpoint_engine = snapshot.writer
+
+
+@dataclass
+class _InFlight:
+    tag: str
+    thread: threading.Thread | None = None
+    failure: str | None = None  # set by the thread: the line every rank raises; None once committed
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+_in_flight: _InFlight | None = None
+_group = None  # the gloo group the threads seal over, made once (collectively) on the first save
+
+
+def _seal_group():
+    global _group
+    if _group is None and rank_and_world()[1] > 1:
+        import torch.distributed as dist
+
+        _group = dist.new_group(backend="gloo")
+    return _group
+
+
+def start(save_dir: Path, tag: str, iteration: int, snapshot: SnapshotCheckpointEngine,
+          committed: Callable[[], None]) -> None:
+    """On every rank, once DeepSpeed's save went through `snapshot`: write and commit the tag in the
+    background; `committed` runs on global rank 0 after `latest` moved (pruning, the save line)."""
+    global _in_flight
+    assert _in_flight is None, "a save is still in flight; wait_for_save_in_flight() first"
+    group = _seal_group()
+    flight = _InFlight(tag)
+    flight.thread = threading.Thread(
+        name=f"save {tag}", target=_write_and_commit,
+        args=(flight, save_dir, tag, iteration, snapshot, committed, group))
+    _in_flight = flight
+    flight.thread.start()
+
+
+def _write_and_commit(flight: _InFlight, save_dir: Path, tag: str, iteration: int,
+                      snapshot: SnapshotCheckpointEngine, committed: Callable[[], None], group) -> None:
+    try:
+        partial = save_dir / layout.partial_tag(tag)
+        failure, records = _write_files(partial, snapshot)
+        line = commit.failure_line(save_dir, tag, failure)
+        exchanged = all_gather((line, records), group)
+        commit.kill_point_for_tests("files_written", iteration)
+        outcome = None
+        if rank_and_world()[0] == 0:
+            outcome = commit.first_failure([(rank, line) for rank, (line, _) in enumerate(exchanged) if line])
+            if outcome is None:
+                outcome = _publish(save_dir, tag, iteration, partial, exchanged, committed)
+            if outcome is not None:
+                commit.discard_partial(save_dir, tag)
+        flight.failure = all_gather(outcome, group)[0]
+    finally:
+        flight.done.set()
+
+
+def _write_files(partial: Path, snapshot: SnapshotCheckpointEngine
+                 ) -> tuple[WriteFailure | None, dict[str, manifest.FileRecord]]:
+    """Write this rank's files (each host copy freed once written), then fsync and checksum them."""
+    written, path = [], None
+    try:
+        while snapshot.files:
+            path, state = snapshot.files.pop(0)
+            snapshot.writer.save(state, str(path))
+            del state
+            written.append(path)
+        for write in snapshot.after_files:
+            path = None
+            write()
+        return None, {path.relative_to(partial).as_posix(): manifest.record_file(path) for path in written}
+    except Exception as err:
+        snapshot.files.clear()
+        return WriteFailure(path, err), {}
+
+
+def _publish(save_dir: Path, tag: str, iteration: int, partial: Path, exchanged, committed) -> str | None:
+    records = {}
+    for _, part in exchanged:
+        records.update(part)
+    try:
+        for name in manifest.tag_file_names(partial):  # rank 0's own small files: configs, recovery script
+            if name not in records:
+                records[name] = manifest.record_file(partial / name)
+        commit.publish_tag(save_dir, tag, iteration, records)
+    except Exception as err:
+        return commit.first_failure([(0, commit.failure_line(save_dir, tag, WriteFailure(None, err)))])
+    committed()
+    return None
+
+
+def save_in_flight() -> bool:
+    """Whether a save started and has not been agreed done (the same answer on every rank)."""
+    return _in_flight is not None
+
+
+def check_save_in_flight() -> None:
+    """Once a step on every rank; while a save is in flight, a collective that agrees whether it is
+    done: when it failed on any rank, every rank raises the same one-line CheckpointError."""
+    global _in_flight
+    if _in_flight is None:
+        return
+    done = _in_flight.done.is_set()
+    reports = all_gather((done, _in_flight.failure if done else None))
+    failed = next((failure for _, failure in reports if failure), None)
+    if failed or all(finished for finished, _ in reports):
+        _in_flight.thread.join()
+        _in_flight = None
+    if failed:
+        raise CheckpointError(failed)
+
+
+def wait_for_save_in_flight() -> None:
+    """Block until the save in flight is committed; raise its one-line failure (the same on every rank)."""
+    global _in_flight
+    if _in_flight is None:
+        return
+    flight, _in_flight = _in_flight, None
+    flight.thread.join()
+    if flight.failure:
+        raise CheckpointError(flight.failure)
+
+
+@contextmanager
+def saves_waited_for() -> Iterator[None]:
+    """Nothing inside ends before its save in flight is committed; when it ends by an error, a failure of
+    that save is logged, the error goes on."""
+    try:
+        yield
+    except BaseException:
+        try:
+            wait_for_save_in_flight()
+        except CheckpointError as failure:
+            from megatron.logging import get_logger
+
+            get_logger().error(str(failure))
+        raise
+    wait_for_save_in_flight()

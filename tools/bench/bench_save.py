@@ -1,0 +1,249 @@
+"""A save's cost to training: synchronous, asynchronous (async_save) and without optimizer states.
+
+    python tools/bench/bench_save.py [--ranks 1|2] [--layers 12] [--hidden 768] [--heads 12] [--vocab 32768]
+        [--precision bf16|fp32] [--zero-stage 1] [--repeats 3] [--batch 1] [--seq 32] [--threads N]
+        [--save-dir DIR] [--json PATH]
+
+Builds a GPTModel (defaults: 110M parameters) in a real DeepSpeed engine with Adam on a gloo world of
+``--ranks`` processes on this machine, trains a few steps to time a step, then per repeat (the order
+alternating) saves through ``save_checkpoint`` into ``--save-dir`` (a temporary folder by default;
+keep_last_n_checkpoints 1):
+
+* ``synchronous``: the whole save (files, fsync, CRC-32 manifest, rename, `latest`) while training waits;
+* ``async``: ``save_checkpoint`` with async_save (the state copied to host memory), then training
+  steps, each followed by the per-step ``check_save_in_flight``, until the save is committed (at most
+  ``--max-steps-in-flight`` steps, then ``wait_for_save_in_flight``). **blocked** is the time training
+  waited: the call plus that final wait; **slowed steps** is how much longer the steps during the
+  save took than steps without one (the background thread shares this machine's CPUs with training);
+* ``no_save_optim``: the synchronous save of the same state without optimizer states.
+
+Then, untimed, one save of each kind measured for peak RSS growth (rank 0's; the asynchronous one from
+its call until committed). Prints the slowest rank's medians, and ``RATIO`` lines: ``blocked/synchronous
+wall`` (the goal: at most 0.1), ``slowed_steps/synchronous wall``, ``no_save_optim/synchronous wall``,
+``async peak_rss/tag size`` (the host copy; a synchronous save grows RSS by little).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+from bench_world import free_port, init_world  # noqa: E402
+from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
+from procmem import RatioReport, measure_memory, median, return_freed_memory_to_os, table  # noqa: E402
+
+from megatron.checkpointing import Lineage, commit, save_checkpoint  # noqa: E402
+from megatron.checkpointing.async_save import (  # noqa: E402
+    check_save_in_flight,
+    save_in_flight,
+    wait_for_save_in_flight,
+)
+from megatron.collective import all_gather, barrier  # noqa: E402
+from megatron.initialize import ModelParallelUnit  # noqa: E402
+from megatron.logging import get_logger  # noqa: E402
+from megatron.model import build_model, causal_lm_loss  # noqa: E402
+from megatron.neox_arguments import NeoXArgs  # noqa: E402
+
+KINDS = ("synchronous", "async", "no_save_optim")
+
+
+def run_args(options: argparse.Namespace, save_dir: Path, **kind) -> NeoXArgs:
+    return NeoXArgs.from_dict({
+        "num_layers": options.layers, "hidden_size": options.hidden, "num_attention_heads": options.heads,
+        "seq_length": options.seq, "max_position_embeddings": options.seq, "hidden_dropout": 0.0,
+        "attention_dropout": 0.0, "seed": 1234, "padded_vocab_size": options.vocab, "num_gpus": options.ranks,
+        "save": str(save_dir), "keep_last_n_checkpoints": 1, "config_files": {"bench.yml": "num_layers: 8\n"},
+        **kind})
+
+
+def build_engine(options: argparse.Namespace, args: NeoXArgs):
+    model = build_model(args.architecture(), args.seed)
+    config = {"train_micro_batch_size_per_gpu": options.batch, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
+              "zero_optimization": {"stage": options.zero_stage}, "steps_per_print": 10**9}
+    if options.precision != "fp32":
+        config[options.precision] = {"enabled": True}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                      mpu=ModelParallelUnit())
+    return engine
+
+
+def train_step(engine, tokens: torch.Tensor) -> None:
+    loss = causal_lm_loss(engine(tokens[:, :-1], parallel_output=True), tokens[:, 1:], vocab_parallel=True)
+    engine.backward(loss)
+    engine.step()
+
+
+class Saves:
+    """The three kinds of save, each at the next iteration (one lineage, so older tags are pruned)."""
+
+    def __init__(self, options, save_dir: Path, engine, tokens):
+        self.args = {"synchronous": run_args(options, save_dir),
+                     "async": run_args(options, save_dir, async_save=True),
+                     "no_save_optim": run_args(options, save_dir, no_save_optim=True)}
+        self.engine, self.tokens, self.options = engine, tokens, options
+        self.lineage = Lineage()
+        self.iteration = 0
+        self.steps_without_save: list[float] = []
+
+    def step(self, save_in_flight: bool = False) -> float:
+        started = time.perf_counter()
+        train_step(self.engine, self.tokens)
+        seconds = time.perf_counter() - started
+        if not save_in_flight:
+            self.steps_without_save.append(seconds)
+        return seconds
+
+    def save(self, kind: str) -> None:
+        self.iteration += 1
+        save_checkpoint(self.args[kind], self.engine, self.iteration, self.iteration, lineage=self.lineage)
+
+    def timed(self, kind: str) -> dict[str, float]:
+        barrier()
+        started = time.perf_counter()
+        self.save(kind)
+        called = time.perf_counter() - started
+        if kind != "async":
+            return {"wall": called}
+        steps, stepped = 0, 0.0
+        while steps < self.options.max_steps_in_flight and save_in_flight():
+            stepped += self.step(save_in_flight=True)
+            steps += 1
+            check_save_in_flight()
+        started = time.perf_counter()
+        wait_for_save_in_flight()
+        waited = time.perf_counter() - started
+        return {"wall": called + waited, "call": called, "waited": waited, "steps": steps, "stepped": stepped}
+
+    def peak_rss(self, kind: str) -> float:
+        def save_until_committed():
+            self.save(kind)
+            wait_for_save_in_flight()
+
+        barrier()
+        return measure_memory(save_until_committed)[1].peak_growth_mib
+
+
+def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
+    args = run_args(options, save_dir)
+    engine = build_engine(options, args)
+    n_params = sum(p.numel() for p in engine.module.parameters())
+    tokens = torch.randint(0, options.vocab, (options.batch, options.seq + 1),
+                           generator=torch.Generator().manual_seed(0))
+    saves = Saves(options, save_dir, engine, tokens)
+    saves.step()  # warm-up: the optimizer state exists from here on
+    saves.steps_without_save.clear()
+    for _ in range(2):
+        saves.step()
+    results: dict[str, list[dict]] = {kind: [] for kind in KINDS}
+    for repeat in range(options.repeats):
+        for kind in (KINDS if repeat % 2 == 0 else tuple(reversed(KINDS))):
+            results[kind].append(saves.timed(kind))
+            saves.step()
+    step_seconds = median(saves.steps_without_save)  # steps between the saves, as loaded as the others
+    for run in results["async"]:
+        run["slowed_steps"] = max(run.pop("stepped") - run["steps"] * step_seconds, 0.0)
+    peaks = {kind: saves.peak_rss(kind) for kind in ("synchronous", "async")}
+    tag_bytes = commit.newest_tag_size(save_dir)[1] if save_dir.exists() else 0
+    medians = {kind: {key: median([r[key] for r in runs]) for key in runs[0]} for kind, runs in results.items()}
+    return {"parameters": n_params, "step_seconds": step_seconds, "medians": medians,
+            "spread": {kind: [r["wall"] for r in runs] for kind, runs in results.items()},
+            "peak_rss": peaks, "tag_mib": tag_bytes / 2**20, "threads": torch.get_num_threads()}
+
+
+def rank_main(rank: int, options: argparse.Namespace, port: int, save_dir: str, out: str) -> None:
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    deepspeed_logger.setLevel("WARNING")
+    get_logger().setLevel("WARNING")
+    return_freed_memory_to_os()
+    init_world(rank, options.ranks, port)
+    result = measure_rank(options, Path(save_dir))
+    gathered = all_gather(result)
+    if rank == 0:
+        Path(out).write_text(json.dumps(gathered))
+
+
+def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[float, float]) -> dict:
+    first = ranks[0]
+
+    def slowest(kind: str, key: str) -> float:
+        return max(r["medians"][kind][key] for r in ranks)
+
+    print(f"model: {first['parameters'] / 1e6:.1f}M parameters, {options.layers} layers, hidden {options.hidden}, "
+          f"vocab {options.vocab}; {options.precision}, ZeRO stage {options.zero_stage}, Adam; {options.ranks} "
+          f"rank(s) on this machine; tag {first['tag_mib']:.0f} MiB (the last one saved); train step "
+          f"{1e3 * max(r['step_seconds'] for r in ranks):.0f} ms (batch {options.batch} x {options.seq} tokens)")
+    print(f"torch threads {first['threads']} per rank, {os.cpu_count()} CPUs; repeats {options.repeats}; "
+          f"load average before {load_average[0]:.2f}, after {load_average[1]:.2f}")
+    rows = [[kind, 1e3 * slowest(kind, "wall"),
+             " ".join(f"{1e3 * max(r['spread'][kind][i] for r in ranks):.0f}" for i in range(options.repeats))]
+            for kind in KINDS]
+    print(table(["save", "training blocked ms (median)", "per repeat ms"], rows))
+    print(f"async: call {1e3 * slowest('async', 'call'):.0f} ms, final wait {1e3 * slowest('async', 'waited'):.0f} ms, "
+          f"{slowest('async', 'steps'):.0f} steps while in flight, slowed by {1e3 * slowest('async', 'slowed_steps'):.0f} ms "
+          f"in all; peak RSS growth (rank 0): synchronous {first['peak_rss']['synchronous']:.0f} MiB, "
+          f"async {first['peak_rss']['async']:.0f} MiB")
+    ratios = RatioReport()
+    ratios.add("blocked/synchronous wall", slowest("async", "wall"), slowest("synchronous", "wall"),
+               "training time an async_save blocks, against a synchronous save of the same state")
+    ratios.add("slowed_steps/synchronous wall", slowest("async", "slowed_steps"), slowest("synchronous", "wall"),
+               "extra time of the steps run while the background thread writes, against the synchronous save")
+    ratios.add("no_save_optim/synchronous wall", slowest("no_save_optim", "wall"), slowest("synchronous", "wall"),
+               "a synchronous save without optimizer states, against the full one")
+    ratios.add("async peak_rss/tag size", first["peak_rss"]["async"], first["tag_mib"] / options.ranks,
+               "rank 0's peak RSS growth from the call until committed, against its share of the tag")
+    return ratios.values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=1, help="ranks (processes on this machine)")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=32768, help="padded vocabulary size")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--max-steps-in-flight", type=int, default=20,
+                        help="training steps run while an asynchronous save is written, at most")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch's default)")
+    parser.add_argument("--save-dir", type=Path, help="where the tags go (default: a temporary folder, removed)")
+    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
+    options = parser.parse_args(argv)
+    scratch = Path(tempfile.mkdtemp(prefix="bench_save_"))
+    save_dir = options.save_dir or scratch / "checkpoints"
+    load_before = os.getloadavg()[0]
+    try:
+        port, out = free_port(), str(scratch / "ranks.json")
+        if options.ranks == 1:
+            rank_main(0, options, port, str(save_dir), out)
+        else:
+            torch.multiprocessing.spawn(rank_main, args=(options, port, str(save_dir), out), nprocs=options.ranks)
+        ranks = json.loads(Path(out).read_text())
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    load_average = (load_before, os.getloadavg()[0])
+    ratios = report(options, ranks, load_average)
+    if options.json:
+        options.json.write_text(json.dumps({
+            "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(options).items()},
+            "load_average": load_average, "ratios": ratios, "ranks": ranks}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
