@@ -157,3 +157,14 @@ def _draw_stage_weights(module, specs: list, arch: Architecture) -> None:
         drawn = layer if layer is not None else spec.build()  # another stage's: drawn to keep the stream, dropped
         initialise_parameters(drawn, arch, init_method, output_init_method, tensor_parallel_rank(),
                               tensor_parallel_size())
+
+
+def gpt_model_name(pipe_name: str) -> str:
+    """The name ``GPTModel`` (and every checkpoint file of ours) gives the PipelineModule's parameter ``pipe_name``."""
+    tied = f"tied_modules.{TIED_EMBEDDING_KEY}."
+    return "sequential.0." + pipe_name.removeprefix(tied) if pipe_name.startswith(tied) else "sequential." + pipe_name
+
+
+def stage_weights(module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Of ``weights`` (named as ``GPTModel`` names them) those of this stage, under the PipelineModule's names."""
+    return {name: weights[gpt_model_name(name)] for name in module.state_dict() if gpt_model_name(name) in weights}

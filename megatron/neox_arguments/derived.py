@@ -406,7 +406,9 @@ def _check_pipeline(v: dict[str, Any], sources: dict[str, str]) -> None:
     for name, why in (("log_grad_norm", "each stage holds only its own layers' gradients, and the pipe engine "
                        "steps inside its schedule"),
                       ("log_param_norm", "each stage holds only its own layers"),
-                      ("torch_compile", "DeepSpeed's pipe engine runs its stages' layers one by one")):
+                      ("torch_compile", "DeepSpeed's pipe engine runs its stages' layers one by one"),
+                      ("checkpoint_validation_with_forward_pass", "the pipe engine runs no forward pass outside "
+                       "train_batch and eval_batch")):
         if v[name]:
             raise _fail(sources, name, f"not available with pipe_parallel_size {stages}: {why}; turn it off or set "
                         "pipe_parallel_size 1")
