@@ -48,7 +48,9 @@ def test_a_pipelined_run_saves_gpt_neox_layer_files_and_resumes_exactly(pipeline
     config = yaml.safe_load((tag / "configs" / "neox_config.yml").read_text())
     assert config["pipe_parallel_size"] == 2 and config["pipe_partition_method"] == "type:transformer|mlp"
     report = inspect(save)
-    assert (report["format"], report["tensor_parallel_size"]) == ("pipeline", 1), json.dumps(report)[:2000]
+    assert (report["format"], report["tensor_parallel_size"], report["pipeline_stages"]) == ("pipeline", 1, 2)
+    assert report["model"] == "gpt_neox, no variants", json.dumps(report)[:2000]
+    assert report["load_modes"]["finetune"]["possible"]
 
     resumed = write_overrides(work, name="resume.yml", save=str(work / "resumed"), load=str(save), iteration=2,
                               train_iters=4, checkpoint_factor=2, **PIPE)
