@@ -27,7 +27,7 @@ from megatron.model import build_model, causal_lm_loss  # noqa: E402
 from megatron.model.pipeline import build_pipeline_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 from megatron.pipeline import pipeline_batches  # noqa: E402
-from tests.tensor_parallel_worker import BASE, FAMILIES, SEQ, VOCAB, check  # noqa: E402
+from tests.tensor_parallel_worker import BASE, FAMILIES, SEQ, VOCAB, check, full  # noqa: E402
 
 MICRO, MICRO_BATCHES = 2, 2
 # fp32 on CPU; the two sides sum the same products in the same order except where a stage boundary
@@ -36,10 +36,10 @@ LOSS_TOLERANCE = 1e-6
 GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-7
 
 
-def set_groups(pipe: int) -> None:
+def set_groups(pipe: int, tensor: int = 1) -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(1, pipe)
+    parallel_state.initialize_model_parallel(tensor, pipe)
 
 
 def micro_batches() -> list[dict[str, torch.Tensor]]:
@@ -68,14 +68,16 @@ def one_module(args) -> tuple[float, dict, dict]:
     return float(sum(losses)), weights, {n: p.grad for n, p in model.named_parameters()}
 
 
-def two_stages(args) -> tuple[float, dict, dict, list[str]]:
-    set_groups(2)
+def two_stages(args, tensor: int = 1) -> tuple[float, dict, dict, list[str]]:
+    """Weights and gradients whole (joined over the tensor-parallel group), named as GPTModel names them."""
+    set_groups(2, tensor)
     module = build_pipeline_model(args.architecture(), args.seed, 2, args.pipe_partition_method)
-    weights = {ours(n): p.detach().clone() for n, p in module.named_parameters()}
+    arch = args.architecture()
+    weights = full({ours(n): p.detach().clone() for n, p in module.named_parameters()}, arch)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.0)
     grads = {}
     optimizer.register_step_pre_hook(lambda *_: grads.update(
-        {ours(n): p.grad.detach().clone() for n, p in module.named_parameters()}))
+        full({ours(n): p.grad.detach().clone() for n, p in module.named_parameters()}, arch)))
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": MICRO_BATCHES,
               "steps_per_print": 10**9, "gradient_clipping": 0.0}
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
@@ -85,26 +87,43 @@ def two_stages(args) -> tuple[float, dict, dict, list[str]]:
     return float(loss), weights, grads, files
 
 
+def compare(family: str, tensor: int, checkpoint_activations: bool) -> None:
+    settings = {**BASE, **FAMILIES[family], "num_layers": 3, "checkpoint_activations": checkpoint_activations}
+    one = NeoXArgs.from_dict({**settings, "num_gpus": 1})
+    loss1, weights1, grads1 = one_module(one)
+    piped = NeoXArgs.from_dict({**settings, "pipe_parallel_size": 2, "model_parallel_size": tensor,
+                                "num_gpus": dist.get_world_size()})
+    loss2, weights2, grads2, positions = two_stages(piped, tensor)
+    label = f"{family} at TP {tensor}"
+    check(weights2 and set(weights2) <= set(weights1), f"{label}: stage names {sorted(set(weights2) - set(weights1))}")
+    for name, weight in weights2.items():
+        check(torch.equal(weight, weights1[name]), f"{label}: initial {name} differs from one module's")
+    check(abs(loss1 - loss2) <= LOSS_TOLERANCE, f"{label}: loss {loss2} in 2 stages, {loss1} in one module")
+    check(grads2.keys() == weights2.keys(), f"{label}: no gradient seen for every parameter")
+    worst = 0.0
+    for name, grad in grads2.items():
+        if name == "sequential.0.position_embeddings.weight" and parallel_state.get_pipeline_model_parallel_rank() == 1:
+            continue  # the last stage's copy of the tied embedding uses its word embeddings only
+        worst = max(worst, float((grad - grads1[name]).abs().max()))
+        check(torch.allclose(grad, grads1[name], rtol=GRAD_RTOL, atol=GRAD_ATOL),
+              f"{label}: gradient of {name} differs (max diff {(grad - grads1[name]).abs().max()})")
+    print(f"rank {dist.get_rank()} {label}: loss {loss1:.6f} (2 stages: {abs(loss1 - loss2):.1e} off, gradients "
+          f"{worst:.1e} at most), layer positions {positions}", flush=True)
+
+
 def equivalence(_work_dir: Path) -> None:
+    """2 ranks: 2 stages; the Llama model also recomputes its activations (checkpoint_activations)."""
     for family in ("neox", "tied-learned", "llama"):
-        args = NeoXArgs.from_dict({**BASE, **FAMILIES[family], "num_layers": 3, "pipe_parallel_size": 2,
-                                   "num_gpus": dist.get_world_size()})
-        loss1, weights1, grads1 = one_module(args)
-        loss2, weights2, grads2, positions = two_stages(args)
-        check(weights2 and set(weights2) <= set(weights1), f"{family}: stage names {sorted(set(weights2) - set(weights1))}")
-        for name, weight in weights2.items():
-            check(torch.equal(weight, weights1[name]), f"{family}: initial {name} differs from one module's")
-        check(abs(loss1 - loss2) <= LOSS_TOLERANCE, f"{family}: loss {loss2} in 2 stages, {loss1} in one module")
-        check(grads2.keys() == weights2.keys(), f"{family}: no gradient seen for every parameter")
-        for name, grad in grads2.items():
-            if name == "sequential.0.position_embeddings.weight" and dist.get_rank() == 1:
-                continue  # the last stage's copy of the tied embedding uses its word embeddings only
-            check(torch.allclose(grad, grads1[name], rtol=GRAD_RTOL, atol=GRAD_ATOL),
-                  f"{family}: gradient of {name} differs (max diff {(grad - grads1[name]).abs().max()})")
-        print(f"rank {dist.get_rank()} {family}: loss {loss1:.6f}, layer positions {positions}", flush=True)
+        compare(family, 1, checkpoint_activations=family == "llama")
 
 
-CHECKS = {"equivalence": equivalence}
+def tensor_parallel(_work_dir: Path) -> None:
+    """4 ranks: 2 stages x 2 tensor-parallel ranks."""
+    for family in ("neox", "tied-learned", "llama"):
+        compare(family, 2, checkpoint_activations=False)
+
+
+CHECKS = {"equivalence": equivalence, "tensor_parallel": tensor_parallel}
 
 if __name__ == "__main__":
     deepspeed_logger.setLevel(logging.WARNING)
