@@ -89,3 +89,11 @@ def test_train_step_bench_prints_its_ratios(tmp_path):
         ("neox", "fp32"), ("neox", "bf16"), ("llama", "fp32"), ("llama", "bf16")]
     # the transformers model was built with the MLP width ours has, so the two do the same work
     assert all(r["parameters"]["ours"] == r["parameters"]["hf"] for r in results)
+
+
+@pytest.mark.slow
+def test_pipeline_bench_prints_its_ratios():
+    ratios = run_bench("bench_pipeline.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
+                       "--seq", "8", "--micro-batches", "1", "--repeats", "1", "--steps", "1")
+    assert_ratios(ratios, {"two_stages/one_module tokens_per_second", "bubble"})
+    assert ratios["bubble"] == pytest.approx(1 / 3, abs=1e-3)  # 2 stages, 2 micro batches
