@@ -4,6 +4,7 @@ user runs it: GPT-NeoX's layer files, an exact resume, and module-only loads bet
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -75,3 +76,20 @@ def test_weights_move_from_two_stages_to_one_module_and_back_bit_for_bit(pipelin
     for moved in (read_module_weights(work / "one" / "global_step1"), read_module_weights(work / "two" / "global_step1")):
         assert moved.keys() == original.keys()
         assert all(torch.equal(moved[name], original[name]) for name in original)
+
+
+def test_two_stages_stop_together_at_the_first_nonfinite_step_and_keep_the_last_good_checkpoint(tmp_path):
+    """The pipe engine's loss and gradient norm (every stage's) reach the divergence stop on both stages."""
+    save = tmp_path / "ckpt"
+    overrides = write_overrides(
+        tmp_path, save=str(save), train_iters=12, checkpoint_factor=1, keep_last_n_checkpoints=None,
+        warmup=0, optimizer={"type": "AdamW", "params": {"lr": 1.0e4, "betas": [0.9, 0.95], "eps": 1.0e-8}},
+        **{**PIPE, "eval_interval": 100})
+    result = run_deepy(["configs/tiny.yml", overrides], expect_success=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-4000:]
+    diverged = int(re.search(r"iteration (\d+) \(fp32\): loss \S+, gradient norm \S+.* The run diverged", output)[1])
+    saved = sorted(int(p.name.removeprefix("global_step")) for p in save.glob("global_step*"))
+    assert saved == list(range(1, diverged)), f"saved {saved}, diverged at {diverged}"
+    assert (save / "latest").read_text().strip() == f"global_step{diverged - 1}"
+    assert "Traceback" not in output, output[-4000:]
