@@ -56,6 +56,7 @@ def train_step(engine, train_iterator, objective, before_optimizer_step=None) ->
 
 @torch.no_grad()
 def evaluate(engine, iterator, eval_iters: int, objective) -> tuple[float, dict[str, float]]:
-    """``training.evaluate`` through the pipe engine: the mean loss of ``eval_iters`` micro batches."""
-    loss = engine.eval_batch(pipeline_batches(iterator, objective.batch_options), num_micro_batches=eval_iters)
-    return float(loss), {}
+    """``training.evaluate`` through the pipe engine: the mean loss of ``eval_iters`` batches of
+    gradient_accumulation_steps micro batches (one ``eval_batch`` each, as GPT-NeoX evaluates a pipeline)."""
+    batches = pipeline_batches(iterator, objective.batch_options)
+    return sum(float(engine.eval_batch(batches)) for _ in range(eval_iters)) / eval_iters, {}

@@ -201,13 +201,10 @@ def test_dry_run_refuses_a_train_script_that_is_not_there(tmp_path, capsys):
     assert "train script 'no_such_script.py' not found" in capsys.readouterr().err
 
 
-def test_gpt_neox_20b_recipe_passes_the_dry_run_at_its_rank_count(tmp_path, tokenizer_json, monkeypatch, capsys):
+def test_gpt_neox_20b_recipe_passes_the_dry_run_at_its_rank_count(tmp_path, tokenizer_json, capsys, fp16_capable_cpu):
     """GPT-NeoX's own configs/20B.yml, unchanged, on its 96 ranks (a hostfile of 12 nodes x 8): 4 pipeline stages
     x 2 tensor-parallel x 12 data-parallel ranks, ZeRO-1, fp16. Only the tokenizer file is the user's, and fp16
     is allowed as on the GPU machines the recipe is for (this CPU's DeepSpeed accelerator has none)."""
-    from deepspeed.accelerator import get_accelerator
-
-    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: True)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"node{i} slots=8\n" for i in range(12)))
     recipe = REPO_ROOT / "tests" / "fixtures" / "gpt_neox" / "configs" / "20B.yml"
