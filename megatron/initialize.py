@@ -27,13 +27,14 @@ def initialize_distributed(args) -> None:
             pipeline_model_parallel_size=max(args.pipe_parallel_size, 1),
         )
     world = dist.get_world_size()
-    if args.data_parallel_size is not None and world != args.data_parallel_size * args.model_parallel_size:
+    stages = max(args.pipe_parallel_size, 1)
+    if args.data_parallel_size is not None and world != args.data_parallel_size * args.model_parallel_size * stages:
         from megatron.neox_arguments import ConfigError
 
         raise ConfigError(
             f"the launcher started {world} ranks but the settings were validated for "
-            f"data_parallel_size={args.data_parallel_size} x model_parallel_size={args.model_parallel_size}; "
-            "start the run through deepy.py so both agree"
+            f"data_parallel_size={args.data_parallel_size} x model_parallel_size={args.model_parallel_size} x "
+            f"pipe_parallel_size={stages}; start the run through deepy.py so both agree"
         )
 
 

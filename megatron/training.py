@@ -239,6 +239,7 @@ def setup(args):
     from megatron.hf import HF_FOLDER
     from megatron.model import build_model
     from megatron.neox_arguments import ConfigError, NeoXArgs
+    from megatron.pipeline import build_pipeline_engine
     from megatron.tokenizer import build_tokenizer
 
     if not args.requires_run_settings:  # files for generate.py / eval.py: what training needs was not required of them
@@ -261,10 +262,13 @@ def setup(args):
     ds_config = args.deepspeed_config()
     # Under ZeRO-3 no rank ever holds the whole model: it is built partitioned over the data-parallel group.
     partitioned_by = zero3_construction(ds_config) if args.zero_stage == 3 else None
-    model = build_model(args.architecture(), args.seed, partitioned_by=partitioned_by)
-    _log_model(args, model, args.zero_stage, dp_size)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=build_param_groups(model, args.weight_decay),
-                                           config=ds_config, mpu=ModelParallelUnit())
+    if args.pipe_parallel_size > 1:
+        engine = build_pipeline_engine(args, ds_config)
+    else:
+        model = build_model(args.architecture(), args.seed, partitioned_by=partitioned_by)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=build_param_groups(model, args.weight_decay),
+                                               config=ds_config, mpu=ModelParallelUnit())
+    _log_model(args, engine.module, args.zero_stage, dp_size)
     if args.torch_compile:
         engine.compile()  # compiles the module in place: parameter and checkpoint names stay as they are
     state = TrainState(schedule=Schedule.from_args(args))
@@ -286,7 +290,9 @@ def setup(args):
 def _log_model(args, model, zero_stage: int, dp_size: int) -> None:
     get_logger().info(f"model: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} parameters per "
                       f"tensor-parallel rank, precision {args.precision}, ZeRO stage {zero_stage}, {dp_size} "
-                      f"data-parallel rank(s) x {args.model_parallel_size} tensor-parallel")
+                      f"data-parallel rank(s) x {args.model_parallel_size} tensor-parallel"
+                      + (f" x {args.pipe_parallel_size} pipeline stages (the count is the first stage's)"
+                         if args.pipe_parallel_size > 1 else ""))
 
 
 def setup_for_inference(args):
@@ -335,8 +341,12 @@ def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals 
 
 
 def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals | None, objective) -> RunResult:
+    from megatron import pipeline
     from megatron.checkpointing import check_save_in_flight
     from megatron.objectives import objective_for
+
+    step_on, evaluate_on = (pipeline.train_step, pipeline.evaluate) if pipeline.is_pipelined(engine) else (
+        train_step, evaluate)
 
     def agreed_stop() -> int | None:
         return stop_signals.agreed_stop() if stop_signals is not None else None
@@ -374,7 +384,7 @@ def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals
         set_learning_rate(engine.optimizer, lr)
         started = time.perf_counter()
         profiler.before_step(state.iteration)
-        last_train_loss, train_metrics = train_step(engine, train_iterator, objective, inspect)
+        last_train_loss, train_metrics = step_on(engine, train_iterator, objective, inspect)
         profiler.after_step(state.iteration)
         state.iteration = step
         state.consumed_train_samples += args.train_batch_size
@@ -391,7 +401,7 @@ def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals
         watch.after_step(step, last_train_loss, scalars["train/grad_norm"], engine.was_step_applied(),
                          scalars["train/loss_scale"])
         if valid_iterator is not None and args.eval_interval and step % args.eval_interval == 0:
-            last_valid_loss, valid_metrics = evaluate(engine, valid_iterator, args.eval_iters, objective)
+            last_valid_loss, valid_metrics = evaluate_on(engine, valid_iterator, args.eval_iters, objective)
             state.consumed_valid_samples += samples_per_evaluation(args)
             metrics.write(_evaluation_scalars("valid", last_valid_loss, valid_metrics, objective), step)
             progress.message(f"validation at iteration {step}: "
@@ -413,7 +423,7 @@ def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals
         _save(args, engine, state)
     test_loss = None
     if test_iterator is not None and args.eval_iters > 0:
-        test_loss, test_metrics = evaluate(engine, test_iterator, args.eval_iters, objective)
+        test_loss, test_metrics = evaluate_on(engine, test_iterator, args.eval_iters, objective)
         metrics.write(_evaluation_scalars("test", test_loss, test_metrics, objective), state.iteration)
         get_logger().info(f"test: {_evaluation_line(test_loss, test_metrics, objective)}")
     metrics.close()

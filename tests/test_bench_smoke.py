@@ -108,3 +108,11 @@ def test_save_bench_prints_its_ratios():
     )
     assert_ratios(ratios, {"blocked/synchronous wall", "slowed_steps/synchronous wall",
                            "no_save_optim/synchronous wall", "async peak_rss/tag size"})
+
+
+@pytest.mark.slow
+def test_pipeline_bench_prints_its_ratios():
+    ratios = run_bench("bench_pipeline.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
+                       "--seq", "8", "--micro-batches", "1", "--repeats", "1", "--steps", "1")
+    assert_ratios(ratios, {"two_stages/one_module tokens_per_second", "bubble"})
+    assert ratios["bubble"] == pytest.approx(1 / 3, abs=1e-3)  # 2 stages, 2 micro batches

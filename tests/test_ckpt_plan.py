@@ -17,7 +17,7 @@ from megatron.checkpointing.client_state import (
 )
 from megatron.checkpointing.data_position import DataPosition
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.inventory import inventory_checkpoint
+from megatron.checkpointing.inventory import inventory_checkpoint, inventory_tag
 from megatron.checkpointing.plan import LoadMode, build_load_plan
 from megatron.checkpointing.rng import collect_rng_states
 from megatron.hf import HF_FOLDER
@@ -354,12 +354,38 @@ def test_pipeline_checkpoint_loads_module_only(tmp_path):
     torch.save({"w": torch.ones(2)}, tag_dir / "layer_00-model_00-model_states.pt")
     torch.save({"zero": "shard"}, tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     (tmp_path / "latest").write_text("global_step30")
-    with pytest.raises(CheckpointError, match="GPT-NeoX pipeline checkpoint"):
+    with pytest.raises(CheckpointError, match=r"is a pipeline checkpoint of 1 stage\(s\) \(layer files\), this run has "
+                       r"pipe_parallel_size 0; .* To load its weights, set `no_load_optim: true`"):
         plan_for(tmp_path)
     plan = plan_for(tmp_path, no_load_optim=True)
     assert plan.saved_iteration == 30 and plan.source_format == "pipeline"
     assert [p.name for p in plan.files] == ["mp_rank_00_model_states.pt", "layer_00-model_00-model_states.pt"]
     assert "RNG states not restored" in plan.describe()  # none saved
+
+
+def test_a_pipelined_save_resumes_only_at_its_number_of_stages(tmp_path):
+    """What DeepSpeed's pipe engine writes for 2 stages at tensor-parallel size 1: one mp_rank file and one ZeRO-1
+    shard per stage, layer files of tensor-parallel rank 0; the saved settings record the stages."""
+    tag_dir = tmp_path / "global_step4"
+    tag_dir.mkdir(parents=True)
+    for stage in (0, 1):
+        torch.save({"module": None, "iteration": 4, "dp_world_size": 1,
+                    "args": {"num_layers": 2, "pipe_parallel_size": 2, "model_parallel_size": 1},
+                    "ds_config": {"zero_optimization": {"stage": 1}}}, tag_dir / f"mp_rank_{stage:02d}_model_states.pt")
+        torch.save({"zero": "shard"}, tag_dir / f"zero_pp_rank_0_mp_rank_{stage:02d}_optim_states.pt")
+    for layer in (0, 2, 3, 5, 6):
+        torch.save({"w": torch.ones(2)}, tag_dir / f"layer_{layer:02d}-model_00-model_states.pt")
+    (tmp_path / "latest").write_text("global_step4")
+    tag = inventory_tag(tmp_path, "global_step4")
+    assert (tag.saved_tp_size, tag.saved_pp_size, tag.engine_mp_ranks) == (1, 2, (0, 1))
+    with pytest.raises(CheckpointError, match=r"is a pipeline checkpoint of 2 stage\(s\) \(layer files\), this run "
+                       r"has pipe_parallel_size 0; .* Set `pipe_parallel_size: 2` to resume, or set `no_load_optim"):
+        plan_for(tmp_path)
+    plan = plan_for(tmp_path, pipe_parallel_size=2, num_gpus=2)
+    assert plan.load_optimizer and plan.source_format == "pipeline"
+    assert {"layer_00-model_00-model_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"} <= {
+        p.name for p in plan.files}
+    assert plan_for(tmp_path, no_load_optim=True).files[-1].name == "layer_06-model_00-model_states.pt"
 
 
 @pytest.fixture(scope="module")

@@ -199,3 +199,18 @@ def test_dry_run_refuses_a_train_script_that_is_not_there(tmp_path, capsys):
     config = write_yaml(tmp_path, "run.yml", TINY_RUN)
     assert deepy.main(["no_such_script.py", str(config), "--dry-run"]) == 2
     assert "train script 'no_such_script.py' not found" in capsys.readouterr().err
+
+
+def test_gpt_neox_20b_recipe_passes_the_dry_run_at_its_rank_count(tmp_path, tokenizer_json, capsys, fp16_capable_cpu):
+    """GPT-NeoX's own configs/20B.yml, unchanged, on its 96 ranks (a hostfile of 12 nodes x 8): 4 pipeline stages
+    x 2 tensor-parallel x 12 data-parallel ranks, ZeRO-1, fp16. Only the tokenizer file is the user's, and fp16
+    is allowed as on the GPU machines the recipe is for (this CPU's DeepSpeed accelerator has none)."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"node{i} slots=8\n" for i in range(12)))
+    recipe = REPO_ROOT / "tests" / "fixtures" / "gpt_neox" / "configs" / "20B.yml"
+    cluster = write_yaml(tmp_path, "cluster.yml", {"vocab_file": str(tokenizer_json), "hostfile": str(hostfile)})
+    report, args = dry_run([recipe, cluster], capsys)
+    assert (args.global_num_gpus, args.pipe_parallel_size, args.model_parallel_size, args.data_parallel_size) == (
+        96, 4, 2, 12)
+    assert (args.zero_stage, args.precision, args.pipe_partition_method) == (1, "fp16", "type:transformer|mlp")
+    assert report["deepspeed_config"]["train_batch_size"] == 4 * 32 * 12

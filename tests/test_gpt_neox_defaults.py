@@ -11,6 +11,7 @@ from megatron.neox_arguments import SETTINGS
 GPT_NEOX_DEFAULTS = {
     # parallelism and model
     "pipe_parallel_size": 0,
+    "pipe_partition_method": "type:transformer|mlp",
     "model_parallel_size": 1,
     "num_layers": None,
     "hidden_size": None,

@@ -206,7 +206,15 @@ def test_saved_settings_of_other_programs_restore_what_this_schema_knows():
         ({"model_parallel_size": 3, "num_gpus": 3, "hidden_size": 66, "num_attention_heads": 6, "num_kv_heads": 2},
          r"run.yml: model_parallel_size: num_kv_heads=2 neither divides nor is divisible by model_parallel_size=3"),
         ({"model_parallel_size": 0}, r"run.yml: model_parallel_size: must be at least 1"),
-        ({"pipe_parallel_size": 2}, r"run.yml: pipe_parallel_size: pipeline parallelism is not supported"),
+        ({"pipe_parallel_size": 2}, r"run.yml: pipe_parallel_size: 2 stages x model_parallel_size 1 = 2 ranks per "
+         r"model replica do not divide the 1 ranks"),
+        ({"pipe_parallel_size": -1}, r"run.yml: pipe_parallel_size: must not be negative"),
+        ({"pipe_parallel_size": 2, "num_gpus": 2, "zero_optimization": {"stage": 2}},
+         r"run.yml: zero_optimization: stage 2 with pipe_parallel_size 2: DeepSpeed's pipe engine runs ZeRO stage 0 "
+         r"or 1 only"),
+        ({"pipe_parallel_size": 2, "num_gpus": 2, "log_grad_norm": True},
+         r"run.yml: log_grad_norm: not available with pipe_parallel_size 2"),
+        ({"pipe_partition_method": "type:"}, r"run.yml: pipe_partition_method: 'type:' is not one of 'uniform'"),
         ({"hidden_dropout": 1.5}, r"run.yml: hidden_dropout: must be in \[0, 1\)"),
         ({"warmup": 2.5}, r"run.yml: warmup: 2.5: warmup is a fraction of lr_decay_iters \(as in GPT-NeoX\)"),
         ({"override_lr_scheduler": True, "use_checkpoint_lr_scheduler": True},

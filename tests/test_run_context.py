@@ -85,3 +85,15 @@ def test_a_tensor_parallel_checkpoint_gives_its_model_but_not_its_split(tmp_path
     args = args.with_values({"padded_vocab_size": args.padded_vocab_size}, "the checkpoint")
     plan = build_load_plan(args, inventory_checkpoint(tmp_path / "tp2", HF_FOLDER), 1)
     assert "tensor-parallel" in plan.describe()
+
+
+def test_a_pipelined_checkpoint_gives_its_model_but_not_its_stages(tmp_path, single_rank_world):
+    """Saved settings of a 2-stage run (GPT-NeoX's pipe_parallel_size and pipe_partition_method) give a 1-rank
+    run the model's shape; the run keeps its own pipeline size (none), whose module-only load takes the layers."""
+    root = tmp_path / "pipelined"
+    saved = make_args(stage=0)
+    saved_checkpoint(root, saved, client_state={"args": {**saved.to_dict(), "pipe_parallel_size": 2, "num_gpus": 2,
+                                                         "pipe_partition_method": "uniform"}})
+    args = settings_for_run(finetune_yml(tmp_path, load=str(root)))
+    assert args.num_layers == saved.num_layers and args.source_of("num_layers") == f"{root / 'global_step1'} (saved settings)"
+    assert (args.pipe_parallel_size, args.pipe_partition_method) == (0, "type:transformer|mlp")

@@ -300,3 +300,19 @@ def test_deepy_killed_outright_leaves_no_rank_behind(tmp_path):
     run.process.kill()
     run.process.wait(timeout=30)
     run.assert_nothing_left()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_pipeline_stages_stop_at_the_same_step_and_save_their_layer_files(tmp_path):
+    """SIGTERM to the last stage only: both stages agree on the step, save GPT-NeoX's layer files, exit 0."""
+    save = tmp_path / "ckpt"
+    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save, num_gpus=2, pipe_parallel_size=2,
+                                                     gradient_accumulation_steps=2)])
+    run.wait_for(r"iteration\s+3/2000")
+    signal_the_job(run, "the last rank", signal.SIGTERM)
+    iteration = assert_graceful_stop(run, save, signal.SIGTERM, ranks=1)  # one data-parallel replica
+    tag_dir = save / f"global_step{iteration}"
+    assert (tag_dir / "layer_00-model_00-model_states.pt").is_file()
+    assert (tag_dir / "layer_08-model_00-model_states.pt").is_file()  # the output layer, on the last stage
+    assert list(tag_dir.glob("*zero_pp_rank_0_mp_rank_01_optim_states.pt"))  # the last stage's shard

@@ -124,11 +124,30 @@ class TagInventory:
 
     @property
     def mp_ranks(self) -> tuple[int, ...]:
+        """The tensor-parallel ranks of the tag's files."""
+        if self.layer_files:  # a pipeline's mp_rank files count (stage, tensor-parallel rank) pairs
+            return tuple(sorted({int(layout.LAYER_FILE_RE.match(p.name)["mp"]) for p in self.layer_files}))
         ranks = set(self.model_states_files)
         ranks.update(mp for _, mp in self.zero3_model_states_files)
         ranks.update(mp for _, mp in self.optimizer_files)
-        ranks.update(int(layout.LAYER_FILE_RE.match(p.name).group(2)) for p in self.layer_files)
         return tuple(sorted(ranks))
+
+    @property
+    def engine_mp_ranks(self) -> tuple[int, ...]:
+        """DeepSpeed's mp_rank numbers in the model-states and optimizer file names: the tensor-parallel ranks,
+        or for a pipeline every (stage, tensor-parallel rank) pair, stage-major."""
+        if not self.layer_files:
+            return self.mp_ranks
+        return tuple(sorted({*self.model_states_files, *(mp for _, mp in self.optimizer_files)}))
+
+    @property
+    def saved_pp_size(self) -> int:
+        """Pipeline stages the tag was saved with: 1 without layer files."""
+        if not self.layer_files:
+            return 1
+        args = self.metadata.saved_args if self.metadata else None
+        recorded = int((args or {}).get("pipe_parallel_size") or 0)
+        return recorded if recorded > 1 else max(len(self.engine_mp_ranks) // len(self.mp_ranks), 1)
 
     @property
     def saved_tp_size(self) -> int:

@@ -66,14 +66,20 @@ def plan_load(args, data_parallel_size: int, hf_source: WeightsSource | None = N
     return plan
 
 
-def _module_weights(plan: LoadPlan):
+def _module_weights(plan: LoadPlan, engine):
+    """This rank's weights, named as the engine's module names them: a pipeline stage takes its own layers."""
+    from deepspeed.pipe import PipelineModule
+
     from megatron.checkpointing import preflight
     from megatron.checkpointing.module_weights import read_this_ranks_module_weights, this_ranks_part
+    from megatron.model.pipeline import stage_weights
 
     if plan.hf_source is not None:
-        return this_ranks_part([plan.hf_source.read_weights(plan.load_dir, plan.architecture)], plan.architecture)
-    saved = preflight.saved_tensor_parallel_size(plan.tag_inventory)
-    return read_this_ranks_module_weights(plan.tag_dir, saved, plan.architecture)
+        weights = this_ranks_part([plan.hf_source.read_weights(plan.load_dir, plan.architecture)], plan.architecture)
+    else:
+        saved = preflight.saved_tensor_parallel_size(plan.tag_inventory)
+        weights = read_this_ranks_module_weights(plan.tag_dir, saved, plan.architecture)
+    return stage_weights(engine.module, weights) if isinstance(engine.module, PipelineModule) else weights
 
 
 def _check_names_for_resume(plan: LoadPlan, engine) -> None:
@@ -153,14 +159,14 @@ def load_checkpoint(engine, plan: LoadPlan) -> LoadOutcome | None:
 
         _check_names_for_resume(plan, engine)
         module_report = resume_at_another_shape(engine, plan.tag_inventory, plan.reshard, plan.architecture,
-                                                _module_weights(plan))
+                                                _module_weights(plan, engine))
         client_state = plan.client_state
     elif plan.load_optimizer:
         client_state = _resume(engine, plan)
     else:
         from megatron.checkpointing.module_load import load_module_only
 
-        module_report = load_module_only(engine, _module_weights(plan), strict=plan.strict,
+        module_report = load_module_only(engine, _module_weights(plan, engine), strict=plan.strict,
                                          allow_random=plan.allow_random)
         if not module_report.complete:
             _logger().info(module_report.describe())

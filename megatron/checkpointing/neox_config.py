@@ -4,9 +4,10 @@ The YAML files a run was started with are copied there too, but a run usually ne
 file and a local setup), and GPT-NeoX's tools (tools/ckpts/convert_neox_to_hf.py, ...) read one. This
 one describes the files of the tag as written:
 
-- pipe_parallel_size 0: the module sits in mp_rank_<MP>_model_states.pt under ``sequential.<i>.<name>``,
-  GPT-NeoX's layout for a model without a pipeline; GPT-NeoX's tools take pipe_parallel_size >= 1 to
-  mean one layer_<II>-model_<MP>-model_states.pt file per layer, which are not written.
+- pipe_parallel_size 0 for a run without a pipeline (0 or 1): the module sits in
+  mp_rank_<MP>_model_states.pt under ``sequential.<i>.<name>``, GPT-NeoX's layout for a model without a
+  pipeline; GPT-NeoX's tools take pipe_parallel_size >= 1 to mean one layer_<II>-model_<MP>-model_states.pt
+  file per layer, which a pipelined run (pipe_parallel_size > 1) writes, and records its size.
 - model_parallel_size: the number of mp_rank files.
 - sizes left unset (intermediate_size: 4 x hidden, num_kv_heads, max_position_embeddings) as the
   architecture resolves them, because GPT-NeoX's tools do not derive them; intermediate_size keeps
@@ -42,7 +43,8 @@ def resolved_neox_config(settings: dict[str, Any]) -> dict[str, Any]:
     arch = architecture_from_settings({**{n: s.default for n, s in SETTINGS.items()}, **settings})
     values.update(intermediate_size=ungated_mlp_width(arch.hidden_size, settings.get("intermediate_size")),
                   num_kv_heads=arch.num_kv_heads, max_position_embeddings=arch.max_position_embeddings)
-    values["pipe_parallel_size"] = 0
+    stages = int(settings.get("pipe_parallel_size") or 0)
+    values["pipe_parallel_size"] = stages if stages > 1 else 0
     values["model_parallel_size"] = int(settings.get("model_parallel_size") or 1)
     for name in ("vocab_file", "merge_file"):
         if values.get(name):

@@ -230,7 +230,7 @@ def _resume_files(tag: TagInventory, universal: bool) -> tuple[Path, ...]:
     A universal load reads the optimizer from the ``zero/`` folder instead of the shards.
     """
     stage = tag.metadata.zero_stage if tag.metadata is not None else 0
-    files = [*tag.model_states_files.values()]
+    files = [*tag.model_states_files.values(), *tag.layer_files]
     if stage == 3:  # a universal load reads data-parallel rank 0's only: the optimizer comes from zero/
         files += (path for (dp, _), path in tag.zero3_model_states_files.items() if dp == 0 or not universal)
     if universal:

@@ -69,7 +69,7 @@ def _expected_optimizer_files(tag: TagInventory, saved_dp: int) -> dict[tuple[in
     prefixes = {layout.OPTIM_STATES_RE.match(p.name).group(1) for p in tag.optimizer_files.values()}
     prefix = next(iter(prefixes)) if len(prefixes) == 1 else None
     return {(dp, mp): layout.optim_states_name(dp, mp, prefix)
-            for mp in (tag.mp_ranks or (0,)) for dp in range(saved_dp)}
+            for mp in (tag.engine_mp_ranks or (0,)) for dp in range(saved_dp)}
 
 
 def loads_universal(tag: TagInventory, args) -> bool:
@@ -78,11 +78,7 @@ def loads_universal(tag: TagInventory, args) -> bool:
 
 
 def _check_resume(tag: TagInventory, args, data_parallel_size: int) -> None:
-    if tag.format == FORMAT_PIPELINE:
-        raise CheckpointError(
-            f"{tag.path} is a GPT-NeoX pipeline checkpoint (layer_<II>-model_<MP>-model_states.pt); its "
-            f"optimizer states cannot be resumed here. To load its weights, {_MODULE_ONLY_HINT}."
-        )
+    _check_pipeline_stages(tag, args)
     if not tag.has_optimizer_states:
         raise CheckpointError(
             f"full resume asks for optimizer states, but {tag.path} holds none (no "
@@ -95,8 +91,29 @@ def _check_resume(tag: TagInventory, args, data_parallel_size: int) -> None:
     if not loads_universal(tag, args):
         change = reshard.shape_change(tag, args, data_parallel_size, saved_tensor_parallel_size(tag))
         problem = change and reshard.refusal(tag, args, _MODULE_ONLY_HINT)
+        if change and tag.format == FORMAT_PIPELINE:
+            problem = (f"{tag.path} is a pipeline checkpoint saved at {change.saved.describe()}, this run is "
+                       f"{change.run.describe()}; a pipeline's optimizer shards resume at their own shape only. "
+                       f"Resume there, or {_MODULE_ONLY_HINT}.")
         if problem:
             raise CheckpointError(problem)
+
+
+def _check_pipeline_stages(tag: TagInventory, args) -> None:
+    """A pipeline tag resumes in DeepSpeed's pipe engine at its number of stages, any other tag outside it."""
+    pipelined_tag, stages = tag.format == FORMAT_PIPELINE, args.pipe_parallel_size or 0
+    if pipelined_tag == (stages > 1) and (not pipelined_tag or tag.saved_pp_size == stages):
+        return
+    if pipelined_tag:
+        saved, resume = (f"is a pipeline checkpoint of {tag.saved_pp_size} stage(s) (layer files)",
+                         f"Set `pipe_parallel_size: {tag.saved_pp_size}` to resume, or " if tag.saved_pp_size > 1 else "")
+    else:
+        saved, resume = "was saved without a pipeline", "Set `pipe_parallel_size: 0` to resume, or "
+    raise CheckpointError(
+        f"{tag.path} {saved}, this run has pipe_parallel_size {stages}; a full resume restores each stage's "
+        f"optimizer shards as they were saved. {resume or 'To load its weights, '}{_MODULE_ONLY_HINT} (the weights "
+        "move between pipeline sizes)."
+    )
 
 
 def _check_shards_complete(tag: TagInventory) -> None:

@@ -107,8 +107,8 @@ class NeoXArgs:
         held for the saving run (NOT_RESTORED) are dropped; GPT-NeoX settings with no effect here
         are dropped; what remains is validated like any config. GPT-NeoX records no seq_length: no
         weight depends on it, max_position_embeddings stands in. Without `require_model` the model's
-        shape may be missing (a checkpoint that recorded none). The world is one tensor-parallel group of
-        the saved model_parallel_size.
+        shape may be missing (a checkpoint that recorded none). The world is one model replica: the saved
+        model_parallel_size x pipe_parallel_size.
         """
         values = canonical_names({normalise_key(str(k)): v for k, v in saved.items()}, source)
         take_foreign_settings(values, dict.fromkeys(values, source))  # an unsupported feature that is on raises
@@ -117,11 +117,15 @@ class NeoXArgs:
                 and (not SETTINGS[name].derived or name in GIVEN_BY_CODE)}
         if kept.get("seq_length") is None and kept.get("max_position_embeddings") is not None:
             kept["seq_length"] = kept["max_position_embeddings"]
-        tensor_parallel = kept.get("model_parallel_size")
-        if isinstance(tensor_parallel, int) and not isinstance(tensor_parallel, bool) and tensor_parallel > 1:
-            # The saving run's launcher is not restored: count the ranks of one tensor-parallel group,
-            # so the saved size is checked against a world it fits.
-            kept["num_gpus"] = tensor_parallel
+        # The saving run's launcher is not restored: count the ranks of one model replica (its tensor-parallel
+        # group times its pipeline stages), so the saved sizes are checked against a world they fit.
+        ranks = 1
+        for name in ("model_parallel_size", "pipe_parallel_size"):
+            size = kept.get(name)
+            if isinstance(size, int) and not isinstance(size, bool) and size > 1:
+                ranks *= size
+        if ranks > 1:
+            kept["num_gpus"] = ranks
         return cls._validated(kept, dict.fromkeys(kept, source), False, require_model)
 
     def with_values(self, values: dict[str, Any], source: str) -> NeoXArgs:

@@ -72,6 +72,7 @@ def derive_all(v: dict[str, Any], sources: dict[str, str], require_run_settings:
     _derive_checkpointing(v, sources)
     _check_profiling(v, sources)
     _check_train_impl(v, sources)
+    _check_pipeline(v, sources)
     if require_run_settings:
         _check_data(v, sources)
 
@@ -105,8 +106,12 @@ def _check_ranges(v: dict[str, Any], sources: dict[str, str]) -> None:
         raise _fail(sources, "sliding_window_width", f"must be at least 1 when set, got {v['sliding_window_width']}")
     if v["model_parallel_size"] < 1:
         raise _fail(sources, "model_parallel_size", f"must be at least 1, got {v['model_parallel_size']}")
-    if v["pipe_parallel_size"] > 1 or v["pipe_parallel_size"] < 0:
-        raise _fail(sources, "pipe_parallel_size", "pipeline parallelism is not supported; use 0 or 1")
+    if v["pipe_parallel_size"] < 0:
+        raise _fail(sources, "pipe_parallel_size", f"must not be negative, got {v['pipe_parallel_size']}")
+    method = v["pipe_partition_method"]
+    if method not in ("uniform", "parameters") and not (method.startswith("type:") and len(method) > 5):
+        raise _fail(sources, "pipe_partition_method", f"{method!r} is not one of 'uniform', 'parameters' or "
+                    "'type:<regex of layer class names>' (GPT-NeoX's default: 'type:transformer|mlp')")
     if v["eval_interval"] < 1 or v["eval_iters"] < 0:
         raise _fail(sources, "eval_interval", "eval_interval must be at least 1 and eval_iters not negative")
     if not 0 <= v["seed"] <= MAX_SEED:
@@ -264,6 +269,10 @@ def _derive_world(v: dict[str, Any], sources: dict[str, str], notices: list[str]
                     "or make them agree")
     v["global_num_gpus"] = ranks
     model_ranks = v["model_parallel_size"] * max(v["pipe_parallel_size"], 1)
+    if v["pipe_parallel_size"] > 1 and ranks % model_ranks:
+        raise _fail(sources, "pipe_parallel_size", f"{v['pipe_parallel_size']} stages x model_parallel_size "
+                    f"{v['model_parallel_size']} = {model_ranks} ranks per model replica do not divide the {ranks} "
+                    "ranks (num_gpus x nodes); start a multiple of it or choose sizes whose product divides it")
     if ranks % model_ranks:
         raise _fail(sources, "model_parallel_size", f"{v['model_parallel_size']} does not divide the {ranks} "
                     "ranks (num_gpus x nodes); every tensor-parallel group needs that many ranks, so start "
@@ -443,6 +452,26 @@ def _check_train_impl(v: dict[str, Any], sources: dict[str, str]) -> None:
                                            "dpo, kto or rm")
     if v["train_impl"] != "normal":
         raise _fail(sources, "train_impl", f"{v['train_impl']} is not built yet; use normal")
+
+
+def _check_pipeline(v: dict[str, Any], sources: dict[str, str]) -> None:
+    """What DeepSpeed's pipe engine (pipe_parallel_size > 1) cannot do, refused before any rank starts."""
+    stages = v["pipe_parallel_size"]
+    if stages <= 1:
+        return
+    if v["zero_stage"] >= 2:
+        raise _fail(sources, "zero_optimization", f"stage {v['zero_stage']} with pipe_parallel_size {stages}: "
+                    "DeepSpeed's pipe engine runs ZeRO stage 0 or 1 only (GPT-NeoX's pipelined recipes use 1); "
+                    "set stage 1, or pipe_parallel_size 1")
+    for name, why in (("log_grad_norm", "each stage holds only its own layers' gradients, and the pipe engine "
+                       "steps inside its schedule"),
+                      ("log_param_norm", "each stage holds only its own layers"),
+                      ("torch_compile", "DeepSpeed's pipe engine runs its stages' layers one by one"),
+                      ("checkpoint_validation_with_forward_pass", "the pipe engine runs no forward pass outside "
+                       "train_batch and eval_batch")):
+        if v[name]:
+            raise _fail(sources, name, f"not available with pipe_parallel_size {stages}: {why}; turn it off or set "
+                        "pipe_parallel_size 1")
 
 
 def _check_data(v: dict[str, Any], sources: dict[str, str]) -> None:

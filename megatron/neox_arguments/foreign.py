@@ -64,7 +64,6 @@ INERT: dict[str, str] = {
     "mmap_warmup": _MEMORY,
     "output_layer_parallelism": "only matters for tensor parallelism, which is fixed at 1",
     "sequence_parallel": "only matters for tensor parallelism, which is fixed at 1",
-    "pipe_partition_method": "only matters for pipeline parallelism, which is not supported",
     "distributed_backend": "the backend is chosen by DeepSpeed's accelerator (nccl on GPU, gloo on CPU)",
     "rotary_save_freqs_buffer": "only decides whether GPT-NeoX stores the rotary frequencies in checkpoints; they are recomputed here",
     "detect_nvlink_pairs": _PLUMBING,

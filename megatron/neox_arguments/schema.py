@@ -84,7 +84,11 @@ SETTINGS_LIST: list[Setting] = [
     _model("hf_model_type", OPT_STR, None, "the Hugging Face family (config.json's model_type) the model came from, which convert_neox_to_hf.py writes back; unset: the family the architecture implies", choices=(None, "gpt_neox", "llama", "mistral", "qwen2", "qwen3"), gpt_neox=False),
     _model("make_vocab_size_divisible_by", int, 128, "pad the vocabulary to a multiple of this"),
     _model("model_parallel_size", int, 1, "tensor-parallel size: ranks that split each layer (heads, MLP, vocabulary) between them"),
-    _model("pipe_parallel_size", int, 0, "pipeline-parallel size (0 or 1: no pipeline)"),
+    _model("pipe_parallel_size", int, 0, "pipeline stages (DeepSpeed's pipe engine); 0 or 1: no pipeline, the "
+           "model trains as one module (GPT-NeoX's to_sequential)"),
+    _model("pipe_partition_method", str, "type:transformer|mlp", "how layers are spread over the pipeline stages: "
+           "uniform (as many layers each), parameters (as many parameters each) or type:<regex> (as many layers "
+           "whose class name matches each)"),
     # --- optimisation ---------------------------------------------------------------------
     _train("train_impl", str, "normal", "the objective (megatron/objectives): normal (language modelling, SFT), "
            "dpo, kto, rm (reward model) or reinforce", choices=("normal", "dpo", "kto", "rm", "reinforce")),

@@ -179,6 +179,7 @@ def describe(root: Path, tag_name: str | None) -> dict[str, Any]:
             precision=metadata.precision if metadata else None,
             dp_world_size=metadata.dp_world_size if metadata else None,
             tensor_parallel_size=tag.saved_tp_size,
+            pipeline_stages=tag.saved_pp_size,
             optimizer_states={
                 "in_model_states_file": bool(metadata and metadata.has_optimizer_in_file),
                 "zero_shard_dp_ranks": list(tag.optimizer_dp_ranks),
@@ -224,7 +225,7 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"tag {report['tag']} ({report['tag_format']}): iteration {report['iteration']}, "
               f"ZeRO stage {report['zero_stage']}, precision {report['precision']}, "
               f"saved by {report['dp_world_size']} data-parallel rank(s) x {report['tensor_parallel_size']} "
-              "tensor-parallel")
+              f"tensor-parallel x {report['pipeline_stages']} pipeline stage(s)")
         optim = report["optimizer_states"]
         print(f"  optimizer states: in model-states file {optim['in_model_states_file']}, "
               f"ZeRO shards for DP ranks {optim['zero_shard_dp_ranks'] or 'none'}, universal {optim['universal']}")

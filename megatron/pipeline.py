@@ -1,0 +1,62 @@
+"""Training through DeepSpeed's pipe engine (pipe_parallel_size > 1): its engine, steps and evaluations.
+
+The pipe engine runs a whole optimizer step (``train_batch``: every micro batch through every stage,
+the tied embedding's gradients summed, the step) and a whole evaluation (``eval_batch``) itself; the
+first and last stage read the micro batches, each from its own copy of the data-parallel rank's
+iterator. The loss it returns is averaged over the micro batches and the data-parallel ranks and the
+same on every stage, so the training loop reports it as it reports the one-module loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from megatron.model.pipeline import build_pipeline_model
+
+
+def is_pipelined(engine) -> bool:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    return isinstance(engine, PipelineEngine)
+
+
+def build_pipeline_engine(args, ds_config: dict):
+    """This rank's stage in DeepSpeed's pipe engine, over the topology of megatron-core's groups."""
+    import deepspeed
+
+    from megatron.optimizers import build_param_groups
+
+    module = build_pipeline_model(args.architecture(), args.seed, args.pipe_parallel_size, args.pipe_partition_method)
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=build_param_groups(module, args.weight_decay),
+                                           config=ds_config)
+    return engine
+
+
+def pipeline_batches(iterator: Iterator[dict], batch_options) -> Iterator[tuple[tuple, tuple]]:
+    """The pipe engine's (inputs, labels) micro batches from the data iterator's samples, read as they are asked for."""
+    from megatron.data import get_batch
+    from megatron.initialize import current_device
+
+    for samples in iterator:
+        batch = get_batch(samples, batch_options).to(current_device())
+        positions = batch.position_ids
+        if positions is None:
+            positions = torch.arange(batch.tokens.shape[1], device=batch.tokens.device).expand_as(batch.tokens)
+        mask = () if batch.attention_mask is None else (batch.attention_mask,)
+        yield (batch.tokens, positions.contiguous(), *mask), (batch.labels, batch.loss_mask)
+
+
+def train_step(engine, train_iterator, objective, before_optimizer_step=None) -> tuple[float, dict[str, float]]:
+    """``training.train_step`` through the pipe engine (the language-model loss; no metrics besides it)."""
+    loss = engine.train_batch(pipeline_batches(train_iterator, objective.batch_options))
+    return float(loss), {}
+
+
+@torch.no_grad()
+def evaluate(engine, iterator, eval_iters: int, objective) -> tuple[float, dict[str, float]]:
+    """``training.evaluate`` through the pipe engine: the mean loss of ``eval_iters`` batches of
+    gradient_accumulation_steps micro batches (one ``eval_batch`` each, as GPT-NeoX evaluates a pipeline)."""
+    batches = pipeline_batches(iterator, objective.batch_options)
+    return sum(float(engine.eval_batch(batches)) for _ in range(eval_iters)) / eval_iters, {}

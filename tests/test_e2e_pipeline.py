@@ -1,0 +1,95 @@
+"""End to end with 2 pipeline stages on 2 CPU ranks (pipe_parallel_size 2, ZeRO-1), run with deepy.py as a
+user runs it: GPT-NeoX's layer files, an exact resume, and module-only loads between 2 stages and one module."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import yaml
+
+from megatron.checkpointing.manifest import read_manifest
+from megatron.checkpointing.module_weights import read_module_weights
+from tests.e2e import checkpoint_files, run_deepy, train_lines, write_overrides
+from tests.test_inspect_checkpoint import inspect
+
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
+
+PIPE = dict(num_gpus=2, pipe_parallel_size=2, gradient_accumulation_steps=2, eval_interval=2)
+# A learning rate far below the last bit of any weight: a run that loads weights, takes one step and
+# saves them again saves exactly what it loaded.
+FROZEN = dict(optimizer={"type": "AdamW", "params": {"lr": 1e-30}}, min_lr=0.0, weight_decay=0.0, train_iters=1,
+              checkpoint_factor=1, finetune=True, gradient_accumulation_steps=2)
+# configs/tiny.yml's 4 layers at GPT-NeoX's positions 2-5; type:transformer|mlp gives each stage two
+LAYER_FILES = [f"layer_{i:02d}-model_00-model_states.pt" for i in (0, 2, 3, 4, 5, 7, 8)]
+
+
+@pytest.fixture(scope="module")
+def pipelined_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("pipe2")
+    save = work / "ckpt"
+    overrides = write_overrides(work, save=str(save), train_iters=4, checkpoint_factor=2, **PIPE)
+    result = run_deepy(["configs/tiny.yml", overrides])
+    assert "x 2 pipeline stages" in result.stdout
+    return work, save, train_lines(result.stdout)
+
+
+def test_a_pipelined_run_saves_gpt_neox_layer_files_and_resumes_exactly(pipelined_run):
+    work, save, lines = pipelined_run
+    assert lines[-1].iteration == 4 and lines[-1].loss < lines[0].loss
+    tag = save / "global_step4"
+    files = checkpoint_files(tag)
+    assert [f for f in files if f.startswith("layer_")] == LAYER_FILES
+    # DeepSpeed's pipe engine: one model-states file and one ZeRO-1 shard per stage
+    assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+            "zero_pp_rank_0_mp_rank_01_optim_states.pt"} <= set(files)
+    assert set(LAYER_FILES) <= set(read_manifest(tag))
+    config = yaml.safe_load((tag / "configs" / "neox_config.yml").read_text())
+    assert config["pipe_parallel_size"] == 2 and config["pipe_partition_method"] == "type:transformer|mlp"
+    report = inspect(save)
+    assert (report["format"], report["tensor_parallel_size"], report["pipeline_stages"]) == ("pipeline", 1, 2)
+    assert report["model"] == "gpt_neox, no variants", json.dumps(report)[:2000]
+    assert report["load_modes"]["finetune"]["possible"]
+
+    resumed = write_overrides(work, name="resume.yml", save=str(work / "resumed"), load=str(save), iteration=2,
+                              train_iters=4, checkpoint_factor=2, **PIPE)
+    after = train_lines(run_deepy(["configs/tiny.yml", resumed]).stdout)
+    assert [(line.iteration, line.loss) for line in after] == [(line.iteration, line.loss) for line in lines[2:]]
+
+
+def test_weights_move_from_two_stages_to_one_module_and_back_bit_for_bit(pipelined_run):
+    """Module-only loads (with the master refresh and its verification) 2 stages -> 1 rank without a pipeline ->
+    2 stages: every saved tensor is the one loaded, and the two frozen runs, fed the same batch (one data-parallel
+    rank each), report the same loss."""
+    work, save, _ = pipelined_run
+    one = write_overrides(work, name="to-one.yml", load=str(save), save=str(work / "one"), num_gpus=1, **FROZEN)
+    one_lines = train_lines(run_deepy(["configs/tiny.yml", one]).stdout)
+    two = write_overrides(work, name="to-two.yml", load=str(work / "one"), save=str(work / "two"), num_gpus=2,
+                          pipe_parallel_size=2, **FROZEN)
+    two_lines = train_lines(run_deepy(["configs/tiny.yml", two]).stdout)
+    assert one_lines[0].loss == two_lines[0].loss
+    original = read_module_weights(save / "global_step4")
+    assert "mp_rank_00_model_states.pt" in checkpoint_files(work / "one" / "global_step1")
+    assert [f for f in checkpoint_files(work / "two" / "global_step1") if f.startswith("layer_")] == LAYER_FILES
+    for moved in (read_module_weights(work / "one" / "global_step1"), read_module_weights(work / "two" / "global_step1")):
+        assert moved.keys() == original.keys()
+        assert all(torch.equal(moved[name], original[name]) for name in original)
+
+
+def test_two_stages_stop_together_at_the_first_nonfinite_step_and_keep_the_last_good_checkpoint(tmp_path):
+    """The pipe engine's loss and gradient norm (every stage's) reach the divergence stop on both stages."""
+    save = tmp_path / "ckpt"
+    overrides = write_overrides(
+        tmp_path, save=str(save), train_iters=12, checkpoint_factor=1, keep_last_n_checkpoints=None,
+        warmup=0, optimizer={"type": "AdamW", "params": {"lr": 1.0e4, "betas": [0.9, 0.95], "eps": 1.0e-8}},
+        **{**PIPE, "eval_interval": 100})
+    result = run_deepy(["configs/tiny.yml", overrides], expect_success=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-4000:]
+    diverged = int(re.search(r"iteration (\d+) \(fp32\): loss \S+, gradient norm \S+.* The run diverged", output)[1])
+    saved = sorted(int(p.name.removeprefix("global_step")) for p in save.glob("global_step*"))
+    assert saved == list(range(1, diverged)), f"saved {saved}, diverged at {diverged}"
+    assert (save / "latest").read_text().strip() == f"global_step{diverged - 1}"
+    assert "Traceback" not in output, output[-4000:]
