@@ -381,8 +381,32 @@ def _check_train_impl(v: dict[str, Any], sources: dict[str, str]) -> None:
         raise _fail(sources, "train_impl", "reinforce needs GPT-NeoX's external vLLM generation server fed the "
                                            "policy's weights over CUDA IPC, which this framework does not have; use "
                                            "dpo, kto or rm")
-    if v["train_impl"] != "normal":
+    if v["train_impl"] not in ("normal", "rm"):
         raise _fail(sources, "train_impl", f"{v['train_impl']} is not built yet; use normal")
+    if v["train_impl"] == "rm":
+        _check_reward_model(v, sources)
+
+
+def _check_reward_model(v: dict[str, Any], sources: dict[str, str]) -> None:
+    """train_impl rm reads one reward per row, at the first trained position (the first of the two end tokens
+    preprocess_data_with_chat_template.py --for-rm appends), from a scalar head in place of the output layer."""
+    if not v["no_weight_tying"]:
+        raise _fail(sources, "no_weight_tying", "train_impl rm replaces the output layer by a scalar head, so the "
+                    "embeddings cannot be tied to it; set no_weight_tying: true (as GPT-NeoX requires)")
+    if v["dataset_impl"] != "pairwise":
+        raise _fail(sources, "dataset_impl", "train_impl rm compares a chosen with a rejected sequence; set "
+                    "dataset_impl: pairwise with pos_/neg_*_data_paths")
+    if v["pack_impl"] != "unpacked":
+        raise _fail(sources, "pack_impl", f"train_impl rm reads one reward per sample, so each sample must hold one "
+                    f"pair: set pack_impl: unpacked, not {v['pack_impl']}")
+    if v["eod_mask_loss"]:
+        raise _fail(sources, "eod_mask_loss", "train_impl rm reads the reward where the loss mask is on, at an end "
+                    "token, which eod_mask_loss would mask; remove it")
+    for split in ("train", "valid", "test"):
+        if v[f"pos_{split}_data_paths"] and not v[f"pos_{split}_label_data_paths"]:
+            raise _fail(sources, f"pos_{split}_data_paths", f"train_impl rm reads each reward at the position its "
+                        f"labels train; set pos_/neg_{split}_label_data_paths (preprocess_data_with_chat_template.py "
+                        "--for-rm writes them)")
 
 
 def _check_data(v: dict[str, Any], sources: dict[str, str]) -> None:

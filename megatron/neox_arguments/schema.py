@@ -87,6 +87,8 @@ SETTINGS_LIST: list[Setting] = [
     # --- optimisation ---------------------------------------------------------------------
     _train("train_impl", str, "normal", "the objective (megatron/objectives): normal (language modelling, SFT), "
            "dpo, kto, rm (reward model) or reinforce", choices=("normal", "dpo", "kto", "rm", "reinforce")),
+    _train("z_loss", FLOAT, 0.0, "train_impl rm: weight of the penalty on the squared rewards, "
+           "z_loss x mean(chosen^2 + rejected^2), added to the loss"),
     _train("optimizer", (dict, type(None)), None, "optimizer as {type: Adam|AdamW|SGD, params: {lr, betas, eps, ...}}"),
     _train("lr", OPT_FLOAT, None, "peak learning rate; normally given as optimizer.params.lr; unset in both: 0.001 (GPT-NeoX's Adam default)"),
     _train("min_lr", FLOAT, 0.0, "learning rate at the end of the decay"),
