@@ -210,3 +210,26 @@ def test_tensor_parallel_2_has_transformers_loss_and_gradients(tmp_path):
     assert result.returncode == 0, f"worker failed:\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
     for family in ("gpt_neox", "llama"):
         assert f"{family} tp2: ok" in result.stdout
+
+
+@pytestmark_single
+def test_the_load_plan_gives_a_reward_model_from_a_language_model_a_fresh_head(tmp_path):
+    from megatron.checkpointing.errors import CheckpointError
+    from megatron.checkpointing.inventory import inventory_checkpoint
+    from megatron.checkpointing.plan import build_load_plan
+    from megatron.hf import HF_FOLDER
+    from tests.ckpt_engines import make_args, saved_checkpoint
+
+    lm = saved_checkpoint(tmp_path / "lm", make_args(no_weight_tying=True))
+    rm = saved_checkpoint(tmp_path / "rm", make_args(**RM))
+
+    def plan(load, **settings):
+        return build_load_plan(make_args(load=str(load), **RM, **settings), inventory_checkpoint(load, HF_FOLDER), 1)
+
+    fresh = plan(lm, finetune=True)
+    assert fresh.fresh_reward_head and "reward head rm_linear (drawn from the seed" in fresh.describe()
+    assert plan(lm, no_load_optim=True).fresh_reward_head
+    assert not plan(rm, finetune=True).fresh_reward_head and not plan(rm).fresh_reward_head
+    with pytest.raises(CheckpointError, match="set `finetune: true`") as caught:
+        plan(lm)
+    assert "\n" not in str(caught.value)
