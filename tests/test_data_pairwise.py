@@ -199,3 +199,28 @@ def test_pairwise_settings_are_checked_in_one_line(settings, says):
         del values["pack_impl"]
     with pytest.raises(ConfigError, match=says):
         NeoXArgs.from_dict(values, require_run_settings=True)
+
+
+def test_precomputed_log_probabilities_ride_along_as_float32_with_zero_padding(rm_data, tmp_path):
+    from megatron.data import MMapIndexedDatasetBuilder
+
+    refs = {}
+    for side, key in (("pos", "chosen"), ("neg", "rejected")):
+        prefix = tmp_path / f"rm_{key}_document_ref"
+        builder = MMapIndexedDatasetBuilder(f"{prefix}.bin", np.float32)
+        for doc in range(4):  # one document of seq_length values per pair, as GPT-NeoX writes them
+            builder.add_item(np.full(SEQ, -(doc + 1) / 4 - (side == "neg"), dtype=np.float32))
+            builder.end_document()
+        builder.finalize(f"{prefix}.idx")
+        refs[f"{side}_ref"] = MMapIndexedDataset(prefix)
+    dataset = pairwise(rm_data, **refs)
+    order = np.arange(6)
+    np.random.RandomState(1).shuffle(order)
+    usable = [0, 2, 3]
+    item = dataset[0]
+    doc, following = usable[order[0] % 3], usable[(order[0] + 1) % 3]
+    assert item["pos_ref"].dtype == np.float32
+    assert item["pos_ref"].tolist() == [-(doc + 1) / 4] * SEQ + [-(following + 1) / 4]
+    assert item["neg_ref"].tolist() == [-(doc + 1) / 4 - 1] * SEQ + [-(following + 1) / 4 - 1]
+    with pytest.raises(DataError, match="need pack_impl: unpacked"):
+        pairwise(rm_data, pack_impl="pack_until_overflow", **refs)

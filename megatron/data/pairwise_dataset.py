@@ -79,6 +79,10 @@ class PairwiseDataset:
                 raise DataError(
                     f"label dataset {labels.prefix!r} does not match {data.prefix!r}: {len(labels)} and {len(data)} "
                     "documents, or documents of other lengths; give each data path the label file written with it")
+        if pos_ref is not None and pack_impl != "unpacked":
+            raise DataError(f"the {name} pairs of {pos.prefix!r}: precomputed log-probabilities are one document of "
+                            "seq_length values per pair, so they need pack_impl: unpacked (packed with other pairs they "
+                            "would no longer line up with the tokens)")
         for data, ref in ((pos, pos_ref), (neg, neg_ref)):
             if ref is not None:
                 _check_same_documents(data, ref, f"the {name} reference log-probabilities")
