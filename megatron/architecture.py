@@ -111,6 +111,8 @@ class Architecture:
     qk_layernorm: bool = False  # a norm over each head's query and key, weights per projection (Qwen3)
     add_qkv_bias: bool = False  # biases on the query/key/value projection alone (Qwen2)
     rope_scaling: dict[str, Any] | None = None  # rope_type and its parameters (see the module docstring)
+    # train_impl rm: the output layer is a scalar head (rm_linear, hidden -> 1) instead of final_linear
+    reward_head: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -292,6 +294,7 @@ def _fields(values: Mapping[str, Any], strict: bool = True) -> dict[str, Any]:
         if get("kv_channels") is _MISSING else get("kv_channels"),
         "qk_layernorm": derive(bool, "qk_layernorm"),
         "add_qkv_bias": derive(bool, "add_qkv_bias"),
+        "reward_head": values.get("train_impl") == "rm",
         "rope_scaling": values.get("rope_scaling", _MISSING) if strict
         else _lenient(rope_scaling_of, values.get("rope_scaling", _MISSING)),
     }

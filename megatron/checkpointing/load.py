@@ -20,7 +20,7 @@ from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.inventory import inventory_checkpoint
 from megatron.checkpointing.lineage import Lineage
-from megatron.checkpointing.plan import LoadPlan, build_load_plan
+from megatron.checkpointing.plan import LM_HEAD, REWARD_HEAD, LoadPlan, build_load_plan
 from megatron.checkpointing.rng import restore_rng_states
 from megatron.checkpointing.verified_files import checkpoint_file_problem
 from megatron.checkpointing.weights_source import WeightsSource
@@ -166,8 +166,11 @@ def load_checkpoint(engine, plan: LoadPlan) -> LoadOutcome | None:
     else:
         from megatron.checkpointing.module_load import load_module_only
 
-        module_report = load_module_only(engine, _module_weights(plan, engine), strict=plan.strict,
-                                         allow_random=plan.allow_random)
+        weights = _module_weights(plan, engine)
+        if plan.fresh_reward_head:
+            weights = {name: value for name, value in weights.items() if not name.endswith(LM_HEAD)}
+        module_report = load_module_only(engine, weights, strict=plan.strict, allow_random=plan.allow_random,
+                                         keep_initialised=REWARD_HEAD if plan.fresh_reward_head else ())
         if not module_report.complete:
             _logger().info(module_report.describe())
         client_state = plan.client_state

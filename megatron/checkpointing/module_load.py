@@ -81,7 +81,7 @@ def check_random_layers(report: ModuleLoadReport, targets: Iterable[str], allow_
 
 
 def load_module_only(engine, state_dict: dict[str, torch.Tensor], strict: bool = True,
-                     allow_random: Iterable[str] = ()) -> ModuleLoadReport:
+                     allow_random: Iterable[str] = (), keep_initialised: tuple[str, ...] = ()) -> ModuleLoadReport:
     """Load ``state_dict`` into ``engine.module``, refresh the fp32 master weights from it, verify them.
 
     ``state_dict`` holds full (unpartitioned) tensors with the module's ``state_dict()`` names. Every
@@ -90,8 +90,11 @@ def load_module_only(engine, state_dict: dict[str, torch.Tensor], strict: bool =
     the model their cast to its dtype, so a checkpoint with more precision than the training dtype
     keeps it in the master. A non-strict load
     refuses to leave a whole layer random unless `allow_random` patterns name it (check_random_layers).
+    Parameters whose names end with one of `keep_initialised` are left as initialised, by design (a reward
+    model's fresh head), and not looked for in the checkpoint.
     """
-    targets = engine.module.state_dict(keep_vars=True)
+    targets = {name: value for name, value in engine.module.state_dict(keep_vars=True).items()
+               if not (keep_initialised and name.endswith(keep_initialised))}
     report = compare_module_keys(targets, state_dict)
     report.master_layout = master_weights.master_layout(engine)
     if strict:

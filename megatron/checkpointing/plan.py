@@ -13,6 +13,12 @@ function of the schedule's step (megatron/learning_rates.py), counted from the i
 started at: a fresh optimizer starts a fresh schedule, so after `no_load_optim` the schedule's step
 is not the iteration (`schedule_start`).
 
+A reward model (train_impl rm) has a scalar head (rm_linear) in place of the output layer (final_linear).
+Its weights-only loads (finetune, no_load_optim, a Hugging Face folder) from a source that was not a reward
+model -- a language model's checkpoint or a Hugging Face causal LM -- load everything but final_linear and
+keep the head as initialised (`fresh_reward_head`, said in the plan); any other load is strict as usual,
+and a full resume of a language model's checkpoint into a reward model is refused.
+
 The plan is the whole contract of a load: `load.load_checkpoint(engine, plan)` reads no settings.
 """
 
@@ -37,6 +43,10 @@ from megatron.checkpointing.inventory import (
     TagInventory,
 )
 from megatron.checkpointing.weights_source import WeightsSource
+
+# Parameter-name endings of a language model's output layer and of a reward model's head.
+LM_HEAD = ("final_linear.weight",)
+REWARD_HEAD = ("rm_linear.weight",)
 
 
 class LoadMode(str, enum.Enum):
@@ -73,6 +83,7 @@ class LoadPlan:
     saves_here: bool = False  # `save` is the directory loaded from: the loaded tag is the run's own history
     tag_inventory: TagInventory | None = field(default=None, repr=False, compare=False)
     hf_source: WeightsSource | None = field(default=None, repr=False, compare=False)  # reads a FORMAT_HF folder
+    fresh_reward_head: bool = False  # a reward model from a language model: its head as initialised, see above
 
     @property
     def architecture(self) -> Architecture:
@@ -115,6 +126,9 @@ class LoadPlan:
         else:
             fresh += ["iteration 0", "data position (first sample)"]
         (loaded if self.restore_rng else fresh).append("RNG states")
+        if self.fresh_reward_head:
+            fresh.append("reward head rm_linear (drawn from the seed; the source is a language model, its output "
+                         "layer final_linear is not loaded)")
         root = self.tag_dir if self.tag_dir is not None else self.load_dir
         files = ", ".join(_relative(p, root) for p in self.files)
         lines = [
@@ -264,7 +278,8 @@ def _hf_plan(args, inventory: CheckpointInventory, mode: LoadMode) -> LoadPlan:
     unchecked = f"no {layout.MANIFEST_FILE} in a Hugging Face folder: its files are not checksummed"
     return LoadPlan(mode=mode, load_dir=root, source_format=FORMAT_HF, **_contract(args),
                     files=inventory.hf_files, hf_source=inventory.hf_source, model=_model(args),
-                    notes=(*_model_from_checkpoint_note(args, root), unchecked))
+                    notes=(*_model_from_checkpoint_note(args, root), unchecked),
+                    fresh_reward_head=args.train_impl == "rm" and not inventory.hf_source.is_reward_model(root))
 
 
 def _model(args) -> str | None:
@@ -404,7 +419,21 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         lr_schedule_start=schedule_start(mode, saved_iteration, client),
         tag_inventory=tag,
         model=_model(args),
+        fresh_reward_head=_fresh_reward_head(args, client, tag, load_optimizer),
     )
     _check_iterations_left(plan, args)
     preflight.check_plan(files, load_optimizer, tag, args, data_parallel_size)
     return plan
+
+
+def _fresh_reward_head(args, client: ClientState, tag: TagInventory, load_optimizer: bool) -> bool:
+    """Whether a reward-model run starts its head fresh from this tag (the module docstring)."""
+    saved_rm = (client.settings or {}).get("train_impl") == "rm"
+    if args.train_impl != "rm" or saved_rm:
+        return False
+    if load_optimizer:
+        raise CheckpointError(
+            f"{tag.path} is a language model's checkpoint (train_impl {(client.settings or {}).get('train_impl')!r}), "
+            "not a reward model's, so a full resume cannot restore a reward model from it; set `finetune: true` "
+            "to start the reward model from its weights with a fresh head")
+    return True

@@ -28,3 +28,6 @@ class WeightsSource(Protocol):
 
     def read_weights(self, path: Path, arch: Architecture) -> dict[str, torch.Tensor]:
         """The weights under our parameter names, in fp32, after check_architecture."""
+
+    def is_reward_model(self, path: Path) -> bool:
+        """Whether the folder holds a reward model (a scalar head in place of the output layer)."""

@@ -71,3 +71,10 @@ def get_batch(batch: dict[str, torch.Tensor], options: BatchOptions = BatchOptio
             causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=tokens.device).tril()
             attention_mask = ((document[:, :, None] == document[:, None, :]) & causal).unsqueeze(1)
     return Batch(tokens, labels, loss_mask, position_ids, attention_mask)
+
+
+def pairwise_batch(samples: dict[str, torch.Tensor], options: BatchOptions = BatchOptions()) -> Batch:
+    """The batch of pairwise samples: the chosen rows, then the rejected rows (GPT-NeoX's cat(pos, neg) along
+    the batch, which torch.chunk(., 2) splits back)."""
+    return get_batch({"text": torch.cat([samples["pos"], samples["neg"]]),
+                      "label": torch.cat([samples["pos_label"], samples["neg_label"]])}, options)

@@ -25,6 +25,18 @@ FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2", "qwen3")
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")  # one layout of weights: model.layers.<i>.self_attn.q_proj, ...
 HF_CLASS_NAMES = {"gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# A reward model (train_impl rm) is written as, and read from, the family's one-label sequence classifier:
+# its `score` is our rm_linear, read by transformers at the last token that is not padding.
+REWARD_MODEL_SUFFIX = "ForSequenceClassification"
+
+
+def hf_class_name(family: str, reward_model: bool) -> str:
+    name = HF_CLASS_NAMES[family]
+    return name.replace("ForCausalLM", REWARD_MODEL_SUFFIX) if reward_model else name
+
+
+def is_reward_model_config(hf: dict[str, Any]) -> bool:
+    return any(str(name).endswith(REWARD_MODEL_SUFFIX) for name in hf.get("architectures") or ())
 # HF hidden_act -> our (activation, bias_gelu_fusion); each computes the same function as ours
 GPT_NEOX_ACTIVATIONS = {
     "gelu": ("gelu", False),
@@ -149,6 +161,8 @@ def spec_from_hf_config(hf: dict[str, Any], source: str = "config.json") -> HFMo
         "rope_scaling": rope_scaling,
         "hf_model_type": family,
     }
+    if is_reward_model_config(hf):
+        settings["train_impl"] = "rm"
     act = hf.get("hidden_act", "gelu" if family == "gpt_neox" else "silu")
     width = _require(hf, "intermediate_size", source)
     if family == "gpt_neox":
@@ -250,7 +264,7 @@ def hf_config_from_architecture(arch: Architecture, family: str, dtype: str) -> 
     """config.json for ``arch`` as ``family``; the caller has checked ``unrepresentable`` is empty."""
     rope = {**(arch.rope_scaling or {"rope_type": "default"}), "rope_theta": arch.rotary_emb_base}
     common = {
-        "architectures": [HF_CLASS_NAMES[family]],
+        "architectures": [hf_class_name(family, arch.reward_head)],
         "model_type": family,
         "vocab_size": arch.vocab_size,
         "hidden_size": arch.hidden_size,
@@ -264,6 +278,7 @@ def hf_config_from_architecture(arch: Architecture, family: str, dtype: str) -> 
         "initializer_range": arch.init_method_std,
         "dtype": dtype,
         "use_cache": True,
+        **({"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}} if arch.reward_head else {}),
     }
     if family == "gpt_neox":
         rope["partial_rotary_factor"] = arch.rotary_pct

@@ -213,6 +213,11 @@ def convert_neox_to_hf(
         config.update({f"{role}_id": token_id for role, (_, token_id) in special.items()})
     elif pad_token_id is not None:
         config["pad_token_id"] = pad_token_id
+    if arch.reward_head and (config.get("pad_token_id") is None or config["pad_token_id"] == config.get("eos_token_id")):
+        raise HFConversionError(
+            f"{tag_dir} is a reward model: transformers reads its score at the last token that is not padding, so the "
+            f"folder needs a padding token other than eos (pad {config.get('pad_token_id')}, eos "
+            f"{config.get('eos_token_id')}); pass --pad-token-id with another token's id")
     write_hf_dir(Path(out_dir), config, tensors, tokenizer, max_shard_bytes, progress,
                  {role: token for role, (token, _) in special.items()})
     return Path(out_dir)

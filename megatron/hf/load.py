@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from megatron.architecture import Architecture, architecture_mismatches
-from megatron.hf.config import HFModelSpec, spec_from_hf_config
+from megatron.hf.config import HFModelSpec, is_reward_model_config, spec_from_hf_config
 from megatron.hf.errors import HFConversionError
 from megatron.hf.io import CONFIG_NAME, is_hf_model_dir, iter_hf_tensors, read_hf_config, weight_files
 from megatron.hf.mapping import convert_tensors, hf_to_ours
@@ -57,6 +57,9 @@ class HFFolder:
 
     def read_weights(self, path: Path, arch: Architecture) -> dict[str, torch.Tensor]:
         return load_hf_module_weights(path, arch)
+
+    def is_reward_model(self, path: Path) -> bool:
+        return is_reward_model_config(read_hf_config(Path(path)))
 
 
 HF_FOLDER = HFFolder()

@@ -5,7 +5,7 @@ pairs a tuple of HF tensors with a tuple of ours and knows how to turn one side 
 Llama's separate q/k/v projections become our fused ``query_key_value`` and its gate/up
 projections our ``mlp.linear1`` (up first, then gate); GPT-NeoX's names differ only in the prefix.
 Mistral, Qwen2 and Qwen3 name their weights as Llama does; Qwen3's ``q_norm``/``k_norm`` are our
-``attention.q_layernorm``/``k_layernorm``.
+``attention.q_layernorm``/``k_layernorm``. A reward model's ``rm_linear`` is the sequence classifier's ``score``.
 
 Conversion streams: tensors may arrive in any order, one shard at a time, and a correspondence
 is converted as soon as all of its source tensors have arrived.
@@ -90,7 +90,16 @@ def _ours(arch: Architecture) -> dict[str, str]:
         "embedding": "sequential.0.word_embeddings.weight",
         "final_norm": f"sequential.{arch.num_layers + 3}.norm.",
         "output": f"sequential.{arch.num_layers + 4}.final_linear.weight",
+        "reward_head": f"sequential.{arch.num_layers + 4}.rm_linear.weight",
     }
+
+
+def _output_correspondence(arch: Architecture, hf_output: str) -> list[Correspondence]:
+    """The output layer, or a reward model's head (transformers' `score` of a sequence classifier)."""
+    names = _ours(arch)
+    if arch.reward_head:
+        return [Correspondence(("score.weight",), (names["reward_head"],))]
+    return [] if arch.tied_embeddings else [Correspondence((hf_output,), (names["output"],))]
 
 
 def _gpt_neox_correspondences(arch: Architecture) -> list[Correspondence]:
@@ -106,9 +115,7 @@ def _gpt_neox_correspondences(arch: Architecture) -> list[Correspondence]:
         for theirs, mine in (("dense_h_to_4h", "linear1"), ("dense_4h_to_h", "linear2")):
             pairs += [(f"{hf}mlp.{theirs}.{p}", f"{ours}mlp.{mine}.{p}") for p in ("weight", "bias")]
     pairs += [(f"gpt_neox.final_layer_norm.{p}", names["final_norm"] + p) for p in ("weight", "bias")]
-    if not arch.tied_embeddings:
-        pairs.append(("embed_out.weight", names["output"]))
-    return [Correspondence((hf,), (ours,)) for hf, ours in pairs]
+    return [Correspondence((hf,), (ours,)) for hf, ours in pairs] + _output_correspondence(arch, "embed_out.weight")
 
 
 def _llama_correspondences(arch: Architecture) -> list[Correspondence]:
@@ -135,9 +142,7 @@ def _llama_correspondences(arch: Architecture) -> list[Correspondence]:
             rules.append(Correspondence(up_gate, (f"{ours}mlp.linear1.{p}",), _cat_up_gate, _split_up_gate))
             rules.append(Correspondence((f"{hf}mlp.down_proj.{p}",), (f"{ours}mlp.linear2.{p}",)))
     rules.append(Correspondence(("model.norm.weight",), (names["final_norm"] + "scale",)))
-    if not arch.tied_embeddings:
-        rules.append(Correspondence(("lm_head.weight",), (names["output"],)))
-    return rules
+    return rules + _output_correspondence(arch, "lm_head.weight")
 
 
 def correspondences(family: str, arch: Architecture) -> list[Correspondence]:

@@ -6,7 +6,8 @@ checkpoints one to one:
     sequential.0                 embedding (word_embeddings, position_embeddings)
     sequential.<i + 2>           transformer layer i
     sequential.<num_layers + 3>  final norm (``norm``)
-    sequential.<num_layers + 4>  output layer (``final_linear``), absent with tied embeddings
+    sequential.<num_layers + 4>  output layer (``final_linear``), absent with tied embeddings; for a
+                                 reward model (train_impl rm) the scalar head ``rm_linear`` instead
 
 (GPT-NeoX's positions 1 and num_layers + 2 hold parameterless functions; they have no module here.)
 """
@@ -27,9 +28,11 @@ from megatron.model.kv_cache import KVCache
 from megatron.model.norms import build_norm
 from megatron.model.parallel_layers import (
     ColumnParallelLinear,
+    RowParallelLinear,
     copy_to_tensor_parallel_region,
     gather_last_dim,
     model_parallel_config,
+    split_last_dim,
 )
 from megatron.model.rotary import RotaryEmbedding
 from megatron.model.transformer_layer import TransformerLayer
@@ -63,6 +66,28 @@ class OutputLayer(torch.nn.Module):
         return logits
 
 
+class RewardHead(torch.nn.Module):
+    """GPT-NeoX's reward-model head: a row-parallel hidden -> 1 projection without bias (each rank holds
+    a slice of the hidden dimension; the partial sums are added over the tensor-parallel group)."""
+
+    def __init__(self, arch: Architecture, init_method):
+        super().__init__()
+        self.rm_linear = RowParallelLinear(
+            arch.hidden_size,
+            1,
+            config=model_parallel_config(),
+            init_method=init_method,
+            bias=False,
+            input_is_parallel=True,  # split here: megatron-core's own split needs CUDA for its gradient
+            skip_bias_add=False,
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[b, s, 1] rewards, the same on every tensor-parallel rank."""
+        rewards, _ = self.rm_linear(split_last_dim(hidden))
+        return rewards
+
+
 def layer_key(index: int) -> str:
     """Key in ``sequential`` of transformer layer ``index`` (0-based)."""
     return str(index + 2)
@@ -85,7 +110,12 @@ class GPTModel(torch.nn.Module):
         for i in range(arch.num_layers):
             modules[layer_key(i)] = TransformerLayer(arch, init_method, output_init_method)
         modules[str(arch.num_layers + 3)] = FinalNorm(arch)
-        if not arch.tied_embeddings:
+        if arch.reward_head:
+            if arch.tied_embeddings:
+                raise ModelConfigError("a reward model's scalar head replaces the output layer, so it needs "
+                                       "untied embeddings: set no_weight_tying: true (as GPT-NeoX requires)")
+            modules[str(arch.num_layers + 4)] = RewardHead(arch, init_method)
+        elif not arch.tied_embeddings:
             modules[str(arch.num_layers + 4)] = OutputLayer(arch, init_method)
         self.sequential = torch.nn.ModuleDict(modules)
         self.rotary = (
@@ -112,7 +142,8 @@ class GPTModel(torch.nn.Module):
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """input_ids [b, s] -> logits [b, s, padded_vocab_size] in the parameter dtype.
+        """input_ids [b, s] -> logits [b, s, padded_vocab_size] in the parameter dtype (a reward model:
+        rewards [b, s, 1]).
 
         ``attention_mask`` [b, 1, s, s], True where a query may see a key, replaces the causal mask
         (megatron.data.batches builds one that also keeps packed documents apart).
@@ -149,6 +180,8 @@ class GPTModel(torch.nn.Module):
             else:
                 hidden = layer(hidden, rotary_cos_sin, attention_mask)
         hidden = self.sequential[str(self.arch.num_layers + 3)](hidden)
+        if self.arch.reward_head:
+            return self.sequential[str(self.arch.num_layers + 4)](hidden)
         if self.arch.tied_embeddings:
             logits = F.linear(copy_to_tensor_parallel_region(hidden), self.embedding.word_embeddings.weight)
         else:

@@ -51,6 +51,23 @@ def gather_last_dim(part: torch.Tensor) -> torch.Tensor:
     return part if tensor_parallel_size() == 1 else _GatherLastDim.apply(part)
 
 
+class _SplitLastDim(torch.autograd.Function):
+    """This rank's slice of the last dimension of a tensor every tensor-parallel rank holds whole; the gradient
+    is the ranks' slices gathered (megatron-core's scatter gathers its gradient on CUDA only)."""
+
+    @staticmethod
+    def forward(ctx, whole: torch.Tensor) -> torch.Tensor:
+        return whole.chunk(tensor_parallel_size(), dim=-1)[tensor_parallel_rank()].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return _GatherLastDim.forward(ctx, grad)
+
+
+def split_last_dim(whole: torch.Tensor) -> torch.Tensor:
+    return whole if tensor_parallel_size() == 1 else _SplitLastDim.apply(whole)
+
+
 def sum_over_ranks_sharing_a_slot(part: torch.Tensor, slot: int, slots: int) -> torch.Tensor:
     """The sum of ``part`` over the tensor-parallel ranks that hold the same ``slot`` of ``slots``.
 

@@ -69,6 +69,7 @@ INITIALISED_WEIGHTS = (
     "attention.query_key_value.weight",
     "mlp.linear1.weight",
     "final_linear.weight",
+    "rm_linear.weight",
     *OUTPUT_WEIGHTS,
 )
 # Biases of split layers, set to zero at initialisation.
@@ -85,7 +86,7 @@ def partitioning(name: str, arch: Architecture) -> Partitioning:
         return Partitioning(0)
     if name.endswith(("mlp.linear1.weight", "mlp.linear1.bias")):
         return Partitioning(0, (1, 1) if arch.activation == "swiglu" else (1,))
-    if name.endswith(("attention.dense.weight", "mlp.linear2.weight")):
+    if name.endswith(("attention.dense.weight", "mlp.linear2.weight", "rm_linear.weight")):
         return Partitioning(1)
     return REPLICATED
 

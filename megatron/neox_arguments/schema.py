@@ -92,6 +92,8 @@ SETTINGS_LIST: list[Setting] = [
     # --- optimisation ---------------------------------------------------------------------
     _train("train_impl", str, "normal", "the objective (megatron/objectives): normal (language modelling, SFT), "
            "dpo, kto, rm (reward model) or reinforce", choices=("normal", "dpo", "kto", "rm", "reinforce")),
+    _train("z_loss", FLOAT, 0.0, "train_impl rm: weight of the penalty on the squared rewards, "
+           "z_loss x mean(chosen^2 + rejected^2), added to the loss"),
     _train("optimizer", (dict, type(None)), None, "optimizer as {type: Adam|AdamW|SGD, params: {lr, betas, eps, ...}}"),
     _train("lr", OPT_FLOAT, None, "peak learning rate; normally given as optimizer.params.lr; unset in both: 0.001 (GPT-NeoX's Adam default)"),
     _train("min_lr", FLOAT, 0.0, "learning rate at the end of the decay"),
@@ -194,6 +196,15 @@ SETTINGS_LIST: list[Setting] = [
           "label files of train_data_paths (token ids, negative where the loss is masked), one per path"),
     _data("valid_label_data_paths", (list, type(None)), None, "label files of valid_data_paths, one per path"),
     _data("test_label_data_paths", (list, type(None)), None, "label files of test_data_paths, one per path"),
+    _data("dataset_impl", str, "gpt2", "gpt2 (documents of train_data_paths) or pairwise (chosen document k of "
+          "pos_*_data_paths with rejected document k of neg_*_data_paths, for dpo and rm)", choices=("gpt2", "pairwise")),
+    *(_data(f"{split}_reward_data_paths", (list, type(None)), None,
+            f"reward files of {split}_data_paths (one value per document, pack_impl unpacked), one per path")
+      for split in ("train", "valid", "test")),
+    *(_data(f"{sign}_{split}_{kind}data_paths", (list, type(None)), None,
+            f"{'label files of ' if kind else ''}{'chosen' if sign == 'pos' else 'rejected'} {split} documents"
+            f"{f' ({sign}_{split}_data_paths), one per path' if kind else ' (dataset_impl pairwise)'}")
+      for split in ("train", "valid", "test") for sign in ("pos", "neg") for kind in ("", "label_")),
     _data("pack_impl", str, "packed", "how documents become samples: packed, pack_until_overflow (whole documents "
           "until the next would overflow) or unpacked (one document per sample)",
           choices=("packed", "pack_until_overflow", "unpacked")),

@@ -3,6 +3,7 @@
 | train_impl | module           | samples' keys (from the dataset)           | reference model     |
 |------------|------------------|--------------------------------------------|---------------------|
 | normal     | language_model   | text [, label]                             | none                |
+| rm         | reward_model     | pos, neg, pos_label, neg_label             | none                |
 
 An objective is called with the engine and one micro batch of collated samples and returns the
 loss to minimise (a 0-dim tensor, what `engine.backward` takes) and its metrics (0-dim tensors named
@@ -31,5 +32,8 @@ class Objective(Protocol):
 def objective_for(args, batch_options: BatchOptions) -> Objective:
     """The objective `args.train_impl` names."""
     from megatron.objectives.language_model import LanguageModelLoss
+    from megatron.objectives.reward_model import RewardModelLoss
 
+    if args.train_impl == "rm":
+        return RewardModelLoss(batch_options, args.z_loss)
     return LanguageModelLoss(batch_options)
