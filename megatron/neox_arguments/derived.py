@@ -381,8 +381,18 @@ def _check_train_impl(v: dict[str, Any], sources: dict[str, str]) -> None:
         raise _fail(sources, "train_impl", "reinforce needs GPT-NeoX's external vLLM generation server fed the "
                                            "policy's weights over CUDA IPC, which this framework does not have; use "
                                            "dpo, kto or rm")
-    if v["train_impl"] != "normal":
-        raise _fail(sources, "train_impl", f"{v['train_impl']} is not built yet; use normal")
+    if v["train_impl"] not in ("normal", "dpo", "kto"):
+        raise _fail(sources, "train_impl", f"{v['train_impl']} is not built yet; use normal, dpo or kto")
+    if v["train_impl"] in ("dpo", "kto") and (v["pipe_parallel_size"] or 0) > 1:
+        raise _fail(sources, "pipe_parallel_size", f"train_impl {v['train_impl']} runs without pipeline parallelism "
+                                                   "(as in GPT-NeoX); set pipe_parallel_size to 0 or 1")
+    if v["train_impl"] == "dpo" and v.get("dataset_impl", "gpt2") != "pairwise":
+        raise _fail(sources, "train_impl", "dpo trains on chosen/rejected pairs: set `dataset_impl: pairwise` with "
+                                           "pos_train_data_paths / neg_train_data_paths (and their label paths)")
+    if v["train_impl"] == "kto" and (v["train_micro_batch_size_per_gpu"] or 0) < 2:
+        raise _fail(sources, "train_micro_batch_size_per_gpu", "train_impl kto estimates its KL reference point "
+                                                               "from the other half of each micro batch: set it to "
+                                                               "2 or more")
 
 
 def _check_data(v: dict[str, Any], sources: dict[str, str]) -> None:

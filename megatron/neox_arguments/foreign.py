@@ -125,8 +125,6 @@ _SUBORDINATE: dict[str, tuple[str, ...]] = {
                 "mup_width_scale"),
     "use_comet": ("comet_workspace", "comet_project", "comet_experiment_name", "comet_tags", "comet_others",
                   "comet_experiment"),
-    "train_impl: dpo": ("dpo_fp32", "dpo_reference_free", "dpo_beta"),
-    "train_impl: kto": ("kto_fp32", "kto_desirable_weight", "kto_undesirable_weight", "kto_beta"),
     "train_impl: reinforce": ("z_loss", "fp32_reinforce", "kl_impl", "kl_div_beta", "reinforce_leave_one_out"),
     "Mamba blocks (attention_config: mamba)": ("mamba_selective_fp32_params", "mamba_use_bias_in_conv",
                                                 "mamba_use_bias_in_linears"),

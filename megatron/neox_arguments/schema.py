@@ -87,6 +87,13 @@ SETTINGS_LIST: list[Setting] = [
     # --- optimisation ---------------------------------------------------------------------
     _train("train_impl", str, "normal", "the objective (megatron/objectives): normal (language modelling, SFT), "
            "dpo, kto, rm (reward model) or reinforce", choices=("normal", "dpo", "kto", "rm", "reinforce")),
+    _train("dpo_beta", FLOAT, 0.1, "DPO's beta: the scale of the implicit rewards beta * (log pi - log pi_ref)"),
+    _train("dpo_fp32", bool, True, "DPO: cast the logits to fp32 before taking log-probabilities"),
+    _train("dpo_reference_free", bool, False, "DPO without a reference model (its log-probabilities taken as 0)"),
+    _train("kto_beta", FLOAT, 0.1, "KTO's beta"),
+    _train("kto_fp32", bool, True, "KTO: cast the logits to fp32 before taking log-probabilities"),
+    _train("kto_desirable_weight", FLOAT, 1.0, "KTO: the weight of samples whose reward is above 0"),
+    _train("kto_undesirable_weight", FLOAT, 1.0, "KTO: the weight of samples whose reward is below 0"),
     _train("optimizer", (dict, type(None)), None, "optimizer as {type: Adam|AdamW|SGD, params: {lr, betas, eps, ...}}"),
     _train("lr", OPT_FLOAT, None, "peak learning rate; normally given as optimizer.params.lr; unset in both: 0.001 (GPT-NeoX's Adam default)"),
     _train("min_lr", FLOAT, 0.0, "learning rate at the end of the decay"),

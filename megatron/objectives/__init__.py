@@ -3,6 +3,8 @@
 | train_impl | module           | samples' keys (from the dataset)           | reference model     |
 |------------|------------------|--------------------------------------------|---------------------|
 | normal     | language_model   | text [, label]                             | none                |
+| dpo        | dpo              | pos, neg, pos_label, neg_label [, *_ref]   | unless reference-free or precomputed |
+| kto        | kto              | text, label, reward [, ref]                | unless precomputed  |
 
 An objective is called with the engine and one micro batch of collated samples and returns the
 loss to minimise (a 0-dim tensor, what `engine.backward` takes) and its metrics (0-dim tensors named
@@ -28,8 +30,16 @@ class Objective(Protocol):
         ...
 
 
-def objective_for(args, batch_options: BatchOptions) -> Objective:
-    """The objective `args.train_impl` names."""
+def objective_for(args, batch_options: BatchOptions, reference=None) -> Objective:
+    """The objective `args.train_impl` names; `reference` is the frozen reference model where it needs one."""
+    from megatron.objectives.dpo import DirectPreferenceOptimization
+    from megatron.objectives.kto import KahnemanTverskyOptimization
     from megatron.objectives.language_model import LanguageModelLoss
 
+    if args.train_impl == "dpo":
+        return DirectPreferenceOptimization(batch_options, args.dpo_beta, args.dpo_fp32, reference,
+                                            args.dpo_reference_free)
+    if args.train_impl == "kto":
+        return KahnemanTverskyOptimization(batch_options, args.kto_beta, args.kto_fp32, args.kto_desirable_weight,
+                                           args.kto_undesirable_weight, reference)
     return LanguageModelLoss(batch_options)
