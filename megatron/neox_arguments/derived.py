@@ -389,6 +389,11 @@ def _check_train_impl(v: dict[str, Any], sources: dict[str, str]) -> None:
     if v["train_impl"] == "dpo" and v.get("dataset_impl", "gpt2") != "pairwise":
         raise _fail(sources, "train_impl", "dpo trains on chosen/rejected pairs: set `dataset_impl: pairwise` with "
                                            "pos_train_data_paths / neg_train_data_paths (and their label paths)")
+    live_reference = v["train_impl"] == "kto" or (v["train_impl"] == "dpo" and not v["dpo_reference_free"])
+    if live_reference and v["zero_stage"] == 3:
+        raise _fail(sources, "zero_optimization", f"train_impl {v['train_impl']}'s frozen reference model is not "
+                                                  "partitioned under ZeRO-3 here: use ZeRO stage 0, 1 or 2"
+                                                  + (", or dpo_reference_free" if v["train_impl"] == "dpo" else ""))
     if v["train_impl"] == "kto" and (v["train_micro_batch_size_per_gpu"] or 0) < 2:
         raise _fail(sources, "train_micro_batch_size_per_gpu", "train_impl kto estimates its KL reference point "
                                                                "from the other half of each micro batch: set it to "
