@@ -16,8 +16,9 @@ from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
 
 # The settings that say which documents the training samples come from, in which order.
-_DATA_SETTINGS = ("data_path", "split", "train_data_paths", "train_data_weights", "train_label_data_paths",
-                  "pack_impl", "allow_chopped")
+_PATH_SETTINGS = ("data_path", "train_data_paths", "train_label_data_paths", "pos_train_data_paths",
+                  "neg_train_data_paths", "pos_train_label_data_paths", "neg_train_label_data_paths")
+_DATA_SETTINGS = (*_PATH_SETTINGS, "split", "train_data_weights", "dataset_impl", "pack_impl", "allow_chopped")
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def _sample_order_notes(args, saved: dict, position: DataPosition) -> list[str]:
 
 def _comparable(name: str, value):
     """Data paths by the files they name, wherever they are spelled from."""
-    if value is None or name not in ("data_path", "train_data_paths", "train_label_data_paths"):
+    if value is None or name not in _PATH_SETTINGS:
         return value
     paths = [value] if isinstance(value, str) else list(value)
     resolved = [os.path.realpath(os.path.expanduser(path)) for path in paths]

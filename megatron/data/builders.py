@@ -13,6 +13,7 @@ from megatron.data.blendable_dataset import BlendableDataset, normalize_weights,
 from megatron.data.errors import DataError
 from megatron.data.gpt_dataset import GPTDataset
 from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.data.pairwise_dataset import PairwiseDataset
 from megatron.data.samplers import DistributedBatchSampler
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -38,51 +39,86 @@ def split_document_ranges(split: str, num_documents: int) -> list[tuple[int, int
 
 
 def _gpt_dataset(args, name: str, data: MMapIndexedDataset, documents: np.ndarray, num_samples: int,
-                 label_data: MMapIndexedDataset | None = None) -> GPTDataset:
+                 label_data: MMapIndexedDataset | None = None,
+                 reward_data: MMapIndexedDataset | None = None) -> GPTDataset:
     return GPTDataset(name, data, documents, num_samples, args.seq_length, args.seed, pack_impl=args.pack_impl,
-                      allow_chopped=args.allow_chopped, label_dataset=label_data)
+                      allow_chopped=args.allow_chopped, label_dataset=label_data, reward_dataset=reward_data)
 
 
-def _label_paths(args, name: str, paths: Sequence[str]) -> list[str | None]:
-    labels = getattr(args, f"{name}_label_data_paths")
-    if not labels:
+def _companion_paths(args, setting: str, paths: Sequence[str], of: str) -> list[str | None]:
+    """The prefixes of `setting` (label or reward files), one per entry of `of`, or None each when unset."""
+    companions = getattr(args, setting)
+    if not companions:
         return [None] * len(paths)
-    if len(labels) != len(paths):
-        raise DataError(f"{name}_label_data_paths has {len(labels)} prefixes for {len(paths)} {name}_data_paths; "
-                        "give one label file per data path, in the same order")
-    return list(labels)
+    if len(companions) != len(paths):
+        raise DataError(f"{setting} has {len(companions)} prefixes for {len(paths)} {of}; "
+                        "give one per data path, in the same order")
+    return list(companions)
+
+
+def _open(prefix: str | None, setting: str) -> MMapIndexedDataset | None:
+    return MMapIndexedDataset(prefix, setting=setting) if prefix else None
+
+
+def _index_samples(args, count: int, num_samples: int, weight: float) -> int:
+    # Whole-document samples are indexed for as many samples as GPT-NeoX asks of each dataset (0.5 % more
+    # than its share), because that number seeds their order: the same files give the same samples.
+    return int(count) if args.pack_impl == "packed" else math.ceil(num_samples * weight * 1.005)
+
+
+def _split_datasets(args, name: str, num_samples: int, normalised: np.ndarray) -> list:
+    """One dataset per data path of split `name` (gpt2: {name}_data_paths; pairwise: pos_/neg_{name}_data_paths)."""
+    counts = samples_per_dataset(normalised, num_samples)
+    if args.dataset_impl == "pairwise":
+        pos_paths, of = getattr(args, f"pos_{name}_data_paths"), f"pos_{name}_data_paths"
+        if not getattr(args, f"neg_{name}_data_paths"):
+            raise DataError(f"{of} needs neg_{name}_data_paths beside it (chosen prefix k pairs with rejected prefix k)")
+        columns = [pos_paths, *(_companion_paths(args, f"neg_{name}_{kind}data_paths", pos_paths, of)
+                                for kind in ("", "label_")), _companion_paths(args, f"pos_{name}_label_data_paths",
+                                                                              pos_paths, of)]
+        datasets = []
+        for i, (pos, neg, neg_label, pos_label) in enumerate(zip(*columns, strict=True)):
+            pos_data, neg_data = _open(pos, f"pos_{name}_data_paths[{i}]"), _open(neg, f"neg_{name}_data_paths[{i}]")
+            datasets.append(PairwiseDataset(
+                name, pos_data, neg_data, np.arange(len(pos_data)), _index_samples(args, counts[i], num_samples,
+                                                                                     normalised[i]),
+                args.seq_length, args.seed, pack_impl=args.pack_impl, allow_chopped=args.allow_chopped,
+                pos_label=_open(pos_label, f"pos_{name}_label_data_paths[{i}]"),
+                neg_label=_open(neg_label, f"neg_{name}_label_data_paths[{i}]")))
+        return datasets
+    paths = getattr(args, f"{name}_data_paths")
+    columns = [paths, *(_companion_paths(args, f"{name}_{kind}_data_paths", paths, f"{name}_data_paths")
+                        for kind in ("label", "reward"))]
+    return [
+        _gpt_dataset(args, name, data, np.arange(len(data)), _index_samples(args, counts[i], num_samples, normalised[i]),
+                     _open(label, f"{name}_label_data_paths[{i}]"), _open(reward, f"{name}_reward_data_paths[{i}]"))
+        for i, (path, label, reward) in enumerate(zip(*columns, strict=True))
+        for data in [MMapIndexedDataset(path, setting=f"{name}_data_paths[{i}]")]
+    ]
 
 
 def _blended_dataset(args, name: str, paths: Sequence[str], weights, num_samples: int):
-    setting = f"{name}_data_paths"
     if weights is None:
         weights = [1.0] * len(paths)
     normalised = normalize_weights(weights, paths, f"{name}_data_weights")
-    counts = samples_per_dataset(normalised, num_samples)
-    datasets = []
-    for i, (path, label_path, count) in enumerate(zip(paths, _label_paths(args, name, paths), counts, strict=True)):
-        data = MMapIndexedDataset(path, setting=f"{setting}[{i}]")
-        labels = MMapIndexedDataset(label_path, setting=f"{name}_label_data_paths[{i}]") if label_path else None
-        # Whole-document samples are indexed for as many samples as GPT-NeoX asks of each dataset (0.5 % more
-        # than its share), because that number seeds their order: the same files give the same samples.
-        index_samples = int(count) if args.pack_impl == "packed" else math.ceil(num_samples * normalised[i] * 1.005)
-        datasets.append(_gpt_dataset(args, name, data, np.arange(len(data)), index_samples, labels))
+    datasets = _split_datasets(args, name, num_samples, normalised)
     if len(datasets) == 1:
         return datasets[0]
     return BlendableDataset(datasets, normalised, num_samples)
 
 
 def build_train_valid_test_datasets(args, train_valid_test_num_samples: tuple[int, int, int]):
-    """(train, valid, test) datasets of {"text": int64[seq_length + 1]} items; a split without data or
-    without requested samples is None."""
+    """(train, valid, test) datasets of {"text": int64[seq_length + 1]} items (pairwise: {"pos", "neg", ...});
+    a split without data or without requested samples is None."""
     if args.seq_length is None or args.seq_length < 1:
         raise DataError("seq_length must be set to a positive number of tokens to build GPT samples")
     for name in SPLIT_NAMES:
         if getattr(args, f"{name}_label_data_paths") and not getattr(args, f"{name}_data_paths"):
             raise DataError(f"{name}_label_data_paths needs {name}_data_paths (label files pair with data paths "
                             f"one to one, as in GPT-NeoX); set {name}_data_paths")
-    if args.train_data_paths:
-        paths = {"train": args.train_data_paths, "valid": args.valid_data_paths, "test": args.test_data_paths}
+    prefix = "pos_" if args.dataset_impl == "pairwise" else ""
+    if getattr(args, f"{prefix}train_data_paths"):
+        paths = {name: getattr(args, f"{prefix}{name}_data_paths") for name in SPLIT_NAMES}
         weights = {"train": args.train_data_weights, "valid": args.valid_data_weights,
                    "test": args.test_data_weights}
         return tuple(

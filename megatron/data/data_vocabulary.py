@@ -59,9 +59,9 @@ def dataset_prefixes(args) -> list[tuple[str, str]]:
     """(setting, prefix) of every dataset the run reads."""
     if args.data_path:
         return [("data_path", args.data_path)]
-    return [(f"{split}_data_paths[{i}]", prefix)
-            for split in ("train", "valid", "test")
-            for i, prefix in enumerate(getattr(args, f"{split}_data_paths") or [])]
+    token_settings = [f"{sign}{split}_data_paths" for split in ("train", "valid", "test") for sign in ("", "pos_", "neg_")]
+    return [(f"{setting}[{i}]", prefix) for setting in token_settings
+            for i, prefix in enumerate(getattr(args, setting) or [])]
 
 
 def check_data_vocabulary(args, tokenizer_vocab_size: int) -> None:

@@ -15,7 +15,9 @@ masked is skipped, and with allow_chopped false so is one longer than seq_length
 
 With a label dataset (aligned with the tokens, negative where the loss is masked) every item has
 "text" and "label"; the non-packed modes always give "label" (the tokens themselves when there is no
-label file), -100 on padding, so padding is never trained.
+label file), -100 on padding, so padding is never trained. With a reward dataset (one value per document,
+unpacked only) items also have "reward", float32 per token: each token carries its document's value, as
+GPT-NeoX broadcasts it, the borrowed token its own document's, padding 0.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from megatron.data.indexed_dataset import MMapIndexedDataset
 
 INDEX_FORMAT_VERSION = 2
 PACK_IMPLS = ("packed", "pack_until_overflow", "unpacked")
-PAD_TOKEN, PAD_LABEL = 0, -100
+PAD_TOKEN, PAD_LABEL, PAD_REWARD = 0, -100, 0.0
 
 
 def build_sample_indices(
@@ -126,6 +128,7 @@ class GPTDataset:
         pack_impl: str = "packed",
         allow_chopped: bool = True,
         label_dataset: MMapIndexedDataset | None = None,
+        reward_dataset: MMapIndexedDataset | None = None,
     ):
         if len(documents) == 0 or np.any(np.diff(documents) != 1):
             raise DataError("GPTDataset documents must be a non-empty, contiguous range of document ids")
@@ -137,6 +140,8 @@ class GPTDataset:
                 f"label dataset {label_dataset.prefix!r} does not match {indexed_dataset.prefix!r}: "
                 f"{len(label_dataset)} and {len(sizes)} documents, or documents of other lengths; give each data "
                 "path the label file written with it (preprocess_data_with_chat_template.py writes both)")
+        if reward_dataset is not None:
+            check_rewards(reward_dataset, indexed_dataset, pack_impl)
         tokens = int(sizes[documents].sum(dtype=np.int64))
         if pack_impl == "packed" and tokens <= seq_length:
             raise DataError(
@@ -147,6 +152,7 @@ class GPTDataset:
         self.name = name
         self.indexed_dataset = indexed_dataset
         self.label_dataset = label_dataset
+        self.reward_dataset = reward_dataset
         self.seq_length = seq_length
         self.pads = pack_impl != "packed"
         settings = {
@@ -175,42 +181,81 @@ class GPTDataset:
     def _build(self, sizes, documents, num_samples, seq_length, seed, pack_impl, allow_chopped):
         if pack_impl == "packed":
             return build_sample_indices(sizes, documents, num_samples, seq_length, seed)
-        # GPT-NeoX's windows of the label check: unpacked looks at the first seq_length labels,
-        # pack_until_overflow at seq_length + 1.
-        window = seq_length if pack_impl == "unpacked" else seq_length + 1
-        usable = usable_documents(sizes, documents, self.label_dataset, window,
+        usable = usable_documents(sizes, documents, self.label_dataset, label_window(pack_impl, seq_length),
                                   None if allow_chopped else seq_length + 1)
-        if not usable.any():
-            raise DataError(
-                f"the {self.name} split of {self.indexed_dataset.prefix!r} has no document to sample with pack_impl "
-                f"{pack_impl}: every one is " + ("longer than seq_length + 1 or " if not allow_chopped else "")
-                + "without a trained label; use allow_chopped: true, a longer seq_length, or other data")
-        if pack_impl == "unpacked":
-            return build_unpacked_indices(usable, documents, num_samples, seed)
-        return build_overflow_indices(sizes, usable, documents, num_samples, seq_length, seed)
+        return whole_document_indices(self.name, self.indexed_dataset.prefix, sizes, usable, documents, num_samples,
+                                      seq_length, seed, pack_impl, allow_chopped)
 
     def __len__(self) -> int:
         return len(self.shuffle_idx)
 
-    def _read(self, data: MMapIndexedDataset, sample: int) -> np.ndarray:
-        first_doc, first_offset = (int(v) for v in self.sample_idx[sample])
-        last_doc, last_offset = (int(v) for v in self.sample_idx[sample + 1])
-        if first_doc == last_doc:
-            return data.get(int(self.doc_idx[first_doc]), first_offset, last_offset - first_offset + 1)
-        pieces = [data.get(int(self.doc_idx[first_doc]), first_offset)]
-        pieces += [data.get(int(self.doc_idx[d])) for d in range(first_doc + 1, min(last_doc, len(self.doc_idx)))]
-        if last_doc < len(self.doc_idx):  # the last overflow sample has no next document to borrow from
-            pieces.append(data.get(int(self.doc_idx[last_doc]), 0, min(last_offset + 1, int(data.sizes[self.doc_idx[last_doc]]))))
-        return np.concatenate(pieces)
-
-    def _fit(self, values: np.ndarray, pad: int) -> np.ndarray:
-        values = values[: self.seq_length + 1].astype(np.int64)
-        return np.pad(values, (0, self.seq_length + 1 - len(values)), constant_values=pad)
-
     def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
         sample = int(self.shuffle_idx[idx])
-        text = self._read(self.indexed_dataset, sample)
+        pieces = read_pieces(self.indexed_dataset, self.doc_idx, self.sample_idx, sample)
+        text = np.concatenate(pieces)
         if not self.pads and self.label_dataset is None:
             return {"text": text.astype(np.int64)}
-        labels = text if self.label_dataset is None else self._read(self.label_dataset, sample)
-        return {"text": self._fit(text, PAD_TOKEN), "label": self._fit(labels, PAD_LABEL)}
+        labels = text if self.label_dataset is None else read_sample(self.label_dataset, self.doc_idx,
+                                                                     self.sample_idx, sample)
+        item = {"text": fit(text, self.seq_length, PAD_TOKEN), "label": fit(labels, self.seq_length, PAD_LABEL)}
+        if self.reward_dataset is not None:
+            first_doc, last_doc = int(self.sample_idx[sample][0]), int(self.sample_idx[sample + 1][0])
+            docs = self.doc_idx[first_doc:last_doc + 1]
+            rewards = np.concatenate([np.full(len(piece), self.reward_dataset.get(int(doc))[0], dtype=np.float32)
+                                      for piece, doc in zip(pieces, docs, strict=True)])
+            item["reward"] = fit(rewards, self.seq_length, PAD_REWARD, np.float32)
+        return item
+
+
+def check_rewards(rewards: MMapIndexedDataset, data: MMapIndexedDataset, pack_impl: str) -> None:
+    if pack_impl != "unpacked":
+        raise DataError(f"reward dataset {rewards.prefix!r}: rewards are per document, so they need pack_impl: "
+                        f"unpacked (one document per sample, as GPT-NeoX asserts), not {pack_impl}")
+    if len(rewards) != len(data) or (rewards.sizes != 1).any():
+        raise DataError(f"reward dataset {rewards.prefix!r} holds {len(rewards)} documents "
+                        f"{'' if (rewards.sizes == 1).all() else 'not all of one value '}for the {len(data)} "
+                        f"documents of {data.prefix!r}; give each data path the reward file written with it "
+                        "(preprocess_data_with_chat_template.py --reward-key)")
+
+
+def label_window(pack_impl: str, seq_length: int) -> int:
+    """GPT-NeoX's windows of the label check: unpacked looks at the first seq_length labels,
+    pack_until_overflow at seq_length + 1."""
+    return seq_length if pack_impl == "unpacked" else seq_length + 1
+
+
+def whole_document_indices(name, prefix, sizes, usable, documents, num_samples, seq_length, seed, pack_impl,
+                           allow_chopped) -> dict[str, np.ndarray]:
+    """unpacked or pack_until_overflow indices over the usable documents (sizes: what a document takes of a
+    sample)."""
+    if not usable.any():
+        raise DataError(
+            f"the {name} split of {prefix!r} has no document to sample with pack_impl "
+            f"{pack_impl}: every one is " + ("longer than seq_length + 1 or " if not allow_chopped else "")
+            + "without a trained label; use allow_chopped: true, a longer seq_length, or other data")
+    if pack_impl == "unpacked":
+        return build_unpacked_indices(usable, documents, num_samples, seed)
+    return build_overflow_indices(sizes, usable, documents, num_samples, seq_length, seed)
+
+
+def read_pieces(data: MMapIndexedDataset, doc_idx: np.ndarray, sample_idx: np.ndarray, sample: int) -> list[np.ndarray]:
+    """What sample `sample` takes of each of its documents (in doc_idx order), from `data`."""
+    first_doc, first_offset = (int(v) for v in sample_idx[sample])
+    last_doc, last_offset = (int(v) for v in sample_idx[sample + 1])
+    if first_doc == last_doc:
+        return [data.get(int(doc_idx[first_doc]), first_offset, last_offset - first_offset + 1)]
+    pieces = [data.get(int(doc_idx[first_doc]), first_offset)]
+    pieces += [data.get(int(doc_idx[d])) for d in range(first_doc + 1, min(last_doc, len(doc_idx)))]
+    if last_doc < len(doc_idx):  # the last overflow sample has no next document to borrow from
+        pieces.append(data.get(int(doc_idx[last_doc]), 0, min(last_offset + 1, int(data.sizes[doc_idx[last_doc]]))))
+    return pieces
+
+
+def read_sample(data: MMapIndexedDataset, doc_idx: np.ndarray, sample_idx: np.ndarray, sample: int) -> np.ndarray:
+    return np.concatenate(read_pieces(data, doc_idx, sample_idx, sample))
+
+
+def fit(values: np.ndarray, seq_length: int, pad, dtype=np.int64) -> np.ndarray:
+    """values cut or padded with `pad` to seq_length + 1."""
+    values = values[: seq_length + 1].astype(dtype)
+    return np.pad(values, (0, seq_length + 1 - len(values)), constant_values=pad)

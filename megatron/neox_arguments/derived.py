@@ -401,9 +401,14 @@ def _check_train_impl(v: dict[str, Any], sources: dict[str, str]) -> None:
 
 
 def _check_data(v: dict[str, Any], sources: dict[str, str]) -> None:
-    given = [name for name in ("data_path", "train_data_paths", "embedded_corpus") if v[name]
+    pairwise = v["dataset_impl"] == "pairwise"
+    _check_pairwise_data(v, sources, pairwise)
+    given = [name for name in ("data_path", "train_data_paths", "pos_train_data_paths", "embedded_corpus") if v[name]
              and sources.get(name) != EMBEDDED_CORPUS_SOURCE]
     if not given:
+        if pairwise:
+            raise _fail(sources, "dataset_impl", "pairwise reads its training pairs from pos_train_data_paths and "
+                        "neg_train_data_paths; set both")
         raise ConfigError(
             "data_path / train_data_paths / embedded_corpus: no training data; set data_path (a .bin/.idx "
             "prefix), train_data_paths, or `embedded_corpus: true`"
@@ -413,15 +418,50 @@ def _check_data(v: dict[str, Any], sources: dict[str, str]) -> None:
     if v["data_path"] or v["embedded_corpus"]:
         _check_split(v["split"], sources, v["train_iters"])
     for split in ("train", "valid", "test"):
-        paths, weights = v[f"{split}_data_paths"], v[f"{split}_data_weights"]
+        data = f"{'pos_' if pairwise else ''}{split}_data_paths"
+        paths, weights = v[data], v[f"{split}_data_weights"]
         if weights is not None and (paths is None or len(weights) != len(paths)):
-            raise _fail(sources, f"{split}_data_weights", f"needs one weight per entry of {split}_data_paths")
+            raise _fail(sources, f"{split}_data_weights", f"needs one weight per entry of {data}")
+        if v[f"{split}_reward_data_paths"] and v["pack_impl"] != "unpacked":
+            raise _fail(sources, f"{split}_reward_data_paths", "rewards are per document, so they need pack_impl: "
+                        f"unpacked (one document per sample, as in GPT-NeoX), not {v['pack_impl']}")
     if not v["embedded_corpus"]:  # the embedded corpus brings its own tokenizer
         kind = v["tokenizer_type"]
         for name, what in TOKENIZER_FILES.get(kind, {}).items():
             if not v[name]:
                 default = "" if "tokenizer_type" in sources else " (GPT-NeoX's default tokenizer_type)"
                 raise _fail(sources, name, f"tokenizer_type {kind}{default} needs {name} ({what})")
+
+
+def _check_pairwise_data(v: dict[str, Any], sources: dict[str, str], pairwise: bool) -> None:
+    """pos_/neg_ paths only with dataset_impl pairwise, then in pairs of equal length; whole documents."""
+    for split in ("train", "valid", "test"):
+        pairs = [f"{sign}_{split}_{kind}data_paths" for kind in ("", "label_") for sign in ("pos", "neg")]
+        if not pairwise:
+            for name in pairs:
+                if v[name]:
+                    raise _fail(sources, name, "chosen/rejected pairs are read by dataset_impl: pairwise; set it "
+                                "(GPT-NeoX's dpo and rm recipes do)")
+            continue
+        for name in (f"{split}_data_paths", f"{split}_label_data_paths", f"{split}_reward_data_paths"):
+            if v[name]:
+                raise _fail(sources, name, f"dataset_impl pairwise reads pos_{split}_data_paths and "
+                            f"neg_{split}_data_paths instead; remove it (or use dataset_impl: gpt2)")
+        pos, neg, pos_label, neg_label = pairs
+        for first, second in ((pos, neg), (neg, pos), (pos_label, neg_label), (neg_label, pos_label)):
+            if v[first] and not v[second]:
+                raise _fail(sources, first, f"needs {second} beside it (chosen prefix k pairs with rejected prefix k)")
+        for name in (neg, pos_label, neg_label):
+            if v[name] and len(v[name]) != len(v[pos] or []):
+                raise _fail(sources, name, f"has {len(v[name])} prefixes for the {len(v[pos] or [])} of {pos}; give one "
+                            "per entry, in the same order")
+    if pairwise and (v["data_path"] or v["embedded_corpus"]):
+        name = "data_path" if v["data_path"] else "embedded_corpus"
+        raise _fail(sources, name, "dataset_impl pairwise reads its pairs from pos_/neg_{train,valid,test}_data_paths; "
+                    "remove it (or use dataset_impl: gpt2)")
+    if pairwise and v["pack_impl"] == "packed":
+        raise _fail(sources, "pack_impl", "dataset_impl pairwise needs whole documents (packed cuts a chosen and "
+                    "its rejected document apart, GPT-NeoX asserts the same); use unpacked or pack_until_overflow")
 
 
 def _check_split(split: str, sources: dict[str, str], train_iters: int | None) -> None:

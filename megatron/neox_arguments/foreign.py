@@ -170,7 +170,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
                                  "and key with weights of their own, as megatron-core and Qwen3 do"),
     "use_bnb_optimizer": (_falsy, _not_built("bitsandbytes optimizers", "use optimizer.type Adam/AdamW/SGD")),
     "curriculum_learning": (_disabled_dict, _not_built("curriculum learning")),
-    "dataset_impl": (_equals("gpt2"), _not_built("pairwise and online datasets", "use dataset_impl: gpt2")),
     "mlp_type": (_equals("regular"), "for Llama's gated MLP write `activation: swiglu` instead of mlp_type"),
     "gpt_j_tied": (_falsy, "tied parallel-residual norms are not supported (gpt_j_residual with two norms is)"),
     "checkpoint_scale": (_equals("linear"), "only linear checkpoint spacing is supported (checkpoint_factor, extra_save_iters)"),
@@ -207,11 +206,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "wandb": (_disabled_dict, "DeepSpeed's own W&B monitor is not used; set use_wandb"),
     "autotuning_run": (_falsy, _not_built("DeepSpeed autotuning through deepy.py")),
 }
-for _split in ("train", "valid", "test"):
-    UNSUPPORTED[f"{_split}_reward_data_paths"] = (_falsy, _not_built("reward datasets (KTO)"))
-    for _sign in ("pos", "neg"):
-        UNSUPPORTED[f"{_sign}_{_split}_data_paths"] = (_falsy, _not_built("pairwise (DPO) datasets"))
-        UNSUPPORTED[f"{_sign}_{_split}_label_data_paths"] = (_falsy, _not_built("pairwise (DPO) datasets"))
 
 # Values GPT-NeoX allows for one of our settings that select a feature not built here.
 GPT_NEOX_ONLY_VALUES: dict[str, dict[Any, str]] = {
@@ -224,6 +218,7 @@ GPT_NEOX_ONLY_VALUES: dict[str, dict[Any, str]] = {
     "init_method": {name: f"the {name} initialisation" for name in
                     ("orthogonal", "scaled_orthogonal", "xavier_uniform", "xavier_normal",
                      "single_residual_scaled_normal")},
+    "dataset_impl": {"online": "the online dataset (REINFORCE's rollout server; use gpt2 or pairwise)"},
     "data_impl": {"cached": "the legacy cached indexed-dataset format (preprocess into mmap .bin/.idx files)"},
     # Both fetch their vocabulary over the network while the run starts.
     "tokenizer_type": {"HFGPT2Tokenizer": "HFGPT2Tokenizer, which downloads GPT-2's tokenizer from the Hugging "

@@ -188,6 +188,15 @@ SETTINGS_LIST: list[Setting] = [
           "label files of train_data_paths (token ids, negative where the loss is masked), one per path"),
     _data("valid_label_data_paths", (list, type(None)), None, "label files of valid_data_paths, one per path"),
     _data("test_label_data_paths", (list, type(None)), None, "label files of test_data_paths, one per path"),
+    _data("dataset_impl", str, "gpt2", "gpt2 (documents of train_data_paths) or pairwise (chosen document k of "
+          "pos_*_data_paths with rejected document k of neg_*_data_paths, for dpo and rm)", choices=("gpt2", "pairwise")),
+    *(_data(f"{split}_reward_data_paths", (list, type(None)), None,
+            f"reward files of {split}_data_paths (one value per document, pack_impl unpacked), one per path")
+      for split in ("train", "valid", "test")),
+    *(_data(f"{sign}_{split}_{kind}data_paths", (list, type(None)), None,
+            f"{'label files of ' if kind else ''}{'chosen' if sign == 'pos' else 'rejected'} {split} documents"
+            f"{f' ({sign}_{split}_data_paths), one per path' if kind else ' (dataset_impl pairwise)'}")
+      for split in ("train", "valid", "test") for sign in ("pos", "neg") for kind in ("", "label_")),
     _data("pack_impl", str, "packed", "how documents become samples: packed, pack_until_overflow (whole documents "
           "until the next would overflow) or unpacked (one document per sample)",
           choices=("packed", "pack_until_overflow", "unpacked")),

@@ -104,7 +104,10 @@ DATA_SOURCE_ALTERNATIVES = (
     ("data_path",),
     ("train_data_paths", "valid_data_paths", "test_data_paths",
      "train_data_weights", "valid_data_weights", "test_data_weights",
-     "train_label_data_paths", "valid_label_data_paths", "test_label_data_paths"),
+     "train_label_data_paths", "valid_label_data_paths", "test_label_data_paths",
+     *(f"{split}_reward_data_paths" for split in ("train", "valid", "test")),
+     *(f"{sign}_{split}_{kind}data_paths" for split in ("train", "valid", "test") for sign in ("pos", "neg")
+       for kind in ("", "label_"))),
     ("embedded_corpus",),
 )
 
