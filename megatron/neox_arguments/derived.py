@@ -389,7 +389,15 @@ def _check_train_impl(v: dict[str, Any], sources: dict[str, str]) -> None:
     if v["train_impl"] == "dpo" and v.get("dataset_impl", "gpt2") != "pairwise":
         raise _fail(sources, "train_impl", "dpo trains on chosen/rejected pairs: set `dataset_impl: pairwise` with "
                                            "pos_train_data_paths / neg_train_data_paths (and their label paths)")
-    live_reference = v["train_impl"] == "kto" or (v["train_impl"] == "dpo" and not v["dpo_reference_free"])
+    if v["precompute_model_name"] and v["train_impl"] == "kto":
+        raise _fail(sources, "precompute_model_name", "precomputed reference log-probabilities are read for dpo "
+                                                      "only here; unset it (kto runs its reference model)")
+    if v["precompute_model_name"] and v["train_impl"] == "dpo" and v.get("pack_impl") != "unpacked":
+        raise _fail(sources, "precompute_model_name", "the precomputed log-probabilities hold one document per "
+                                                      "sample, which only pack_impl unpacked keeps aligned; set "
+                                                      "pack_impl: unpacked")
+    live_reference = v["train_impl"] == "kto" or (v["train_impl"] == "dpo" and not v["dpo_reference_free"]
+                                                   and not v["precompute_model_name"])
     if live_reference and v["zero_stage"] == 3:
         raise _fail(sources, "zero_optimization", f"train_impl {v['train_impl']}'s frozen reference model is not "
                                                   "partitioned under ZeRO-3 here: use ZeRO stage 0, 1 or 2"

@@ -90,6 +90,9 @@ SETTINGS_LIST: list[Setting] = [
     _train("dpo_beta", FLOAT, 0.1, "DPO's beta: the scale of the implicit rewards beta * (log pi - log pi_ref)"),
     _train("dpo_fp32", bool, True, "DPO: cast the logits to fp32 before taking log-probabilities"),
     _train("dpo_reference_free", bool, False, "DPO without a reference model (its log-probabilities taken as 0)"),
+    _train("precompute_model_name", OPT_STR, None, "DPO reads the reference's log-probabilities from "
+           "{data path}_{this name}.bin/.idx (written by generate.py with text_gen_type precompute) instead of "
+           "running a reference model"),
     _train("kto_beta", FLOAT, 0.1, "KTO's beta"),
     _train("kto_fp32", bool, True, "KTO: cast the logits to fp32 before taking log-probabilities"),
     _train("kto_desirable_weight", FLOAT, 1.0, "KTO: the weight of samples whose reward is above 0"),
@@ -149,7 +152,7 @@ SETTINGS_LIST: list[Setting] = [
     _log("wandb_group", OPT_STR, None, "W&B group"),
     _log("wandb_run_name", OPT_STR, None, "W&B run name"),
     # --- text generation (generate.py) ----------------------------------------------------
-    _gen("text_gen_type", OPT_STR, None, "what generate.py does: sample without a prompt, complete each prompt of sample_input_file, or ask for prompts", choices=("unconditional", "input-file", "interactive", None)),
+    _gen("text_gen_type", OPT_STR, None, "what generate.py does: sample without a prompt, complete each prompt of sample_input_file, or ask for prompts", choices=("unconditional", "input-file", "interactive", "precompute", None)),
     _gen("temperature", FLOAT, 0.0, "divide the logits by this before sampling; 0 with top_k 0 and top_p 0 is greedy (the most likely token)"),
     _gen("top_p", FLOAT, 0.0, "sample from the smallest set of tokens whose probabilities add up to more than this (0: off)"),
     _gen("top_k", int, 0, "sample from the this many most likely tokens (0: off)"),
