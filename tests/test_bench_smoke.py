@@ -89,3 +89,10 @@ def test_train_step_bench_prints_its_ratios(tmp_path):
         ("neox", "fp32"), ("neox", "bf16"), ("llama", "fp32"), ("llama", "bf16")]
     # the transformers model was built with the MLP width ours has, so the two do the same work
     assert all(r["parameters"]["ours"] == r["parameters"]["hf"] for r in results)
+
+
+def test_dpo_step_bench_prints_its_ratios():
+    ratios = run_bench("bench_dpo_step.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
+                       "--seq", "8", "--repeats", "2")
+    assert_ratios(ratios, {"dpo/sft step_seconds", "dpo_precomputed/sft step_seconds", "dpo/sft peak_rss",
+                           "dpo_precomputed/dpo peak_rss"})
