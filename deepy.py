@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """Validate GPT-NeoX style YAML configs, then start every rank through DeepSpeed's launcher.
 
-    python deepy.py TRAIN_SCRIPT CONFIG [CONFIG ...] [--dry-run]
+    python deepy.py TRAIN_SCRIPT CONFIG [CONFIG ...] [--dry-run] [--eval_tasks TASK ...] [--iteration N]
 
 Config paths are taken as given, else under configs/. Later files override earlier ones key by
 key (a nested dict such as zero_optimization is replaced as a whole, as in GPT-NeoX). --dry-run
 prints the resolved settings and the DeepSpeed config and starts nothing. Every rank receives
 the validated settings in one argv flag and reads them with
-megatron.neox_arguments.load_args_on_rank().
+megatron.neox_arguments.load_args_on_rank(). GPT-NeoX's --eval_tasks, --eval_results_prefix and
+--iteration set those settings over every file.
 
 The launcher runs in its own process group: a SIGTERM or SIGINT (Ctrl-C) to deepy.py, to the launcher,
 to a rank or to all of them is passed on to the ranks, which finish their step, save a checkpoint and
@@ -29,7 +30,7 @@ import os
 import sys
 from pathlib import Path
 
-from megatron.launcher import launch_command, launcher_environment, rendezvous_port, runs_on_one_machine
+from megatron.launcher import launch_command, launcher_environment, rendezvous_port, starts_only_local_ranks
 from megatron.neox_arguments import ConfigError
 from megatron.neox_arguments.dry_run import render_dry_run, tokenizer_summary
 from megatron.neox_arguments.handover import HANDOVER_FLAG, handover_argv
@@ -45,7 +46,20 @@ def parse_command_line(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("configs", nargs="+", help="YAML config files; later ones override earlier ones")
     parser.add_argument("-d", "--conf_dir", help="directory put in front of every config path (as in GPT-NeoX)")
     parser.add_argument("--dry-run", action="store_true", help="print the resolved settings and exit")
+    # GPT-NeoX's evaluation flags; each overrides the setting of its name in the config files
+    evaluation = parser.add_argument_group("eval.py and generate.py")
+    evaluation.add_argument("--eval_tasks", nargs="+", help="the harness's tasks eval.py runs")
+    evaluation.add_argument("--eval_results_prefix", help="eval.py's results file: <prefix>_eval_results_<date>.json")
+    evaluation.add_argument("--iteration", type=int, help="load tag global_step<iteration> instead of the latest")
     return parser.parse_args(argv)
+
+
+COMMAND_LINE_SETTINGS = ("eval_tasks", "eval_results_prefix", "iteration")
+
+
+def command_line_settings(command_line: argparse.Namespace) -> dict:
+    return {name: getattr(command_line, name) for name in COMMAND_LINE_SETTINGS
+            if getattr(command_line, name) is not None}
 
 
 def send_deepspeed_logs_to_stderr() -> None:
@@ -62,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     command_line = parse_command_line(argv)
     send_deepspeed_logs_to_stderr()
     try:
-        args = settings_for_run(gpt_neox_config_paths(command_line.configs, command_line.conf_dir))
+        args = settings_for_run(gpt_neox_config_paths(command_line.configs, command_line.conf_dir),
+                                command_line_settings(command_line))
         for notice in args.notices:
             print(notice, file=sys.stderr)
         # what the start would refuse, --dry-run refuses too
@@ -70,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"train script {command_line.train_script!r} not found")
         check_precision_on_cpu(args)
         if command_line.dry_run:
+            # what DeepSpeed's runner would refuse of the launcher settings (megatron/launcher.py)
+            launch_command(args, command_line.train_script, [], cpu_only=accelerator_is_cpu())
             sys.stdout.write(render_dry_run(args, tokenizer_summary(args)))
             return 0
         args = resolve_run_settings(args)  # builds the tokenizer: a file it cannot read stops here
@@ -84,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = [part if not part.startswith(HANDOVER_FLAG) else f"{HANDOVER_FLAG}=<settings>" for part in command]
     print("deepy.py: " + " ".join(shown), file=sys.stderr, flush=True)
     return Supervisor(command, launcher_environment(dict(os.environ), cpu_only=cpu_only),
-                      one_machine=runs_on_one_machine(args)).run()
+                      one_machine=starts_only_local_ranks(args)).run()
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ def runner_arguments(args: NeoXArgs, user_script: str, user_args: list[str], *, 
     flags += ["--master_port", str(args.master_port)]
     if args.master_addr:
         flags += ["--master_addr", args.master_addr]
+    if args.node_rank is not None:
+        flags += ["--no_ssh", "--node_rank", str(args.node_rank)]
     if args.deepspeed_slurm or args.deepspeed_mpi:
         flags += ["--force_multi"]  # as GPT-NeoX's deepy: the multi-node runner (srun/mpirun) starts the ranks
     flags += ["--launcher", args.launcher]
@@ -79,19 +81,52 @@ def runner_accepts_log_level() -> bool:
     return True
 
 
+# DeepSpeed's multi-node runner class per `launcher` (deepspeed.launcher.multinode_runner, 0.16 on).
+MULTI_NODE_RUNNERS = {"pdsh": "PDSHRunner", "openmpi": "OpenMPIRunner", "mvapich": "MVAPICHRunner",
+                      "slurm": "SlurmRunner", "mpich": "MPICHRunner", "impi": "IMPIRunner"}
+
+
+def check_multi_node_runner(args: NeoXArgs, runner_argv: list[str]) -> None:
+    """What DeepSpeed's multi-node runner refuses (the MPI ones take every slot of every host: no include,
+    exclude, num_nodes or num_gpus) it refuses only once the launch has begun, with a traceback; its own
+    check, asked here, stops deepy.py with one line instead."""
+    if starts_only_local_ranks(args):
+        return
+    from deepspeed.launcher import multinode_runner, runner
+
+    parsed = runner.parse_args(runner_argv)
+    runner_class = getattr(multinode_runner, MULTI_NODE_RUNNERS[args.launcher])
+    try:
+        if runner_class is multinode_runner.PDSHRunner:
+            runner_class(parsed, "")
+        else:
+            runner_class(parsed, "", {})
+    except ValueError as err:
+        raise ConfigError(f"{args.source_of('launcher')}: launcher: {args.launcher}: DeepSpeed says: {err}; remove "
+                          "include/exclude/num_nodes/num_gpus (the hostfile's slots decide) or use pdsh or slurm") from None
+
+
 def runs_on_one_machine(args: NeoXArgs) -> bool:
+    """The whole job runs on this machine."""
     return effective_hostfile(args.hostfile) is None and not (args.deepspeed_slurm or args.deepspeed_mpi)
+
+
+def starts_only_local_ranks(args: NeoXArgs) -> bool:
+    """Every rank this deepy.py starts runs on this machine: the whole job, or this node's part of it
+    (node_rank: each node's deepy.py starts its own ranks)."""
+    return runs_on_one_machine(args) or args.node_rank is not None
 
 
 def launch_command(args: NeoXArgs, user_script: str, user_args: list[str], *, cpu_only: bool,
                    python: str = sys.executable) -> list[str]:
-    """The full command line: DeepSpeed's runner run by this Python (same environment as deepy). On one
-    machine through the entry that starts it with the stop signals blocked; on several as it is, so
-    that its own handler stops the other machines' ranks."""
-    module = LAUNCH_ENTRY_MODULE if runs_on_one_machine(args) else "deepspeed.launcher.runner"
-    return [python, "-m", module,
-            *runner_arguments(args, user_script, user_args, cpu_only=cpu_only,
-                              runner_takes_log_level=runner_accepts_log_level())]
+    """The full command line: DeepSpeed's runner run by this Python (same environment as deepy). With
+    local ranks only through the entry that starts it with the stop signals blocked; with ranks on
+    other machines as it is, so that its own handler stops them."""
+    module = LAUNCH_ENTRY_MODULE if starts_only_local_ranks(args) else "deepspeed.launcher.runner"
+    runner_argv = runner_arguments(args, user_script, user_args, cpu_only=cpu_only,
+                                   runner_takes_log_level=runner_accepts_log_level())
+    check_multi_node_runner(args, runner_argv)
+    return [python, "-m", module, *runner_argv]
 
 
 def port_is_free(port: int) -> bool:

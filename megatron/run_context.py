@@ -45,20 +45,21 @@ def resolve_run_settings(args: NeoXArgs) -> NeoXArgs:
 TOKENIZER_SETTINGS = ("tokenizer_type", "vocab_file", "merge_file")
 
 
-def settings_for_run(paths: list[str]) -> NeoXArgs:
+def settings_for_run(paths: list[str], command_line: dict[str, Any] | None = None) -> NeoXArgs:
     """The validated settings of the config files; the model from the checkpoint when the files omit its shape.
 
     With `load` set and a model-shape setting (num_layers, hidden_size, ...) in no file, every model
     and tokenizer setting that no file sets comes from the settings the checkpoint recorded (or an
     HF folder's config.json); a setting a file does set is compared with the checkpoint by the load plan.
+    `command_line` (deepy.py's --eval_tasks, --iteration, ...) wins over every file.
     """
-    merged = merge_config_files(paths)
-    load = merged.values.get("load")
-    if not load or all(merged.values.get(name) is not None for name in MODEL_REQUIRED):
-        return NeoXArgs.from_yaml_files(paths)
-    saved, source = _checkpoint_model_settings(Path(load).expanduser(), merged.values.get("iteration"),
-                                               merged.values.get("model_parallel_size") or 1)
-    return NeoXArgs.from_yaml_files(paths, underlay=saved, underlay_source=source)
+    given = {**merge_config_files(paths).values, **(command_line or {})}
+    load = given.get("load")
+    if not load or all(given.get(name) is not None for name in MODEL_REQUIRED):
+        return NeoXArgs.from_yaml_files(paths, overlay=command_line)
+    saved, source = _checkpoint_model_settings(Path(load).expanduser(), given.get("iteration"),
+                                               given.get("model_parallel_size") or 1)
+    return NeoXArgs.from_yaml_files(paths, underlay=saved, underlay_source=source, overlay=command_line)
 
 
 def _checkpoint_model_settings(load: Path, iteration: int | None, tensor_parallel: int) -> tuple[dict[str, Any], str]:

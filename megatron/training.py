@@ -155,10 +155,27 @@ def train_step(engine, train_iterator, objective, before_optimizer_step=None) ->
 
 @torch.no_grad()
 def evaluate(engine, iterator, eval_iters: int, objective) -> tuple[float, dict[str, float]]:
+    """The loss and metrics over `eval_iters` batches; a batch is gradient_accumulation_steps micro batches, as
+    in GPT-NeoX (and DeepSpeed's pipeline engine), so an evaluation reads eval_iters x train_batch_size samples."""
     engine.eval()
-    results = [objective(engine, next(iterator)) for _ in range(eval_iters)]
+    results = [objective(engine, next(iterator)) for _ in range(eval_iters * engine.gradient_accumulation_steps())]
     engine.train()
     return _mean_over_micro_batches_and_ranks(results)
+
+
+def missing_evaluation_notes(args, valid_iterator, test_iterator) -> list[str]:
+    """What a run that would evaluate cannot, for want of data: said once before the first step, not silently."""
+    def why(split: str) -> str:
+        if args.data_path:
+            return f"split {args.split!r} of data_path gives it no documents"
+        return f"{split}_data_paths is not set"
+
+    notes = []
+    if args.eval_iters > 0 and valid_iterator is None and args.eval_interval <= args.train_iters:
+        notes.append(f"no validation data ({why('valid')}): no evaluation every {args.eval_interval} steps")
+    if args.eval_iters > 0 and test_iterator is None:
+        notes.append(f"no test data ({why('test')}): no test evaluation at the end")
+    return notes
 
 
 def _evaluation_scalars(split: str, loss: float, metrics: dict[str, float], objective) -> dict[str, float]:
@@ -235,8 +252,9 @@ def setup(args):
     from megatron.neox_arguments import ConfigError, NeoXArgs
     from megatron.tokenizer import build_tokenizer
 
-    if not args.requires_run_settings:  # files for generate.py: what training needs was not required of them
-        NeoXArgs.from_dict(args.given, "the config files (text_gen_type is set, as for generate.py)",
+    if not args.requires_run_settings:  # files for generate.py / eval.py: what training needs was not required of them
+        NeoXArgs.from_dict(args.given, "the config files (text_gen_type or eval_tasks is set, as for generate.py "
+                           "or eval.py)",
                            require_run_settings=True)
     if args.log_dir:
         tee_output_to(args.log_dir)
@@ -308,7 +326,7 @@ def _log_model(args, model, zero_stage: int, dp_size: int) -> None:
 
 
 def setup_for_inference(args):
-    """The checkpoint named by `load` in an engine that only runs forward (generation), in eval mode.
+    """The checkpoint named by `load` in an engine that only runs forward (generation, evaluation), in eval mode.
 
     Loaded by the training load plan as a fine-tune loads it, weights only, so any checkpoint a run can
     start from (ours at any tensor-parallel size, GPT-NeoX's, a Hugging Face folder) can be sampled; the
@@ -326,11 +344,11 @@ def setup_for_inference(args):
         tee_output_to(args.log_dir)
     quiet_deepspeed()
     if args.padded_vocab_size is None:
-        raise ConfigError("padded_vocab_size is not resolved: start generate.py through deepy.py, which resolves the "
+        raise ConfigError("padded_vocab_size is not resolved: start generate.py / eval.py through deepy.py, which resolves the "
                           "tokenizer once (megatron.run_context.resolve_run_settings)")
     initialize_distributed(args)
     weights_only = args.with_values({"finetune": True, "no_load_optim": False},
-                                    "generate.py (loads the weights only)")
+                                    "generate.py / eval.py (loads the weights only)")
     plan = plan_load(weights_only, data_parallel_rank_and_size()[1], hf_source=HF_FOLDER)
     set_seeds(args.seed)
     model = build_model(args.architecture(), args.seed)
@@ -356,6 +374,8 @@ def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals 
                           "of this run; nothing to save")
         return RunResult(state.iteration, None, None, None)
     train_iterator, valid_iterator, test_iterator = iterators
+    for note in missing_evaluation_notes(args, valid_iterator, test_iterator):
+        get_logger().info(note)
     objective = objective or objective_for(args, batch_options_for(args),
                                            state.reference.engine if state.reference else None)
     metrics = MetricsWriter(args)

@@ -55,6 +55,8 @@ def assert_one_line(result, *fragments: str) -> str:
          ["overrides.yml: optimizer.params.eps", "'abc' is not a number"]),
         ({"optimizer": {"type": "Adam", "params": {"lr": "5e-3", "betas": [1.5, 0.95]}}},
          ["overrides.yml: optimizer.params.betas", "must each be in [0, 1), got [1.5, 0.95]"]),
+        ({"optimizer": {"type": "Adam", "params": {"lr": "5e-3", "freeze_step": 400}}},
+         ["overrides.yml: optimizer.params.freeze_step", "not a parameter of FusedAdam", "remove it"]),
         ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "5.5e0"}},
          ["overrides.yml: zero_optimization.reduce_bucket_size", "'5.5e0' is not a whole number"]),
         ({"weight_decay": "1e-2", "optimizer": {"type": "Adam", "params": {"lr": "5e-3", "weight_decay": 0.02}}},

@@ -11,7 +11,7 @@ from megatron.data import DataError, MMapIndexedDataset, MMapIndexedDatasetBuild
 
 # The format as GPT-NeoX/Megatron document it, written out independently of the code under test.
 MAGIC = b"MMIDIDX\x00\x00"
-CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.float64: 6, np.uint16: 8}
+CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.float32: 6, np.float64: 7, np.uint16: 8}
 
 
 def hand_built_index(code: int, sizes: list[int], itemsize: int, doc_idx: list[int]) -> bytes:
@@ -76,10 +76,11 @@ def test_reads_a_hand_built_dataset(tmp_path):
     assert data[0].tolist() == [-1, 70000] and data[1].tolist() == [3, 4, 5]
 
 
+@pytest.mark.parametrize("code", [6, 7])
 @pytest.mark.parametrize(("itemsize", "expected"), [(8, np.float64), (4, np.float32)])
-def test_code_7_settled_by_data_size(tmp_path, itemsize, expected):
-    """Code 7 is float64 in GPT-NeoX's table and float32 in Megatron-core's."""
-    (tmp_path / "f.idx").write_bytes(hand_built_index(7, [3], itemsize, [0, 1]))
+def test_float_codes_settled_by_data_size(tmp_path, code, itemsize, expected):
+    """GPT-NeoX reads 6 as float32 and 7 as float64, Megatron-core the other way round."""
+    (tmp_path / "f.idx").write_bytes(hand_built_index(code, [3], itemsize, [0, 1]))
     values = np.array([0.5, -2.0, 3.25], dtype=expected)
     (tmp_path / "f.bin").write_bytes(values.tobytes())
     data = MMapIndexedDataset(tmp_path / "f")

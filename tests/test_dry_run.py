@@ -54,7 +54,8 @@ def test_real_size_configs_are_shipped():
 
 
 @pytest.mark.parametrize("config", MODEL_CONFIGS, ids=lambda p: p.relative_to(CONFIGS).as_posix())
-def test_dry_run_of_every_model_config(config, tmp_path, tokenizer_json, capsys):
+def test_dry_run_of_every_model_config(config, tmp_path, tokenizer_json, capsys, fp16_capable_cpu):
+    """Each shipped config is understood; the fp16 ones (Pythia's) as on a GPU, whatever this CPU supports."""
     configs = [config]
     if not NeoXArgs.from_yaml_files(configs).embedded_corpus:  # the config asks the user for a tokenizer file
         configs.append(write_yaml(tmp_path, "my_tokenizer.yml", {"vocab_file": str(tokenizer_json)}))

@@ -519,3 +519,43 @@ def test_the_number_rule_on_its_own():
 def test_reinforce_is_refused_in_one_line_saying_what_it_needs(tmp_path):
     message = config_error(tmp_path, train_impl="reinforce")
     assert "\n" not in message and "vLLM" in message and "dpo, kto or rm" in message
+
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "zero", "error"),
+    [
+        ({"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True, "foreach": False}}, None, None),
+        ({"type": "Adam", "params": {"lr": 1e-3, "foreach": False}}, None, "optimizer.params.foreach: not a parameter of FusedAdam"),
+        ({"type": "AdamW", "params": {"lr": 1e-3, "fp32_optimizer_states": True}},
+         {"stage": 2, "offload_optimizer": {"device": "cpu"}}, None),
+        ({"type": "AdamW", "params": {"lr": 1e-3, "set_grad_none": True}},
+         {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "optimizer.params.set_grad_none: not a parameter of DeepSpeedCPUAdam"),
+        ({"type": "SGD", "params": {"lr": 1e-3, "momentum": 0.9, "nesterov": True}}, None, None),
+        ({"type": "SGD", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}}, None, "optimizer.params.betas: not a parameter of SGD"),
+        ({"type": "Adam", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}, None, "DeepSpeed clips with gradient_clipping"),
+    ],
+    ids=["torch-adam-foreach", "fused-adam-foreach", "cpu-adam", "cpu-adam-set-grad-none", "sgd", "sgd-betas",
+         "max-grad-norm"],
+)
+def test_optimizer_params_are_those_of_the_optimizer_deepspeed_builds(tmp_path, single_rank_world, optimizer, zero,
+                                                                       error):
+    """What the check accepts DeepSpeed's engine builds; what it refuses DeepSpeed's engine fails on at start."""
+    import deepspeed
+    import torch
+
+    overrides = {"optimizer": optimizer, **({"zero_optimization": zero} if zero else {})}
+    if error is None:
+        config = run_args(tmp_path, **overrides).deepspeed_config()
+    else:
+        message = config_error(tmp_path, **overrides)
+        assert message.startswith(f"{tmp_path / 'run.yml'}: ") and error in message, message
+        config = {**run_args(tmp_path).deepspeed_config(), "optimizer": optimizer}
+        if zero:
+            config["zero_optimization"] = zero
+    model = torch.nn.Linear(4, 4)
+    if error is None:
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    else:
+        with pytest.raises((TypeError, ValueError)):
+            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.data import build_train_valid_test_datasets
+from megatron.data import build_data_iterators, build_train_valid_test_datasets
 from megatron.model import build_model
 from megatron.neox_arguments import NeoXArgs
 from megatron.run_context import resolve_run_settings
-from megatron.training import samples_per_split, setup, train
+from megatron.training import missing_evaluation_notes, samples_per_split, setup, train
 from tests.test_preprocess_chat import CHAT, make_chat_tokenizer, run, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
@@ -27,7 +27,8 @@ def masked_loss(model, samples: list[dict]) -> float:
     return F.cross_entropy(logits[trained], label[trained]).item()
 
 
-def test_sft_run_trains_and_evaluates_only_the_labelled_tokens(tmp_path):
+def sft_args(tmp_path, **overrides):
+    """A one-step SFT run on chats through the preprocess tool, evaluated after its step."""
     tokenizer = make_chat_tokenizer(tmp_path / "tok", eos="<|endoftext|>")  # HFTokenizer's end of document
     chats = [{"messages": CHAT[: 3 + (i % 3)]} for i in range(24)]
     run("--input", write_jsonl(tmp_path / "chats.jsonl", chats), "--tokenizer-path", str(tokenizer),
@@ -40,7 +41,11 @@ def test_sft_run_trains_and_evaluates_only_the_labelled_tokens(tmp_path):
                   train_label_data_paths=[labels], valid_label_data_paths=[labels], test_label_data_paths=[labels],
                   pack_impl="unpacked", allow_chopped=False, eval_interval=1, eval_iters=1, log_interval=1,
                   num_workers=0, precision="fp32", zero_optimization={"stage": 1})
-    args = resolve_run_settings(NeoXArgs.from_dict(values, require_run_settings=True))
+    return resolve_run_settings(NeoXArgs.from_dict({**values, **overrides}, require_run_settings=True))
+
+
+def test_sft_run_trains_and_evaluates_only_the_labelled_tokens(tmp_path):
+    args = sft_args(tmp_path)
     engine, state, iterators = setup(args)
     result = train(args, engine, state, iterators)
     # lr 1e-12: the weights stay (to 1e-5) those drawn from the seed, so each loss is the masked loss of its samples
@@ -51,3 +56,25 @@ def test_sft_run_trains_and_evaluates_only_the_labelled_tokens(tmp_path):
     everything = [{**s, "label": s["text"]} for s in (train_data[0], train_data[1])]
     assert abs(result.last_train_loss - masked_loss(model, everything)) > 1e-3
     assert result.test_loss == pytest.approx(result.last_valid_loss, rel=1e-5)  # the same files, the same samples
+
+
+def test_an_evaluation_reads_eval_iters_batches_of_gradient_accumulation_micro_batches(tmp_path):
+    """GPT-NeoX's evaluate runs eval_iters x gradient_accumulation_steps micro batches (a batch as the
+    pipeline engine counts it): here 1 x 2 micro batches of 1 sample, the mean of their two losses."""
+    args = sft_args(tmp_path, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=2)
+    engine, state, iterators = setup(args)
+    result = train(args, engine, state, iterators)
+    model = build_model(args.architecture(), args.seed).eval()
+    _, valid_data, _ = build_train_valid_test_datasets(args, samples_per_split(args))
+    per_sample = [masked_loss(model, [valid_data[i]]) for i in range(2)]
+    assert per_sample[0] != pytest.approx(per_sample[1], rel=1e-3)  # the two samples tell the counts apart
+    assert result.last_valid_loss == pytest.approx(sum(per_sample) / 2, rel=1e-5)
+    assert state.consumed_valid_samples == 2  # where the next evaluation starts: after both
+
+
+def test_a_run_without_validation_data_says_it_will_not_evaluate(tmp_path):
+    args = sft_args(tmp_path, valid_data_paths=None, valid_label_data_paths=None)
+    _, valid, test = build_data_iterators(args, samples_per_split(args), 0, 1)
+    assert valid is None and test is not None
+    assert missing_evaluation_notes(args, valid, test) == [
+        "no validation data (valid_data_paths is not set): no evaluation every 1 steps"]

@@ -29,9 +29,9 @@ class DataPosition:
 
 
 def samples_per_evaluation(args) -> int:
-    """Validation samples one evaluation reads: eval_iters micro batches on every data-parallel rank (0 for
-    settings without a batch size, such as a checkpoint's own settings read by a tool)."""
-    return args.eval_iters * ((args.train_batch_size or 0) // (args.gradient_accumulation_steps or 1))
+    """Validation samples one evaluation reads: eval_iters batches of train_batch_size (0 for settings without a
+    batch size, such as a checkpoint's own settings read by a tool)."""
+    return args.eval_iters * (args.train_batch_size or 0)
 
 
 def data_position(client: ClientState, iteration: int, args) -> DataPosition:

@@ -22,18 +22,21 @@ INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 _HEADER = struct.Struct("<9sQBqq")
 
-# Codes shared by GPT-NeoX and Megatron. Code 7 means float64 to GPT-NeoX but float32 to Megatron-core;
-# the reader settles it from the .bin size, the writer uses 6 for float64 (both agree) and 7 for float32.
+# The integer codes mean the same to GPT-NeoX and Megatron-core; the float ones do not: GPT-NeoX reads 6 as
+# float32 and 7 as float64 (older releases both as float64), Megatron-core 6 as float64 and 7 as float32. The
+# reader settles 6 and 7 from the .bin size; the writer uses GPT-NeoX's codes, whose tools read float files
+# (precomputed reference log-probabilities).
 DTYPE_CODES: dict[int, np.dtype] = {
     1: np.dtype(np.uint8),
     2: np.dtype(np.int8),
     3: np.dtype(np.int16),
     4: np.dtype(np.int32),
     5: np.dtype(np.int64),
-    6: np.dtype(np.float64),
-    7: np.dtype(np.float32),
+    6: np.dtype(np.float32),
+    7: np.dtype(np.float64),
     8: np.dtype(np.uint16),
 }
+_FLOAT_CODES = (6, 7)
 _CODE_OF_DTYPE = {dtype: code for code, dtype in DTYPE_CODES.items()}
 
 
@@ -115,8 +118,8 @@ class _Index:
     def _resolve_dtype(self, code: int, bin_size: int, idx_path: str) -> np.dtype:
         dtype = DTYPE_CODES[code]
         total_tokens = int(self.sizes.sum(dtype=np.int64))
-        if code == 7 and total_tokens and bin_size == total_tokens * 8:
-            dtype = np.dtype(np.float64)  # GPT-NeoX's meaning of code 7
+        if code in _FLOAT_CODES and total_tokens:
+            dtype = {4: np.dtype(np.float32), 8: np.dtype(np.float64)}.get(bin_size // total_tokens, dtype)
         if bin_size != total_tokens * dtype.itemsize:
             raise DataError(f"data file next to {idx_path!r} has {bin_size} bytes but the index describes "
                             f"{total_tokens} tokens of {dtype} ({total_tokens * dtype.itemsize} bytes); "

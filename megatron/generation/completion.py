@@ -1,15 +1,17 @@
 """Complete one prompt token by token, as GPT-NeoX's generate.py does.
 
 Tokens are generated until the end-of-document token (not part of the completion; the completion is
-then `finished`), `maximum_tokens` of them, or the sequence reaching `seq_length`. Without
-`recompute` the model keeps the keys and values of the tokens it has run (KVCache), so each step
-after the first runs one token; with it, every step runs the whole sequence again. At tensor-parallel
-size > 1 every rank of the group computes the gathered logits; the token tensor-parallel rank 0
-chose is the one all of them continue with, so sampling cannot drift apart.
+then `finished`), `maximum_tokens` of them, the sequence reaching `seq_length`, or a caller's stop
+rule (eval.py's stop strings) holding. Without `recompute` the model keeps the keys and values of
+the tokens it has run (KVCache), so each step after the first runs one token; with it, every step
+runs the whole sequence again. At tensor-parallel size > 1 every rank of the group computes the
+gathered logits; the token tensor-parallel rank 0 chose is the one all of them continue with, so
+sampling cannot drift apart.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +45,10 @@ def _same_on_every_tensor_parallel_rank(token: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def complete(model, prompt: list[int], limits: Limits, sampling: Sampling, recompute: bool = False) -> Completion:
-    """The completion of `prompt` (token ids, at least one) by `model` (a GPTModel in eval mode)."""
+def complete(model, prompt: list[int], limits: Limits, sampling: Sampling, recompute: bool = False,
+             stop: Callable[[list[int]], bool] | None = None) -> Completion:
+    """The completion of `prompt` (token ids, at least one) by `model` (a GPTModel in eval mode); it also
+    ends (not finished) after the first token for which `stop(tokens generated so far)` holds."""
     from megatron.model import KVCache
 
     device = next(model.parameters()).device
@@ -61,5 +65,7 @@ def complete(model, prompt: list[int], limits: Limits, sampling: Sampling, recom
         if token.item() == limits.eod:
             return Completion(generated, finished=True)
         generated.append(token.item())
+        if stop is not None and stop(generated):
+            break
         sequence = torch.cat((sequence, token.view(1, 1)), dim=1)
     return Completion(generated, finished=False)

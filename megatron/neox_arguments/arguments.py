@@ -16,6 +16,7 @@ from megatron.neox_arguments.validation import check_setting, check_settings
 from megatron.neox_arguments.yaml_files import merge_config_files, normalise_key
 
 DEFAULT_SOURCE = "default"
+COMMAND_LINE_SOURCE = "the command line"
 DERIVED_SOURCE = "derived"
 # Derived settings the loader does not compute from other settings: code that knows them may state
 # them in from_dict (the vocabulary a model was built with; the text of the run's YAML files), and the
@@ -63,22 +64,28 @@ class NeoXArgs:
 
     @classmethod
     def from_yaml_files(cls, paths: list[str | Path], underlay: dict[str, Any] | None = None,
-                        underlay_source: str = "") -> NeoXArgs:
+                        underlay_source: str = "", overlay: dict[str, Any] | None = None,
+                        overlay_source: str = COMMAND_LINE_SOURCE) -> NeoXArgs:
         """Merge the files (later ones override earlier ones key by key), validate, derive.
 
         `underlay` holds values for settings no file sets (the model a checkpoint recorded), set by
-        `underlay_source`; a file that sets one of them wins.
+        `underlay_source`; a file that sets one of them wins. `overlay` (deepy.py's --eval_tasks, ...)
+        wins over every file.
         """
         merged = merge_config_files(paths)
         for name in GIVEN_BY_CODE:
             if name in merged.values:
                 check_setting(name, merged.values[name], merged.sources)  # raises: derived, not for a YAML
+        overlay = overlay or {}
         filled = {name: value for name, value in (underlay or {}).items() if name not in merged.values}
-        given = {**filled, **merged.values, "config_files": merged.texts}
-        sources = {**dict.fromkeys(filled, underlay_source), **merged.sources, "config_files": DERIVED_SOURCE}
-        # Files that say what to generate start generate.py, as GPT-NeoX's text_generation.yml does: the
-        # settings only training needs (train_iters, batch sizes, optimizer, data) may then be missing.
-        return cls._validated(given, sources, require_run_settings=given.get("text_gen_type") is None)
+        given = {**filled, **merged.values, **overlay, "config_files": merged.texts}
+        sources = {**dict.fromkeys(filled, underlay_source), **merged.sources, **dict.fromkeys(overlay, overlay_source),
+                   "config_files": DERIVED_SOURCE}
+        # Settings that say what to generate (GPT-NeoX's text_generation.yml) or which tasks to score start
+        # generate.py or eval.py: the settings only training needs (train_iters, batch sizes, optimizer,
+        # data) may then be missing.
+        starts_training = given.get("text_gen_type") is None and not given.get("eval_tasks")
+        return cls._validated(given, sources, require_run_settings=starts_training)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], source: str = "<dict>", *,

@@ -6,6 +6,7 @@ from, so every error can name the file and key to fix.
 
 from __future__ import annotations
 
+import inspect
 import math
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from megatron.architecture import (
 )
 from megatron.neox_arguments.errors import ConfigError, where
 from megatron.neox_arguments.numbers import deepspeed_sections
-from megatron.neox_arguments.world import count_ranks
+from megatron.neox_arguments.world import active_hosts, effective_hostfile
 from megatron.optimizer_layout import precision_of, zero_stage_of
 from megatron.tokenizer.tokenizer import TOKENIZER_FILES
 
@@ -199,7 +200,42 @@ def _derive_optimizer(v: dict[str, Any], sources: dict[str, str], require_run_se
     params["weight_decay"] = v["weight_decay"]
     if v["lr"] is not None:
         params["lr"] = v["lr"]
+    _check_optimizer_params(OPTIMIZER_TYPES[kind.lower()], params, v["zero_optimization"], sources)
     v["optimizer"] = {"type": OPTIMIZER_TYPES[kind.lower()], "params": params}
+
+
+def _optimizer_deepspeed_builds(kind: str, params: dict[str, Any], zero: dict[str, Any]) -> tuple[type, set[str]]:
+    """The optimizer class DeepSpeed's engine builds for `kind` and the params keys DeepSpeed itself consumes.
+
+    Its rule (engine._configure_basic_optimizer, the same from 0.16 on): Adam and AdamW are torch's with
+    `torch_adam`, DeepSpeedCPUAdam when ZeRO offloads the optimizer to the CPU, FusedAdam otherwise;
+    any other type is the torch.optim class of that name.
+    """
+    import torch
+
+    if kind == "SGD":
+        return torch.optim.SGD, set()
+    consumed = {"torch_adam", "adam_w_mode"}
+    if params.get("torch_adam"):
+        return (torch.optim.AdamW if kind == "AdamW" else torch.optim.Adam), consumed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    offload = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
+    return (DeepSpeedCPUAdam if offload else FusedAdam), consumed
+
+
+def _check_optimizer_params(kind: str, params: dict[str, Any], zero: dict[str, Any], sources: dict[str, str]) -> None:
+    """An optimizer.params key the optimizer does not take fails here in one line, not as a TypeError on a rank."""
+    location = f"{sources['optimizer']}: optimizer.params" if "optimizer" in sources else "optimizer.params"
+    if "max_grad_norm" in params:
+        raise ConfigError(f"{location}.max_grad_norm: DeepSpeed clips with gradient_clipping; set that instead")
+    optimizer_class, consumed = _optimizer_deepspeed_builds(kind, params, zero)
+    # the parameters and DeepSpeedCPUAdam's adamw_mode are DeepSpeed's to pass
+    accepted = (set(inspect.signature(optimizer_class).parameters) - {"params", "model_params", "adamw_mode"}) | consumed
+    unknown = sorted(set(params) - accepted)
+    if unknown:
+        raise ConfigError(f"{location}.{unknown[0]}: not a parameter of {optimizer_class.__name__}, which DeepSpeed "
+                          f"builds for type {kind} here (it takes {', '.join(sorted(accepted))}); remove it")
 
 
 def _agree(v: dict[str, Any], sources: dict[str, str], name: str, other: Any, other_name: str) -> Any:
@@ -212,12 +248,16 @@ def _agree(v: dict[str, Any], sources: dict[str, str], name: str, other: Any, ot
 
 def _derive_world(v: dict[str, Any], sources: dict[str, str], notices: list[str]) -> None:
     num_nodes = None if v["num_nodes"] == -1 else v["num_nodes"]
-    if v["hostfile"] is not None and not Path(v["hostfile"]).is_file() and not (num_nodes or 1) > 1:
+    if (v["hostfile"] is not None and not Path(v["hostfile"]).is_file() and not (num_nodes or 1) > 1
+            and v["node_rank"] is None):
         # what DeepSpeed's launcher does with a hostfile that is not there: warn, run on this machine
         notices.append(f"notice: {where(sources, 'hostfile')}: {v['hostfile']!r} does not exist; "
                        "running on this machine only, as DeepSpeed does")
         v["hostfile"] = None
-    ranks = count_ranks(v["num_gpus"], num_nodes, v["hostfile"], v["include"], v["exclude"])
+    hosts = active_hosts(v["num_gpus"], num_nodes, v["hostfile"], v["include"], v["exclude"])
+    if v["node_rank"] is not None:
+        _check_node_rank(v, sources, hosts)
+    ranks = sum(len(slots) for _, slots in hosts)
     if v["global_num_gpus"] is not None and v["global_num_gpus"] != ranks:
         raise _fail(sources, "global_num_gpus", f"{v['global_num_gpus']}, but the launcher settings "
                     f"(num_gpus/num_nodes/hostfile/include/exclude) start {ranks} rank(s); remove global_num_gpus "
@@ -229,6 +269,26 @@ def _derive_world(v: dict[str, Any], sources: dict[str, str], notices: list[str]
                     "ranks (num_gpus x nodes); every tensor-parallel group needs that many ranks, so start "
                     "a multiple of it or choose a size that divides the rank count")
     v["data_parallel_size"] = ranks // model_ranks
+
+
+def _check_node_rank(v: dict[str, Any], sources: dict[str, str], hosts: list[tuple[str, list[int]]]) -> None:
+    """node_rank: this deepy.py starts one node's ranks by itself (DeepSpeed's --no_ssh --node_rank), so
+    every node must read the same hostfile and find node 0 at an address given, not asked over ssh."""
+    node_rank = v["node_rank"]
+    if v["deepspeed_slurm"] or v["deepspeed_mpi"]:
+        launcher = "deepspeed_slurm" if v["deepspeed_slurm"] else "deepspeed_mpi"
+        raise _fail(sources, "node_rank", f"{node_rank}, but {where(sources, launcher)} has srun/mpirun start "
+                    "every node's ranks; keep one of them")
+    if effective_hostfile(v["hostfile"]) is None:
+        raise _fail(sources, "node_rank", f"{node_rank} needs a hostfile naming every node (lines `host slots=N`), "
+                    "the same file on every node; set hostfile")
+    if not 0 <= node_rank < len(hosts):
+        names = ", ".join(host for host, _ in hosts)
+        raise _fail(sources, "node_rank", f"{node_rank}, but the hostfile gives {len(hosts)} node(s) ({names}), "
+                    f"numbered 0 to {len(hosts) - 1}; give each node its own number in that range")
+    if not v["master_addr"]:
+        raise _fail(sources, "node_rank", f"{node_rank} needs master_addr: the address of node 0 "
+                    f"({hosts[0][0]}) that every node reaches, the same on every node; set master_addr")
 
 
 def _derive_batch(v: dict[str, Any], sources: dict[str, str], require_run_settings: bool) -> None:

@@ -28,8 +28,7 @@ VALUE_ALIASES: dict[str, dict[Any, Any]] = {
 _KERNEL = "a GPU kernel choice; the model computes the same function without it"
 _MEMORY = "a GPU memory/recomputation tuning knob we do not implement (use checkpoint_activations)"
 _PLUMBING = "cluster/launcher plumbing this framework does not use"
-_GENERATION = ("read only by GPT-NeoX's evaluation (eval.py, not built here) and by generation extras generate.py "
-               "does not have (returned logits)")
+_GENERATION = "a generation extra generate.py does not have (returned logits)"
 _SET_BY_GPT_NEOX = "filled in by GPT-NeoX itself at launch, not a setting"
 
 
@@ -115,7 +114,7 @@ INERT: dict[str, str] = {
     "lazy_mpu_init": "only matters when GPT-NeoX is embedded in another program",
 }
 INERT.update(dict.fromkeys(
-    ("return_logits", "eval_results_prefix", "eval_tasks"),
+    ("return_logits",),
     _GENERATION,
 ))
 _SUBORDINATE: dict[str, tuple[str, ...]] = {

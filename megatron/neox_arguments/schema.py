@@ -39,6 +39,7 @@ _log = _s("logging")
 _ds = _s("deepspeed")  # DeepSpeed config keys GPT-NeoX puts in the DeepSpeed config when not at their default
 _derived = _s("derived")
 _gen = _s("generation")  # read by generate.py, as GPT-NeoX's text_generation.yml sets them
+_eval = _s("evaluation")  # read by eval.py (the LM Evaluation Harness)
 
 OPT_INT = (int, type(None))
 OPT_FLOAT = (float, int, type(None))
@@ -162,6 +163,12 @@ SETTINGS_LIST: list[Setting] = [
     _gen("sample_output_file", OPT_STR, "samples.txt", "where generate.py writes its samples: one JSON object a line (context, text, ...)"),
     _gen("num_samples", int, 1, "unconditional: how many samples to generate"),
     _gen("recompute", bool, False, "run the whole sequence through the model for every token instead of keeping the keys and values of earlier tokens"),
+    # --- evaluation with the LM Evaluation Harness (eval.py) ------------------------------
+    _eval("eval_tasks", (list, type(None)), None, "the harness's tasks (names or glob patterns) eval.py scores the model on (deepy.py's --eval_tasks)"),
+    _eval("eval_results_prefix", str, "", "eval.py writes its results to <eval_results_prefix>_eval_results_<date-time>.json (without the prefix and its _ when empty)"),
+    _eval("eval_include_path", (str, list, type(None)), None, "directories of task YAML files the harness loads besides its own (local tasks; nothing downloaded)", gpt_neox=False),
+    _eval("eval_num_fewshot", int, 0, "examples put before each question of every task that allows them (GPT-NeoX's eval.py: 0)", gpt_neox=False),
+    _eval("eval_bootstrap_iters", int, 10000, "bootstrap resamples for the standard errors of metrics with no closed form (0: none; GPT-NeoX's eval.py: 10000)", gpt_neox=False),
     # --- checkpointing -------------------------------------------------------------------
     _ckpt("save", OPT_STR, None, "directory to save checkpoints to"),
     _ckpt("load", OPT_STR, None, "checkpoint directory to load from"),
@@ -225,7 +232,8 @@ SETTINGS_LIST: list[Setting] = [
     _launch("exclude", OPT_STR, None, "DeepSpeed --exclude host/slot filter"),
     _launch("master_port", int, 29500, "rendezvous port"),
     _launch("master_addr", OPT_STR, None, "rendezvous address"),
-    _launch("launcher", str, "pdsh", "multi-node launcher", choices=("pdsh", "openmpi", "mvapich", "slurm", "jsrun", "mpich", "impi")),
+    _launch("launcher", str, "pdsh", "multi-node launcher", choices=("pdsh", "openmpi", "mvapich", "slurm", "mpich", "impi")),  # DeepSpeed's runners (jsrun is DeeperSpeed's)
+    _launch("node_rank", OPT_INT, None, "start only this node's ranks, those of the hostfile's node_rank-th host, without ssh (DeepSpeed's --no_ssh --node_rank, as torchrun's): run deepy.py on every node with its own node_rank, one hostfile and master_addr", gpt_neox=False),
     _launch("deepspeed_slurm", bool, False, "ranks started by SLURM (srun): rank and world size come from SLURM's environment"),
     _launch("deepspeed_mpi", bool, False, "ranks started by MPI: rank and world size come from the MPI environment"),
     # --- derived (set by the loader, never by a YAML) -------------------------------------

@@ -66,13 +66,14 @@ def read_hostfile(path: str) -> dict[str, int]:
         raise ConfigError(f"hostfile {path!r}: {err} (each line: `hostname slots=N`)") from None
 
 
-def count_ranks(
+def active_hosts(
     num_gpus: int | None,
     num_nodes: int | None,
     hostfile: str | None,
     include: str | None,
     exclude: str | None,
-) -> int:
+) -> list[tuple[str, list[int]]]:
+    """(host, slots) of every node that gets ranks, in the order DeepSpeed numbers the nodes (node_rank)."""
     from deepspeed.accelerator import get_accelerator
     from deepspeed.launcher.runner import parse_inclusion_exclusion
 
@@ -100,7 +101,6 @@ def count_ranks(
         hosts = hosts[:num_nodes]
     if num_gpus is not None and num_gpus > 0:
         hosts = [(host, list(range(num_gpus))) for host, _ in hosts]
-    ranks = sum(len(slots) for _, slots in hosts)
-    if ranks == 0:
+    if not any(slots for _, slots in hosts):
         raise ConfigError("the launcher settings (hostfile/include/exclude/num_gpus/num_nodes) leave no rank to run on")
-    return ranks
+    return hosts

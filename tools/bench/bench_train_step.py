@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 from bench_world import init_world  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from procmem import median, ratio_line, table  # noqa: E402
 
@@ -92,13 +93,34 @@ def engine_for(model: torch.nn.Module, precision: str, options: argparse.Namespa
 
 
 def step_seconds(engine, tokens: torch.Tensor, hugging_face: bool) -> float:
+    accelerator = get_accelerator()
+    accelerator.synchronize()  # on a GPU the step's kernels run asynchronously: time them, not their launch
     started = time.perf_counter()
     output = engine(tokens[:, :-1])
     logits = output.logits if hugging_face else output
     loss = causal_lm_loss(logits, tokens[:, 1:])
     engine.backward(loss)
     engine.step()
+    accelerator.synchronize()
     return time.perf_counter() - started
+
+
+# Dense bf16 tensor-core peak per GPU (the vendors' data sheets, without sparsity), by torch's device name.
+BF16_PEAK_TFLOPS = {"H200": 989.4, "H100 SXM": 989.4, "H100 80GB HBM3": 989.4, "H100 PCIe": 756.0,
+                    "A100": 312.0, "L40S": 362.1, "A10G": 70.0}
+
+
+def bf16_peak_flops(device_name: str, given_tflops: float | None) -> float | None:
+    if given_tflops:
+        return given_tflops * 1e12
+    matches = [tflops for name, tflops in BF16_PEAK_TFLOPS.items() if name in device_name]
+    return matches[0] * 1e12 if matches else None
+
+
+def model_flops_per_token(parameters: int, options: argparse.Namespace) -> float:
+    """Training FLOPs per token as PaLM's appendix counts them: 6 per parameter and 12 x layers x hidden x
+    sequence for attention's scores and values (forward and backward), no recomputation."""
+    return 6.0 * parameters + 12.0 * options.layers * options.hidden * options.seq
 
 
 # Matrix products and attention (whose CPU kernels are matrix products): the FLOPs both models share.
@@ -129,18 +151,30 @@ def measure(family: str, precision: str, options: argparse.Namespace) -> dict:
     for name, engine in engines.items():
         step_seconds(engine, tokens, name == "hf")  # warm-up: kernels, optimizer state
     times: dict[str, list[float]] = {"ours": [], "hf": []}
+    peak_bytes = dict.fromkeys(times, 0)  # the process's peak accelerator memory during each model's steps
     order = ["ours", "hf"]
+    accelerator = get_accelerator()
     for repeat in range(options.repeats):
         for name in order if repeat % 2 == 0 else order[::-1]:
+            accelerator.reset_peak_memory_stats()
             times[name].append(step_seconds(engines[name], tokens, name == "hf"))
-    matmul_share = {name: matmul_share_of_step(engine, tokens, name == "hf") for name, engine in engines.items()}
+            peak_bytes[name] = max(peak_bytes[name], accelerator.max_memory_allocated())
+    matmul_share = {name: None if options.no_profile else matmul_share_of_step(engine, tokens, name == "hf")
+                    for name, engine in engines.items()}
     parameters = {name: sum(p.numel() for p in engine.module.parameters()) for name, engine in engines.items()}
     tokens_per_step = options.batch * options.seq
     paired = [hf / ours for ours, hf in zip(times["ours"], times["hf"], strict=True)]
+    tokens_per_second = {name: tokens_per_step / median(values) for name, values in times.items()}
+    on_cpu = accelerator.device_name() == "cpu"
+    peak = bf16_peak_flops("" if on_cpu else getattr(torch, accelerator.device_name()).get_device_name(),
+                           options.peak_tflops)
+    mfu = {name: tokens_per_second[name] * model_flops_per_token(parameters[name], options) / peak
+           for name in times} if peak else None
     return {
         "family": family, "precision": precision, "parameters": parameters, "mlp_width": width,
+        "device": accelerator.device_name(), "peak_memory_bytes": peak_bytes, "mfu_of_bf16_peak": mfu,
         "step_seconds": times, "tokens_per_step": tokens_per_step,
-        "tokens_per_second": {name: tokens_per_step / median(values) for name, values in times.items()},
+        "tokens_per_second": tokens_per_second,
         "ratio": median(times["hf"]) / median(times["ours"]),
         "matmul_share": matmul_share,
         "ratio_spread": [min(paired), max(paired)],
@@ -164,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", choices=("none", "ours", "both"), default="none",
                         help="torch.compile (engine.compile, what `torch_compile: true` does) ours or both models")
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
+    parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak for model FLOPs utilisation "
+                        "(default: from its name, see BF16_PEAK_TFLOPS)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the CPU profile of the matmul share")
     options = parser.parse_args(argv)
     if options.threads:
         torch.set_num_threads(options.threads)
@@ -186,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table(["family", "precision", "params", "ours ms", "hf ms", "ours tok/s", "hf tok/s", "ours/hf",
                  "per-repeat", "ours matmul share", "hf matmul share"], rows))
     for r in results:
+        if r["device"] != "cpu":
+            for name in ("ours", "hf"):
+                mfu = r["mfu_of_bf16_peak"]
+                print(f"{name} {r['family']} {r['precision']}: {r['tokens_per_second'][name]:,.0f} tokens/s, "
+                      f"model FLOPs utilisation {f'{100 * mfu[name]:.1f}%' if mfu else 'unknown (give --peak-tflops)'}"
+                      f" of the bf16 peak, peak memory {r['peak_memory_bytes'][name] / 2**30:.1f} GiB")
         print(ratio_line(f"ours/hf tokens_per_s {r['family']} {r['precision']}", r["tokens_per_second"]["ours"],
                          r["tokens_per_second"]["hf"], "training-step throughput; above 1: ours is faster"))
     if options.json:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from megatron.core import parallel_state
 
 from megatron.initialize import init_deepspeed_distributed
@@ -18,6 +19,8 @@ def init_world(rank: int = 0, world_size: int = 1, port: int | None = None) -> N
                         ("LOCAL_SIZE", world_size)):
         os.environ[name] = str(value)
     if not dist.is_initialized():
-        init_deepspeed_distributed(dist_backend="gloo")
+        accelerator = get_accelerator()
+        on_cpu = accelerator.device_name() == "cpu"
+        init_deepspeed_distributed(dist_backend="gloo" if on_cpu else accelerator.communication_backend_name())
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
