@@ -6,6 +6,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from megatron.checkpointing.data_position import samples_per_evaluation
 from megatron.checkpointing.layout import tag_for_iteration
 from megatron.checkpointing.lineage import Lineage
+from megatron.checkpointing.reference import ReferenceIdentity
 from megatron.diagnostics import StepProfiler, parameter_norms
 from megatron.divergence import NonFiniteWatch, check_weights_finite
 from megatron.initialize import (
@@ -35,6 +37,14 @@ from megatron.stop_signals import StopSignals, hold_before_save, signal_name
 
 
 @dataclass
+class ReferenceModel:
+    """The frozen model DPO and KTO compare the policy with, and which weights it is (every save records them)."""
+
+    engine: Any  # a forward-only DeepSpeed engine, eval mode, no parameter requires grad
+    identity: ReferenceIdentity
+
+
+@dataclass
 class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
@@ -48,6 +58,7 @@ class TrainState:
     # scheduler only after a step it applied.
     skipped_steps: int = 0
     lineage: Lineage = field(default_factory=Lineage)  # the tags of `save` this run may prune
+    reference: ReferenceModel | None = None  # DPO/KTO's frozen reference; its identity goes into every save
 
     @property
     def lr_step(self) -> int:
@@ -212,7 +223,8 @@ def _save(args, engine, state: TrainState) -> Path:
     check_weights_finite(engine, state.iteration, args)
     return save_checkpoint(args, engine, state.iteration, state.consumed_train_samples, state.lr_schedule_start,
                            lr_schedule=state.schedule.to_dict(), consumed_valid_samples=state.consumed_valid_samples,
-                           lineage=state.lineage)
+                           lineage=state.lineage,
+                           reference_model=state.reference.identity.to_dict() if state.reference else None)
 
 
 def _stop_after_signal(args, engine, state: TrainState, signum: int, saved_at: int | None) -> None:
@@ -235,6 +247,8 @@ def setup(args):
     import deepspeed
 
     from megatron.checkpointing import check_save_dir, load_checkpoint, plan_load
+    from megatron.checkpointing.reference import describe as describe_reference
+    from megatron.checkpointing.reference import needs_reference, plan_reference
     from megatron.data import build_data_iterators, check_data_vocabulary
     from megatron.hf import HF_FOLDER
     from megatron.model import build_model
@@ -256,6 +270,10 @@ def setup(args):
                           "tokenizer and the embedded corpus once (megatron.run_context.resolve_run_settings)")
     check_data_vocabulary(args, build_tokenizer(args).vocab_size)
     plan = plan_load(args, dp_size, hf_source=HF_FOLDER)
+    reference_plan = None
+    if needs_reference(args):
+        reference_plan, identity = plan_reference(args, plan, dp_size, hf_source=HF_FOLDER)
+        get_logger().info(describe_reference(identity, resumed=reference_plan is not plan))
     check_save_dir(args)
 
     set_seeds(args.seed)
@@ -278,6 +296,8 @@ def setup(args):
         if outcome is not None:
             state = state_after_load(outcome, args)
             restored_rng = outcome.restored_rng
+    if reference_plan is not None:
+        state.reference = ReferenceModel(_frozen_reference(args, reference_plan), identity)
     if not restored_rng:
         # Same weights on every rank came from the shared seed above; dropout differs per rank.
         set_seeds(args.seed + 1 + dp_rank)
@@ -285,6 +305,25 @@ def setup(args):
         args, samples_per_split(args), dp_rank, dp_size, state.consumed_train_samples, state.consumed_valid_samples
     )
     return engine, state, iterators
+
+
+def _frozen_reference(args, plan):
+    """DPO/KTO's reference: the policy's model built again (the same tensor-parallel layout, its random layers
+    drawn from the same seed), in a forward-only engine of the run's precision, loaded by `plan`, frozen."""
+    import deepspeed
+
+    from megatron.checkpointing import load_weights_only
+    from megatron.model import build_model
+    from megatron.neox_arguments.deepspeed_config import build_inference_deepspeed_config
+
+    with torch.random.fork_rng(devices=[]):  # the policy's dropout and data draws stay as without a reference
+        model = build_model(args.architecture(), args.seed)
+    model.requires_grad_(False)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=build_inference_deepspeed_config(args.to_dict()),
+                                           mpu=ModelParallelUnit())
+    load_weights_only(engine, plan)
+    engine.eval()
+    return engine
 
 
 def _log_model(args, model, zero_stage: int, dp_size: int) -> None:
@@ -359,7 +398,8 @@ def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals
     train_iterator, valid_iterator, test_iterator = iterators
     for note in missing_evaluation_notes(args, valid_iterator, test_iterator):
         get_logger().info(note)
-    objective = objective or objective_for(args, batch_options_for(args))
+    objective = objective or objective_for(args, batch_options_for(args),
+                                           state.reference.engine if state.reference else None)
     metrics = MetricsWriter(args)
     progress = ProgressReporter(args, first_iteration=state.iteration, metric_names=objective.metric_names)
     watch = NonFiniteWatch(args)

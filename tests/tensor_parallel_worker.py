@@ -118,6 +118,46 @@ def same_model_same_loss_and_gradients(_work_dir: Path) -> None:
             print(f"{family}: loss {loss1.item():.6f}", flush=True)
 
 
+def preference_loss_and_grads(family: str, tp: int, train_impl: str) -> tuple[torch.Tensor, dict]:
+    """DPO or KTO of a policy (seed 77) against a reference (seed 78) on the same batch at this TP size."""
+    from megatron.data import BatchOptions
+    from megatron.objectives.dpo import DirectPreferenceOptimization
+    from megatron.objectives.kto import KahnemanTverskyOptimization
+
+    set_tensor_parallel_size(tp)
+    args = model_args(family, tp)
+    policy = build_model(args.architecture(), args.seed)
+    reference = build_model(args.architecture(), args.seed + 1).eval()
+    tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(6))
+    labels = tokens.clone()
+    labels[:, :3] = -100
+    if train_impl == "dpo":
+        objective = DirectPreferenceOptimization(BatchOptions(), 0.5, True, reference)
+        samples = {"pos": tokens[:2], "neg": tokens[2:], "pos_label": labels[:2], "neg_label": labels[2:]}
+    else:
+        objective = KahnemanTverskyOptimization(BatchOptions(), 0.5, True, 1.0, 1.0, reference)
+        samples = {"text": tokens, "label": labels, "reward": torch.tensor([1.0, -1.0, -1.0, 1.0])}
+    loss, _ = objective(policy, samples)
+    loss.backward()
+    return loss.detach(), full({n: p.grad for n, p in policy.named_parameters()}, policy.arch)
+
+
+def preference_losses_match(_work_dir: Path) -> None:
+    """DPO and KTO: loss and full gradients at TP 2 equal TP 1's (log-probs from the vocabulary slices)."""
+    for train_impl in ("dpo", "kto"):
+        for family in ("neox", "llama"):
+            loss2, grads2 = preference_loss_and_grads(family, 2, train_impl)
+            loss1, grads1 = preference_loss_and_grads(family, 1, train_impl)
+            check(torch.allclose(loss1, loss2, rtol=1e-6, atol=1e-6),
+                  f"{train_impl} {family}: loss {loss2} at TP 2, {loss1} at TP 1")
+            for name in grads1:
+                check(torch.allclose(grads1[name], grads2[name], rtol=1e-4, atol=1e-6),
+                      f"{train_impl} {family}: gradient of {name} differs "
+                      f"(max diff {(grads1[name] - grads2[name]).abs().max()})")
+            if dist.get_rank() == 0:
+                print(f"{train_impl} {family}: loss {loss1.item():.6f} at TP 1 and 2", flush=True)
+
+
 def engine_step(family: str, tp: int, stage: int, clipping: float) -> tuple[float | None, dict]:
     set_tensor_parallel_size(tp)
     args = model_args(family, tp)
@@ -245,7 +285,7 @@ def module_only_load_from_tp2_to_tp4(work_dir: Path) -> None:
 
 
 CHECKS = {"equivalence": same_model_same_loss_and_gradients, "deepspeed": deepspeed_step_matches,
-          "resplit4": module_only_load_from_tp2_to_tp4}
+          "resplit4": module_only_load_from_tp2_to_tp4, "preference": preference_losses_match}
 RANKS = {"resplit4": 4}
 
 

@@ -116,3 +116,10 @@ def test_pipeline_bench_prints_its_ratios():
                        "--seq", "8", "--micro-batches", "1", "--repeats", "1", "--steps", "1")
     assert_ratios(ratios, {"two_stages/one_module tokens_per_second", "bubble"})
     assert ratios["bubble"] == pytest.approx(1 / 3, abs=1e-3)  # 2 stages, 2 micro batches
+
+
+def test_dpo_step_bench_prints_its_ratios():
+    ratios = run_bench("bench_dpo_step.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
+                       "--seq", "8", "--repeats", "2")
+    assert_ratios(ratios, {"dpo/sft step_seconds", "dpo_precomputed/sft step_seconds", "dpo/sft peak_rss",
+                           "dpo_precomputed/dpo peak_rss"})

@@ -46,6 +46,15 @@ def test_tp2_deepspeed_step_clips_by_the_whole_model_norm_and_matches_tp1(tmp_pa
 
 
 @pytest.mark.slow
+def test_dpo_and_kto_at_tp2_have_the_loss_and_gradients_of_tp1(tmp_path):
+    """The log-probabilities come from each rank's vocabulary slice (GPT-NeoX's KTO applies the vocab-parallel
+    cross entropy to gathered logits, whose gradients are wrong at TP > 1)."""
+    stdout = run_worker("preference", tmp_path)
+    for name in ("dpo neox", "dpo llama", "kto neox", "kto llama"):
+        assert f"{name}: loss" in stdout
+
+
+@pytest.mark.slow
 def test_a_module_only_load_moves_a_checkpoint_from_tp2_to_tp4_on_four_ranks(tmp_path):
     """2 -> 4 on 4 CPU ranks, with 2 key/value heads each shared by two ranks at size 4: the same weights
     bit for bit and the same logits (the load also checks the stored logits and the masters)."""

@@ -13,12 +13,12 @@ from megatron.checkpointing.async_save import check_save_in_flight, saves_waited
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.lineage import Lineage
-from megatron.checkpointing.load import LoadOutcome, load_checkpoint, plan_load
+from megatron.checkpointing.load import LoadOutcome, load_checkpoint, load_weights_only, plan_load
 from megatron.checkpointing.plan import LoadMode, LoadPlan
 from megatron.checkpointing.save import check_save_dir, save_checkpoint
 
 __all__ = [
     "CheckpointError", "ClientState", "Lineage", "LoadMode", "LoadOutcome", "LoadPlan", "check_save_dir",
-    "check_save_in_flight", "load_checkpoint", "plan_load", "save_checkpoint", "saves_waited_for",
-    "wait_for_save_in_flight",
+    "check_save_in_flight", "load_checkpoint", "load_weights_only", "plan_load", "save_checkpoint",
+    "saves_waited_for", "wait_for_save_in_flight",
 ]

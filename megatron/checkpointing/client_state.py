@@ -13,7 +13,8 @@ written by another program, and is read as far as its keys go):
    warmup_iters, decay_iters, decay_style: what resumes check against the configs; absent in
    checkpoints saved before it was recorded), consumed_valid_samples (validation samples the run's
    evaluations read, where the next evaluation continues; absent in GPT-NeoX's checkpoints and in ours
-   saved before it was recorded, where megatron.checkpointing.data_position derives it as GPT-NeoX does).
+   saved before it was recorded, where megatron.checkpointing.data_position derives it as GPT-NeoX does),
+   reference_model (DPO/KTO runs: source, tag and checksum of the frozen reference, see reference.py).
 2. args: intermediate_size has GPT-NeoX's meaning (the width before GPT-NeoX's MLP rule, see
    megatron/architecture.py); in format 1 it was the MLP width per projection as built, and
    ``settings`` reads it in today's meaning.
@@ -39,6 +40,7 @@ LR_SCHEDULE_START_KEY = "lr_schedule_start_iteration"
 LR_SCHEDULE_KEY = "lr_schedule"
 FORWARD_VALIDATION_KEY = "forward_validation"
 CONVERTED_FROM_KEY = "converted_from"
+REFERENCE_MODEL_KEY = "reference_model"
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class ClientState:
     lr_schedule: dict[str, Any] | None = None  # megatron.learning_rates.Schedule.to_dict() of the saving run
     forward_validation: dict[str, Any] | None = None  # megatron.checkpointing.forward_validation.capture
     converted_from: str | None = None  # the Hugging Face folder the weights came from
+    reference_model: dict[str, Any] | None = None  # megatron.checkpointing.reference.ReferenceIdentity.to_dict()
     format_version: int | None = FORMAT_VERSION  # None: written by another program or before versions
 
     def to_dict(self) -> dict[str, Any]:
@@ -66,7 +69,8 @@ class ClientState:
             LR_SCHEDULE_START_KEY: self.lr_schedule_start,
         }
         optional = {RNG_STATES_KEY: self.rng_states, FORWARD_VALIDATION_KEY: self.forward_validation,
-                    CONVERTED_FROM_KEY: self.converted_from, LR_SCHEDULE_KEY: self.lr_schedule}
+                    CONVERTED_FROM_KEY: self.converted_from, LR_SCHEDULE_KEY: self.lr_schedule,
+                    REFERENCE_MODEL_KEY: self.reference_model}
         stored.update({key: value for key, value in optional.items() if value is not None})
         return stored
 
@@ -91,6 +95,7 @@ class ClientState:
             lr_schedule=stored.get(LR_SCHEDULE_KEY),
             forward_validation=stored.get(FORWARD_VALIDATION_KEY),
             converted_from=stored.get(CONVERTED_FROM_KEY),
+            reference_model=stored.get(REFERENCE_MODEL_KEY),
             format_version=integer(FORMAT_VERSION_KEY),
         )
 

@@ -140,6 +140,23 @@ def _resume(engine, plan: LoadPlan) -> ClientState:
     return ClientState.from_dict(stored or {})
 
 
+def load_weights_only(engine, plan: LoadPlan) -> None:
+    """The module of a module-only `plan` into `engine` (the frozen reference model of DPO/KTO): the same
+    reading, re-splitting and checks as a fine-tune's load; no iteration, data position or RNG states."""
+    from megatron.checkpointing import forward_validation
+    from megatron.checkpointing.module_load import load_module_only
+
+    if not plan.module_only:
+        raise CheckpointError(f"internal: the reference model loads weights only, but the plan for "
+                              f"{plan.tag_dir or plan.load_dir} is a {plan.mode.value} load")
+    report = load_module_only(engine, _module_weights(plan), strict=plan.strict, allow_random=plan.allow_random)
+    if not report.complete:
+        _logger().info(report.describe())
+    if plan.validate_forward:
+        forward_validation.check(engine, plan.precision, plan.client_state.forward_validation,
+                                 source=str(plan.tag_dir))
+
+
 def load_checkpoint(engine, plan: LoadPlan) -> LoadOutcome | None:
     """Carry out `plan` on `engine`; None when the plan has nothing to load (auto-resume first run)."""
     from megatron.checkpointing import forward_validation

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -60,6 +61,23 @@ def _open(prefix: str | None, setting: str) -> MMapIndexedDataset | None:
     return MMapIndexedDataset(prefix, setting=setting) if prefix else None
 
 
+def reference_log_probs_prefix(data_prefix: str, name: str) -> str:
+    """Where GPT-NeoX's precompute_model_name files of a data prefix are (float32 .bin/.idx)."""
+    return f"{data_prefix}_{name}"
+
+
+def _reference_log_probs(args, data_prefix: str, setting: str) -> MMapIndexedDataset | None:
+    """The precomputed reference log-probabilities of `data_prefix` (precompute_model_name), if it is set."""
+    if not args.precompute_model_name:
+        return None
+    prefix = reference_log_probs_prefix(data_prefix, args.precompute_model_name)
+    if not Path(f"{prefix}.bin").is_file():
+        raise DataError(f"{setting}: precompute_model_name is {args.precompute_model_name!r} but {prefix}.bin does "
+                        "not exist; write it with generate.py (text_gen_type: precompute, load: the reference "
+                        "model), or unset precompute_model_name to run the reference model live")
+    return MMapIndexedDataset(prefix, setting=f"precompute_model_name ({setting})")
+
+
 def _index_samples(args, count: int, num_samples: int, weight: float) -> int:
     # Whole-document samples are indexed for as many samples as GPT-NeoX asks of each dataset (0.5 % more
     # than its share), because that number seeds their order: the same files give the same samples.
@@ -84,7 +102,9 @@ def _split_datasets(args, name: str, num_samples: int, normalised: np.ndarray) -
                                                                                      normalised[i]),
                 args.seq_length, args.seed, pack_impl=args.pack_impl, allow_chopped=args.allow_chopped,
                 pos_label=_open(pos_label, f"pos_{name}_label_data_paths[{i}]"),
-                neg_label=_open(neg_label, f"neg_{name}_label_data_paths[{i}]")))
+                neg_label=_open(neg_label, f"neg_{name}_label_data_paths[{i}]"),
+                pos_ref=_reference_log_probs(args, pos, f"pos_{name}_data_paths[{i}]"),
+                neg_ref=_reference_log_probs(args, neg, f"neg_{name}_data_paths[{i}]")))
         return datasets
     paths = getattr(args, f"{name}_data_paths")
     columns = [paths, *(_companion_paths(args, f"{name}_{kind}_data_paths", paths, f"{name}_data_paths")

@@ -30,8 +30,11 @@ INTERACTIVE_PROMPT = "Context prompt >>> "
 def check_generation_settings(args) -> None:
     """What generate.py cannot run with, before any model is built."""
     if args.text_gen_type is None:
-        raise GenerationError("text_gen_type: not set; set it to unconditional, input-file or interactive "
-                              "(e.g. add configs/text_generation.yml)")
+        raise GenerationError("text_gen_type: not set; set it to unconditional, input-file, interactive or "
+                              "precompute (e.g. add configs/text_generation.yml)")
+    if args.text_gen_type == "precompute" and not args.precompute_model_name:
+        raise GenerationError("precompute_model_name: not set, and text_gen_type is precompute; set it to the name "
+                              "of the files to write ({data path}_{name}.bin/.idx)")
     if not args.load:
         raise GenerationError("load: not set; generate.py samples a trained model: set `load` to its checkpoint "
                               "directory (or a Hugging Face model folder)")
@@ -122,6 +125,11 @@ def _interactive(model, tokenizer, args, rank: int, log) -> int:
 
 def generate_samples(model, tokenizer, args, rank: int, log) -> list[dict[str, Any]]:
     """Run `args.text_gen_type` on `model`; the records written (none for interactive)."""
+    if args.text_gen_type == "precompute":
+        from megatron.generation.precompute import write_reference_log_probs
+
+        write_reference_log_probs(model, args, rank, log)
+        return []
     if args.text_gen_type == "interactive":
         log.info(f"interactive generation ended after {_interactive(model, tokenizer, args, rank, log)} prompt(s)")
         return []

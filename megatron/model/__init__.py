@@ -3,7 +3,7 @@
 from megatron.architecture import ModelConfigError
 from megatron.model.gpt_model import GPTModel, build_model
 from megatron.model.kv_cache import KVCache
-from megatron.model.loss import causal_lm_loss
+from megatron.model.loss import causal_lm_loss, token_log_probs
 from megatron.model.param_groups import no_weight_decay_param_names
 
 __all__ = [
@@ -13,4 +13,5 @@ __all__ = [
     "build_model",
     "causal_lm_loss",
     "no_weight_decay_param_names",
+    "token_log_probs",
 ]

@@ -9,6 +9,22 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.ranks import tensor_parallel_size
 
 
+def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_parallel: bool = False,
+                    fp32: bool = True) -> torch.Tensor:
+    """log p(label) at every position [b, s], from logits [b, s, V] (or this rank's vocabulary slice).
+
+    With ``vocab_parallel`` at tensor-parallel size > 1, megatron-core's vocab-parallel cross entropy
+    computes it from the slices (never from gathered logits, whose backward it would get wrong);
+    ``fp32`` casts the logits first (GPT-NeoX's dpo_fp32 / kto_fp32). The vocab-parallel path overwrites
+    fp32 logits in place: read nothing else from them afterwards.
+    """
+    logits = logits.float() if fp32 else logits
+    if vocab_parallel and tensor_parallel_size() > 1:
+        return -vocab_parallel_cross_entropy(logits, labels)
+    return -F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                            reduction="none").reshape(labels.shape)
+
+
 def causal_lm_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,

@@ -450,8 +450,32 @@ def _check_train_impl(v: dict[str, Any], sources: dict[str, str]) -> None:
         raise _fail(sources, "train_impl", "reinforce needs GPT-NeoX's external vLLM generation server fed the "
                                            "policy's weights over CUDA IPC, which this framework does not have; use "
                                            "dpo, kto or rm")
-    if v["train_impl"] not in ("normal", "rm"):
-        raise _fail(sources, "train_impl", f"{v['train_impl']} is not built yet; use normal")
+    if v["train_impl"] != "normal" and (v["pipe_parallel_size"] or 0) > 1:
+        raise _fail(sources, "pipe_parallel_size", f"train_impl {v['train_impl']} runs without pipeline parallelism "
+                                                   "(as in GPT-NeoX); set pipe_parallel_size to 0 or 1")
+    if v["train_impl"] == "dpo" and v.get("dataset_impl", "gpt2") != "pairwise":
+        raise _fail(sources, "train_impl", "dpo trains on chosen/rejected pairs: set `dataset_impl: pairwise` with "
+                                           "pos_train_data_paths / neg_train_data_paths (and their label paths)")
+    if v["precompute_model_name"] and v["train_impl"] == "kto":
+        raise _fail(sources, "precompute_model_name", "precomputed reference log-probabilities are read for dpo "
+                                                      "only here; unset it (kto runs its reference model)")
+    if v["precompute_model_name"] and v["train_impl"] == "dpo" and v.get("pack_impl") != "unpacked":
+        raise _fail(sources, "precompute_model_name", "the precomputed log-probabilities hold one document per "
+                                                      "sample, which only pack_impl unpacked keeps aligned; set "
+                                                      "pack_impl: unpacked")
+    live_reference = v["train_impl"] == "kto" or (v["train_impl"] == "dpo" and not v["dpo_reference_free"]
+                                                   and not v["precompute_model_name"])
+    if live_reference and v["zero_stage"] == 3:
+        raise _fail(sources, "zero_optimization", f"train_impl {v['train_impl']}'s frozen reference model is not "
+                                                  "partitioned under ZeRO-3 here: use ZeRO stage 0, 1 or 2"
+                                                  + (", or dpo_reference_free" if v["train_impl"] == "dpo" else ""))
+    if v["train_impl"] == "kto" and v.get("train_data_paths") and not v.get("train_reward_data_paths"):
+        raise _fail(sources, "train_impl", "kto weighs each sample by its reward: set train_reward_data_paths "
+                                           "(preprocess_data_with_chat_template.py --reward-key), one per data path")
+    if v["train_impl"] == "kto" and (v["train_micro_batch_size_per_gpu"] or 0) < 2:
+        raise _fail(sources, "train_micro_batch_size_per_gpu", "train_impl kto estimates its KL reference point "
+                                                               "from the other half of each micro batch: set it to "
+                                                               "2 or more")
     if v["train_impl"] == "rm":
         _check_reward_model(v, sources)
 

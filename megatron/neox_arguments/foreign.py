@@ -28,7 +28,7 @@ VALUE_ALIASES: dict[str, dict[Any, Any]] = {
 _KERNEL = "a GPU kernel choice; the model computes the same function without it"
 _MEMORY = "a GPU memory/recomputation tuning knob we do not implement (use checkpoint_activations)"
 _PLUMBING = "cluster/launcher plumbing this framework does not use"
-_GENERATION = "a generation extra generate.py does not have (returned logits, precomputed logits)"
+_GENERATION = "a generation extra generate.py does not have (returned logits)"
 _SET_BY_GPT_NEOX = "filled in by GPT-NeoX itself at launch, not a setting"
 
 
@@ -113,7 +113,7 @@ INERT: dict[str, str] = {
     "lazy_mpu_init": "only matters when GPT-NeoX is embedded in another program",
 }
 INERT.update(dict.fromkeys(
-    ("return_logits", "precompute_model_name"),
+    ("return_logits",),
     _GENERATION,
 ))
 _SUBORDINATE: dict[str, tuple[str, ...]] = {
@@ -123,8 +123,6 @@ _SUBORDINATE: dict[str, tuple[str, ...]] = {
                 "mup_width_scale"),
     "use_comet": ("comet_workspace", "comet_project", "comet_experiment_name", "comet_tags", "comet_others",
                   "comet_experiment"),
-    "train_impl: dpo": ("dpo_fp32", "dpo_reference_free", "dpo_beta"),
-    "train_impl: kto": ("kto_fp32", "kto_desirable_weight", "kto_undesirable_weight", "kto_beta"),
     "train_impl: reinforce": ("fp32_reinforce", "kl_impl", "kl_div_beta", "reinforce_leave_one_out"),
     "Mamba blocks (attention_config: mamba)": ("mamba_selective_fp32_params", "mamba_use_bias_in_conv",
                                                 "mamba_use_bias_in_linears"),

@@ -94,6 +94,16 @@ SETTINGS_LIST: list[Setting] = [
            "dpo, kto, rm (reward model) or reinforce", choices=("normal", "dpo", "kto", "rm", "reinforce")),
     _train("z_loss", FLOAT, 0.0, "train_impl rm: weight of the penalty on the squared rewards, "
            "z_loss x mean(chosen^2 + rejected^2), added to the loss"),
+    _train("dpo_beta", FLOAT, 0.1, "DPO's beta: the scale of the implicit rewards beta * (log pi - log pi_ref)"),
+    _train("dpo_fp32", bool, True, "DPO: cast the logits to fp32 before taking log-probabilities"),
+    _train("dpo_reference_free", bool, False, "DPO without a reference model (its log-probabilities taken as 0)"),
+    _train("precompute_model_name", OPT_STR, None, "DPO reads the reference's log-probabilities from "
+           "{data path}_{this name}.bin/.idx (written by generate.py with text_gen_type precompute) instead of "
+           "running a reference model"),
+    _train("kto_beta", FLOAT, 0.1, "KTO's beta"),
+    _train("kto_fp32", bool, True, "KTO: cast the logits to fp32 before taking log-probabilities"),
+    _train("kto_desirable_weight", FLOAT, 1.0, "KTO: the weight of samples whose reward is above 0"),
+    _train("kto_undesirable_weight", FLOAT, 1.0, "KTO: the weight of samples whose reward is below 0"),
     _train("optimizer", (dict, type(None)), None, "optimizer as {type: Adam|AdamW|SGD, params: {lr, betas, eps, ...}}"),
     _train("lr", OPT_FLOAT, None, "peak learning rate; normally given as optimizer.params.lr; unset in both: 0.001 (GPT-NeoX's Adam default)"),
     _train("min_lr", FLOAT, 0.0, "learning rate at the end of the decay"),
@@ -149,7 +159,7 @@ SETTINGS_LIST: list[Setting] = [
     _log("wandb_group", OPT_STR, None, "W&B group"),
     _log("wandb_run_name", OPT_STR, None, "W&B run name"),
     # --- text generation (generate.py) ----------------------------------------------------
-    _gen("text_gen_type", OPT_STR, None, "what generate.py does: sample without a prompt, complete each prompt of sample_input_file, or ask for prompts", choices=("unconditional", "input-file", "interactive", None)),
+    _gen("text_gen_type", OPT_STR, None, "what generate.py does: sample without a prompt, complete each prompt of sample_input_file, or ask for prompts", choices=("unconditional", "input-file", "interactive", "precompute", None)),
     _gen("temperature", FLOAT, 0.0, "divide the logits by this before sampling; 0 with top_k 0 and top_p 0 is greedy (the most likely token)"),
     _gen("top_p", FLOAT, 0.0, "sample from the smallest set of tokens whose probabilities add up to more than this (0: off)"),
     _gen("top_k", int, 0, "sample from the this many most likely tokens (0: off)"),

@@ -1,0 +1,55 @@
+"""train_impl dpo: Direct Preference Optimization (Rafailov et al. 2023) as GPT-NeoX defines it.
+
+Samples (the pairwise dataset): `pos`, `neg` [b, s+1] tokens of the chosen and rejected answers, their
+label files `pos_label`, `neg_label` (aligned with the tokens, negative where not trained), and, with
+`precompute_model_name`, the reference's log-probabilities `pos_ref`, `neg_ref` [b, s].
+
+Each answer's log-probability is the sum (not the mean) of its trained targets' log-probabilities; with
+the implicit rewards r = beta * (log pi - log pi_ref) the loss is mean(-log sigmoid(r_chosen - r_rejected)).
+`dpo_reference_free` takes log pi_ref = 0. Metrics (GPT-NeoX's names): chosen_rewards and
+rejected_rewards (means of r), reward_acc (the fraction of pairs with r_chosen > r_rejected, strictly),
+margins (mean of r_chosen - r_rejected).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron.data import BatchOptions, get_batch
+from megatron.initialize import current_device
+from megatron.objectives.log_probs import reference_log_probs, target_log_probs
+
+
+class DirectPreferenceOptimization:
+    metric_names: tuple[str, ...] = ("chosen_rewards", "rejected_rewards", "reward_acc", "margins")
+    reports_perplexity = False
+
+    def __init__(self, batch_options: BatchOptions, beta: float, fp32: bool, reference=None,
+                 reference_free: bool = False):
+        self.batch_options = batch_options
+        self.beta = beta
+        self.fp32 = fp32
+        self.reference = reference  # the frozen model; None when reference-free or precomputed
+        self.reference_free = reference_free
+
+    def __call__(self, engine, samples):
+        # chosen and rejected in one forward, split back by halves (GPT-NeoX's layout)
+        pairs = {"text": torch.cat([samples["pos"], samples["neg"]]),
+                 "label": torch.cat([samples["pos_label"], samples["neg_label"]])}
+        batch = get_batch(pairs, self.batch_options).to(current_device())
+        policy = target_log_probs(engine, batch, self.fp32).sum(dim=1)
+        if self.reference_free:
+            reference = torch.zeros_like(policy)
+        else:
+            precomputed = torch.cat([samples["pos_ref"], samples["neg_ref"]]) if "pos_ref" in samples else None
+            reference = reference_log_probs(self.reference, batch, self.fp32, precomputed).sum(dim=1)
+        rewards = self.beta * (policy.float() - reference).detach()
+        chosen_rewards, rejected_rewards = rewards.chunk(2)
+        policy_chosen, policy_rejected = policy.float().chunk(2)
+        reference_chosen, reference_rejected = reference.chunk(2)
+        logits = self.beta * ((policy_chosen - policy_rejected) - (reference_chosen - reference_rejected))
+        loss = -F.logsigmoid(logits).mean()
+        return loss, {"chosen_rewards": chosen_rewards.mean(), "rejected_rewards": rejected_rewards.mean(),
+                      "reward_acc": (chosen_rewards > rejected_rewards).float().mean(),
+                      "margins": (chosen_rewards - rejected_rewards).mean()}

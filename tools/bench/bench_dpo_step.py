@@ -1,0 +1,168 @@
+"""A DPO step against an SFT step on the same model: step time and memory, ratios in one run.
+
+    python tools/bench/bench_dpo_step.py [--layers 4] [--hidden 256] [--heads 4] [--seq 256] [--pairs 2]
+        [--vocab 8192] [--precision fp32|bf16] [--zero-stage 1] [--repeats 5] [--threads N] [--json PATH]
+
+One process builds a Llama-family GPTModel in a DeepSpeed engine with Adam (the policy) and times, the order
+rotating each repeat, one optimizer step (forward, loss, backward, step) of:
+
+| row            | the step                                                                                   |
+| `sft`          | train_impl normal on 2 x `--pairs` sequences (as many as a DPO micro batch of `--pairs` pairs holds) |
+| `dpo`          | train_impl dpo on `--pairs` pairs against a live frozen reference (megatron/objectives/dpo.py) |
+| `dpo_precomputed` | train_impl dpo reading precomputed reference log-probabilities (precompute_model_name) |
+
+The reference is what training builds (the same model in a forward-only engine of the run's precision, no
+parameter requiring grad). Memory: the process's peak RSS during a step (VmHWM, reset before it) above its RSS
+before any model was built, so the reference's resident weights count for `dpo`; `sft` and `dpo_precomputed`
+are measured before the reference exists. Ratios: `dpo/sft step_seconds`, `dpo_precomputed/sft step_seconds`,
+`dpo/sft peak_rss`, `dpo_precomputed/dpo peak_rss` (below 1: the memory precompute_model_name saves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+from bench_world import init_world  # noqa: E402
+from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
+from procmem import RatioReport, measure_memory, median, return_freed_memory_to_os, status_kib, table  # noqa: E402
+
+from megatron.data import BatchOptions  # noqa: E402
+from megatron.initialize import ModelParallelUnit  # noqa: E402
+from megatron.model import build_model  # noqa: E402
+from megatron.neox_arguments import NeoXArgs  # noqa: E402
+from megatron.neox_arguments.deepspeed_config import build_inference_deepspeed_config  # noqa: E402
+from megatron.objectives.dpo import DirectPreferenceOptimization  # noqa: E402
+from megatron.objectives.language_model import LanguageModelLoss  # noqa: E402
+
+
+def settings(options: argparse.Namespace) -> NeoXArgs:
+    precision = {"bf16": {"precision": "bf16", "bf16": {"enabled": True}}}.get(options.precision, {})
+    return NeoXArgs.from_dict({
+        "num_layers": options.layers, "hidden_size": options.hidden, "num_attention_heads": options.heads,
+        "num_kv_heads": max(options.heads // 2, 1), "seq_length": options.seq, "pos_emb": "rotary",
+        "no_weight_tying": True, "norm": "rmsnorm", "activation": "swiglu", "use_bias_in_norms": False,
+        "use_bias_in_attn_linear": False, "use_bias_in_mlp": False, "mlp_multiple_of": 32, "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "padded_vocab_size": options.vocab, "seed": 1234, "train_micro_batch_size_per_gpu": 2 * options.pairs,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-5}}, "zero_optimization": {"stage": options.zero_stage},
+        "train_iters": 10, **precision})
+
+
+def frozen_reference(args: NeoXArgs):
+    """As training builds it (megatron.training._frozen_reference), without the checkpoint load."""
+    model = build_model(args.architecture(), args.seed)
+    model.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=build_inference_deepspeed_config(args.to_dict()),
+                                      mpu=ModelParallelUnit())
+    engine.eval()
+    return engine
+
+
+def step(engine, objective, samples) -> float:
+    started = time.perf_counter()
+    loss, _ = objective(engine, samples)
+    engine.backward(loss)
+    engine.step()
+    return time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--pairs", type=int, default=2, help="DPO micro batch (pairs); SFT takes twice as many rows")
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2), default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
+    options = parser.parse_args(argv)
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    deepspeed_logger.setLevel("WARNING")
+    return_freed_memory_to_os()
+    init_world()
+    args = settings(options)
+
+    before_models_kib = status_kib("VmRSS")
+    model = build_model(args.architecture(), args.seed)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=args.deepspeed_config(),
+                                      mpu=ModelParallelUnit())
+    generator = torch.Generator().manual_seed(0)
+    rows = 2 * options.pairs
+    text = torch.randint(0, options.vocab, (rows, options.seq + 1), generator=generator)
+    label = text.clone()
+    label[:, : options.seq // 4] = -100  # the prompt
+    pairs = {"pos": text[: options.pairs], "neg": text[options.pairs:], "pos_label": label[: options.pairs],
+             "neg_label": label[options.pairs:]}
+    precomputed = {**pairs, "pos_ref": -torch.rand(options.pairs, options.seq, generator=generator) * 5,
+                   "neg_ref": -torch.rand(options.pairs, options.seq, generator=generator) * 5}
+    runs = {"sft": (LanguageModelLoss(BatchOptions()), {"text": text, "label": label}),
+            "dpo_precomputed": (DirectPreferenceOptimization(BatchOptions(), 0.1, True), precomputed)}
+    peak_mib: dict[str, list[float]] = {name: [] for name in ("sft", "dpo_precomputed", "dpo")}
+    times: dict[str, list[float]] = {name: [] for name in peak_mib}
+
+    def measured(name: str) -> None:
+        objective, samples = runs[name]
+        measure_memory(lambda: times[name].append(step(engine, objective, samples)))
+        peak_mib[name].append((status_kib("VmHWM") - before_models_kib) / 1024)
+
+    for name in ("sft", "dpo_precomputed"):  # warm-up: kernels, optimizer state
+        step(engine, *runs[name])
+    for _ in range(options.repeats):
+        for name in ("sft", "dpo_precomputed"):
+            measured(name)
+    reference_started = status_kib("VmRSS")
+    reference = frozen_reference(args)
+    reference_mib = (status_kib("VmRSS") - reference_started) / 1024
+    runs["dpo"] = (DirectPreferenceOptimization(BatchOptions(), 0.1, True, reference), pairs)
+    step(engine, *runs["dpo"])
+    times = {name: [] for name in times}  # time all three side by side after this, the order rotating
+    order = ["sft", "dpo", "dpo_precomputed"]
+    for repeat in range(options.repeats):
+        for name in order[repeat % 3:] + order[: repeat % 3]:
+            if name == "dpo":
+                measured(name)
+            else:
+                times[name].append(step(engine, *runs[name]))
+
+    parameters = sum(p.numel() for p in engine.module.parameters())
+    print(f"shapes: Llama family, {parameters / 1e6:.1f}M parameters ({options.layers} layers, hidden {options.hidden}, "
+          f"vocab {options.vocab}), {options.precision}, ZeRO stage {options.zero_stage}, Adam; DPO micro batch "
+          f"{options.pairs} pairs x {options.seq} tokens, SFT {rows} rows; repeats {options.repeats}; torch "
+          f"{torch.__version__}, {torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.2f}; "
+          f"reference model resident: {reference_mib:.1f} MiB")
+    print(table(["step", "median ms", "min ms", "max ms", "peak RSS above start (MiB)"],
+                [[name, 1e3 * median(times[name]), 1e3 * min(times[name]), 1e3 * max(times[name]),
+                  median(peak_mib[name])] for name in order]))
+    report = RatioReport()
+    report.add("dpo/sft step_seconds", median(times["dpo"]), median(times["sft"]),
+               "a DPO step (live reference) against an SFT step on as many sequences")
+    report.add("dpo_precomputed/sft step_seconds", median(times["dpo_precomputed"]), median(times["sft"]),
+               "a DPO step reading precomputed reference log-probabilities against the SFT step")
+    report.add("dpo/sft peak_rss", median(peak_mib["dpo"]), median(peak_mib["sft"]),
+               "peak memory of the DPO step (reference resident) against the SFT step")
+    report.add("dpo_precomputed/dpo peak_rss", median(peak_mib["dpo_precomputed"]), median(peak_mib["dpo"]),
+               "below 1: the memory precompute_model_name saves")
+    if options.json:
+        options.json.write_text(json.dumps({"options": vars(options) | {"json": str(options.json)},
+                                            "step_seconds": times, "peak_mib": peak_mib,
+                                            "reference_mib": reference_mib, "ratios": report.values}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
