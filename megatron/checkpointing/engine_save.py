@@ -13,9 +13,9 @@ from deepspeed import zero
 from deepspeed.utils import safe_get_full_fp32_param
 
 from megatron.checkpointing import layout
-from megatron.checkpointing.async_save import SnapshotCheckpointEngine, snapshot_engine
 from megatron.checkpointing.commit import WriteFailure, is_write_error
 from megatron.checkpointing.module_weights import load_checkpoint_file
+from megatron.checkpointing.snapshot_engine import SnapshotCheckpointEngine, snapshot_engine
 from megatron.fsio import write_atomically
 from megatron.zero3_partition import is_partitioned
 

@@ -149,7 +149,7 @@ def load_weights_only(engine, plan: LoadPlan) -> None:
     if not plan.module_only:
         raise CheckpointError(f"internal: the reference model loads weights only, but the plan for "
                               f"{plan.tag_dir or plan.load_dir} is a {plan.mode.value} load")
-    report = load_module_only(engine, _module_weights(plan), strict=plan.strict, allow_random=plan.allow_random)
+    report = load_module_only(engine, _module_weights(plan, engine), strict=plan.strict, allow_random=plan.allow_random)
     if not report.complete:
         _logger().info(report.describe())
     if plan.validate_forward:

@@ -52,6 +52,7 @@ def save_checkpoint(
     """
     from megatron.checkpointing import forward_validation
     from megatron.checkpointing.engine_save import save_engine_checkpoint
+    from megatron.checkpointing.snapshot_engine import SnapshotCheckpointEngine
 
     if not args.save:
         raise CheckpointError("save_checkpoint was called but `save` is not set; set `save: <directory>`.")
@@ -78,7 +79,7 @@ def save_checkpoint(
             layout.copy_configs(args.config_files, save_dir / partial)
             write_neox_config(args.to_dict(), save_dir / partial / layout.CONFIGS_DIR / layout.NEOX_CONFIG_FILE)
         barrier()
-        snapshot = async_save.SnapshotCheckpointEngine(engine.checkpoint_engine) if args.async_save else None
+        snapshot = SnapshotCheckpointEngine(engine.checkpoint_engine) if args.async_save else None
         commit.stop_if_any_rank_failed(
             save_dir, tag, save_engine_checkpoint(engine, save_dir, partial, client_state.to_dict(),
                                               optimizer_states=not args.no_save_optim, snapshot=snapshot))
