@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +19,19 @@ from megatron.launcher import free_port  # noqa: E402  (re-exported: tests impor
 
 # Elements in a ZeRO-3 engine's gradient-reduction bucket for tests (DeepSpeed's default is 5e8).
 TEST_ZERO3_REDUCE_BUCKET = 1_000_000
+
+
+def run_rank_worker(worker: Path, *worker_args: str, ranks: int = 2) -> str:
+    """`worker` on `ranks` CPU ranks started by torch.distributed.run (one thread each); its stdout. The
+    test's own launcher variables are cleared so the worker's world is its own."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for variable in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(variable, None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+               "--master_port", str(free_port()), str(worker), *worker_args]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{ranks}-rank worker failed:\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
+    return result.stdout
 
 
 @pytest.fixture(scope="session", autouse=True)

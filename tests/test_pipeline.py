@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import run_rank_worker
 
 pytestmark = pytest.mark.distributed
 
@@ -17,15 +14,9 @@ WORKER = Path(__file__).with_name("pipeline_worker.py")
 
 
 def run_worker(check: str, work_dir: Path, ranks: int = 2) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for variable in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(variable, None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-               "--master_port", str(free_port()), str(WORKER), check, str(work_dir)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"{ranks}-rank worker failed:\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
-    assert f"{check}: ok" in result.stdout
-    return result.stdout
+    stdout = run_rank_worker(WORKER, check, str(work_dir), ranks=ranks)
+    assert f"{check}: ok" in stdout
+    return stdout
 
 
 @pytest.mark.slow

@@ -6,9 +6,6 @@ of 2 and 1; tensor parallel 2 on 2 ranks (tests/reward_model_worker.py)."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,7 +24,7 @@ from megatron.data import BatchOptions
 from megatron.model import build_model
 from megatron.neox_arguments import ConfigError, NeoXArgs
 from megatron.objectives import objective_for
-from tests.conftest import free_port
+from tests.conftest import run_rank_worker
 from tests.test_model import HEADS, HIDDEN, LLAMA, NEOX, VOCAB, tiny_args
 from tests.test_model_hf_equivalence import LAYERS, llama_state_from_hf, neox_state_from_hf, randomize_
 
@@ -201,15 +198,9 @@ WORKER = Path(__file__).with_name("reward_model_worker.py")
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_tensor_parallel_2_has_transformers_loss_and_gradients(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for variable in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(variable, None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(WORKER)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"worker failed:\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
+    stdout = run_rank_worker(WORKER)
     for family in ("gpt_neox", "llama"):
-        assert f"{family} tp2: ok" in result.stdout
+        assert f"{family} tp2: ok" in stdout
 
 
 @pytestmark_single
