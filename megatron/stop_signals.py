@@ -25,6 +25,9 @@ SAME_REQUEST_SECONDS = 2.0
 # Test-only: seconds a rank waits between agreeing to stop and saving, so a test can deliver the
 # second signal before the save starts.
 HOLD_BEFORE_SAVE_ENV = "NEOX_TEST_HOLD_BEFORE_STOP_SAVE"
+# Test-only: seconds a rank that has finished its set-up waits for a stop signal before its first step, so a
+# test's signal arrives before that step however loaded the machine is.
+HOLD_BEFORE_FIRST_STEP_ENV = "NEOX_TEST_HOLD_BEFORE_FIRST_STEP"
 
 
 class StopRequests:
@@ -86,6 +89,11 @@ class StopSignals:
             os.write(2, f"{signal.Signals(signum).name} received: stopping after this iteration with a "
                         f"checkpoint; send it again ({SAME_REQUEST_SECONDS:g} s or more later) to stop at once\n"
                         .encode())
+
+    def hold_before_first_step(self) -> None:
+        deadline = time.monotonic() + float(os.environ.get(HOLD_BEFORE_FIRST_STEP_ENV, "0") or 0)
+        while self.received is None and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def agreed_stop(self) -> int | None:
         """The stop signal any rank received (the same answer on every rank), or None; a collective."""

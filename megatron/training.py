@@ -480,4 +480,5 @@ def pretrain(args, stop_signals: StopSignals | None = None) -> RunResult:
         stop_signals = StopSignals()
         stop_signals.install()
     engine, state, iterators = setup(args)
+    stop_signals.hold_before_first_step()
     return train(args, engine, state, iterators, stop_signals)

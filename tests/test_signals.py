@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.stop_signals import HOLD_BEFORE_SAVE_ENV, SAME_REQUEST_SECONDS
+from megatron.stop_signals import HOLD_BEFORE_FIRST_STEP_ENV, HOLD_BEFORE_SAVE_ENV, SAME_REQUEST_SECONDS
 from megatron.supervision import Supervisor
 from tests.e2e import REPO_ROOT, train_lines, write_overrides
 
@@ -225,8 +225,8 @@ def test_with_async_save_the_stop_ends_once_the_checkpoint_it_names_is_committed
 
 def test_a_signal_to_every_process_while_the_rank_starts_stops_before_the_first_step(tmp_path):
     save = tmp_path / "ckpt"
-    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save)])
-    run.wait_for(r"model: [\d,]+ parameters")  # the rank is building its engine
+    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save)], extra_env={HOLD_BEFORE_FIRST_STEP_ENV: "300"})
+    run.wait_for(r"model: [\d,]+ parameters")  # the rank is building its engine, then waits for the signal
     signal_the_job(run, "every process", signal.SIGTERM)
     assert run.finish() == 0, run.output[-6000:]
     assert re.search(r"stopped by SIGTERM at iteration 0, before the first step of this run; nothing to save",
