@@ -16,7 +16,7 @@ from megatron.checkpointing.manifest import read_manifest
 from megatron.checkpointing.module_weights import read_full_module_weights, read_module_weights
 from megatron.hf.config import architecture_of
 from megatron.hf.convert import convert_hf_to_neox, convert_neox_to_hf
-from tests.e2e import checkpoint_files, run_deepy, train_lines, write_overrides
+from tests.e2e import checkpoint_files, run_deepy, tensorboard_scalars, train_lines, write_overrides
 from tests.test_inspect_checkpoint import inspect
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
@@ -34,7 +34,8 @@ LAYER_FILES = [f"layer_{i:02d}-model_00-model_states.pt" for i in (0, 2, 3, 4, 5
 def pipelined_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("pipe2")
     save = work / "ckpt"
-    overrides = write_overrides(work, save=str(save), train_iters=4, checkpoint_factor=2, **PIPE)
+    overrides = write_overrides(work, save=str(save), train_iters=4, checkpoint_factor=2,
+                                tensorboard_dir=str(work / "tb"), **PIPE)
     result = run_deepy(["configs/tiny.yml", overrides])
     assert "x 2 pipeline stages" in result.stdout
     return work, save, train_lines(result.stdout)
@@ -43,6 +44,9 @@ def pipelined_run(tmp_path_factory):
 def test_a_pipelined_run_saves_gpt_neox_layer_files_and_resumes_exactly(pipelined_run):
     work, save, lines = pipelined_run
     assert lines[-1].iteration == 4 and lines[-1].loss < lines[0].loss
+    scalars = tensorboard_scalars(work / "tb")  # written by the first stage's rank 0
+    assert set(scalars["train/loss"]) == set(scalars["train/grad_norm"]) == {1, 2, 3, 4}
+    assert {step for tag, steps in scalars.items() if tag.startswith("valid/") for step in steps} == {2, 4}
     tag = save / "global_step4"
     files = checkpoint_files(tag)
     assert [f for f in files if f.startswith("layer_")] == LAYER_FILES
