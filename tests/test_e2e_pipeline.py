@@ -1,5 +1,6 @@
 """End to end with 2 pipeline stages on 2 CPU ranks (pipe_parallel_size 2, ZeRO-1), run with deepy.py as a
-user runs it: GPT-NeoX's layer files, an exact resume, and module-only loads between 2 stages and one module."""
+user runs it: GPT-NeoX's layer files, an exact resume, and module-only loads between 2 stages and one module
+(2 tensor-parallel ranks), and from the layer files convert_hf_to_neox.py writes."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import pytest
 import torch
 import yaml
 
+from megatron.checkpointing.inventory import inventory_tag
 from megatron.checkpointing.manifest import read_manifest
-from megatron.checkpointing.module_weights import read_module_weights
-from tests.e2e import checkpoint_files, run_deepy, train_lines, write_overrides
+from megatron.checkpointing.module_weights import read_full_module_weights, read_module_weights
+from megatron.hf.config import architecture_of
+from megatron.hf.convert import convert_hf_to_neox, convert_neox_to_hf
+from tests.e2e import checkpoint_files, run_deepy, tensorboard_scalars, train_lines, write_overrides
 from tests.test_inspect_checkpoint import inspect
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
@@ -30,7 +34,8 @@ LAYER_FILES = [f"layer_{i:02d}-model_00-model_states.pt" for i in (0, 2, 3, 4, 5
 def pipelined_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("pipe2")
     save = work / "ckpt"
-    overrides = write_overrides(work, save=str(save), train_iters=4, checkpoint_factor=2, **PIPE)
+    overrides = write_overrides(work, save=str(save), train_iters=4, checkpoint_factor=2,
+                                tensorboard_dir=str(work / "tb"), **PIPE)
     result = run_deepy(["configs/tiny.yml", overrides])
     assert "x 2 pipeline stages" in result.stdout
     return work, save, train_lines(result.stdout)
@@ -39,6 +44,9 @@ def pipelined_run(tmp_path_factory):
 def test_a_pipelined_run_saves_gpt_neox_layer_files_and_resumes_exactly(pipelined_run):
     work, save, lines = pipelined_run
     assert lines[-1].iteration == 4 and lines[-1].loss < lines[0].loss
+    scalars = tensorboard_scalars(work / "tb")  # written by the first stage's rank 0
+    assert set(scalars["train/loss"]) == set(scalars["train/grad_norm"]) == {1, 2, 3, 4}
+    assert {step for tag, steps in scalars.items() if tag.startswith("valid/") for step in steps} == {2, 4}
     tag = save / "global_step4"
     files = checkpoint_files(tag)
     assert [f for f in files if f.startswith("layer_")] == LAYER_FILES
@@ -59,21 +67,38 @@ def test_a_pipelined_run_saves_gpt_neox_layer_files_and_resumes_exactly(pipeline
     assert [(line.iteration, line.loss) for line in after] == [(line.iteration, line.loss) for line in lines[2:]]
 
 
-def test_weights_move_from_two_stages_to_one_module_and_back_bit_for_bit(pipelined_run):
-    """Module-only loads (with the master refresh and its verification) 2 stages -> 1 rank without a pipeline ->
-    2 stages: every saved tensor is the one loaded, and the two frozen runs, fed the same batch (one data-parallel
-    rank each), report the same loss."""
+def test_weights_move_between_pipeline_and_tensor_parallel_sizes_and_through_hf_bit_for_bit(pipelined_run, tmp_path):
+    """Module-only loads (with the master refresh and its verification) 2 stages -> 2 tensor-parallel ranks without
+    a pipeline (both sizes change at once) -> 2 stages, and our layer files -> Hugging Face -> GPT-NeoX layer files
+    written by convert_hf_to_neox.py --pipe-parallel-size 2 -> 2 stages: every saved tensor is the one loaded, and
+    the frozen runs, fed the same batch (one data-parallel rank each), report the same loss."""
     work, save, _ = pipelined_run
-    one = write_overrides(work, name="to-one.yml", load=str(save), save=str(work / "one"), num_gpus=1, **FROZEN)
+    one = write_overrides(work, name="to-tp2.yml", load=str(save), save=str(work / "one"), num_gpus=2,
+                          model_parallel_size=2, **FROZEN)
     one_lines = train_lines(run_deepy(["configs/tiny.yml", one]).stdout)
-    two = write_overrides(work, name="to-two.yml", load=str(work / "one"), save=str(work / "two"), num_gpus=2,
+    two = write_overrides(work, name="to-pp2.yml", load=str(work / "one"), save=str(work / "two"), num_gpus=2,
                           pipe_parallel_size=2, **FROZEN)
     two_lines = train_lines(run_deepy(["configs/tiny.yml", two]).stdout)
-    assert one_lines[0].loss == two_lines[0].loss
+
+    convert_neox_to_hf(save, tmp_path / "hf", dtype="fp32", save_tokenizer=False)
+    convert_hf_to_neox(tmp_path / "hf", tmp_path / "from-hf", pipe_parallel_size=2)
+    converted_files = checkpoint_files(tmp_path / "from-hf" / "global_step0")
+    assert [f for f in converted_files if f.startswith("layer_")] == LAYER_FILES
+    assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"} <= set(converted_files)
+    three = write_overrides(work, name="from-hf.yml", load=str(tmp_path / "from-hf"), save=str(work / "three"),
+                            num_gpus=2, pipe_parallel_size=2, **FROZEN)
+    three_lines = train_lines(run_deepy(["configs/tiny.yml", three]).stdout)
+
+    assert two_lines[0].loss == three_lines[0].loss
+    # 2 tensor-parallel ranks sum their partial products in another order than one rank: the last bits may differ
+    assert one_lines[0].loss == pytest.approx(two_lines[0].loss, rel=1e-6)
     original = read_module_weights(save / "global_step4")
-    assert "mp_rank_00_model_states.pt" in checkpoint_files(work / "one" / "global_step1")
+    assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"} <= set(checkpoint_files(work / "one" / "global_step1"))
     assert [f for f in checkpoint_files(work / "two" / "global_step1") if f.startswith("layer_")] == LAYER_FILES
-    for moved in (read_module_weights(work / "one" / "global_step1"), read_module_weights(work / "two" / "global_step1")):
+    arch = architecture_of({**inventory_tag(save, "global_step4").metadata.saved_args, "model_parallel_size": 1})
+    for moved in (read_full_module_weights(work / "one" / "global_step1", 2, arch),
+                  read_module_weights(work / "two" / "global_step1"), read_module_weights(tmp_path / "from-hf" / "global_step0"),
+                  read_module_weights(work / "three" / "global_step1")):
         assert moved.keys() == original.keys()
         assert all(torch.equal(moved[name], original[name]) for name in original)
 

@@ -468,3 +468,33 @@ def test_a_tensor_parallel_checkpoint_exports_to_hf_with_the_same_weights_and_lo
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens()).logits, model(tokens()).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("pipe_parallel_size", [1, 2])
+def test_convert_hf_to_neox_writes_gpt_neox_layer_files_for_a_pipeline_that_convert_back_bit_for_bit(
+        pipe_parallel_size, tmp_path):
+    """--pipe-parallel-size P >= 1 (GPT-NeoX's meaning) with 2 tensor-parallel ranks: one layer file per GPT-NeoX
+    position and rank holding that rank's slices, P x 2 mp_rank files with the client state only, and
+    convert_neox_to_hf.py reads them back into the very HF tensors."""
+    model = make_hf_model("neox_parallel")
+    hf_dir = save_hf(model, tmp_path / "hf")
+    result = run_tool("convert_hf_to_neox.py", "--input", str(hf_dir), "--output", str(tmp_path / "ckpt"),
+                      "--model-parallel-size", "2", "--pipe-parallel-size", str(pipe_parallel_size))
+    assert result.returncode == 0, result.stderr
+    tag_dir = tmp_path / "ckpt" / "global_step0"
+    layers = model.config.num_hidden_layers
+    positions = [0, *range(2, layers + 2), layers + 3, layers + 4]
+    expected_files = {f"layer_{i:02d}-model_{mp:02d}-model_states.pt" for i in positions for mp in (0, 1)}
+    expected_files |= {f"mp_rank_{rank:02d}_model_states.pt" for rank in range(2 * pipe_parallel_size)}
+    assert {p.name for p in tag_dir.iterdir()} == expected_files
+    assert all(torch.load(tag_dir / f"mp_rank_{rank:02d}_model_states.pt", weights_only=True)["module"] is None
+               for rank in range(2 * pipe_parallel_size))
+    convert_hf_to_neox(hf_dir, tmp_path / "plain", model_parallel_size=2)
+    for mp in (0, 1):
+        plain, layered = read_module_weights(tmp_path / "plain" / "global_step0", mp), read_module_weights(tag_dir, mp)
+        assert sorted(layered) == sorted(plain)
+        assert all(torch.equal(layered[k], plain[k]) for k in plain)
+    convert_neox_to_hf(tmp_path / "ckpt", tmp_path / "back")
+    original, back = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(back[k], original[k]) for k in original)

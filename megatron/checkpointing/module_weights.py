@@ -151,6 +151,15 @@ def _module_from_layer_files(layer_files: dict[int, Path]) -> dict[str, torch.Te
     return module
 
 
+def layer_states(module: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """``module`` (``sequential.<II>.<name>``) split as GPT-NeoX's layer files hold it: II -> {name: tensor}."""
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    for full_name, tensor in module.items():
+        position, name = full_name.removeprefix("sequential.").split(".", 1)
+        layers.setdefault(int(position), {})[name] = tensor
+    return dict(sorted(layers.items()))
+
+
 def _zero_shard_files(tag_dir: Path, mp_rank: int) -> tuple[dict[int, Path], dict[int, Path]]:
     model_files, optim_files = {}, {}
     for path in tag_dir.iterdir():

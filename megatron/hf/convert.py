@@ -17,6 +17,7 @@ from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.inventory import TagInventory, inventory_checkpoint, inventory_tag
 from megatron.checkpointing.module_weights import (
+    layer_states,
     read_full_module_weights,
     read_module_weights,
 )
@@ -39,6 +40,10 @@ from megatron.tokenizer import EOD_TOKEN, PAD_TOKEN
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 CONVERTED_TAG = layout.tag_for_iteration(0)
+
+
+def _save(path: Path, state: dict) -> None:
+    write_atomically(path, lambda tmp: torch.save(state, tmp))
 
 
 @dataclass(frozen=True)
@@ -65,9 +70,13 @@ def convert_hf_to_neox(
     config_out: Path | None = None,
     progress: bool = False,
     model_parallel_size: int = 1,
+    pipe_parallel_size: int = 0,
 ) -> ConvertedCheckpoint:
     """Write ``out_dir/latest`` and ``out_dir/global_step0/mp_rank_<MP>_model_states.pt``, one per
-    tensor-parallel rank of ``model_parallel_size`` (module only)."""
+    tensor-parallel rank of ``model_parallel_size`` (module only). With ``pipe_parallel_size`` >= 1
+    (GPT-NeoX's meaning: a pipe module, whose weights are layer files) the weights go into
+    ``layer_<II>-model_<MP>-model_states.pt`` instead, and the mp_rank files, one per (stage,
+    tensor-parallel rank) as DeepSpeed's pipe engine numbers them, hold the client state only."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if dtype not in DTYPES:
         raise HFConversionError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
@@ -90,13 +99,17 @@ def convert_hf_to_neox(
         iteration=0,
         consumed_train_samples=0,
         settings={**settings, "padded_vocab_size": spec.vocab_size, "precision": dtype,
-                  "model_parallel_size": model_parallel_size},
+                  "model_parallel_size": model_parallel_size, "pipe_parallel_size": pipe_parallel_size},
         converted_from=str(hf_dir.resolve()),
     )
     for mp in range(model_parallel_size):
+        weights = {name: partition(value, partitioning(name, arch), mp, model_parallel_size).clone()
+                   for name, value in module.items()}
+        if pipe_parallel_size >= 1:
+            for position, layer in layer_states(weights).items():
+                _save(tag_dir / layout.layer_file_name(position, mp), layer)
         state = {
-            "module": {name: partition(value, partitioning(name, arch), mp, model_parallel_size).clone()
-                       for name, value in module.items()},
+            "module": weights if pipe_parallel_size < 1 else None,
             "buffer_names": [],
             "optimizer": None,
             "lr_scheduler": None,
@@ -108,7 +121,8 @@ def convert_hf_to_neox(
             "ds_version": deepspeed.__version__,
             **client_state.to_dict(),
         }
-        write_atomically(tag_dir / layout.model_states_name(mp), lambda path, state=state: torch.save(state, path))
+        for stage in range(max(pipe_parallel_size, 1)):
+            _save(tag_dir / layout.model_states_name(stage * model_parallel_size + mp), state)
     layout.write_latest(out_dir, CONVERTED_TAG)
     if config_out is not None:
         config_out = Path(config_out)
