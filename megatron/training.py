@@ -286,7 +286,7 @@ def setup(args):
         model = build_model(args.architecture(), args.seed, partitioned_by=partitioned_by)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=build_param_groups(model, args.weight_decay),
                                                config=ds_config, mpu=ModelParallelUnit())
-    _log_model(args, engine.module, args.zero_stage, dp_size)
+    _log_model(args, engine.module, args.zero_stage, dp_size, args.pipe_parallel_size)
     if args.torch_compile:
         engine.compile()  # compiles the module in place: parameter and checkpoint names stay as they are
     state = TrainState(schedule=Schedule.from_args(args))
@@ -326,12 +326,12 @@ def _frozen_reference(args, plan):
     return engine
 
 
-def _log_model(args, model, zero_stage: int, dp_size: int) -> None:
+def _log_model(args, model, zero_stage: int, dp_size: int, pipeline_stages: int) -> None:
     get_logger().info(f"model: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} parameters per "
                       f"tensor-parallel rank, precision {args.precision}, ZeRO stage {zero_stage}, {dp_size} "
                       f"data-parallel rank(s) x {args.model_parallel_size} tensor-parallel"
-                      + (f" x {args.pipe_parallel_size} pipeline stages (the count is the first stage's)"
-                         if args.pipe_parallel_size > 1 else ""))
+                      + (f" x {pipeline_stages} pipeline stages (the count is the first stage's)"
+                         if pipeline_stages > 1 else ""))
 
 
 def setup_for_inference(args):
@@ -361,7 +361,7 @@ def setup_for_inference(args):
     plan = plan_load(weights_only, data_parallel_rank_and_size()[1], hf_source=HF_FOLDER)
     set_seeds(args.seed)
     model = build_model(args.architecture(), args.seed)
-    _log_model(args, model, 0, data_parallel_rank_and_size()[1])
+    _log_model(args, model, 0, data_parallel_rank_and_size()[1], pipeline_stages=1)  # every rank runs the whole model
     engine, _, _, _ = deepspeed.initialize(model=model, config=build_inference_deepspeed_config(args.to_dict()),
                                            mpu=ModelParallelUnit())
     load_checkpoint(engine, plan)
