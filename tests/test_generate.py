@@ -33,14 +33,18 @@ def loaded(hf_dir, load=None, **settings):
     return setup_for_inference(args).module
 
 
-@pytest.mark.parametrize("kind, source", [("neox_parallel", "hf_folder"), ("llama_gqa", "our_checkpoint")])
+@pytest.mark.parametrize("kind, source", [("neox_parallel", "hf_folder"), ("llama_gqa", "our_checkpoint"),
+                                          ("neox_parallel", "pipeline_layer_files")])
 def test_greedy_generation_equals_transformers_generate(kind, source, tmp_path):
-    """Loaded from the HF folder itself, or from a checkpoint of ours (DeepSpeed's files) converted from it."""
+    """Loaded from the HF folder itself, from a checkpoint of ours (DeepSpeed's files) converted from it, or
+    from GPT-NeoX's layer files of a 2-stage pipeline converted from it."""
     from megatron.hf.convert import convert_hf_to_neox
 
     hf = make_hf_model(kind)
     hf_dir = save_hf(hf, tmp_path / "hf")
-    load = convert_hf_to_neox(hf_dir, tmp_path / "ckpt").tag_dir.parent if source == "our_checkpoint" else None
+    stages = {"our_checkpoint": 0, "pipeline_layer_files": 2}
+    load = (convert_hf_to_neox(hf_dir, tmp_path / "ckpt", pipe_parallel_size=stages[source]).tag_dir.parent
+            if source in stages else None)
     ours = loaded(hf_dir, load)
     # the end-of-document token: one transformers generates for the first prompt, so the stop is exercised too
     eod = hf_greedy(hf, PROMPTS[0], NEW_TOKENS, eod=-1)[0][NEW_TOKENS // 2]
