@@ -308,19 +308,22 @@ def setup(args):
 
 
 def _frozen_reference(args, plan):
-    """DPO/KTO's reference: the policy's model built again (the same tensor-parallel layout, its random layers
-    drawn from the same seed), in a forward-only engine of the run's precision, loaded by `plan`, frozen."""
+    """DPO/KTO's reference: the policy's model built again (the same tensor-parallel layout, partitioned under
+    ZeRO-3 as the policy is, its random layers drawn from the same seed), in a forward-only engine of the run's
+    precision, loaded by `plan`, frozen."""
     import deepspeed
 
     from megatron.checkpointing import load_weights_only
     from megatron.model import build_model
     from megatron.neox_arguments.deepspeed_config import build_inference_deepspeed_config
 
+    config = build_inference_deepspeed_config(args.to_dict(), partitioned=args.zero_stage == 3)
     with torch.random.fork_rng(devices=[]):  # the policy's dropout and data draws stay as without a reference
-        model = build_model(args.architecture(), args.seed)
+        model = build_model(args.architecture(), args.seed,
+                            partitioned_by=zero3_construction(config) if args.zero_stage == 3 else None)
     model.requires_grad_(False)
-    engine, _, _, _ = deepspeed.initialize(model=model, config=build_inference_deepspeed_config(args.to_dict()),
-                                           mpu=ModelParallelUnit())
+    # Without an optimizer DeepSpeed's ZeRO-3 engine only gathers each layer's partitions for its forward.
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config, mpu=ModelParallelUnit())
     load_weights_only(engine, plan)
     engine.eval()
     return engine

@@ -1,5 +1,6 @@
 """End to end, as a GPT-NeoX user runs DPO (post-training/configs/llama3-8b-dpo.yml, scaled down): chosen and
-rejected chats through the preprocess tool, DPO from a Hugging Face Llama folder on 2 ranks, saved, resumed.
+rejected chats through the preprocess tool, DPO from a Hugging Face Llama folder on 2 ranks, saved, resumed, and
+under ZeRO-3 (the reference partitioned like the policy) with ZeRO-1's losses.
 The reference stays the folder the run started from: the resumed run's losses are the unbroken run's (GPT-NeoX
 reloads its reference from the resumed policy, and its loss falls back to ln 2), and a resume whose recorded
 reference is gone or changed is refused in one line."""
@@ -69,6 +70,10 @@ def test_dpo_resumed_from_its_save_still_compares_against_the_model_it_started_f
     assert (chosen, rejected, accuracy, margins) == (0.0, 0.0, 0.0, 0.0)
     assert all(lines[i][0] < loss - 0.05 for i in (2, 3, 4))  # it learns to prefer the chosen answers
     assert "validation at iteration 2: loss" in unbroken and "chosen_rewards" in unbroken.split("validation")[1]
+
+    # ZeRO-3: the reference is partitioned like the policy, and every step's line is ZeRO-1's (fp32, 4 decimals)
+    zero3 = {**settings, "zero_optimization": {"stage": 3}, "save": None}
+    assert dpo_lines(run_deepy([write_overrides(tmp_path, name="zero3.yml", **zero3)]).stdout) == lines
 
     resume = {**settings, "load": str(tmp_path / "run"), "finetune": False, "iteration": 2,
               "save": str(tmp_path / "resumed")}

@@ -33,15 +33,15 @@ def test_gpt_neox_preference_recipe_passes_dry_run_at_its_rank_count(recipe, exp
 
 @pytest.mark.parametrize("settings, words", [
     ({"train_impl": "dpo", "train_data_paths": ["x"]}, "dataset_impl: pairwise"),
-    ({"train_impl": "dpo", "dataset_impl": "pairwise", "pack_impl": "unpacked", "pos_train_data_paths": ["a"],
-      "neg_train_data_paths": ["b"], "zero_optimization": {"stage": 3}}, "not partitioned under ZeRO-3"),
     ({"train_impl": "dpo", "dataset_impl": "pairwise", "pack_impl": "pack_until_overflow",
       "pos_train_data_paths": ["a"], "neg_train_data_paths": ["b"], "precompute_model_name": "ref"},
      "pack_impl: unpacked"),
     ({"train_impl": "kto", "train_data_paths": ["x"]}, "train_reward_data_paths"),
     ({"train_impl": "kto", "train_data_paths": ["x"], "train_reward_data_paths": ["y"],
+      "precompute_model_name": "ref"}, "{train data path}_NAME"),
+    ({"train_impl": "kto", "train_data_paths": ["x"], "train_reward_data_paths": ["y"],
       "train_micro_batch_size_per_gpu": 1}, "2 or more"),
-], ids=["dpo-without-pairs", "dpo-zero3", "precompute-packed", "kto-without-rewards", "kto-micro-batch-1"])
+], ids=["dpo-without-pairs", "precompute-packed", "kto-without-rewards", "kto-precompute", "kto-micro-batch-1"])
 def test_preference_settings_that_cannot_run_are_one_line(settings, words):
     from megatron.neox_arguments import ConfigError
     from tests.test_data_gpt_dataset import make_args

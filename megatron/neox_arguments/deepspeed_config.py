@@ -56,13 +56,16 @@ def build_deepspeed_config(settings: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def build_inference_deepspeed_config(settings: dict[str, Any]) -> dict[str, Any]:
-    """The DeepSpeed config of a model that only runs forward (generate.py): the run's precision, no
-    optimizer, no ZeRO (every tensor-parallel rank holds its whole shard)."""
+def build_inference_deepspeed_config(settings: dict[str, Any], partitioned: bool = False) -> dict[str, Any]:
+    """The DeepSpeed config of a model that only runs forward (generate.py, DPO/KTO's reference): the run's
+    precision, no optimizer; no ZeRO (every tensor-parallel rank holds its whole shard), or with `partitioned`
+    the run's ZeRO-3 section, so the model's parameters are split over the data-parallel group as the policy's."""
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                               "steps_per_print": settings["steps_per_print"], "wall_clock_breakdown": False}
     if settings["precision"] in ("fp16", "bf16"):
         config[settings["precision"]] = {"enabled": True}
+    if partitioned:
+        config["zero_optimization"] = copy.deepcopy(settings["zero_optimization"])
     return config
 
 

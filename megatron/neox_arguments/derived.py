@@ -457,18 +457,13 @@ def _check_train_impl(v: dict[str, Any], sources: dict[str, str]) -> None:
         raise _fail(sources, "train_impl", "dpo trains on chosen/rejected pairs: set `dataset_impl: pairwise` with "
                                            "pos_train_data_paths / neg_train_data_paths (and their label paths)")
     if v["precompute_model_name"] and v["train_impl"] == "kto":
-        raise _fail(sources, "precompute_model_name", "precomputed reference log-probabilities are read for dpo "
-                                                      "only here; unset it (kto runs its reference model)")
+        raise _fail(sources, "precompute_model_name", "kto's precomputed log-probabilities (GPT-NeoX reads them "
+                                                      "from {train data path}_NAME) are not read here yet: unset "
+                                                      "it, and kto runs its live reference model")
     if v["precompute_model_name"] and v["train_impl"] == "dpo" and v.get("pack_impl") != "unpacked":
         raise _fail(sources, "precompute_model_name", "the precomputed log-probabilities hold one document per "
                                                       "sample, which only pack_impl unpacked keeps aligned; set "
                                                       "pack_impl: unpacked")
-    live_reference = v["train_impl"] == "kto" or (v["train_impl"] == "dpo" and not v["dpo_reference_free"]
-                                                   and not v["precompute_model_name"])
-    if live_reference and v["zero_stage"] == 3:
-        raise _fail(sources, "zero_optimization", f"train_impl {v['train_impl']}'s frozen reference model is not "
-                                                  "partitioned under ZeRO-3 here: use ZeRO stage 0, 1 or 2"
-                                                  + (", or dpo_reference_free" if v["train_impl"] == "dpo" else ""))
     if v["train_impl"] == "kto" and v.get("train_data_paths") and not v.get("train_reward_data_paths"):
         raise _fail(sources, "train_impl", "kto weighs each sample by its reward: set train_reward_data_paths "
                                            "(preprocess_data_with_chat_template.py --reward-key), one per data path")
