@@ -467,7 +467,9 @@ def _check_train_impl(v: dict[str, Any], sources: dict[str, str]) -> None:
     if v["train_impl"] == "kto" and v.get("train_data_paths") and not v.get("train_reward_data_paths"):
         raise _fail(sources, "train_impl", "kto weighs each sample by its reward: set train_reward_data_paths "
                                            "(preprocess_data_with_chat_template.py --reward-key), one per data path")
-    if v["train_impl"] == "kto" and (v["train_micro_batch_size_per_gpu"] or 0) < 2:
+    # None: settings read back from a checkpoint, which do not restore the batch; the run's own files set it
+    if v["train_impl"] == "kto" and v["train_micro_batch_size_per_gpu"] is not None and \
+            v["train_micro_batch_size_per_gpu"] < 2:
         raise _fail(sources, "train_micro_batch_size_per_gpu", "train_impl kto estimates its KL reference point "
                                                                "from the other half of each micro batch: set it to "
                                                                "2 or more")
