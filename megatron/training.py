@@ -317,10 +317,11 @@ def _frozen_reference(args, plan):
     from megatron.model import build_model
     from megatron.neox_arguments.deepspeed_config import build_inference_deepspeed_config
 
-    config = build_inference_deepspeed_config(args.to_dict(), partitioned=args.zero_stage == 3)
+    partitioned = args.zero_stage == 3
+    config = build_inference_deepspeed_config(args.to_dict(), partitioned=partitioned)
     with torch.random.fork_rng(devices=[]):  # the policy's dropout and data draws stay as without a reference
         model = build_model(args.architecture(), args.seed,
-                            partitioned_by=zero3_construction(config) if args.zero_stage == 3 else None)
+                            partitioned_by=zero3_construction(config) if partitioned else None)
     model.requires_grad_(False)
     # Without an optimizer DeepSpeed's ZeRO-3 engine only gathers each layer's partitions for its forward.
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, mpu=ModelParallelUnit())
