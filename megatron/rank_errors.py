@@ -70,7 +70,9 @@ def _report(line: str, stop_requested: Callable[[], bool]) -> None:
         if stop_requested():
             return  # the launcher stopped this rank because another one failed, which has said why
     prefix = "error" if rank == 0 else f"error on rank {rank}"
-    print(f"{prefix}: {line}", file=sys.stderr, flush=True)
+    # one write: print() writes the text and its newline apart, and another rank's line can land between them
+    sys.stderr.write(f"{prefix}: {line}\n")
+    sys.stderr.flush()
 
 
 def run_rank(main: Callable[[], object], stop_requested: Callable[[], bool] = lambda: False) -> int:

@@ -17,8 +17,7 @@ def settings_digest(values: dict) -> str:
 
 if __name__ == "__main__":
     args = load_args_on_rank()
-    print(
-        f"RANK_ECHO rank={os.environ['RANK']} world={os.environ['WORLD_SIZE']} "
-        f"global_num_gpus={args.global_num_gpus} settings={settings_digest(args.to_dict())}",
-        flush=True,
-    )
+    # one write per line: the ranks share the launcher's stdout, and print() writes the newline apart
+    sys.stdout.write(f"RANK_ECHO rank={os.environ['RANK']} world={os.environ['WORLD_SIZE']} "
+                     f"global_num_gpus={args.global_num_gpus} settings={settings_digest(args.to_dict())}\n")
+    sys.stdout.flush()
