@@ -53,36 +53,32 @@ def _chat_data(tmp_path) -> dict:
                 test_data_paths=tokens, test_label_data_paths=labels)
 
 
-# ZeRO-Offload: the optimizer step runs in DeepSpeedCPUAdam, not FusedAdam
-OFFLOAD = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+def _offload(tmp_path) -> dict:
+    """ZeRO-Offload: the optimizer step runs in DeepSpeedCPUAdam, not FusedAdam."""
+    return {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
 
 
-# One rank with FusedAdam: test_a_resumed_sft_run_continues_the_label_datasets_position
-@pytest.mark.parametrize("num_gpus, settings", [
-    pytest.param(2, {}, id="2", marks=pytest.mark.distributed),
-    pytest.param(1, OFFLOAD, id="1-zero_offload"),
+# The first half is the unbroken run's own tag at the stop (extra_save_iters), resumed into another directory
+# with the same settings: unpacked SFT samples are ordered by how many samples the run asks for (as GPT-NeoX
+# orders them), so a first half trained with fewer train_iters would have trained on other samples.
+@pytest.mark.parametrize("num_gpus, settings_in", [
+    pytest.param(2, lambda tmp_path: {}, id="2", marks=pytest.mark.distributed),
+    pytest.param(1, _offload, id="1-zero_offload"),
+    pytest.param(1, _chat_data, id="1-sft"),
 ])
 @pytest.mark.slow
-def test_stop_and_resume_gives_the_bits_of_an_unbroken_run(tmp_path, num_gpus, settings):
+def test_stop_and_resume_gives_the_bits_of_an_unbroken_run(tmp_path, num_gpus, settings_in):
+    settings = settings_in(tmp_path)
     unbroken, unbroken_evaluations = _train(tmp_path, "unbroken", tmp_path / "unbroken", TRAIN_ITERS, num_gpus,
-                                            **settings)
-    halves = tmp_path / "halves"
-    _, first_evaluations = _train(tmp_path, "first", halves, TRAIN_ITERS // 2, num_gpus, **settings)
-    resumed, resumed_evaluations = _train(tmp_path, "second", halves, TRAIN_ITERS, num_gpus, load=str(halves),
-                                          **settings)
+                                            extra_save_iters=[TRAIN_ITERS // 2], **settings)
+    resumed, resumed_evaluations = _train(tmp_path, "second", tmp_path / "second", TRAIN_ITERS, num_gpus,
+                                          load=str(tmp_path / "unbroken"), iteration=TRAIN_ITERS // 2, **settings)
 
-    _assert_the_second_half_is_the_unbroken_one(unbroken, unbroken_evaluations, tmp_path / "unbroken", resumed,
-                                                resumed_evaluations, halves)
-    assert first_evaluations["valid/loss"] == {4: unbroken_evaluations["valid/loss"][4]}
-
-
-def _assert_the_second_half_is_the_unbroken_one(unbroken, unbroken_evaluations, unbroken_save, resumed,
-                                                resumed_evaluations, resumed_save) -> None:
     assert resumed[0].iteration == TRAIN_ITERS // 2 + 1
     assert [(line.iteration, line.loss) for line in resumed] == \
         [(line.iteration, line.loss) for line in unbroken if line.iteration > TRAIN_ITERS // 2]
-    expected = read_module_weights(unbroken_save / f"global_step{TRAIN_ITERS}")
-    actual = read_module_weights(resumed_save / f"global_step{TRAIN_ITERS}")
+    expected = read_module_weights(tmp_path / "unbroken" / f"global_step{TRAIN_ITERS}")
+    actual = read_module_weights(tmp_path / "second" / f"global_step{TRAIN_ITERS}")
     differing = {name: int((expected[name] != actual[name]).sum()) for name in expected}
     assert not any(differing.values()), f"elements that differ from the unbroken run: {differing}"
     assert all(torch.equal(expected[name], actual[name]) for name in expected)
@@ -92,17 +88,3 @@ def _assert_the_second_half_is_the_unbroken_one(unbroken, unbroken_evaluations, 
     assert resumed_evaluations["valid/loss"] == {step: loss for step, loss in unbroken_evaluations["valid/loss"].items()
                                                  if step > TRAIN_ITERS // 2}
     assert resumed_evaluations["test/loss"] == unbroken_evaluations["test/loss"] != {}
-
-
-@pytest.mark.slow
-def test_a_resumed_sft_run_continues_the_label_datasets_position(tmp_path):
-    """The first half is the unbroken run's own tag at the stop, resumed with the same settings: unpacked samples
-    are ordered by how many samples the run asks for (as GPT-NeoX orders them), so a first half trained with
-    fewer train_iters would have trained on other samples."""
-    settings = _chat_data(tmp_path)
-    unbroken, unbroken_evaluations = _train(tmp_path, "unbroken", tmp_path / "unbroken", TRAIN_ITERS, 1,
-                                            extra_save_iters=[TRAIN_ITERS // 2], **settings)
-    resumed, resumed_evaluations = _train(tmp_path, "second", tmp_path / "second", TRAIN_ITERS, 1,
-                                          load=str(tmp_path / "unbroken"), iteration=TRAIN_ITERS // 2, **settings)
-    _assert_the_second_half_is_the_unbroken_one(unbroken, unbroken_evaluations, tmp_path / "unbroken", resumed,
-                                                resumed_evaluations, tmp_path / "second")
