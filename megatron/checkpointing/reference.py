@@ -53,7 +53,7 @@ def needs_reference(args) -> bool:
     """The objective compares the policy with a live frozen reference model."""
     if args.train_impl not in TRAIN_IMPLS_WITH_REFERENCE:
         return False
-    return not (args.train_impl == "dpo" and (args.dpo_reference_free or args.precompute_model_name))
+    return not (args.precompute_model_name or (args.train_impl == "dpo" and args.dpo_reference_free))
 
 
 def weights_checksum(plan: LoadPlan) -> str:

@@ -456,11 +456,7 @@ def _check_train_impl(v: dict[str, Any], sources: dict[str, str]) -> None:
     if v["train_impl"] == "dpo" and v.get("dataset_impl", "gpt2") != "pairwise":
         raise _fail(sources, "train_impl", "dpo trains on chosen/rejected pairs: set `dataset_impl: pairwise` with "
                                            "pos_train_data_paths / neg_train_data_paths (and their label paths)")
-    if v["precompute_model_name"] and v["train_impl"] == "kto":
-        raise _fail(sources, "precompute_model_name", "kto's precomputed log-probabilities (GPT-NeoX reads them "
-                                                      "from {train data path}_NAME) are not read here yet: unset "
-                                                      "it, and kto runs its live reference model")
-    if v["precompute_model_name"] and v["train_impl"] == "dpo" and v.get("pack_impl") != "unpacked":
+    if v["precompute_model_name"] and v["train_impl"] in ("dpo", "kto") and v.get("pack_impl") != "unpacked":
         raise _fail(sources, "precompute_model_name", "the precomputed log-probabilities hold one document per "
                                                       "sample, which only pack_impl unpacked keeps aligned; set "
                                                       "pack_impl: unpacked")
