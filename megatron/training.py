@@ -391,8 +391,8 @@ def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals
     step_on, evaluate_on = (pipeline.train_step, pipeline.evaluate) if pipeline.is_pipelined(engine) else (
         train_step, evaluate)
 
-    def agreed_stop() -> int | None:
-        return stop_signals.agreed_stop() if stop_signals is not None else None
+    def agreed_stop(after_iteration: int | None = None) -> int | None:
+        return stop_signals.agreed_stop(after_iteration) if stop_signals is not None else None
 
     stop = agreed_stop()
     if stop is not None:  # asked for during set-up: no step taken, nothing to save
@@ -454,7 +454,7 @@ def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals
         if _should_save(args, step) and step != args.train_iters:
             _save(args, engine, state)
             saved_at = step
-        stop = agreed_stop()
+        stop = agreed_stop(step)
         if stop is not None:
             progress.close()
             profiler.close()
