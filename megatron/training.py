@@ -308,12 +308,20 @@ def setup(args):
 
 
 def _frozen_reference(args, plan):
-    """DPO/KTO's reference: the policy's model built again (the same tensor-parallel layout, partitioned under
-    ZeRO-3 as the policy is, its random layers drawn from the same seed), in a forward-only engine of the run's
-    precision, loaded by `plan`, frozen."""
+    """DPO/KTO's reference (`frozen_reference_engine`) loaded by `plan`."""
+    from megatron.checkpointing import load_weights_only
+
+    engine = frozen_reference_engine(args)
+    load_weights_only(engine, plan)
+    return engine
+
+
+def frozen_reference_engine(args):
+    """The policy's model built again (the same tensor-parallel layout, partitioned under ZeRO-3 as the policy
+    is, its random layers drawn from the same seed), frozen, in a forward-only engine of the run's precision,
+    in eval mode; its weights are loaded after."""
     import deepspeed
 
-    from megatron.checkpointing import load_weights_only
     from megatron.model import build_model
     from megatron.neox_arguments.deepspeed_config import build_inference_deepspeed_config
 
@@ -325,7 +333,6 @@ def _frozen_reference(args, plan):
     model.requires_grad_(False)
     # Without an optimizer DeepSpeed's ZeRO-3 engine only gathers each layer's partitions for its forward.
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, mpu=ModelParallelUnit())
-    load_weights_only(engine, plan)
     engine.eval()
     return engine
 

@@ -118,6 +118,14 @@ def test_pipeline_bench_prints_its_ratios():
     assert ratios["bubble"] == pytest.approx(1 / 3, abs=1e-3)  # 2 stages, 2 micro batches
 
 
+@pytest.mark.slow
+def test_reference_zero3_bench_prints_its_ratios():
+    ratios = run_bench("bench_reference_zero3.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
+                       "--seq", "8", "--rows", "2")
+    assert_ratios(ratios, {"zero3/zero1 reference held", "zero3/zero1 reference forward peak",
+                           "zero1 reference held/weights", "zero3 reference held/weights"})
+
+
 @pytest.mark.parametrize("objective", ["dpo", "kto"])
 def test_preference_step_bench_prints_its_ratios(objective):
     ratios = run_bench("bench_dpo_step.py", "--objective", objective, "--layers", "1", "--hidden", "32", "--heads",

@@ -40,10 +40,10 @@ from megatron.data import BatchOptions  # noqa: E402
 from megatron.initialize import ModelParallelUnit  # noqa: E402
 from megatron.model import build_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
-from megatron.neox_arguments.deepspeed_config import build_inference_deepspeed_config  # noqa: E402
 from megatron.objectives.dpo import DirectPreferenceOptimization  # noqa: E402
 from megatron.objectives.kto import KahnemanTverskyOptimization  # noqa: E402
 from megatron.objectives.language_model import LanguageModelLoss  # noqa: E402
+from megatron.training import frozen_reference_engine  # noqa: E402
 
 
 def settings(options: argparse.Namespace) -> NeoXArgs:
@@ -57,16 +57,6 @@ def settings(options: argparse.Namespace) -> NeoXArgs:
         "padded_vocab_size": options.vocab, "seed": 1234, "train_micro_batch_size_per_gpu": 2 * options.pairs,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-5}}, "zero_optimization": {"stage": options.zero_stage},
         "train_iters": 10, **precision})
-
-
-def frozen_reference(args: NeoXArgs):
-    """As training builds it (megatron.training._frozen_reference), without the checkpoint load."""
-    model = build_model(args.architecture(), args.seed)
-    model.requires_grad_(False)
-    engine, *_ = deepspeed.initialize(model=model, config=build_inference_deepspeed_config(args.to_dict()),
-                                      mpu=ModelParallelUnit())
-    engine.eval()
-    return engine
 
 
 def preference_objective(name: str, reference=None):
@@ -145,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("sft", name_precomputed):
             measured(name)
     reference_started = status_kib("VmRSS")
-    reference = frozen_reference(args)
+    reference = frozen_reference_engine(args)  # as training builds it, without the checkpoint load
     reference_mib = (status_kib("VmRSS") - reference_started) / 1024
     runs[name_live] = (preference_objective(options.objective, reference), live)
     step(engine, *runs[name_live])
