@@ -46,17 +46,18 @@ from megatron.objectives.language_model import LanguageModelLoss  # noqa: E402
 from megatron.training import frozen_reference_engine  # noqa: E402
 
 
-def settings(options: argparse.Namespace) -> NeoXArgs:
+def llama_settings(options: argparse.Namespace, micro_batch: int, zero_stage: int) -> NeoXArgs:
+    """A Llama-family model of the options' --layers, --hidden, --heads, --seq, --vocab and --precision, without
+    dropout, trained with Adam (bench_reference_zero3.py builds the same)."""
     precision = {"bf16": {"precision": "bf16", "bf16": {"enabled": True}}}.get(options.precision, {})
     return NeoXArgs.from_dict({
         "num_layers": options.layers, "hidden_size": options.hidden, "num_attention_heads": options.heads,
         "num_kv_heads": max(options.heads // 2, 1), "seq_length": options.seq, "pos_emb": "rotary",
         "no_weight_tying": True, "norm": "rmsnorm", "activation": "swiglu", "use_bias_in_norms": False,
         "use_bias_in_attn_linear": False, "use_bias_in_mlp": False, "mlp_multiple_of": 32, "hidden_dropout": 0.0,
-        "attention_dropout": 0.0,
-        "padded_vocab_size": options.vocab, "seed": 1234, "train_micro_batch_size_per_gpu": 2 * options.pairs,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-5}}, "zero_optimization": {"stage": options.zero_stage},
-        "train_iters": 10, **precision})
+        "attention_dropout": 0.0, "padded_vocab_size": options.vocab, "seed": 1234,
+        "train_micro_batch_size_per_gpu": micro_batch, "optimizer": {"type": "Adam", "params": {"lr": 1e-5}},
+        "zero_optimization": {"stage": zero_stage}, "train_iters": 10, **precision})
 
 
 def preference_objective(name: str, reference=None):
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     deepspeed_logger.setLevel("WARNING")
     return_freed_memory_to_os()
     init_world()
-    args = settings(options)
+    args = llama_settings(options, 2 * options.pairs, options.zero_stage)
 
     before_models_kib = status_kib("VmRSS")
     model = build_model(args.architecture(), args.seed)

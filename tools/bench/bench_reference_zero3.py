@@ -30,29 +30,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from bench_dpo_step import llama_settings  # noqa: E402
 from bench_world import free_port, init_world  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from procmem import PeakSampler, RatioReport, return_freed_memory_to_os, smaps_rollup_kib, table  # noqa: E402
 
 from megatron.data import BatchOptions, get_batch  # noqa: E402
 from megatron.initialize import current_device  # noqa: E402
-from megatron.neox_arguments import NeoXArgs  # noqa: E402
 from megatron.objectives.log_probs import target_log_probs  # noqa: E402
 from megatron.training import frozen_reference_engine  # noqa: E402
 
 STAGES = (1, 3)
-
-
-def settings(options: argparse.Namespace, stage: int) -> NeoXArgs:
-    precision = {"bf16": {"precision": "bf16", "bf16": {"enabled": True}}}.get(options.precision, {})
-    return NeoXArgs.from_dict({
-        "num_layers": options.layers, "hidden_size": options.hidden, "num_attention_heads": options.heads,
-        "num_kv_heads": max(options.heads // 2, 1), "seq_length": options.seq, "pos_emb": "rotary",
-        "no_weight_tying": True, "norm": "rmsnorm", "activation": "swiglu", "use_bias_in_norms": False,
-        "use_bias_in_attn_linear": False, "use_bias_in_mlp": False, "mlp_multiple_of": 32, "hidden_dropout": 0.0,
-        "attention_dropout": 0.0, "padded_vocab_size": options.vocab, "seed": 1234,
-        "train_micro_batch_size_per_gpu": options.rows, "optimizer": {"type": "Adam", "params": {"lr": 1e-5}},
-        "zero_optimization": {"stage": stage}, "train_iters": 10, **precision})
 
 
 def anonymous_mib() -> float:
@@ -60,7 +48,7 @@ def anonymous_mib() -> float:
 
 
 def measure_rank(options: argparse.Namespace, stage: int) -> dict:
-    args = settings(options, stage)
+    args = llama_settings(options, options.rows, stage)
     sampler = PeakSampler(fields=("Anonymous",))
     text = torch.randint(0, options.vocab, (options.rows, options.seq + 1), generator=torch.Generator().manual_seed(0))
     batch = get_batch({"text": text, "label": text}, BatchOptions()).to(current_device())
