@@ -28,6 +28,10 @@ HOLD_BEFORE_SAVE_ENV = "NEOX_TEST_HOLD_BEFORE_STOP_SAVE"
 # Test-only: seconds a rank that has finished its set-up waits for a stop signal before its first step, so a
 # test's signal arrives before that step however loaded the machine is.
 HOLD_BEFORE_FIRST_STEP_ENV = "NEOX_TEST_HOLD_BEFORE_FIRST_STEP"
+# Test-only: the iteration after whose step a rank waits (up to HELD_AFTER_ITERATION_SECONDS) for a stop
+# signal before the ranks agree, so a test stops a run of a few fast steps at a step it chose.
+HOLD_AFTER_ITERATION_ENV = "NEOX_TEST_HOLD_AFTER_ITERATION"
+HELD_AFTER_ITERATION_SECONDS = 300.0
 
 
 class StopRequests:
@@ -91,12 +95,17 @@ class StopSignals:
                         .encode())
 
     def hold_before_first_step(self) -> None:
-        deadline = time.monotonic() + float(os.environ.get(HOLD_BEFORE_FIRST_STEP_ENV, "0") or 0)
+        self._wait_for_a_signal(float(os.environ.get(HOLD_BEFORE_FIRST_STEP_ENV, "0") or 0))
+
+    def _wait_for_a_signal(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
         while self.received is None and time.monotonic() < deadline:
             time.sleep(0.01)
 
-    def agreed_stop(self) -> int | None:
+    def agreed_stop(self, after_iteration: int | None = None) -> int | None:
         """The stop signal any rank received (the same answer on every rank), or None; a collective."""
+        if after_iteration is not None and os.environ.get(HOLD_AFTER_ITERATION_ENV) == str(after_iteration):
+            self._wait_for_a_signal(HELD_AFTER_ITERATION_SECONDS)
         noted = [signum for _, signum in reported_by_ranks(self.received)]
         return max(noted) if noted else None
 

@@ -308,12 +308,20 @@ def setup(args):
 
 
 def _frozen_reference(args, plan):
-    """DPO/KTO's reference: the policy's model built again (the same tensor-parallel layout, partitioned under
-    ZeRO-3 as the policy is, its random layers drawn from the same seed), in a forward-only engine of the run's
-    precision, loaded by `plan`, frozen."""
+    """DPO/KTO's reference (`frozen_reference_engine`) loaded by `plan`."""
+    from megatron.checkpointing import load_weights_only
+
+    engine = frozen_reference_engine(args)
+    load_weights_only(engine, plan)
+    return engine
+
+
+def frozen_reference_engine(args):
+    """The policy's model built again (the same tensor-parallel layout, partitioned under ZeRO-3 as the policy
+    is, its random layers drawn from the same seed), frozen, in a forward-only engine of the run's precision,
+    in eval mode; its weights are loaded after."""
     import deepspeed
 
-    from megatron.checkpointing import load_weights_only
     from megatron.model import build_model
     from megatron.neox_arguments.deepspeed_config import build_inference_deepspeed_config
 
@@ -325,7 +333,6 @@ def _frozen_reference(args, plan):
     model.requires_grad_(False)
     # Without an optimizer DeepSpeed's ZeRO-3 engine only gathers each layer's partitions for its forward.
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, mpu=ModelParallelUnit())
-    load_weights_only(engine, plan)
     engine.eval()
     return engine
 
@@ -391,8 +398,8 @@ def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals
     step_on, evaluate_on = (pipeline.train_step, pipeline.evaluate) if pipeline.is_pipelined(engine) else (
         train_step, evaluate)
 
-    def agreed_stop() -> int | None:
-        return stop_signals.agreed_stop() if stop_signals is not None else None
+    def agreed_stop(after_iteration: int | None = None) -> int | None:
+        return stop_signals.agreed_stop(after_iteration) if stop_signals is not None else None
 
     stop = agreed_stop()
     if stop is not None:  # asked for during set-up: no step taken, nothing to save
@@ -454,7 +461,7 @@ def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals
         if _should_save(args, step) and step != args.train_iters:
             _save(args, engine, state)
             saved_at = step
-        stop = agreed_stop()
+        stop = agreed_stop(step)
         if stop is not None:
             progress.close()
             profiler.close()

@@ -118,8 +118,17 @@ def test_pipeline_bench_prints_its_ratios():
     assert ratios["bubble"] == pytest.approx(1 / 3, abs=1e-3)  # 2 stages, 2 micro batches
 
 
-def test_dpo_step_bench_prints_its_ratios():
-    ratios = run_bench("bench_dpo_step.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
-                       "--seq", "8", "--repeats", "2")
-    assert_ratios(ratios, {"dpo/sft step_seconds", "dpo_precomputed/sft step_seconds", "dpo/sft peak_rss",
-                           "dpo_precomputed/dpo peak_rss"})
+@pytest.mark.slow
+def test_reference_zero3_bench_prints_its_ratios():
+    ratios = run_bench("bench_reference_zero3.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
+                       "--seq", "8", "--rows", "2")
+    assert_ratios(ratios, {"zero3/zero1 reference held", "zero3/zero1 reference forward peak",
+                           "zero1 reference held/weights", "zero3 reference held/weights"})
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_preference_step_bench_prints_its_ratios(objective):
+    ratios = run_bench("bench_dpo_step.py", "--objective", objective, "--layers", "1", "--hidden", "32", "--heads",
+                       "2", "--vocab", "64", "--seq", "8", "--repeats", "2")
+    assert_ratios(ratios, {f"{objective}/sft step_seconds", f"{objective}_precomputed/sft step_seconds",
+                           f"{objective}/sft peak_rss", f"{objective}_precomputed/{objective} peak_rss"})

@@ -112,3 +112,31 @@ def test_fp16_skips_while_the_loss_scale_settles_are_counted_and_training_goes_o
         previous_skipped = skipped[step - 1] > skipped.get(step - 2, 0)
         assert (lr[step] == lr[step - 1]) == previous_skipped, (step, skipped, lr)
 
+
+
+def test_a_dpo_run_that_diverges_stops_with_the_same_line_before_any_save(tmp_path):
+    """train_impl dpo from a Hugging Face folder, its reference live: the loss is DPO's, the stop is a normal run's."""
+    from megatron.run_context import settings_for_run
+    from tests.e2e import write_overrides
+    from tests.test_e2e_dpo import CHOSEN, PROMPTS, REJECTED, chat, save_llama
+    from tests.test_preprocess_chat import make_chat_tokenizer, run, write_jsonl
+
+    tokenizer = make_chat_tokenizer(tmp_path / "tok", eos="<|endoftext|>")
+    records = [{"chosen": chat(p, c), "rejected": chat(p, r)} for p, c, r in zip(PROMPTS, CHOSEN, REJECTED, strict=True)]
+    run("--input", write_jsonl(tmp_path / "pairs.jsonl", records), "--tokenizer-path", str(tokenizer),
+        "--jsonl-keys", "chosen", "rejected", "--output-prefix", str(tmp_path / "dpo"))
+    save_llama(tmp_path / "hf", seed=0)
+    data = {f"{sign}_train_{kind}paths": [str(tmp_path / f"dpo_{side}_{kind.replace('data_', '')}document")]
+            for sign, side in (("pos", "chosen"), ("neg", "rejected")) for kind in ("data_", "label_data_")}
+    save = tmp_path / "ckpt"
+    config = write_overrides(
+        tmp_path, load=str(tmp_path / "hf"), finetune=True, save=str(save), train_impl="dpo", dpo_beta=0.5,
+        dataset_impl="pairwise", pack_impl="unpacked", **data, tokenizer_type="HFTokenizer",
+        vocab_file=str(tokenizer / "tokenizer.json"), seq_length=24, train_micro_batch_size_per_gpu=2,
+        precision="fp32", zero_optimization={"stage": 1}, optimizer={"type": "Adam", "params": {"lr": DIVERGING_LR}},
+        warmup=0, train_iters=8, checkpoint_factor=1, eval_interval=1000, eval_iters=0)
+    message = train_until_stopped(resolve_run_settings(settings_for_run([str(config)])))
+    seen = re.match(r"iteration (\d+) \(fp32\): loss ([^,\s]+)(, gradient norm ([^,\s]+))?", message)
+    assert seen and {seen[2].rstrip("."), (seen[4] or "").rstrip(".")} & {"nan", "inf"}, message
+    assert "The run diverged: training stops without saving this state" in message and "\n" not in message
+    assert_saved_tags_are_finite_and_older_than(save, int(seen[1]))

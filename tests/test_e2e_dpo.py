@@ -1,6 +1,7 @@
 """End to end, as a GPT-NeoX user runs DPO (post-training/configs/llama3-8b-dpo.yml, scaled down): chosen and
-rejected chats through the preprocess tool, DPO from a Hugging Face Llama folder on 2 ranks, saved, resumed, and
-under ZeRO-3 (the reference partitioned like the policy) with ZeRO-1's losses.
+rejected chats through the preprocess tool, DPO from a Hugging Face Llama folder on 2 ranks, stopped by a SIGTERM
+to every process of the job (a checkpoint), resumed, and under ZeRO-3 (the reference partitioned like the policy)
+with ZeRO-1's losses.
 The reference stays the folder the run started from: the resumed run's losses are the unbroken run's (GPT-NeoX
 reloads its reference from the resumed policy, and its loss falls back to ln 2), and a resume whose recorded
 reference is gone or changed is refused in one line."""
@@ -10,11 +11,14 @@ from __future__ import annotations
 import math
 import re
 import shutil
+import signal
 
 import pytest
 
+from megatron.stop_signals import HOLD_AFTER_ITERATION_ENV
 from tests.e2e import run_deepy, write_overrides
 from tests.test_preprocess_chat import make_chat_tokenizer, run, write_jsonl
+from tests.test_signals import DeepyRun, assert_graceful_stop, signal_the_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -75,11 +79,19 @@ def test_dpo_resumed_from_its_save_still_compares_against_the_model_it_started_f
     zero3 = {**settings, "zero_optimization": {"stage": 3}, "save": None}
     assert dpo_lines(run_deepy([write_overrides(tmp_path, name="zero3.yml", **zero3)]).stdout) == lines
 
-    resume = {**settings, "load": str(tmp_path / "run"), "finetune": False, "iteration": 2,
-              "save": str(tmp_path / "resumed")}
+    # SIGTERM to every process of the job after step 1 (each rank waits there for it): a checkpoint, exit 0
+    stopped_save = tmp_path / "stopped"
+    job = DeepyRun([write_overrides(tmp_path, name="stopped.yml", **{**settings, "save": str(stopped_save)})],
+                   extra_env={HOLD_AFTER_ITERATION_ENV: "1"})
+    job.wait_for(r"iteration\s+1/4")
+    signal_the_job(job, "every process", signal.SIGTERM)
+    assert assert_graceful_stop(job, stopped_save, signal.SIGTERM, ranks=2) == 1
+    assert dpo_lines(job.output) == {1: lines[1]}
+
+    resume = {**settings, "load": str(stopped_save), "finetune": False, "save": str(tmp_path / "resumed")}
     resumed = run_deepy([write_overrides(tmp_path, name="resume.yml", **resume)]).stdout
     assert f"reference model: {hf_dir} (recorded by the checkpoint this run resumes)" in resumed
-    assert dpo_lines(resumed) == {i: lines[i] for i in (3, 4)}  # not ln 2 again: the reference is the folder
+    assert dpo_lines(resumed) == {i: lines[i] for i in (2, 3, 4)}  # not ln 2 again: the reference is the folder
 
     save_llama(hf_dir, seed=1)  # the folder now holds another model
     changed = run_deepy([write_overrides(tmp_path, name="changed.yml", **resume)], expect_success=False)
@@ -87,5 +99,5 @@ def test_dpo_resumed_from_its_save_still_compares_against_the_model_it_started_f
     assert "Traceback" not in changed.stdout + changed.stderr
     shutil.rmtree(hf_dir)
     gone = run_deepy([write_overrides(tmp_path, name="gone.yml", **resume)], expect_success=False)
-    assert gone.returncode != 0 and f"{hf_dir} (recorded in {tmp_path / 'run' / 'global_step2'}), is gone" in \
+    assert gone.returncode != 0 and f"{hf_dir} (recorded in {stopped_save / 'global_step1'}), is gone" in \
         gone.stdout + gone.stderr

@@ -1,6 +1,7 @@
 """End to end, as a GPT-NeoX user runs KTO (post-training/configs/llama3-8b-kto.yml, scaled down): chats with a
 score through the preprocess tool (`--reward-key`), KTO from a Hugging Face Llama folder on 2 ranks, saved and
-resumed against the reference the run started from."""
+resumed against the reference the run started from, and run again on the reference's log-probabilities
+precomputed by generate.py (precompute_model_name) with the live reference's lines."""
 
 from __future__ import annotations
 
@@ -49,6 +50,20 @@ def test_kto_from_a_hf_folder_learns_the_desirable_answers_and_resumes_against_t
     # it learns which answers are desirable; not step by step, since the reference point z moves with each batch
     assert lines[4][0] < loss - 0.05 and lines[4][2] > 0, lines
     assert "validation at iteration 2: loss" in unbroken and "reward_acc" in unbroken.split("validation")[1]
+
+    # the reference's log-probabilities written once by generate.py, `load` naming the reference; then KTO
+    # builds no reference model and prints the live reference's lines
+    precompute = {**settings, "save": None, "num_gpus": 1, "text_gen_type": "precompute",
+                  "precompute_model_name": "hf_reference"}
+    run_deepy([write_overrides(tmp_path, name="precompute.yml", **precompute)], script="generate.py")
+    assert (tmp_path / "kto_messages_document_hf_reference.bin").is_file()
+    precomputed = run_deepy([write_overrides(tmp_path, name="precomputed.yml", **{
+        **settings, "save": None, "eval_interval": 100, "precompute_model_name": "hf_reference"})]).stdout
+    assert "reference model:" not in precomputed
+    read = kto_lines(precomputed)
+    assert read.keys() == lines.keys()
+    for step, values in read.items():  # the lines' 4 decimals, up to a rounding of fp32 sums in another order
+        assert values == pytest.approx(lines[step], abs=2e-4), (step, values, lines[step])
 
     resume = {**settings, "load": str(tmp_path / "run"), "finetune": False, "iteration": 2,
               "save": str(tmp_path / "resumed")}

@@ -38,10 +38,17 @@ def test_gpt_neox_preference_recipe_passes_dry_run_at_its_rank_count(recipe, exp
      "pack_impl: unpacked"),
     ({"train_impl": "kto", "train_data_paths": ["x"]}, "train_reward_data_paths"),
     ({"train_impl": "kto", "train_data_paths": ["x"], "train_reward_data_paths": ["y"],
-      "precompute_model_name": "ref"}, "{train data path}_NAME"),
+      "precompute_model_name": "ref"}, "pack_impl: unpacked"),
     ({"train_impl": "kto", "train_data_paths": ["x"], "train_reward_data_paths": ["y"],
       "train_micro_batch_size_per_gpu": 1}, "2 or more"),
-], ids=["dpo-without-pairs", "precompute-packed", "kto-without-rewards", "kto-precompute", "kto-micro-batch-1"])
+    ({"train_impl": "dpo", "dataset_impl": "pairwise", "pack_impl": "unpacked", "pos_train_data_paths": ["a"],
+      "neg_train_data_paths": ["b"], "pos_train_label_data_paths": ["al"], "precompute_model_name": "ref"},
+     "needs neg_train_label_data_paths beside neg_train_data_paths"),
+    ({"train_impl": "kto", "pack_impl": "unpacked", "train_data_paths": ["x"], "train_reward_data_paths": ["y"],
+      "train_label_data_paths": ["xl"], "valid_data_paths": ["v"], "precompute_model_name": "ref"},
+     "needs valid_label_data_paths beside valid_data_paths"),
+], ids=["dpo-without-pairs", "precompute-packed", "kto-without-rewards", "kto-precompute-packed", "kto-micro-batch-1",
+        "dpo-precompute-without-labels", "kto-precompute-without-labels"])
 def test_preference_settings_that_cannot_run_are_one_line(settings, words):
     from megatron.neox_arguments import ConfigError
     from tests.test_data_gpt_dataset import make_args

@@ -53,7 +53,7 @@ def needs_reference(args) -> bool:
     """The objective compares the policy with a live frozen reference model."""
     if args.train_impl not in TRAIN_IMPLS_WITH_REFERENCE:
         return False
-    return not (args.train_impl == "dpo" and (args.dpo_reference_free or args.precompute_model_name))
+    return not (args.precompute_model_name or (args.train_impl == "dpo" and args.dpo_reference_free))
 
 
 def weights_checksum(plan: LoadPlan) -> str:
@@ -86,9 +86,10 @@ def plan_reference(args, policy_plan: LoadPlan | None, data_parallel_size: int,
     recorded = ReferenceIdentity.from_dict(policy_plan.client_state.reference_model)
     if recorded is None:
         raise CheckpointError(
-            f"{policy_plan.tag_dir} records no reference model (saved by a run without train_impl dpo/kto, or by "
-            f"another program), so this resume cannot know which model {args.train_impl} compares against. Set "
-            "`finetune: true` to start from its weights (they become the reference).")
+            f"{policy_plan.tag_dir} records no reference model (saved by a run without a live one: another "
+            "train_impl, dpo_reference_free or precompute_model_name; or by another program), so this resume cannot "
+            f"know which model {args.train_impl} compares against. Set `finetune: true` to start from its weights "
+            "(they become the reference).")
     plan = _recorded_plan(args, recorded, policy_plan, data_parallel_size, hf_source)
     checksum = weights_checksum(plan)
     if checksum != recorded.checksum:

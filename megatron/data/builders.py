@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from megatron.data.blendable_dataset import BlendableDataset, normalize_weights, samples_per_dataset
 from megatron.data.errors import DataError
 from megatron.data.gpt_dataset import GPTDataset
-from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.data.indexed_dataset import MMapIndexedDataset, data_file_path, index_file_path
 from megatron.data.pairwise_dataset import PairwiseDataset
 from megatron.data.samplers import DistributedBatchSampler
 
@@ -40,10 +40,11 @@ def split_document_ranges(split: str, num_documents: int) -> list[tuple[int, int
 
 
 def _gpt_dataset(args, name: str, data: MMapIndexedDataset, documents: np.ndarray, num_samples: int,
-                 label_data: MMapIndexedDataset | None = None,
-                 reward_data: MMapIndexedDataset | None = None) -> GPTDataset:
+                 label_data: MMapIndexedDataset | None = None, reward_data: MMapIndexedDataset | None = None,
+                 reference_data: MMapIndexedDataset | None = None) -> GPTDataset:
     return GPTDataset(name, data, documents, num_samples, args.seq_length, args.seed, pack_impl=args.pack_impl,
-                      allow_chopped=args.allow_chopped, label_dataset=label_data, reward_dataset=reward_data)
+                      allow_chopped=args.allow_chopped, label_dataset=label_data, reward_dataset=reward_data,
+                      reference_dataset=reference_data)
 
 
 def _companion_paths(args, setting: str, paths: Sequence[str], of: str) -> list[str | None]:
@@ -71,8 +72,9 @@ def _reference_log_probs(args, data_prefix: str, setting: str) -> MMapIndexedDat
     if not args.precompute_model_name:
         return None
     prefix = reference_log_probs_prefix(data_prefix, args.precompute_model_name)
-    if not Path(f"{prefix}.bin").is_file():
-        raise DataError(f"{setting}: precompute_model_name is {args.precompute_model_name!r} but {prefix}.bin does "
+    missing = [path for path in (data_file_path(prefix), index_file_path(prefix)) if not Path(path).is_file()]
+    if missing:
+        raise DataError(f"{setting}: precompute_model_name is {args.precompute_model_name!r} but {missing[0]} does "
                         "not exist; write it with generate.py (text_gen_type: precompute, load: the reference "
                         "model), or unset precompute_model_name to run the reference model live")
     return MMapIndexedDataset(prefix, setting=f"precompute_model_name ({setting})")
@@ -111,7 +113,8 @@ def _split_datasets(args, name: str, num_samples: int, normalised: np.ndarray) -
                         for kind in ("label", "reward"))]
     return [
         _gpt_dataset(args, name, data, np.arange(len(data)), _index_samples(args, counts[i], num_samples, normalised[i]),
-                     _open(label, f"{name}_label_data_paths[{i}]"), _open(reward, f"{name}_reward_data_paths[{i}]"))
+                     _open(label, f"{name}_label_data_paths[{i}]"), _open(reward, f"{name}_reward_data_paths[{i}]"),
+                     _reference_log_probs(args, path, f"{name}_data_paths[{i}]"))
         for i, (path, label, reward) in enumerate(zip(*columns, strict=True))
         for data in [MMapIndexedDataset(path, setting=f"{name}_data_paths[{i}]")]
     ]

@@ -17,7 +17,9 @@ With a label dataset (aligned with the tokens, negative where the loss is masked
 "text" and "label"; the non-packed modes always give "label" (the tokens themselves when there is no
 label file), -100 on padding, so padding is never trained. With a reward dataset (one value per document,
 unpacked only) items also have "reward", float32 per token: each token carries its document's value, as
-GPT-NeoX broadcasts it, the borrowed token its own document's, padding 0.
+GPT-NeoX broadcasts it, the borrowed token its own document's, padding 0. With precomputed reference
+log-probabilities (precompute_model_name, unpacked only: one document of seq_length values per document)
+items also have "ref", float32, read like the tokens, 0 on padding.
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ class GPTDataset:
         allow_chopped: bool = True,
         label_dataset: MMapIndexedDataset | None = None,
         reward_dataset: MMapIndexedDataset | None = None,
+        reference_dataset: MMapIndexedDataset | None = None,
     ):
         if len(documents) == 0 or np.any(np.diff(documents) != 1):
             raise DataError("GPTDataset documents must be a non-empty, contiguous range of document ids")
@@ -142,6 +145,8 @@ class GPTDataset:
                 "path the label file written with it (preprocess_data_with_chat_template.py writes both)")
         if reward_dataset is not None:
             check_rewards(reward_dataset, indexed_dataset, pack_impl)
+        if reference_dataset is not None:
+            check_reference_log_probs(reference_dataset, indexed_dataset, seq_length, pack_impl)
         tokens = int(sizes[documents].sum(dtype=np.int64))
         if pack_impl == "packed" and tokens <= seq_length:
             raise DataError(
@@ -153,6 +158,7 @@ class GPTDataset:
         self.indexed_dataset = indexed_dataset
         self.label_dataset = label_dataset
         self.reward_dataset = reward_dataset
+        self.reference_dataset = reference_dataset
         self.seq_length = seq_length
         self.pads = pack_impl != "packed"
         settings = {
@@ -204,6 +210,9 @@ class GPTDataset:
             rewards = np.concatenate([np.full(len(piece), self.reward_dataset.get(int(doc))[0], dtype=np.float32)
                                       for piece, doc in zip(pieces, docs, strict=True)])
             item["reward"] = fit(rewards, self.seq_length, PAD_REWARD, np.float32)
+        if self.reference_dataset is not None:
+            ref = read_sample(self.reference_dataset, self.doc_idx, self.sample_idx, sample)
+            item["ref"] = fit(ref, self.seq_length, 0.0, np.float32)
         return item
 
 
@@ -216,6 +225,23 @@ def check_rewards(rewards: MMapIndexedDataset, data: MMapIndexedDataset, pack_im
                         f"{'' if (rewards.sizes == 1).all() else 'not all of one value '}for the {len(data)} "
                         f"documents of {data.prefix!r}; give each data path the reward file written with it "
                         "(preprocess_data_with_chat_template.py --reward-key)")
+
+
+def check_reference_log_probs(ref: MMapIndexedDataset, data: MMapIndexedDataset, seq_length: int,
+                              pack_impl: str) -> None:
+    """Precomputed reference log-probabilities must be float32, one document of seq_length values per document
+    of `data`, served one document per sample."""
+    if pack_impl != "unpacked":
+        raise DataError(f"precomputed log-probabilities {ref.prefix!r} are one document of seq_length values per "
+                        "document, so they need pack_impl: unpacked (packed with others they would no longer line "
+                        "up with the tokens)")
+    lengths = set(np.unique(ref.sizes).tolist())
+    if ref.dtype != np.float32 or len(ref) != len(data) or lengths - {seq_length}:
+        raise DataError(f"precomputed log-probabilities {ref.prefix!r} hold {len(ref)} {ref.dtype} documents of "
+                        f"{sorted(lengths)} values, but {data.prefix!r} has {len(data)} documents and seq_length is "
+                        f"{seq_length}: they were written for other data or another seq_length. Delete "
+                        f"{ref.prefix}.bin/.idx and write them again with generate.py (text_gen_type: precompute, "
+                        "load: the reference model, this run's data and seq_length)")
 
 
 def label_window(pack_impl: str, seq_length: int) -> int:

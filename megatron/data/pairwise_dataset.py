@@ -25,6 +25,7 @@ from megatron.data.gpt_dataset import (
     INDEX_FORMAT_VERSION,
     PAD_LABEL,
     PAD_TOKEN,
+    check_reference_log_probs,
     fit,
     label_window,
     read_sample,
@@ -79,13 +80,9 @@ class PairwiseDataset:
                 raise DataError(
                     f"label dataset {labels.prefix!r} does not match {data.prefix!r}: {len(labels)} and {len(data)} "
                     "documents, or documents of other lengths; give each data path the label file written with it")
-        if pos_ref is not None and pack_impl != "unpacked":
-            raise DataError(f"the {name} pairs of {pos.prefix!r}: precomputed log-probabilities are one document of "
-                            "seq_length values per pair, so they need pack_impl: unpacked (packed with other pairs they "
-                            "would no longer line up with the tokens)")
         for data, ref in ((pos, pos_ref), (neg, neg_ref)):
             if ref is not None:
-                _check_same_documents(data, ref, f"the {name} reference log-probabilities")
+                check_reference_log_probs(ref, data, seq_length, pack_impl)
         self.name = name
         self.seq_length = seq_length
         self.data = {"pos": pos, "neg": neg}

@@ -1,5 +1,5 @@
 """text_gen_type precompute: the reference model's log-probabilities of every document of the preference
-data, written where `precompute_model_name` makes DPO read them instead of running a live reference.
+data, written where `precompute_model_name` makes DPO and KTO read them instead of running a live reference.
 
 As GPT-NeoX writes them (generate.py with `text_gen_type: precompute`, `load` naming the reference): for each
 data prefix (dataset_impl pairwise: every pos_/neg_{train,valid,test}_data_paths entry, else every

@@ -456,14 +456,20 @@ def _check_train_impl(v: dict[str, Any], sources: dict[str, str]) -> None:
     if v["train_impl"] == "dpo" and v.get("dataset_impl", "gpt2") != "pairwise":
         raise _fail(sources, "train_impl", "dpo trains on chosen/rejected pairs: set `dataset_impl: pairwise` with "
                                            "pos_train_data_paths / neg_train_data_paths (and their label paths)")
-    if v["precompute_model_name"] and v["train_impl"] == "kto":
-        raise _fail(sources, "precompute_model_name", "kto's precomputed log-probabilities (GPT-NeoX reads them "
-                                                      "from {train data path}_NAME) are not read here yet: unset "
-                                                      "it, and kto runs its live reference model")
-    if v["precompute_model_name"] and v["train_impl"] == "dpo" and v.get("pack_impl") != "unpacked":
+    if v["precompute_model_name"] and v["train_impl"] in ("dpo", "kto") and v.get("pack_impl") != "unpacked":
         raise _fail(sources, "precompute_model_name", "the precomputed log-probabilities hold one document per "
                                                       "sample, which only pack_impl unpacked keeps aligned; set "
                                                       "pack_impl: unpacked")
+    if v["precompute_model_name"] and v["train_impl"] in ("dpo", "kto"):
+        sides = ("pos_", "neg_") if v.get("dataset_impl") == "pairwise" else ("",)
+        for paths in (f"{side}{split}_data_paths" for split in ("train", "valid", "test") for side in sides):
+            labels = paths.replace("_data_paths", "_label_data_paths")
+            if v.get(paths) and not v.get(labels):
+                raise _fail(sources, "precompute_model_name", f"needs {labels} beside {paths}: without label "
+                                                              "files each unpacked sample also trains the first "
+                                                              "token of the next document, which the precomputed "
+                                                              "log-probabilities (one document each) do not hold; "
+                                                              "give the label files the preprocess tool writes")
     if v["train_impl"] == "kto" and v.get("train_data_paths") and not v.get("train_reward_data_paths"):
         raise _fail(sources, "train_impl", "kto weighs each sample by its reward: set train_reward_data_paths "
                                            "(preprocess_data_with_chat_template.py --reward-key), one per data path")

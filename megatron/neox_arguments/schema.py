@@ -97,7 +97,7 @@ SETTINGS_LIST: list[Setting] = [
     _train("dpo_beta", FLOAT, 0.1, "DPO's beta: the scale of the implicit rewards beta * (log pi - log pi_ref)"),
     _train("dpo_fp32", bool, True, "DPO: cast the logits to fp32 before taking log-probabilities"),
     _train("dpo_reference_free", bool, False, "DPO without a reference model (its log-probabilities taken as 0)"),
-    _train("precompute_model_name", OPT_STR, None, "DPO reads the reference's log-probabilities from "
+    _train("precompute_model_name", OPT_STR, None, "DPO and KTO read the reference's log-probabilities from "
            "{data path}_{this name}.bin/.idx (written by generate.py with text_gen_type precompute) instead of "
            "running a reference model"),
     _train("kto_beta", FLOAT, 0.1, "KTO's beta"),

@@ -1,21 +1,21 @@
-"""A DPO step against an SFT step on the same model: step time and memory, ratios in one run.
+"""A DPO or KTO step against an SFT step on the same model: step time and memory, ratios in one run.
 
-    python tools/bench/bench_dpo_step.py [--layers 4] [--hidden 256] [--heads 4] [--seq 256] [--pairs 2]
-        [--vocab 8192] [--precision fp32|bf16] [--zero-stage 1] [--repeats 5] [--threads N] [--json PATH]
+    python tools/bench/bench_dpo_step.py [--objective dpo|kto] [--layers 4] [--hidden 256] [--heads 4] [--seq 256]
+        [--pairs 2] [--vocab 8192] [--precision fp32|bf16] [--zero-stage 1] [--repeats 5] [--threads N] [--json PATH]
 
 One process builds a Llama-family GPTModel in a DeepSpeed engine with Adam (the policy) and times, the order
-rotating each repeat, one optimizer step (forward, loss, backward, step) of:
+rotating each repeat, one optimizer step (forward, loss, backward, step) of (OBJ: `--objective`):
 
 | row            | the step                                                                                   |
 | `sft`          | train_impl normal on 2 x `--pairs` sequences (as many as a DPO micro batch of `--pairs` pairs holds) |
-| `dpo`          | train_impl dpo on `--pairs` pairs against a live frozen reference (megatron/objectives/dpo.py) |
-| `dpo_precomputed` | train_impl dpo reading precomputed reference log-probabilities (precompute_model_name) |
+| `OBJ`          | train_impl dpo on `--pairs` pairs, or kto on 2 x `--pairs` sequences (half desirable), against a live frozen reference (megatron/objectives/) |
+| `OBJ_precomputed` | the same objective reading precomputed reference log-probabilities (precompute_model_name) |
 
 The reference is what training builds (the same model in a forward-only engine of the run's precision, no
 parameter requiring grad). Memory: the process's peak RSS during a step (VmHWM, reset before it) above its RSS
-before any model was built, so the reference's resident weights count for `dpo`; `sft` and `dpo_precomputed`
-are measured before the reference exists. Ratios: `dpo/sft step_seconds`, `dpo_precomputed/sft step_seconds`,
-`dpo/sft peak_rss`, `dpo_precomputed/dpo peak_rss` (below 1: the memory precompute_model_name saves).
+before any model was built, so the reference's resident weights count for `OBJ`; `sft` and `OBJ_precomputed`
+are measured before the reference exists. Ratios: `OBJ/sft step_seconds`, `OBJ_precomputed/sft step_seconds`,
+`OBJ/sft peak_rss`, `OBJ_precomputed/OBJ peak_rss` (below 1: the memory precompute_model_name saves).
 """
 
 from __future__ import annotations
@@ -40,32 +40,43 @@ from megatron.data import BatchOptions  # noqa: E402
 from megatron.initialize import ModelParallelUnit  # noqa: E402
 from megatron.model import build_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
-from megatron.neox_arguments.deepspeed_config import build_inference_deepspeed_config  # noqa: E402
 from megatron.objectives.dpo import DirectPreferenceOptimization  # noqa: E402
+from megatron.objectives.kto import KahnemanTverskyOptimization  # noqa: E402
 from megatron.objectives.language_model import LanguageModelLoss  # noqa: E402
+from megatron.training import frozen_reference_engine  # noqa: E402
 
 
-def settings(options: argparse.Namespace) -> NeoXArgs:
+def llama_settings(options: argparse.Namespace, micro_batch: int, zero_stage: int) -> NeoXArgs:
+    """A Llama-family model of the options' --layers, --hidden, --heads, --seq, --vocab and --precision, without
+    dropout, trained with Adam (bench_reference_zero3.py builds the same)."""
     precision = {"bf16": {"precision": "bf16", "bf16": {"enabled": True}}}.get(options.precision, {})
     return NeoXArgs.from_dict({
         "num_layers": options.layers, "hidden_size": options.hidden, "num_attention_heads": options.heads,
         "num_kv_heads": max(options.heads // 2, 1), "seq_length": options.seq, "pos_emb": "rotary",
         "no_weight_tying": True, "norm": "rmsnorm", "activation": "swiglu", "use_bias_in_norms": False,
         "use_bias_in_attn_linear": False, "use_bias_in_mlp": False, "mlp_multiple_of": 32, "hidden_dropout": 0.0,
-        "attention_dropout": 0.0,
-        "padded_vocab_size": options.vocab, "seed": 1234, "train_micro_batch_size_per_gpu": 2 * options.pairs,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-5}}, "zero_optimization": {"stage": options.zero_stage},
-        "train_iters": 10, **precision})
+        "attention_dropout": 0.0, "padded_vocab_size": options.vocab, "seed": 1234,
+        "train_micro_batch_size_per_gpu": micro_batch, "optimizer": {"type": "Adam", "params": {"lr": 1e-5}},
+        "zero_optimization": {"stage": zero_stage}, "train_iters": 10, **precision})
 
 
-def frozen_reference(args: NeoXArgs):
-    """As training builds it (megatron.training._frozen_reference), without the checkpoint load."""
-    model = build_model(args.architecture(), args.seed)
-    model.requires_grad_(False)
-    engine, *_ = deepspeed.initialize(model=model, config=build_inference_deepspeed_config(args.to_dict()),
-                                      mpu=ModelParallelUnit())
-    engine.eval()
-    return engine
+def preference_objective(name: str, reference=None):
+    """The objective `name` (beta 0.1, fp32 log-probabilities) against `reference`, or precomputed without one."""
+    if name == "kto":
+        return KahnemanTverskyOptimization(BatchOptions(), 0.1, True, 1.0, 1.0, reference)
+    return DirectPreferenceOptimization(BatchOptions(), 0.1, True, reference)
+
+
+def preference_samples(name: str, text, label, generator) -> tuple[dict, dict]:
+    """(samples for the live reference, the same with precomputed reference log-probabilities) of `name`."""
+    rows, seq = text.shape[0], text.shape[1] - 1
+    if name == "kto":
+        live = {"text": text, "label": label, "reward": torch.tensor([1.0, -1.0]).repeat(rows // 2)}
+        return live, {**live, "ref": -torch.rand(rows, seq, generator=generator) * 5}
+    pairs = rows // 2
+    live = {"pos": text[:pairs], "neg": text[pairs:], "pos_label": label[:pairs], "neg_label": label[pairs:]}
+    return live, {**live, "pos_ref": -torch.rand(pairs, seq, generator=generator) * 5,
+                  "neg_ref": -torch.rand(pairs, seq, generator=generator) * 5}
 
 
 def step(engine, objective, samples) -> float:
@@ -78,6 +89,7 @@ def step(engine, objective, samples) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--objective", choices=("dpo", "kto"), default="dpo")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
@@ -95,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     deepspeed_logger.setLevel("WARNING")
     return_freed_memory_to_os()
     init_world()
-    args = settings(options)
+    args = llama_settings(options, 2 * options.pairs, options.zero_stage)
 
     before_models_kib = status_kib("VmRSS")
     model = build_model(args.architecture(), args.seed)
@@ -106,13 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     text = torch.randint(0, options.vocab, (rows, options.seq + 1), generator=generator)
     label = text.clone()
     label[:, : options.seq // 4] = -100  # the prompt
-    pairs = {"pos": text[: options.pairs], "neg": text[options.pairs:], "pos_label": label[: options.pairs],
-             "neg_label": label[options.pairs:]}
-    precomputed = {**pairs, "pos_ref": -torch.rand(options.pairs, options.seq, generator=generator) * 5,
-                   "neg_ref": -torch.rand(options.pairs, options.seq, generator=generator) * 5}
+    live, precomputed = preference_samples(options.objective, text, label, generator)
+    name_live, name_precomputed = options.objective, f"{options.objective}_precomputed"
     runs = {"sft": (LanguageModelLoss(BatchOptions()), {"text": text, "label": label}),
-            "dpo_precomputed": (DirectPreferenceOptimization(BatchOptions(), 0.1, True), precomputed)}
-    peak_mib: dict[str, list[float]] = {name: [] for name in ("sft", "dpo_precomputed", "dpo")}
+            name_precomputed: (preference_objective(options.objective), precomputed)}
+    peak_mib: dict[str, list[float]] = {name: [] for name in ("sft", name_precomputed, name_live)}
     times: dict[str, list[float]] = {name: [] for name in peak_mib}
 
     def measured(name: str) -> None:
@@ -120,43 +130,46 @@ def main(argv: list[str] | None = None) -> int:
         measure_memory(lambda: times[name].append(step(engine, objective, samples)))
         peak_mib[name].append((status_kib("VmHWM") - before_models_kib) / 1024)
 
-    for name in ("sft", "dpo_precomputed"):  # warm-up: kernels, optimizer state
+    for name in ("sft", name_precomputed):  # warm-up: kernels, optimizer state
         step(engine, *runs[name])
     for _ in range(options.repeats):
-        for name in ("sft", "dpo_precomputed"):
+        for name in ("sft", name_precomputed):
             measured(name)
     reference_started = status_kib("VmRSS")
-    reference = frozen_reference(args)
+    reference = frozen_reference_engine(args)  # as training builds it, without the checkpoint load
     reference_mib = (status_kib("VmRSS") - reference_started) / 1024
-    runs["dpo"] = (DirectPreferenceOptimization(BatchOptions(), 0.1, True, reference), pairs)
-    step(engine, *runs["dpo"])
+    runs[name_live] = (preference_objective(options.objective, reference), live)
+    step(engine, *runs[name_live])
     times = {name: [] for name in times}  # time all three side by side after this, the order rotating
-    order = ["sft", "dpo", "dpo_precomputed"]
+    order = ["sft", name_live, name_precomputed]
     for repeat in range(options.repeats):
         for name in order[repeat % 3:] + order[: repeat % 3]:
-            if name == "dpo":
+            if name == name_live:
                 measured(name)
             else:
                 times[name].append(step(engine, *runs[name]))
 
     parameters = sum(p.numel() for p in engine.module.parameters())
+    unit = f"{rows} sequences" if options.objective == "kto" else f"{options.pairs} pairs"
+    batch = f"{options.objective.upper()} micro batch {unit} x {options.seq} tokens"
     print(f"shapes: Llama family, {parameters / 1e6:.1f}M parameters ({options.layers} layers, hidden {options.hidden}, "
-          f"vocab {options.vocab}), {options.precision}, ZeRO stage {options.zero_stage}, Adam; DPO micro batch "
-          f"{options.pairs} pairs x {options.seq} tokens, SFT {rows} rows; repeats {options.repeats}; torch "
+          f"vocab {options.vocab}), {options.precision}, ZeRO stage {options.zero_stage}, Adam; {batch}, "
+          f"SFT {rows} rows; repeats {options.repeats}; torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.2f}; "
           f"reference model resident: {reference_mib:.1f} MiB")
     print(table(["step", "median ms", "min ms", "max ms", "peak RSS above start (MiB)"],
                 [[name, 1e3 * median(times[name]), 1e3 * min(times[name]), 1e3 * max(times[name]),
                   median(peak_mib[name])] for name in order]))
     report = RatioReport()
-    report.add("dpo/sft step_seconds", median(times["dpo"]), median(times["sft"]),
-               "a DPO step (live reference) against an SFT step on as many sequences")
-    report.add("dpo_precomputed/sft step_seconds", median(times["dpo_precomputed"]), median(times["sft"]),
-               "a DPO step reading precomputed reference log-probabilities against the SFT step")
-    report.add("dpo/sft peak_rss", median(peak_mib["dpo"]), median(peak_mib["sft"]),
-               "peak memory of the DPO step (reference resident) against the SFT step")
-    report.add("dpo_precomputed/dpo peak_rss", median(peak_mib["dpo_precomputed"]), median(peak_mib["dpo"]),
-               "below 1: the memory precompute_model_name saves")
+    title = options.objective.upper()
+    report.add(f"{name_live}/sft step_seconds", median(times[name_live]), median(times["sft"]),
+               f"a {title} step (live reference) against an SFT step on as many sequences")
+    report.add(f"{name_precomputed}/sft step_seconds", median(times[name_precomputed]), median(times["sft"]),
+               f"a {title} step reading precomputed reference log-probabilities against the SFT step")
+    report.add(f"{name_live}/sft peak_rss", median(peak_mib[name_live]), median(peak_mib["sft"]),
+               f"peak memory of the {title} step (reference resident) against the SFT step")
+    report.add(f"{name_precomputed}/{name_live} peak_rss", median(peak_mib[name_precomputed]),
+               median(peak_mib[name_live]), "below 1: the memory precompute_model_name saves")
     if options.json:
         options.json.write_text(json.dumps({"options": vars(options) | {"json": str(options.json)},
                                             "step_seconds": times, "peak_mib": peak_mib,
