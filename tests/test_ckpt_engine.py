@@ -147,9 +147,38 @@ def test_verification_fails_without_master_refresh(tmp_path, monkeypatch, precis
     config = _config(precision, stage, extra)
     _, tag_dir, _ = _save_trained(tmp_path, config)
     engine_b = build_engine(config, seed=2)
-    monkeypatch.setattr(master_weights_module, "refresh_master_weights", lambda engine, values: None)
+    check_only = master_weights_module.verify_master_weights  # the refresh's own check, writing nothing
+    monkeypatch.setattr(master_weights_module, "refresh_master_weights", lambda engine, values: check_only(engine))
     with pytest.raises(CheckpointError, match="master weights differ"):
         load_module_only(engine_b, read_module_weights(tag_dir))
+
+
+def test_refresh_from_values_other_than_the_module_s_is_refused_in_the_same_pass(tmp_path):
+    """The refresh checks what it wrote: a master written from values the parameters do not hold fails."""
+    config = ds_config("bf16", 1)
+    _, tag_dir, _ = _save_trained(tmp_path, config)
+    engine = build_engine(config, seed=2)
+    weights = read_module_weights(tag_dir)
+    load_module_only(engine, weights)
+    name = "head.weight"
+    other = {name: weights[name].float() + 1.0}
+    with pytest.raises(CheckpointError, match=rf"master weights differ .* first in '{name}'"):
+        master_weights_module.refresh_master_weights(engine, other)
+    master_weights_module.refresh_master_weights(engine, {name: weights[name]})  # the right values pass again
+
+
+def test_masters_that_share_memory_are_refused_since_a_later_write_would_change_checked_values():
+    trained = torch.zeros(8, dtype=torch.bfloat16)
+    master = torch.zeros(8)
+    fragment = master_weights_module.MasterFragment
+    apart = [fragment("a", 0, master[:4], trained[:4]), fragment("b", 0, master[4:], trained[4:])]
+    master_weights_module._refuse_overlapping_masters(apart)
+    zero3_twice = [fragment("a", 0, master[:4], trained[:4]), fragment("a", 0, master[:4], torch.zeros(4).bfloat16())]
+    master_weights_module._refuse_overlapping_masters(zero3_twice)  # one master, one parameter's two copies
+    for clashing in ([apart[0], fragment("b", 0, master[2:6], trained[4:])],
+                     [apart[0], fragment("b", 0, trained[:8].view(torch.float32), trained[4:])]):
+        with pytest.raises(CheckpointError, match="shares memory"):
+            master_weights_module._refuse_overlapping_masters(clashing)
 
 
 def test_verification_finds_one_changed_element_anywhere(tmp_path):

@@ -15,6 +15,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from megatron.checkpointing import (
     CheckpointError,
@@ -70,14 +71,14 @@ def test_save_writes_a_manifest_of_every_file_and_leaves_no_partial_folder(singl
     root = tmp_path / "checkpoints"
     tag_dir = root / "global_step1"
     stored = json.loads((tag_dir / "manifest.json").read_text())
-    assert stored["manifest_version"] == 2
+    assert stored["manifest_version"] == 3
     recorded = stored["files"]
     on_disk = sorted(p.relative_to(tag_dir).as_posix() for p in tag_dir.rglob("*")
                      if p.is_file() and p.name != "manifest.json")
     assert sorted(recorded) == on_disk and "configs/tiny.yml" in on_disk
     for name, entry in recorded.items():
         data = (tag_dir / name).read_bytes()
-        assert entry == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+        assert entry == {"size": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)}
     assert not [p for p in root.iterdir() if p.name.endswith(".partial")]
     assert (root / "latest").read_text() == "global_step1"
 
@@ -101,20 +102,30 @@ def test_damage_inside_a_file_is_refused_naming_it_and_the_older_tag_still_loads
     assert load_checkpoint(build_engine(older, seed=1), plan_load(older, 1)).tag == "global_step1"
 
 
+# The manifests earlier saves wrote: version 1 (SHA-256), version 2 (CRC-32).
+EARLIER_MANIFESTS = {
+    "sha256": (1, "SHA-256", lambda data: hashlib.sha256(data).hexdigest()),
+    "crc32": (2, "CRC-32", lambda data: f"{zlib.crc32(data):08x}"),
+}
+
+
+@pytest.mark.parametrize("checksum", sorted(EARLIER_MANIFESTS))
 @pytest.mark.parametrize("finetune", [True, False], ids=["module-only", "resume"])
-def test_a_sha256_manifest_of_an_earlier_save_still_verifies_and_catches_damage(single_rank_world, tmp_path, finetune):
+def test_a_manifest_of_an_earlier_save_still_verifies_and_catches_damage(single_rank_world, tmp_path, finetune,
+                                                                          checksum):
+    version, shown, digest = EARLIER_MANIFESTS[checksum]
     args = run_args(tmp_path, finetune=finetune)
     save_steps(args, [1])
     tag_dir = tmp_path / "checkpoints" / "global_step1"
     files = {path.relative_to(tag_dir).as_posix(): path.read_bytes() for path in tag_dir.rglob("*")
              if path.is_file() and path.name != "manifest.json"}
-    earlier = {"manifest_version": 1, "files": {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-                                                 for name, data in files.items()}}
+    earlier = {"manifest_version": version, "files": {name: {"size": len(data), checksum: digest(data)}
+                                                       for name, data in files.items()}}
     (tag_dir / "manifest.json").write_text(json.dumps(earlier))
     assert load_checkpoint(build_engine(args, seed=1), plan_load(args, 1)).tag == "global_step1"
 
     overwrite_inside_largest_tensor(tag_dir / "mp_rank_00_model_states.pt")
-    with pytest.raises(CheckpointError, match="is damaged: its SHA-256 differs") as raised:
+    with pytest.raises(CheckpointError, match=f"is damaged: its {shown} differs") as raised:
         load_checkpoint(build_engine(args, seed=1), plan_load(args, 1))
     assert str(tag_dir / "mp_rank_00_model_states.pt") in one_line(raised)
 

@@ -6,28 +6,30 @@ Tags without a manifest (GPT-NeoX's, converted ones, ours from before manifests)
 A tag with a manifest is all or nothing: the manifest must list every file of the tag (a file it
 does not list could be read unchecked), and a manifest without entries is refused like a damaged one.
 
-Each entry names its checksum by its key: saves write CRC-32 (manifest version 2), earlier saves
-wrote SHA-256 (version 1), and both are checked. CRC-32 guards against damage, not tampering, and
-runs about three times as fast as SHA-256 here; the check is part of every load.
+Each entry names its checksum by its key: saves write XXH3-64 (manifest version 3), earlier saves
+wrote CRC-32 (version 2) or SHA-256 (version 1), and all three are checked. XXH3 guards against
+damage, not tampering, like CRC-32, and runs about five times as fast as zlib's CRC-32 here; the check
+is part of every load, where a slower checksum adds its time to the read of every restart.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import xxhash
+
 from megatron.checkpointing import layout
 from megatron.checkpointing.errors import CheckpointError
 from megatron.fsio import fsync_path, write_text_atomically
 
-MANIFEST_VERSION = 2
-CHECKSUM = "crc32"  # what saves record
-# Checksummed in pieces small enough to stay in the CPU's cache.
+MANIFEST_VERSION = 3
+CHECKSUM = "xxh3_64"  # what saves record
+# Read and checksummed in pieces small enough to stay in the CPU's cache.
 _CHUNK_BYTES = 1 << 20
 
 
@@ -43,7 +45,8 @@ class _Crc32:
 
 
 # manifest key -> (name in messages, running checksum)
-_CHECKSUMS = {"crc32": ("CRC-32", _Crc32), "sha256": ("SHA-256", hashlib.sha256)}
+_CHECKSUMS = {"xxh3_64": ("XXH3-64", xxhash.xxh3_64), "crc32": ("CRC-32", _Crc32),
+              "sha256": ("SHA-256", hashlib.sha256)}
 
 
 @dataclass(frozen=True)
@@ -62,19 +65,19 @@ def file_checksum(path: Path, checksum: str = CHECKSUM) -> str:
 def _open_file_checksum(handle, checksum: str) -> str:
     """The digest of every byte of the open file `handle`.
 
-    Read through a memory map, not read(): no copy into a buffer, the page cache's pages are checksummed
-    where they lie and are the ones the memory-mapped torch.load that follows maps again; sequential
-    advice makes the kernel read ahead further on a cold file (together about a third faster here, cold
-    and cached).
+    Read with pread() into one reused buffer that stays in the CPU's cache, from offset 0 whatever the
+    handle's position. With XXH3 the pass waits on the disk, not the CPU, and plain reads of a cold
+    file came in faster here than faults on a sequential memory map (40 MiB: 25 against 31-34 ms;
+    cached, 3 against 2 ms); the pages read stay in the page cache for the memory-mapped torch.load
+    that follows, so the file is read from the disk once.
     """
     running = _CHECKSUMS[checksum][1]()
-    if os.fstat(handle.fileno()).st_size == 0:  # a zero-length file cannot be mapped
-        return running.hexdigest()
-    with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        mapped.madvise(mmap.MADV_SEQUENTIAL)
-        with memoryview(mapped) as view:
-            for start in range(0, len(view), _CHUNK_BYTES):
-                running.update(view[start:start + _CHUNK_BYTES])
+    buffer = bytearray(_CHUNK_BYTES)
+    with memoryview(buffer) as view:
+        offset = 0
+        while read := os.preadv(handle.fileno(), [buffer], offset):
+            running.update(view[:read])
+            offset += read
     return running.hexdigest()
 
 

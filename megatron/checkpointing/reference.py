@@ -9,8 +9,9 @@ recorded in every save, so a resumed run compares against exactly the model it s
 GPT-NeoX loads its reference from `load` with the policy's flags, so a resumed DPO run compares the policy
 with its own last checkpoint. Here a resume never takes the reference from the resumed policy: it reads the
 recorded source and refuses in one line when that is gone or its weights changed. The checksum is a digest
-of the CRC-32 of every file the reference's module-only load reads (the manifest's where the tag has one,
-computed here otherwise), so it does not depend on the tensor-parallel layout that reads them.
+of the checksum of every file the reference's module-only load reads (the manifest's where the tag has one;
+otherwise a CRC-32 computed here, as runs recorded before saves moved to XXH3, so their identities still
+match), so it does not depend on the tensor-parallel layout that reads them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from megatron.checkpointing.plan import LoadMode, LoadPlan, build_load_plan
 from megatron.checkpointing.weights_source import WeightsSource
 
 TRAIN_IMPLS_WITH_REFERENCE = ("dpo", "kto")
+_UNLISTED_FILE_CHECKSUM = "crc32"  # fixed: identities recorded by earlier runs must keep matching
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ def needs_reference(args) -> bool:
 
 
 def weights_checksum(plan: LoadPlan) -> str:
-    """A digest of the CRC-32 of each file a module-only `plan` reads."""
+    """A digest of the checksum of each file a module-only `plan` reads."""
     root = plan.tag_dir if plan.tag_dir is not None else plan.load_dir
     records = manifest.read_manifest(plan.tag_dir) if plan.tag_dir is not None else None
     lines = []
@@ -65,7 +67,7 @@ def weights_checksum(plan: LoadPlan) -> str:
         name = Path(path).relative_to(root).as_posix()
         record = (records or {}).get(name)
         digest = (f"{record.checksum}:{record.digest}" if record is not None else
-                  f"{manifest.CHECKSUM}:{manifest.file_checksum(path)}")
+                  f"{_UNLISTED_FILE_CHECKSUM}:{manifest.file_checksum(path, _UNLISTED_FILE_CHECKSUM)}")
         lines.append(f"{name} {digest}")
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 

@@ -10,12 +10,13 @@ with save_engine_checkpoint, then, alternating the order every repeat, measures 
 
 * baseline: ``engine.load_checkpoint(dir, tag, load_module_only=True, load_optimizer_states=False,
   load_lr_scheduler_states=False)``;
-* ours: ``read_module_weights(tag_dir)`` + ``load_module_only(engine, weights)`` (master refresh and
-  ``verify_master_weights`` included);
+* ours: ``read_module_weights(tag_dir)`` + ``load_module_only(engine, weights)`` (the master refresh, which
+  checks every master element in the same pass, included);
 * raw (ZeRO 0-2): ``torch.load(model file, mmap=True)`` + ``module.load_state_dict``: the floor any
   load has to pay, though it leaves the optimizer's master weights stale;
-* ``verify_master_weights(engine)`` alone, against one training step (forward + backward + step);
-* the manifest check alone (the checksum of the model-states file against the tag's manifest.json), which
+* ``verify_master_weights(engine)`` alone (the refresh's check without its writes), against one training
+  step (forward + backward + step);
+* the manifest check alone (the XXH3-64 of the model-states file against the tag's manifest.json), which
   ``read_module_weights`` runs before reading, so it is part of "ours";
 * with ``--cold`` (every file of the tag evicted from the page cache with ``posix_fadvise(DONTNEED)`` before
   each load, as for the first read of a restarted job): read_evicted, a plain read of the evicted module

@@ -9,7 +9,7 @@ Builds a GPTModel (defaults: 110M parameters) in a real DeepSpeed engine with Ad
 alternating) saves through ``save_checkpoint`` into ``--save-dir`` (a temporary folder by default;
 keep_last_n_checkpoints 1):
 
-* ``synchronous``: the whole save (files, fsync, CRC-32 manifest, rename, `latest`) while training waits;
+* ``synchronous``: the whole save (files, fsync, checksum manifest, rename, `latest`) while training waits;
 * ``async``: ``save_checkpoint`` with async_save (the state copied to host memory), then training
   steps, each followed by the per-step ``check_save_in_flight``, until the save is committed (at most
   ``--max-steps-in-flight`` steps, then ``wait_for_save_in_flight``). **blocked** is the time training
