@@ -82,7 +82,7 @@ def check_random_layers(report: ModuleLoadReport, targets: Iterable[str], allow_
 
 def load_module_only(engine, state_dict: dict[str, torch.Tensor], strict: bool = True,
                      allow_random: Iterable[str] = (), keep_initialised: tuple[str, ...] = ()) -> ModuleLoadReport:
-    """Load ``state_dict`` into ``engine.module``, refresh the fp32 master weights from it, verify them.
+    """Load ``state_dict`` into ``engine.module``, refresh the fp32 master weights from it and verify them.
 
     ``state_dict`` holds full (unpartitioned) tensors with the module's ``state_dict()`` names. Every
     rank passes the same dict; under ZeRO-3 each rank keeps only its own partition. The master gets
@@ -107,8 +107,8 @@ def load_module_only(engine, state_dict: dict[str, torch.Tensor], strict: bool =
     with torch.no_grad():
         for name in report.loaded:  # copy_ casts element by element: no fp32 temporary of the tensor
             _write(targets[name], state_dict[name])
+    # writes every master element it can and checks all of them: no verification pass after it
     master_weights.refresh_master_weights(engine, {name: state_dict[name] for name in report.loaded})
-    master_weights.verify_master_weights(engine)
     return report
 
 
