@@ -23,8 +23,10 @@ from megatron.checkpointing import (
     layout,
     manifest,
     save_checkpoint,
+    saves_waited_for,
     wait_for_save_in_flight,
 )
+from megatron.checkpointing.async_save import save_in_flight
 from megatron.checkpointing.safe_unpickle import load_weights_only
 from tests.ckpt_engines import build_engine, make_args, tiny_batch, train_step
 
@@ -59,6 +61,13 @@ class HeldWriter:
         del self.writer.save  # the class's method again
 
 
+@pytest.fixture
+def in_training_loop():
+    """As inside the training loop, which waits for every save it starts: async_save saves go to the background."""
+    with saves_waited_for():
+        yield
+
+
 def assert_same_content(expected, actual, where: str) -> None:
     if isinstance(expected, torch.Tensor):
         assert isinstance(actual, torch.Tensor) and expected.dtype == actual.dtype, where
@@ -81,8 +90,8 @@ def assert_same_content(expected, actual, where: str) -> None:
 
 
 @pytest.mark.parametrize("stage, precision", [(1, "bf16"), (0, "fp32"), (3, "fp32")])
-def test_the_background_save_holds_the_state_of_the_moment_of_the_save(single_rank_world, tmp_path, stage,
-                                                                        precision):
+def test_the_background_save_holds_the_state_of_the_moment_of_the_save(single_rank_world, in_training_loop, tmp_path,
+                                                                        stage, precision):
     synchronous = args_for(tmp_path / "synchronous", stage, precision, asynchronous=False)
     asynchronous = args_for(tmp_path / "asynchronous", stage, precision, asynchronous=True)
     engine = build_engine(synchronous)
@@ -115,7 +124,7 @@ def test_the_background_save_holds_the_state_of_the_moment_of_the_save(single_ra
 
 
 def test_a_failed_background_write_stops_training_at_the_next_step_and_keeps_the_previous_tag(
-        single_rank_world, tmp_path):
+        single_rank_world, in_training_loop, tmp_path):
     args = args_for(tmp_path / "checkpoints", 1, "fp32", asynchronous=True)
     save_dir = tmp_path / "checkpoints"
     engine = build_engine(args)
@@ -147,3 +156,72 @@ def test_a_failed_background_write_stops_training_at_the_next_step_and_keeps_the
     tag = save_dir / "global_step1"
     manifest.verify_files(tag, [tag / name for name in manifest.tag_file_names(tag)])
     check_save_in_flight()  # nothing in flight any more: no error twice
+
+
+def record_host_memory_written(engine, found: set[int]) -> None:
+    """Add to `found` the address of every storage the engine's checkpoint engine writes a tensor from (for an
+    asynchronous save: the host copies); until the instance's `save` is removed."""
+    writer = engine.checkpoint_engine
+    original = writer.save
+
+    def walk(value):
+        if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes():
+            found.add(value.untyped_storage().data_ptr())
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+
+    def recording(state_dict, path):
+        walk(state_dict)
+        return original(state_dict, path)
+
+    writer.save = recording
+
+
+def test_a_later_save_copies_into_the_host_memory_of_the_one_before_and_holds_its_own_moment(
+        single_rank_world, in_training_loop, tmp_path):
+    synchronous = args_for(tmp_path / "synchronous", 1, "bf16", asynchronous=False)
+    asynchronous = args_for(tmp_path / "asynchronous", 1, "bf16", asynchronous=True)
+    engine = build_engine(synchronous)
+    first, second = set(), set()
+    try:
+        train_step(engine, tiny_batch(synchronous, 1))
+        record_host_memory_written(engine, first)
+        save_checkpoint(asynchronous, engine, 1, 2)
+        wait_for_save_in_flight()
+        vars(engine.checkpoint_engine).pop("save")
+        train_step(engine, tiny_batch(synchronous, 2))
+        save_checkpoint(synchronous, engine, 2, 4)
+        record_host_memory_written(engine, second)
+        held = HeldWriter(engine)
+        try:
+            save_checkpoint(asynchronous, engine, 2, 4)
+            train_step(engine, tiny_batch(synchronous, 3))  # changes what the copies were taken from
+            held.release()
+            wait_for_save_in_flight()
+        finally:
+            held.remove()
+    finally:
+        vars(engine.checkpoint_engine).pop("save", None)  # the class's method again
+    assert first and second == first, "the second save copies into the first one's host memory"
+    expected_dir, actual_dir = tmp_path / "synchronous" / "global_step2", tmp_path / "asynchronous" / "global_step2"
+    names = manifest.tag_file_names(expected_dir)
+    manifest.verify_files(actual_dir, [actual_dir / name for name in names])
+    for name in names:
+        if name.endswith(".pt"):
+            assert_same_content(load_weights_only(expected_dir / name), load_weights_only(actual_dir / name), name)
+
+
+def test_outside_the_training_loop_an_async_save_is_written_before_it_returns(single_rank_world, tmp_path):
+    """Nothing would wait for a background save there (a tool, a script): the tag is committed on return."""
+    args = args_for(tmp_path / "checkpoints", 1, "bf16", asynchronous=True)
+    engine = build_engine(args)
+    train_step(engine, tiny_batch(args, 1))
+    save_checkpoint(args, engine, 1, 2)
+    assert not save_in_flight()
+    tag = tmp_path / "checkpoints" / "global_step1"
+    assert layout.read_latest(tmp_path / "checkpoints") == "global_step1"
+    manifest.verify_files(tag, [tag / name for name in manifest.tag_file_names(tag)])

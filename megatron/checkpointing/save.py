@@ -47,8 +47,10 @@ def save_checkpoint(
     tags are pruned per `keep_last_n_checkpoints`: only tags of `lineage` (the run's own, which this save joins;
     without one, only this tag). `reference_model` is the identity of a DPO/KTO run's reference (reference.py).
 
-    With `async_save` it returns once the state is copied to host memory, and the files, the manifest,
-    `latest` and the pruning follow in the background (async_save.py); it waits first for the save in flight.
+    With `async_save`, inside `saves_waited_for` (the training loop), it returns once the state is copied to
+    host memory, and the files, the manifest, `latest` and the pruning follow in the background
+    (async_save.py); it waits first for the save in flight. Elsewhere nothing would wait for a background
+    save, so it writes the tag before it returns.
     """
     from megatron.checkpointing import forward_validation
     from megatron.checkpointing.engine_save import save_engine_checkpoint
@@ -79,7 +81,8 @@ def save_checkpoint(
             layout.copy_configs(args.config_files, save_dir / partial)
             write_neox_config(args.to_dict(), save_dir / partial / layout.CONFIGS_DIR / layout.NEOX_CONFIG_FILE)
         barrier()
-        snapshot = SnapshotCheckpointEngine(engine.checkpoint_engine) if args.async_save else None
+        in_background = args.async_save and async_save.awaited()
+        snapshot = SnapshotCheckpointEngine(engine.checkpoint_engine) if in_background else None
         commit.stop_if_any_rank_failed(
             save_dir, tag, save_engine_checkpoint(engine, save_dir, partial, client_state.to_dict(),
                                               optimizer_states=not args.no_save_optim, snapshot=snapshot))

@@ -186,7 +186,7 @@ SETTINGS_LIST: list[Setting] = [
     _ckpt("no_load_optim", bool, False, "load weights, iteration and RNG; fresh optimizer and LR schedule"),
     _ckpt("no_load_rng", bool, False, "do not restore RNG states"),
     _ckpt("no_save_optim", bool, False, "save weights without optimizer states; a resume of such a tag starts a fresh optimizer"),
-    _ckpt("async_save", bool, False, "a save copies the state to host memory and training goes on while a background "
+    _ckpt("async_save", bool, True, "a save copies the state to host memory and training goes on while a background "
           "thread writes, checksums and commits the tag; the next save and the run's end wait for it", gpt_neox=False),
     _ckpt("iteration", OPT_INT, None, "load tag global_step<iteration> instead of the one in `latest`"),
     _ckpt("load_module_strict", bool, True, "every checkpoint key must match the model exactly", gpt_neox=False),

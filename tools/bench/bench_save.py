@@ -17,10 +17,14 @@ keep_last_n_checkpoints 1):
   save took than steps without one (the background thread shares this machine's CPUs with training);
 * ``no_save_optim``: the synchronous save of the same state without optimizer states.
 
-Then, untimed, one save of each kind measured for peak RSS growth (rank 0's; the asynchronous one from
-its call until committed). Prints the slowest rank's medians, and ``RATIO`` lines: ``blocked/synchronous
-wall`` (the goal: at most 0.1), ``slowed_steps/synchronous wall``, ``no_save_optim/synchronous wall``,
-``async peak_rss/tag size`` (the host copy; a synchronous save grows RSS by little).
+Before the repeats, untimed, one save of each kind measured for RSS growth (rank 0's; the asynchronous one
+from its call until committed): its peak, and what it keeps; the first asynchronous save allocates the
+host buffers that the later ones copy into (snapshot_engine.py), so the timed repeats are those of a
+run's later saves, and the first one's pause is printed apart. Prints the slowest rank's medians, and
+``RATIO`` lines: ``blocked/synchronous wall`` (the goal: at most 0.1), ``first_async/synchronous wall``,
+``slowed_steps/synchronous wall``, ``no_save_optim/synchronous wall``, ``async peak_rss/tag size`` and
+``async kept_rss/tag size`` (the host copy against the rank's share of the tag; a synchronous save
+grows RSS by little).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from megatron.checkpointing import Lineage, commit, save_checkpoint  # noqa: E40
 from megatron.checkpointing.async_save import (  # noqa: E402
     check_save_in_flight,
     save_in_flight,
+    saves_waited_for,
     wait_for_save_in_flight,
 )
 from megatron.collective import all_gather, barrier  # noqa: E402
@@ -88,9 +93,9 @@ class Saves:
     """The three kinds of save, each at the next iteration (one lineage, so older tags are pruned)."""
 
     def __init__(self, options, save_dir: Path, engine, tokens):
-        self.args = {"synchronous": run_args(options, save_dir),
+        self.args = {"synchronous": run_args(options, save_dir, async_save=False),
                      "async": run_args(options, save_dir, async_save=True),
-                     "no_save_optim": run_args(options, save_dir, no_save_optim=True)}
+                     "no_save_optim": run_args(options, save_dir, no_save_optim=True, async_save=False)}
         self.engine, self.tokens, self.options = engine, tokens, options
         self.lineage = Lineage()
         self.iteration = 0
@@ -125,13 +130,21 @@ class Saves:
         waited = time.perf_counter() - started
         return {"wall": called + waited, "call": called, "waited": waited, "steps": steps, "stepped": stepped}
 
-    def peak_rss(self, kind: str) -> float:
+    def memory(self, kind: str) -> dict[str, float]:
+        """RSS growth of one save of `kind` from its call until committed: at the peak, and kept after it;
+        the wall time training waited for it (the call; for an asynchronous save, the host copy)."""
+        called = 0.0
+
         def save_until_committed():
+            nonlocal called
+            started = time.perf_counter()
             self.save(kind)
+            called = time.perf_counter() - started
             wait_for_save_in_flight()
 
         barrier()
-        return measure_memory(save_until_committed)[1].peak_growth_mib
+        delta = measure_memory(save_until_committed)[1]
+        return {"peak": delta.peak_growth_mib, "kept": delta.retained_mib, "call": called}
 
 
 def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
@@ -145,6 +158,7 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
     saves.steps_without_save.clear()
     for _ in range(2):
         saves.step()
+    memory = {kind: saves.memory(kind) for kind in ("synchronous", "async")}  # the first async save ever
     results: dict[str, list[dict]] = {kind: [] for kind in KINDS}
     for repeat in range(options.repeats):
         for kind in (KINDS if repeat % 2 == 0 else tuple(reversed(KINDS))):
@@ -153,12 +167,11 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
     step_seconds = median(saves.steps_without_save)  # steps between the saves, as loaded as the others
     for run in results["async"]:
         run["slowed_steps"] = max(run.pop("stepped") - run["steps"] * step_seconds, 0.0)
-    peaks = {kind: saves.peak_rss(kind) for kind in ("synchronous", "async")}
     tag_bytes = commit.newest_tag_size(save_dir)[1] if save_dir.exists() else 0
     medians = {kind: {key: median([r[key] for r in runs]) for key in runs[0]} for kind, runs in results.items()}
     return {"parameters": n_params, "step_seconds": step_seconds, "medians": medians,
             "spread": {kind: [r["wall"] for r in runs] for kind, runs in results.items()},
-            "peak_rss": peaks, "tag_mib": tag_bytes / 2**20, "threads": torch.get_num_threads()}
+            "memory": memory, "tag_mib": tag_bytes / 2**20, "threads": torch.get_num_threads()}
 
 
 def rank_main(rank: int, options: argparse.Namespace, port: int, save_dir: str, out: str) -> None:
@@ -168,7 +181,8 @@ def rank_main(rank: int, options: argparse.Namespace, port: int, save_dir: str, 
     get_logger().setLevel("WARNING")
     return_freed_memory_to_os()
     init_world(rank, options.ranks, port)
-    result = measure_rank(options, Path(save_dir))
+    with saves_waited_for():  # as the training loop: async_save saves go to the background
+        result = measure_rank(options, Path(save_dir))
     gathered = all_gather(result)
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
@@ -192,17 +206,25 @@ def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[f
     print(table(["save", "training blocked ms (median)", "per repeat ms"], rows))
     print(f"async: call {1e3 * slowest('async', 'call'):.0f} ms, final wait {1e3 * slowest('async', 'waited'):.0f} ms, "
           f"{slowest('async', 'steps'):.0f} steps while in flight, slowed by {1e3 * slowest('async', 'slowed_steps'):.0f} ms "
-          f"in all; peak RSS growth (rank 0): synchronous {first['peak_rss']['synchronous']:.0f} MiB, "
-          f"async {first['peak_rss']['async']:.0f} MiB")
+          f"in all; the first async save (allocating its host buffers) blocked "
+          f"{1e3 * max(r['memory']['async']['call'] for r in ranks):.0f} ms")
+    print(f"RSS growth (rank 0), peak / kept: synchronous {first['memory']['synchronous']['peak']:.0f} / "
+          f"{first['memory']['synchronous']['kept']:.0f} MiB, first async {first['memory']['async']['peak']:.0f} / "
+          f"{first['memory']['async']['kept']:.0f} MiB")
     ratios = RatioReport()
     ratios.add("blocked/synchronous wall", slowest("async", "wall"), slowest("synchronous", "wall"),
                "training time an async_save blocks, against a synchronous save of the same state")
+    ratios.add("first_async/synchronous wall", max(r["memory"]["async"]["call"] for r in ranks),
+               slowest("synchronous", "wall"), "the pause of a run's first async_save, which allocates the host buffers")
     ratios.add("slowed_steps/synchronous wall", slowest("async", "slowed_steps"), slowest("synchronous", "wall"),
                "extra time of the steps run while the background thread writes, against the synchronous save")
     ratios.add("no_save_optim/synchronous wall", slowest("no_save_optim", "wall"), slowest("synchronous", "wall"),
                "a synchronous save without optimizer states, against the full one")
-    ratios.add("async peak_rss/tag size", first["peak_rss"]["async"], first["tag_mib"] / options.ranks,
-               "rank 0's peak RSS growth from the call until committed, against its share of the tag")
+    share = first["tag_mib"] / options.ranks
+    ratios.add("async peak_rss/tag size", first["memory"]["async"]["peak"], share,
+               "rank 0's peak RSS growth from a first async save's call until committed, against its share of the tag")
+    ratios.add("async kept_rss/tag size", first["memory"]["async"]["kept"], share,
+               "host memory rank 0 keeps after it for the next async save, against its share of the tag")
     return ratios.values
 
 
