@@ -159,6 +159,7 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
     for _ in range(2):
         saves.step()
     memory = {kind: saves.memory(kind) for kind in ("synchronous", "async")}  # the first async save ever
+    tag_bytes = commit.newest_tag_size(save_dir)[1]  # a full save's (the async one just committed)
     results: dict[str, list[dict]] = {kind: [] for kind in KINDS}
     for repeat in range(options.repeats):
         for kind in (KINDS if repeat % 2 == 0 else tuple(reversed(KINDS))):
@@ -167,7 +168,6 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
     step_seconds = median(saves.steps_without_save)  # steps between the saves, as loaded as the others
     for run in results["async"]:
         run["slowed_steps"] = max(run.pop("stepped") - run["steps"] * step_seconds, 0.0)
-    tag_bytes = commit.newest_tag_size(save_dir)[1] if save_dir.exists() else 0
     medians = {kind: {key: median([r[key] for r in runs]) for key in runs[0]} for kind, runs in results.items()}
     return {"parameters": n_params, "step_seconds": step_seconds, "medians": medians,
             "spread": {kind: [r["wall"] for r in runs] for kind, runs in results.items()},
@@ -196,7 +196,7 @@ def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[f
 
     print(f"model: {first['parameters'] / 1e6:.1f}M parameters, {options.layers} layers, hidden {options.hidden}, "
           f"vocab {options.vocab}; {options.precision}, ZeRO stage {options.zero_stage}, Adam; {options.ranks} "
-          f"rank(s) on this machine; tag {first['tag_mib']:.0f} MiB (the last one saved); train step "
+          f"rank(s) on this machine; tag {first['tag_mib']:.0f} MiB (a full save); train step "
           f"{1e3 * max(r['step_seconds'] for r in ranks):.0f} ms (batch {options.batch} x {options.seq} tokens)")
     print(f"torch threads {first['threads']} per rank, {os.cpu_count()} CPUs; repeats {options.repeats}; "
           f"load average before {load_average[0]:.2f}, after {load_average[1]:.2f}")
