@@ -279,6 +279,9 @@ def test_a_second_sigint_stops_at_once_without_a_traceback_and_latest_unchanged(
     run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save, extra_save_iters=[2])],
                    extra_env={HOLD_BEFORE_SAVE_ENV: "600"})
     run.wait_for(r"iteration\s+3/2000")
+    deadline = time.monotonic() + 120  # async_save: the save of step 2 is committed in the background
+    while not (save / "latest").is_file() and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert (save / "latest").read_text().strip() == "global_step2"
     signal_the_job(run, receivers, signal.SIGINT)
     run.wait_for(r"SIGINT received")
