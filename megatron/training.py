@@ -249,6 +249,7 @@ def setup(args):
     from megatron.checkpointing import check_save_dir, load_checkpoint, plan_load
     from megatron.checkpointing.reference import describe as describe_reference
     from megatron.checkpointing.reference import needs_reference, plan_reference
+    from megatron.checkpointing.verified_files import checks_beside_use
     from megatron.data import build_data_iterators, check_data_vocabulary
     from megatron.hf import HF_FOLDER
     from megatron.model import build_model
@@ -269,35 +270,38 @@ def setup(args):
         raise ConfigError("padded_vocab_size is not resolved: start training through deepy.py, which resolves the "
                           "tokenizer and the embedded corpus once (megatron.run_context.resolve_run_settings)")
     check_data_vocabulary(args, build_tokenizer(args).vocab_size)
-    plan = plan_load(args, dp_size, hf_source=HF_FOLDER)
-    reference_plan = None
-    if needs_reference(args):
-        reference_plan, identity = plan_reference(args, plan, dp_size, hf_source=HF_FOLDER)
-        get_logger().info(describe_reference(identity, resumed=reference_plan is not plan))
-    check_save_dir(args)
+    # the checkpoint files read from here on are checked in a thread while the engine is built and loaded;
+    # the block ends with their checks, before any step
+    with checks_beside_use():
+        plan = plan_load(args, dp_size, hf_source=HF_FOLDER)
+        reference_plan = None
+        if needs_reference(args):
+            reference_plan, identity = plan_reference(args, plan, dp_size, hf_source=HF_FOLDER)
+            get_logger().info(describe_reference(identity, resumed=reference_plan is not plan))
+        check_save_dir(args)
 
-    set_seeds(args.seed)
-    ds_config = args.deepspeed_config()
-    # Under ZeRO-3 no rank ever holds the whole model: it is built partitioned over the data-parallel group.
-    partitioned_by = zero3_construction(ds_config) if args.zero_stage == 3 else None
-    if args.pipe_parallel_size > 1:
-        engine = build_pipeline_engine(args, ds_config)
-    else:
-        model = build_model(args.architecture(), args.seed, partitioned_by=partitioned_by)
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=build_param_groups(model, args.weight_decay),
-                                               config=ds_config, mpu=ModelParallelUnit())
-    _log_model(args, engine.module, args.zero_stage, dp_size, args.pipe_parallel_size)
-    if args.torch_compile:
-        engine.compile()  # compiles the module in place: parameter and checkpoint names stay as they are
-    state = TrainState(schedule=Schedule.from_args(args))
-    restored_rng = False
-    if plan is not None:
-        outcome = load_checkpoint(engine, plan)
-        if outcome is not None:
-            state = state_after_load(outcome, args)
-            restored_rng = outcome.restored_rng
-    if reference_plan is not None:
-        state.reference = ReferenceModel(_frozen_reference(args, reference_plan), identity)
+        set_seeds(args.seed)
+        ds_config = args.deepspeed_config()
+        # Under ZeRO-3 no rank ever holds the whole model: it is built partitioned over the data-parallel group.
+        partitioned_by = zero3_construction(ds_config) if args.zero_stage == 3 else None
+        if args.pipe_parallel_size > 1:
+            engine = build_pipeline_engine(args, ds_config)
+        else:
+            model = build_model(args.architecture(), args.seed, partitioned_by=partitioned_by)
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=build_param_groups(model, args.weight_decay),
+                                                   config=ds_config, mpu=ModelParallelUnit())
+        _log_model(args, engine.module, args.zero_stage, dp_size, args.pipe_parallel_size)
+        if args.torch_compile:
+            engine.compile()  # compiles the module in place: parameter and checkpoint names stay as they are
+        state = TrainState(schedule=Schedule.from_args(args))
+        restored_rng = False
+        if plan is not None:
+            outcome = load_checkpoint(engine, plan)
+            if outcome is not None:
+                state = state_after_load(outcome, args)
+                restored_rng = outcome.restored_rng
+        if reference_plan is not None:
+            state.reference = ReferenceModel(_frozen_reference(args, reference_plan), identity)
     if not restored_rng:
         # Same weights on every rank came from the shared seed above; dropout differs per rank.
         set_seeds(args.seed + 1 + dp_rank)

@@ -34,6 +34,7 @@ from tests.ckpt_engines import (  # noqa: E402
     ds_config,
     eval_loss,
     master_weights,
+    refresh_that_only_checks,
     set_lr,
     train_step,
     training_weights,
@@ -109,8 +110,7 @@ def module_only_round_trip(work_dir: Path, name: str) -> None:
     # The guard on 2 ranks: a master left stale fails the load on every rank.
     engine_c = build_engine(config, seed=3)
     refresh = master_weights_module.refresh_master_weights
-    check_only = master_weights_module.verify_master_weights  # the refresh's own check, writing nothing
-    master_weights_module.refresh_master_weights = lambda engine, values: check_only(engine)
+    master_weights_module.refresh_master_weights = refresh_that_only_checks
     try:
         load_module_only(engine_c, read_module_weights(tag_dir))
         raise AssertionError(f"rank {rank}: {name}: a stale master passed verification")

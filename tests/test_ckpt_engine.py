@@ -23,6 +23,7 @@ from tests.ckpt_engines import (
     ds_config,
     eval_loss,
     master_weights,
+    refresh_that_only_checks,
     set_lr,
     stored_client_state,
     train_step,
@@ -147,13 +148,14 @@ def test_verification_fails_without_master_refresh(tmp_path, monkeypatch, precis
     config = _config(precision, stage, extra)
     _, tag_dir, _ = _save_trained(tmp_path, config)
     engine_b = build_engine(config, seed=2)
-    check_only = master_weights_module.verify_master_weights  # the refresh's own check, writing nothing
-    monkeypatch.setattr(master_weights_module, "refresh_master_weights", lambda engine, values: check_only(engine))
+    monkeypatch.setattr(master_weights_module, "refresh_master_weights", refresh_that_only_checks)
     with pytest.raises(CheckpointError, match="master weights differ"):
         load_module_only(engine_b, read_module_weights(tag_dir))
 
 
-def test_refresh_from_values_other_than_the_module_s_is_refused_in_the_same_pass(tmp_path):
+@pytest.mark.parametrize("source_dtype", [torch.float32, torch.bfloat16],
+                         ids=["wider-than-the-model", "the-model-s-dtype"])  # cast back / compared as it is
+def test_refresh_from_values_other_than_the_module_s_is_refused_in_the_same_pass(tmp_path, source_dtype):
     """The refresh checks what it wrote: a master written from values the parameters do not hold fails."""
     config = ds_config("bf16", 1)
     _, tag_dir, _ = _save_trained(tmp_path, config)
@@ -161,7 +163,7 @@ def test_refresh_from_values_other_than_the_module_s_is_refused_in_the_same_pass
     weights = read_module_weights(tag_dir)
     load_module_only(engine, weights)
     name = "head.weight"
-    other = {name: weights[name].float() + 1.0}
+    other = {name: (weights[name].float() + 1.0).to(source_dtype)}
     with pytest.raises(CheckpointError, match=rf"master weights differ .* first in '{name}'"):
         master_weights_module.refresh_master_weights(engine, other)
     master_weights_module.refresh_master_weights(engine, {name: weights[name]})  # the right values pass again
@@ -214,7 +216,7 @@ def test_stale_master_really_undoes_the_load(tmp_path, monkeypatch):
     _, tag_dir, saved = _save_trained(tmp_path, config)
     engine_b = build_engine(config, seed=2)
     init = training_weights(engine_b)
-    monkeypatch.setattr(master_weights_module, "refresh_master_weights", lambda engine, values: None)
+    monkeypatch.setattr(master_weights_module, "refresh_master_weights", lambda engine, values, write_trained: None)
     monkeypatch.setattr(master_weights_module, "verify_master_weights", lambda engine: None)
     load_module_only(engine_b, read_module_weights(tag_dir))
     assert bits_equal(training_weights(engine_b)["head.weight"], saved["head.weight"].bfloat16())

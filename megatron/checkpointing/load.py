@@ -22,7 +22,7 @@ from megatron.checkpointing.inventory import inventory_checkpoint
 from megatron.checkpointing.lineage import Lineage
 from megatron.checkpointing.plan import LM_HEAD, REWARD_HEAD, LoadPlan, build_load_plan
 from megatron.checkpointing.rng import restore_rng_states
-from megatron.checkpointing.verified_files import checkpoint_file_problem
+from megatron.checkpointing.verified_files import checkpoint_file_problem, checks_beside_use
 from megatron.checkpointing.weights_source import WeightsSource
 from megatron.collective import reported_by_ranks
 from megatron.ranks import global_rank, rank_and_world, tensor_parallel_rank
@@ -149,7 +149,9 @@ def load_weights_only(engine, plan: LoadPlan) -> None:
     if not plan.module_only:
         raise CheckpointError(f"internal: the reference model loads weights only, but the plan for "
                               f"{plan.tag_dir or plan.load_dir} is a {plan.mode.value} load")
-    report = load_module_only(engine, _module_weights(plan, engine), strict=plan.strict, allow_random=plan.allow_random)
+    with checks_beside_use():
+        report = load_module_only(engine, _module_weights(plan, engine), strict=plan.strict,
+                                  allow_random=plan.allow_random)
     if not report.complete:
         _logger().info(report.describe())
     if plan.validate_forward:
@@ -183,11 +185,12 @@ def load_checkpoint(engine, plan: LoadPlan) -> LoadOutcome | None:
     else:
         from megatron.checkpointing.module_load import load_module_only
 
-        weights = _module_weights(plan, engine)
-        if plan.fresh_reward_head:
-            weights = {name: value for name, value in weights.items() if not name.endswith(LM_HEAD)}
-        module_report = load_module_only(engine, weights, strict=plan.strict, allow_random=plan.allow_random,
-                                         keep_initialised=REWARD_HEAD if plan.fresh_reward_head else ())
+        with checks_beside_use():
+            weights = _module_weights(plan, engine)
+            if plan.fresh_reward_head:
+                weights = {name: value for name, value in weights.items() if not name.endswith(LM_HEAD)}
+            module_report = load_module_only(engine, weights, strict=plan.strict, allow_random=plan.allow_random,
+                                             keep_initialised=REWARD_HEAD if plan.fresh_reward_head else ())
         if not module_report.complete:
             _logger().info(module_report.describe())
         client_state = plan.client_state

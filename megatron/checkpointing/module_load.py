@@ -104,11 +104,18 @@ def load_module_only(engine, state_dict: dict[str, torch.Tensor], strict: bool =
 
     mismatched = {name for name, _, _ in report.mismatched}
     report.loaded = [name for name in targets if name in state_dict and name not in mismatched]
-    with torch.no_grad():
-        for name in report.loaded:  # copy_ casts element by element: no fp32 temporary of the tensor
-            _write(targets[name], state_dict[name])
-    # writes every master element it can and checks all of them: no verification pass after it
-    master_weights.refresh_master_weights(engine, {name: state_dict[name] for name in report.loaded})
+    written = set()
+
+    def write(name: str) -> None:  # copy_ casts element by element: no fp32 temporary of the tensor
+        if name not in written:
+            with torch.no_grad():
+                _write(targets[name], state_dict[name])
+            written.add(name)
+
+    # writes each parameter just before its master, every master element it can, and checks all of them
+    master_weights.refresh_master_weights(engine, {name: state_dict[name] for name in report.loaded}, write)
+    for name in report.loaded:  # buffers, frozen parameters, parameters whose master another rank holds
+        write(name)
     return report
 
 

@@ -11,6 +11,11 @@ itself only.
 A file is known by its identity and state (device, inode, size, modification and change time) and by
 the state of its manifest, so a replaced, rewritten or touched file, or a changed manifest, is checked
 again. A failed check writes no marker: every rank that reads a damaged file finds the damage itself.
+
+Inside checks_beside_use() a check runs in a thread while the caller unpickles and copies the file it
+checks: both read the same pages, so a cold file comes from the disk once, and the check's wait on the
+disk overlaps the copies. Leaving the block waits for every check begun in it and raises the first
+problem, so weights read inside it are used only inside it (a load, before its first training step).
 """
 
 from __future__ import annotations
@@ -20,17 +25,57 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from megatron.checkpointing import layout, manifest
 from megatron.checkpointing.errors import CheckpointError
 
 _checked_here: set[tuple] = set()
+_beside_use: dict[tuple, Future] | None = None  # the checks begun inside checks_beside_use(), by file key
+_beside_use_thread: ThreadPoolExecutor | None = None
 
 
 def check_open_checkpoint_file(handle, path: Path) -> None:
     """Raise CheckpointError when the file open as `handle` (read from `path`) does not match its tag's
-    manifest; a tag without a manifest passes unchecked. The bytes checked are those of `handle`."""
+    manifest; a tag without a manifest passes unchecked. The bytes checked are those of `handle`.
+    Inside checks_beside_use() the check is begun here and its problem raised when the block ends."""
+    if _beside_use is None:
+        _check_now(handle, path)
+        return
+    key = _state_key(handle, path)
+    if key not in _checked_here and key not in _beside_use:
+        _beside_use[key] = _beside_use_thread.submit(_check_duplicate, os.dup(handle.fileno()), path)
+
+
+@contextmanager
+def checks_beside_use() -> Iterator[None]:
+    """Check the files read inside the block in a thread beside their use; on leaving, wait for every check
+    and raise the first problem, in place of any error the block raised (a damaged file explains it)."""
+    global _beside_use, _beside_use_thread
+    if _beside_use is not None:  # nested: the outer block waits for these checks
+        yield
+        return
+    _beside_use, _beside_use_thread = {}, ThreadPoolExecutor(1, thread_name_prefix="checkpoint-file-check")
+    try:
+        yield
+    finally:
+        checks, thread = _beside_use, _beside_use_thread
+        _beside_use = _beside_use_thread = None
+        thread.shutdown(wait=True)
+        problems = [check.exception() for check in checks.values() if check.exception() is not None]
+        if problems:
+            raise problems[0] from None
+
+
+def _check_duplicate(descriptor: int, path: Path) -> None:
+    with open(descriptor, "rb", buffering=0) as handle:
+        _check_now(handle, path)
+
+
+def _check_now(handle, path: Path) -> None:
     key = _state_key(handle, path)
     if key in _checked_here:
         return
@@ -53,7 +98,7 @@ def checkpoint_file_problem(path: Path) -> str | None:
     gather the ranks' problems before raising."""
     try:
         with open(path, "rb", buffering=0) as handle:
-            check_open_checkpoint_file(handle, Path(path))
+            _check_now(handle, Path(path))
     except OSError as err:
         return f"cannot read checkpoint file {path}: {err.strerror or err}. Load another tag with `iteration: N`."
     except CheckpointError as err:

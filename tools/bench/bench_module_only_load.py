@@ -61,7 +61,7 @@ from megatron.checkpointing.master_weights import verify_master_weights  # noqa:
 from megatron.checkpointing.module_load import load_module_only  # noqa: E402
 from megatron.checkpointing.module_weights import read_module_weights  # noqa: E402
 from megatron.checkpointing.safe_unpickle import load_weights_only  # noqa: E402
-from megatron.checkpointing.verified_files import forget_checked_files  # noqa: E402
+from megatron.checkpointing.verified_files import checks_beside_use, forget_checked_files  # noqa: E402
 from megatron.initialize import ModelParallelUnit  # noqa: E402
 from megatron.model import build_model, causal_lm_loss  # noqa: E402
 from megatron.model.partitioning import repartition_state_dict  # noqa: E402
@@ -195,7 +195,8 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
             raise SystemExit(f"DeepSpeed's load_checkpoint loaded nothing from {save_dir}/{TAG}")
 
     def ours():
-        load_module_only(engine, read_module_weights(tag_dir, mp_rank), strict=True)
+        with checks_beside_use():  # as load.py loads
+            load_module_only(engine, read_module_weights(tag_dir, mp_rank), strict=True)
 
     def resplit_weights():
         parts = [read_module_weights(resplit_tag, mp) for mp in range(options.saved_tp)]
