@@ -9,6 +9,10 @@ if __name__ == "__main__":
     # first thing: a SIGTERM during the imports below must not kill the rank before it can save
     stop_signals = StopSignals()
     stop_signals.install()
+    # answered while the rank imports, before DeepSpeed's optimizer op needs it (megatron/cpu_info.py)
+    from megatron.cpu_info import ask_cpu_info_early
+
+    ask_cpu_info_early()
 
 # megatron-core announces at import that NVIDIA's optional fused kernels are absent; we do not use them.
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")

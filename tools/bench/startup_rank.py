@@ -58,6 +58,9 @@ def train() -> int:
 
     stop_signals = StopSignals()
     stop_signals.install()
+    from megatron.cpu_info import ask_cpu_info_early
+
+    ask_cpu_info_early()
     import deepspeed  # noqa: F401  (setup imports it; here it counts as an import)
 
     from megatron import training
