@@ -82,7 +82,7 @@ def master_fragments(engine) -> Iterator[MasterFragment]:
 
 
 def refresh_master_weights(engine, full_precision: Mapping[str, torch.Tensor],
-                           write_trained: Callable[[str], None] = lambda name: None) -> None:
+                           write_trained: Callable[[str], None] | None = None) -> None:
     """Write the master elements of every parameter named in ``full_precision`` from those values, then
     check every master element as verify_master_weights does, raising as it does.
 
@@ -103,10 +103,11 @@ def verify_master_weights(engine) -> None:
     Checked on local partitions only (no gathers of weights); every rank learns which ranks found a
     mismatch, so every rank raises when any rank found one.
     """
-    _write_and_verify(engine, {}, lambda name: None)
+    _write_and_verify(engine, {}, None)
 
 
-def _write_and_verify(engine, full_precision: Mapping[str, torch.Tensor], write_trained: Callable[[str], None]) -> None:
+def _write_and_verify(engine, full_precision: Mapping[str, torch.Tensor],
+                      write_trained: Callable[[str], None] | None) -> None:
     first_mismatch = None
     mismatches = 0
     buffers: dict[tuple, torch.Tensor] = {}
@@ -114,7 +115,7 @@ def _write_and_verify(engine, full_precision: Mapping[str, torch.Tensor], write_
     with torch.no_grad():
         for fragment in master_fragments(engine):
             value = full_precision.get(fragment.name)
-            if value is not None:
+            if value is not None and write_trained is not None:
                 write_trained(fragment.name)
             source = None if value is None else value.reshape(-1).narrow(0, fragment.start, fragment.master.numel())
             differing = _count_differing(fragment, buffers, source)

@@ -65,9 +65,9 @@ def checks_beside_use() -> Iterator[None]:
         checks, thread = _beside_use, _beside_use_thread
         _beside_use = _beside_use_thread = None
         thread.shutdown(wait=True)
-        problems = [check.exception() for check in checks.values() if check.exception() is not None]
-        if problems:
-            raise problems[0] from None
+        problem = next((check.exception() for check in checks.values() if check.exception() is not None), None)
+        if problem is not None:
+            raise problem from None
 
 
 def _check_duplicate(descriptor: int, path: Path) -> None:
