@@ -76,3 +76,33 @@ def test_a_file_read_twice_and_in_a_nested_block_is_checked_once_when_the_outer_
                 load_checkpoint_file(tag_file)
             load_checkpoint_file(tag_file)  # the nested block ended without raising: the outer one waits
     assert len(checks) == 1
+
+
+def test_a_file_whose_check_runs_beside_its_read_is_not_read_again_for_its_problem(tag_file, monkeypatch):
+    """A full resume asks for the problems of every file it reads after the load plan has read (and begun to
+    check) the model-states file; with no launcher to share checks through (a rank run on its own), that
+    answer comes from the check already begun, not from a second checksum pass over the file."""
+    from megatron.checkpointing import verified_files
+
+    monkeypatch.setattr(verified_files, "_launch_marker_dir", lambda: None)
+    passes = []
+    check_open_file = manifest.check_open_file
+
+    def counted(*args, **kwargs):
+        passes.append(args[1])
+        return check_open_file(*args, **kwargs)
+
+    monkeypatch.setattr(manifest, "check_open_file", counted)
+    with checks_beside_use():
+        load_checkpoint_file(tag_file)
+        assert verified_files.checkpoint_file_problem(tag_file) is None
+    assert passes == [tag_file]
+
+    _flip_byte(tag_file, tag_file.stat().st_size // 2)
+    forget_checked_files()
+    passes.clear()
+    with pytest.raises(CheckpointError, match="is damaged"):
+        with checks_beside_use():
+            load_checkpoint_file(tag_file)
+            assert "is damaged" in verified_files.checkpoint_file_problem(tag_file)
+    assert passes == [tag_file]

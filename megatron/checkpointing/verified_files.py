@@ -16,6 +16,8 @@ Inside checks_beside_use() a check runs in a thread while the caller unpickles a
 checks: both read the same pages, so a cold file comes from the disk once, and the check's wait on the
 disk overlaps the copies. Leaving the block waits for every check begun in it and raises the first
 problem, so weights read inside it are used only inside it (a load, before its first training step).
+Asked for a file's problem inside the block (a full resume's check of every file it reads), the check
+begun beside the file's read answers, rather than a second pass over the file.
 """
 
 from __future__ import annotations
@@ -98,7 +100,11 @@ def checkpoint_file_problem(path: Path) -> str | None:
     gather the ranks' problems before raising."""
     try:
         with open(path, "rb", buffering=0) as handle:
-            _check_now(handle, Path(path))
+            begun = None if _beside_use is None else _beside_use.get(_state_key(handle, Path(path)))
+            if begun is None:
+                _check_now(handle, Path(path))
+            else:  # the check begun beside the file's read: its answer, not a second read of the file
+                begun.result()
     except OSError as err:
         return f"cannot read checkpoint file {path}: {err.strerror or err}. Load another tag with `iteration: N`."
     except CheckpointError as err:
