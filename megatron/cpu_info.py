@@ -4,8 +4,9 @@ DeepSpeed's CPU op builders (FusedAdam on DeepSpeed's CPU accelerator, CPUAdam f
 any machine) call `cpuinfo.get_cpu_info()` twice each time they JIT-load an op, for `-march` and the
 SIMD width. Each call starts a fresh interpreter that sleeps a second to time the clock: 2.3 s of
 the tiny model's 12 s start-up (tools/bench/bench_startup.py). The answer does not change while the
-process runs, so a rank asks once, in a thread, while it imports and builds its model, and every
-later call gets that answer.
+process runs, so a rank asks once, in a thread, and every later call gets that answer: train.py
+asks before its imports, any other process that starts a rank at the latest when it joins the
+process group (megatron/initialize.py).
 
 py-cpuinfo asks in a child process and answers `{}` if that child dies. A scheduler signals every
 process of a job, so the child starts with the stop signals blocked: it ends within its second

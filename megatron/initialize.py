@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron.cpu_info import ask_cpu_info_early
 from megatron.ranks import data_parallel_rank_and_size
 
 
@@ -50,6 +51,7 @@ def init_deepspeed_distributed(**kwargs) -> None:
     import deepspeed
     import torch.distributed as dist
 
+    ask_cpu_info_early()  # train.py asked before its imports; any other rank asks here, before its engine
     deepspeed.init_distributed(verbose=False, **kwargs)
     address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     shm = Path("/dev/shm")
