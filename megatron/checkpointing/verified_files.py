@@ -67,7 +67,7 @@ def checks_beside_use() -> Iterator[None]:
         checks, thread = _beside_use, _beside_use_thread
         _beside_use = _beside_use_thread = None
         thread.shutdown(wait=True)
-        problem = next((check.exception() for check in checks.values() if check.exception() is not None), None)
+        problem = next(filter(None, (check.exception() for check in checks.values())), None)
         if problem is not None:
             raise problem from None
 
