@@ -169,6 +169,43 @@ def test_refresh_from_values_other_than_the_module_s_is_refused_in_the_same_pass
     master_weights_module.refresh_master_weights(engine, {name: weights[name]})  # the right values pass again
 
 
+@pytest.mark.parametrize("precision,stage", [("bf16", 1), ("fp16", 0), ("bf16", 3)])
+def test_a_parameter_copied_in_place_is_proven_by_its_address_and_its_master_still_written(
+        tmp_path, monkeypatch, precision, stage):
+    """A loader's same-dtype copy into the parameter the optimizer maps needs no comparison (ZeRO-3
+    partitions, written through DeepSpeed, are still compared); the masters hold the checkpoint either way."""
+    config = ds_config(precision, stage)
+    _, tag_dir, saved = _save_trained(tmp_path, config)
+    engine = build_engine(config, seed=2)
+    compared = []
+    same_bits = master_weights_module._same_bits
+    monkeypatch.setattr(master_weights_module, "_same_bits", lambda a, b: compared.append(a.numel()) or same_bits(a, b))
+    load_module_only(engine, read_module_weights(tag_dir))
+    assert bool(compared) == (stage == 3)
+    for name, master in master_weights(engine).items():
+        assert torch.equal(master, saved[name].float()), name  # ZeRO-3 saves its fp32 master, the others their parameters
+    master_weights_module.verify_master_weights(engine)
+
+
+def test_a_copy_into_other_memory_than_the_optimizer_s_parameter_is_compared_and_refused(tmp_path):
+    """The address proof holds only for the memory the optimizer maps: a write returned as landing elsewhere
+    (a copy of the parameter) leaves the parameter as it was, and the comparison finds it."""
+    config = ds_config("bf16", 1)
+    _, tag_dir, _ = _save_trained(tmp_path, config)
+    engine = build_engine(config, seed=2)
+    weights = read_module_weights(tag_dir)
+    load_module_only(engine, weights)
+    name = "head.weight"
+    other = {name: (weights[name].float() + 1.0).bfloat16()}
+    parameter = dict(engine.module.named_parameters())[name]
+
+    def write_elsewhere(written_name):
+        return parameter.detach().clone().copy_(other[written_name])
+
+    with pytest.raises(CheckpointError, match=rf"master weights differ .* first in '{name}'"):
+        master_weights_module.refresh_master_weights(engine, other, write_elsewhere)
+
+
 def test_masters_that_share_memory_are_refused_since_a_later_write_would_change_checked_values():
     trained = torch.zeros(8, dtype=torch.bfloat16)
     master = torch.zeros(8)

@@ -106,11 +106,13 @@ def load_module_only(engine, state_dict: dict[str, torch.Tensor], strict: bool =
     report.loaded = [name for name in targets if name in state_dict and name not in mismatched]
     written = set()
 
-    def write(name: str) -> None:  # copy_ casts element by element: no fp32 temporary of the tensor
+    def write(name: str) -> torch.Tensor | None:  # copy_ casts element by element: no fp32 temporary of the tensor
+        target = targets[name]
         if name not in written:
             with torch.no_grad():
-                _write(targets[name], state_dict[name])
+                _write(target, state_dict[name])
             written.add(name)
+        return None if is_partitioned(target) else target
 
     # writes each parameter just before its master, every master element it can, and checks all of them
     master_weights.refresh_master_weights(engine, {name: state_dict[name] for name in report.loaded}, write)
