@@ -209,7 +209,8 @@ def _count_differing(fragment: MasterFragment, buffers: dict[tuple, torch.Tensor
 def _is_part_of(trained: torch.Tensor, whole: torch.Tensor | None, start: int) -> bool:
     """Whether ``trained`` is the elements ``[start, start + trained.numel())`` of the contiguous ``whole``, by
     address: the same memory, not equal values."""
-    return (whole is not None and whole.dtype == trained.dtype and whole.is_contiguous() and trained.is_contiguous()
+    return (whole is not None and (whole.dtype, whole.device) == (trained.dtype, trained.device)
+            and whole.is_contiguous() and trained.is_contiguous()
             and start + trained.numel() <= whole.numel()
             and trained.data_ptr() == whole.data_ptr() + start * whole.element_size())
 
