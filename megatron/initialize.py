@@ -62,6 +62,20 @@ def init_deepspeed_distributed(**kwargs) -> None:
     (shm / f"deepspeed_allreduce_buffer_{os.getuid()}_{address}_{port}_{dist.get_rank()}").unlink(missing_ok=True)
 
 
+def leave_process_group() -> None:
+    """Destroy the process groups of a rank that finished its work, before the interpreter ends.
+
+    Left to the interpreter's teardown, gloo's worker threads can abort the process ("terminate called
+    without an active exception", exit -6) after a run that succeeded (pytorch/pytorch#190489). Only for a
+    rank that finished: destroying a group waits for its pending work, which after an error could wait for
+    peers that never come, where exiting lets them fail on the closed connection.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _rank_environment_from_launcher(args) -> None:
     """deepspeed_slurm / deepspeed_mpi: ranks started by srun or mpirun learn rank and world size
     from SLURM's or MPI's environment, as GPT-NeoX sets them up."""

@@ -85,4 +85,7 @@ def run_rank(main: Callable[[], object], stop_requested: Callable[[], bool] = la
             raise
         _report(line, stop_requested)
         return EXIT_EXPECTED_ERROR
+    from megatron.initialize import leave_process_group
+
+    leave_process_group()
     return 0

@@ -26,7 +26,7 @@ from megatron.checkpointing.engine_save import save_engine_checkpoint  # noqa: E
 from megatron.checkpointing.errors import CheckpointError  # noqa: E402
 from megatron.checkpointing.module_load import load_module_only  # noqa: E402
 from megatron.checkpointing.module_weights import read_module_weights  # noqa: E402
-from megatron.initialize import init_deepspeed_distributed  # noqa: E402
+from megatron.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
 from tests.ckpt_engines import (  # noqa: E402
     batch,
     bits_equal,
@@ -148,3 +148,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_process_group()

@@ -22,7 +22,7 @@ from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 from megatron.data import BatchOptions, get_batch  # noqa: E402
-from megatron.initialize import init_deepspeed_distributed  # noqa: E402
+from megatron.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
 from megatron.model import build_model, causal_lm_loss  # noqa: E402
 from megatron.model.pipeline import build_pipeline_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
@@ -132,3 +132,4 @@ if __name__ == "__main__":
     dist.barrier()
     if dist.get_rank() == 0:
         print(f"{sys.argv[1]}: ok", flush=True)
+    leave_process_group()

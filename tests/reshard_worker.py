@@ -24,7 +24,7 @@ from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 
 from megatron.checkpointing import load_checkpoint, plan_load, reshard, save_checkpoint  # noqa: E402
-from megatron.initialize import init_deepspeed_distributed  # noqa: E402
+from megatron.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
 from megatron.model import causal_lm_loss  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 from tests.tensor_parallel_worker import BASE, FAMILIES, batch, check, full, trained_engine  # noqa: E402
@@ -168,3 +168,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_process_group()

@@ -18,7 +18,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.data import BatchOptions  # noqa: E402
 from megatron.hf.mapping import convert_tensors, hf_to_ours, ours_to_hf  # noqa: E402
-from megatron.initialize import init_deepspeed_distributed  # noqa: E402
+from megatron.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
 from megatron.model import build_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 from megatron.objectives import objective_for  # noqa: E402
@@ -73,3 +73,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_process_group()

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,3 +199,22 @@ def test_bad_data_stops_the_run_before_the_first_step_with_one_line(tmp_path, ma
     assert result.returncode == EXIT_EXPECTED_ERROR
     line = assert_one_line(result, f"data_path: dataset {prefix} ", expected)
     assert line.startswith("error: ") and " | loss " not in result.stdout
+
+
+def test_a_rank_that_finished_leaves_its_process_group_and_one_that_failed_does_not():
+    """Left to the interpreter's teardown, gloo's threads can abort a finished run (exit -6, 'terminate called
+    without an active exception'); a failed rank keeps its group, whose pending work could wait on its peers."""
+    script = (
+        "import torch.distributed as dist\n"
+        "from megatron.launcher import free_port\n"
+        "from megatron.neox_arguments import ConfigError\n"
+        "from megatron.rank_errors import run_rank\n"
+        "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
+        "def fail():\n"
+        "    raise ConfigError('a setting is wrong')\n"
+        "print('after a failure:', run_rank(fail), dist.is_initialized())\n"
+        "print('after success:', run_rank(lambda: dist.barrier()), dist.is_initialized())\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-2:] == [f"after a failure: {EXIT_EXPECTED_ERROR} True", "after success: 0 False"]

@@ -66,7 +66,7 @@ def finetune_and_check(args, data_parallel_size: int, expected: dict[str, torch.
 def _rank_main(rank: int, port: int, phase: str, root: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2", LOCAL_SIZE="2")
-    from megatron.initialize import init_deepspeed_distributed
+    from megatron.initialize import init_deepspeed_distributed, leave_process_group
 
     init_deepspeed_distributed(dist_backend="gloo")
     if phase == "save fp32 zero0":
@@ -78,6 +78,7 @@ def _rank_main(rank: int, port: int, phase: str, root: str) -> None:
         args = make_args(stage=1, precision="fp16", load=root, finetune=True)
         finetune_and_check(args, 2, torch.load(Path(root) / EXPECTED), rank=rank)
     torch.distributed.barrier()
+    leave_process_group()
 
 
 def _on_two_ranks(phase: str, root: Path) -> None:

@@ -27,7 +27,7 @@ def _rank_main(rank: int, port: int, root: str) -> None:
                       WORLD_SIZE=str(WORLD_SIZE))
     from megatron.checkpointing import load_checkpoint, plan_load, save_checkpoint
     from megatron.checkpointing.inventory import inventory_checkpoint
-    from megatron.initialize import init_deepspeed_distributed
+    from megatron.initialize import init_deepspeed_distributed, leave_process_group
     from tests.ckpt_engines import build_engine, make_args, tiny_batch, train_step
 
     init_deepspeed_distributed(dist_backend="gloo")
@@ -62,6 +62,7 @@ def _rank_main(rank: int, port: int, root: str) -> None:
         finetune = make_args(stage=2, precision="bf16", load=root, finetune=True)
         assert plan_load(finetune, data_parallel_size=1).module_only
     torch.distributed.barrier()
+    leave_process_group()
 
 
 def test_two_rank_resume_restores_each_ranks_rng_and_shards(tmp_path):
