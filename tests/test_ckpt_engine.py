@@ -155,8 +155,12 @@ def test_verification_fails_without_master_refresh(tmp_path, monkeypatch, precis
 
 @pytest.mark.parametrize("source_dtype", [torch.float32, torch.bfloat16],
                          ids=["wider-than-the-model", "the-model-s-dtype"])  # cast back / compared as it is
-def test_refresh_from_values_other_than_the_module_s_is_refused_in_the_same_pass(tmp_path, source_dtype):
-    """The refresh checks what it wrote: a master written from values the parameters do not hold fails."""
+@pytest.mark.parametrize("write_elsewhere", [False, True], ids=["no-writer", "a-writer-copying-elsewhere"])
+def test_refresh_from_values_other_than_the_module_s_is_refused_in_the_same_pass(tmp_path, source_dtype,
+                                                                                 write_elsewhere):
+    """The refresh checks what it wrote: a master written from values the parameters do not hold fails. The
+    address proof holds only for the memory the optimizer maps: a writer whose copy lands elsewhere (a copy
+    of the parameter) leaves the parameter as it was, and the comparison finds it."""
     config = ds_config("bf16", 1)
     _, tag_dir, _ = _save_trained(tmp_path, config)
     engine = build_engine(config, seed=2)
@@ -164,8 +168,10 @@ def test_refresh_from_values_other_than_the_module_s_is_refused_in_the_same_pass
     load_module_only(engine, weights)
     name = "head.weight"
     other = {name: (weights[name].float() + 1.0).to(source_dtype)}
+    parameter = dict(engine.module.named_parameters())[name]
+    writer = (lambda written: parameter.detach().clone().copy_(other[written])) if write_elsewhere else None
     with pytest.raises(CheckpointError, match=rf"master weights differ .* first in '{name}'"):
-        master_weights_module.refresh_master_weights(engine, other)
+        master_weights_module.refresh_master_weights(engine, other, writer)
     master_weights_module.refresh_master_weights(engine, {name: weights[name]})  # the right values pass again
 
 
@@ -185,25 +191,6 @@ def test_a_parameter_copied_in_place_is_proven_by_its_address_and_its_master_sti
     for name, master in master_weights(engine).items():
         assert torch.equal(master, saved[name].float()), name  # ZeRO-3 saves its fp32 master, the others their parameters
     master_weights_module.verify_master_weights(engine)
-
-
-def test_a_copy_into_other_memory_than_the_optimizer_s_parameter_is_compared_and_refused(tmp_path):
-    """The address proof holds only for the memory the optimizer maps: a write returned as landing elsewhere
-    (a copy of the parameter) leaves the parameter as it was, and the comparison finds it."""
-    config = ds_config("bf16", 1)
-    _, tag_dir, _ = _save_trained(tmp_path, config)
-    engine = build_engine(config, seed=2)
-    weights = read_module_weights(tag_dir)
-    load_module_only(engine, weights)
-    name = "head.weight"
-    other = {name: (weights[name].float() + 1.0).bfloat16()}
-    parameter = dict(engine.module.named_parameters())[name]
-
-    def write_elsewhere(written_name):
-        return parameter.detach().clone().copy_(other[written_name])
-
-    with pytest.raises(CheckpointError, match=rf"master weights differ .* first in '{name}'"):
-        master_weights_module.refresh_master_weights(engine, other, write_elsewhere)
 
 
 def test_masters_that_share_memory_are_refused_since_a_later_write_would_change_checked_values():
