@@ -132,3 +132,38 @@ def test_preference_step_bench_prints_its_ratios(objective):
                        "2", "--vocab", "64", "--seq", "8", "--repeats", "2")
     assert_ratios(ratios, {f"{objective}/sft step_seconds", f"{objective}_precomputed/sft step_seconds",
                            f"{objective}/sft peak_rss", f"{objective}_precomputed/{objective} peak_rss"})
+
+
+LEAVING = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch.distributed as dist
+from bench_world import init_world, leaves_the_world
+
+@leaves_the_world
+def finishes():
+    init_world()
+    return "done"
+
+@leaves_the_world
+def fails():
+    init_world()
+    raise RuntimeError("a rank's error")
+
+assert finishes() == "done"
+print("after a finished rank:", dist.is_initialized())
+try:
+    fails()
+except RuntimeError:
+    print("after a failed rank:", dist.is_initialized())
+"""
+
+
+def test_a_bench_rank_leaves_its_process_group_when_it_finished_and_keeps_it_when_it_failed():
+    """A finished rank's gloo group left to the interpreter's teardown can abort the process after its work
+    (pytorch#190489); a failed rank's group is kept, its pending work could wait on peers."""
+    done = subprocess.run([sys.executable, "-c", LEAVING, str(BENCH_DIR)], capture_output=True, text=True,
+                          timeout=120, cwd=BENCH_DIR.parent.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "after a finished rank: False" in done.stdout, done.stdout
+    assert "after a failed rank: True" in done.stdout, done.stdout

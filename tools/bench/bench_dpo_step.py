@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
-from bench_world import init_world  # noqa: E402
+from bench_world import init_world, leaves_the_world  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from procmem import RatioReport, measure_memory, median, return_freed_memory_to_os, status_kib, table  # noqa: E402
 
@@ -87,6 +87,7 @@ def step(engine, objective, samples) -> float:
     return time.perf_counter() - started
 
 
+@leaves_the_world
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--objective", choices=("dpo", "kto"), default="dpo")

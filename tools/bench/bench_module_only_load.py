@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_world import free_port, init_world  # noqa: E402
+from bench_world import free_port, init_world, leaves_the_world  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from procmem import PeakSampler, RatioReport, measure_memory, median, return_freed_memory_to_os, table  # noqa: E402
@@ -246,6 +246,7 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
             "threads": torch.get_num_threads()}
 
 
+@leaves_the_world
 def rank_main(rank: int, options: argparse.Namespace, port: int, scratch: str) -> None:
     init_world(rank, options.ranks, port)
     result = measure_rank(options, Path(scratch) / "checkpoint")

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_world import free_port, init_world  # noqa: E402
+from bench_world import free_port, init_world, leaves_the_world  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
@@ -107,6 +107,7 @@ def timed(step, steps: int) -> float:
     return (time.perf_counter() - started) / steps
 
 
+@leaves_the_world
 def rank_main(rank: int, options: argparse.Namespace, port: int, scratch: str) -> None:
     torch.set_num_threads(options.threads)
     deepspeed_logger.setLevel("WARNING")

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from bench_dpo_step import llama_settings  # noqa: E402
-from bench_world import free_port, init_world  # noqa: E402
+from bench_world import free_port, init_world, leaves_the_world  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from procmem import PeakSampler, RatioReport, return_freed_memory_to_os, smaps_rollup_kib, table  # noqa: E402
 
@@ -64,6 +64,7 @@ def measure_rank(options: argparse.Namespace, stage: int) -> dict:
             "forward_peak_mib": held + forward_growth, "log_prob_sum": float(log_probs.sum())}
 
 
+@leaves_the_world
 def rank_main(rank: int, options: argparse.Namespace, port: int, scratch: str, stage: int) -> None:
     if options.threads:
         torch.set_num_threads(options.threads)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_world import free_port, init_world  # noqa: E402
+from bench_world import free_port, init_world, leaves_the_world  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from procmem import RatioReport  # noqa: E402
 
@@ -76,6 +76,7 @@ def slowest(seconds: float) -> float:
     return float(value)
 
 
+@leaves_the_world
 def rank_main(rank: int, ranks: int, port: int, options: argparse.Namespace, work: str, role: str, out: str) -> None:
     torch.set_num_threads(options.threads)
     init_world(rank, ranks, port)

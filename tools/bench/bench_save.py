@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
-from bench_world import free_port, init_world  # noqa: E402
+from bench_world import free_port, init_world, leaves_the_world  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from procmem import RatioReport, measure_memory, median, return_freed_memory_to_os, table  # noqa: E402
 
@@ -174,6 +174,7 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
             "memory": memory, "tag_mib": tag_bytes / 2**20, "threads": torch.get_num_threads()}
 
 
+@leaves_the_world
 def rank_main(rank: int, options: argparse.Namespace, port: int, save_dir: str, out: str) -> None:
     if options.threads:
         torch.set_num_threads(options.threads)

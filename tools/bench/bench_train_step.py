@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
-from bench_world import init_world  # noqa: E402
+from bench_world import init_world, leaves_the_world  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from procmem import median, ratio_line, table  # noqa: E402
@@ -181,6 +181,7 @@ def measure(family: str, precision: str, options: argparse.Namespace) -> dict:
     }
 
 
+@leaves_the_world
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", nargs="+", choices=("neox", "llama"), default=["neox", "llama"])

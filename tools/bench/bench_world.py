@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from megatron.core import parallel_state
 
-from megatron.initialize import init_deepspeed_distributed
+from megatron.initialize import init_deepspeed_distributed, leave_process_group
 from megatron.launcher import free_port
 
 
@@ -24,3 +26,17 @@ def init_world(rank: int = 0, world_size: int = 1, port: int | None = None) -> N
         init_deepspeed_distributed(dist_backend="gloo" if on_cpu else accelerator.communication_backend_name())
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
+
+
+def leaves_the_world(rank_main: Callable) -> Callable:
+    """``rank_main`` (what a bench runs on each rank), destroying the rank's process groups once it returned: a
+    finished gloo rank left to the interpreter's teardown can abort (pytorch#190489), failing the bench after
+    its work (leave_process_group; a rank that raised keeps them)."""
+
+    @functools.wraps(rank_main)
+    def run(*args, **kwargs):
+        result = rank_main(*args, **kwargs)
+        leave_process_group()
+        return result
+
+    return run

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_world import free_port, init_world  # noqa: E402
+from bench_world import free_port, init_world, leaves_the_world  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from procmem import PeakSampler, RatioReport, return_freed_memory_to_os, smaps_rollup_kib, table  # noqa: E402
 
@@ -138,6 +138,7 @@ def measure_rank(options: argparse.Namespace, how: str, save_dir: Path) -> dict:
             "load_s": load_s}
 
 
+@leaves_the_world
 def rank_main(rank: int, options: argparse.Namespace, port: int, scratch: str, task: str) -> None:
     if options.threads:
         torch.set_num_threads(options.threads)
