@@ -22,10 +22,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import json, sys
+from contextlib import nullcontext
 from pathlib import Path
 from megatron.checkpointing import manifest
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.module_weights import load_checkpoint_file
+from megatron.checkpointing.verified_files import checks_beside_use
 
 checks = []
 check_open_file = manifest.check_open_file
@@ -34,15 +36,16 @@ def counted(*args, **kwargs):
     return check_open_file(*args, **kwargs)
 manifest.check_open_file = counted
 try:
-    total = float(load_checkpoint_file(Path(sys.argv[1]))["module"]["w"].double().sum())
+    with checks_beside_use() if sys.argv[2] == "beside" else nullcontext():
+        total = float(load_checkpoint_file(Path(sys.argv[1]))["module"]["w"].double().sum())
     print(json.dumps({"checks": len(checks), "sum": total}))
 except CheckpointError as err:
     print(json.dumps({"checks": len(checks), "error": str(err)}))
 """
 
 
-def _child(path: Path) -> dict:
-    done = subprocess.run([sys.executable, "-c", CHILD, str(path)], cwd=REPO, capture_output=True, text=True,
+def _child(path: Path, when: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", CHILD, str(path), when], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -60,15 +63,17 @@ def tag_file(tmp_path):
 
 
 @pytest.mark.slow  # three fresh interpreters importing torch: ~10 s idle, ~30 s on this shared machine
-def test_a_sibling_reuses_the_check_and_a_changed_file_is_checked_again(tag_file):
+@pytest.mark.parametrize("when", ["before", "beside"], ids=["checked-before-the-read", "checked-beside-the-read"])
+def test_a_sibling_reuses_the_check_and_a_changed_file_is_checked_again(tag_file, when):
+    """`beside`: as a run's load reads, inside checks_beside_use(), whose thread checks the file."""
     path, expected_sum = tag_file
     size = path.stat().st_size
 
-    first = _child(path)
+    first = _child(path, when)
     assert first["sum"] == expected_sum
     assert first["checks"] == 1
 
-    second = _child(path)  # a sibling of the first: same parent, same node
+    second = _child(path, when)  # a sibling of the first: same parent, same node
     assert second["sum"] == expected_sum
     assert second["checks"] == 0, "the second process checked the file again"
 
@@ -78,5 +83,5 @@ def test_a_sibling_reuses_the_check_and_a_changed_file_is_checked_again(tag_file
         byte = handle.read(1)
         handle.seek(size // 2)
         handle.write(bytes([byte[0] ^ 0xFF]))
-    third = _child(path)
+    third = _child(path, when)
     assert third["checks"] == 1 and "is damaged" in third.get("error", ""), third

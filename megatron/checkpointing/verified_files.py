@@ -30,7 +30,9 @@ import tempfile
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from megatron.checkpointing import layout, manifest
 from megatron.checkpointing.errors import CheckpointError
@@ -49,7 +51,11 @@ def check_open_checkpoint_file(handle, path: Path) -> None:
         return
     key = _state_key(handle, path)
     if key not in _checked_here and key not in _beside_use:
-        _beside_use[key] = _beside_use_thread.submit(_check_duplicate, os.dup(handle.fileno()), path)
+        # The launch's folder is found and the lock file opened here, before the caller unpickles: in the thread
+        # each of these calls could wait for the interpreter lock behind the unpickling (up to
+        # sys.getswitchinterval(), 5 ms) while the disk stood idle (a cold 21M-parameter load: 1-6 ms).
+        lock = _node_lock(key)
+        _beside_use[key] = _beside_use_thread.submit(_check_duplicate, os.dup(handle.fileno()), path, key, lock)
 
 
 @contextmanager
@@ -72,27 +78,42 @@ def checks_beside_use() -> Iterator[None]:
             raise problem from None
 
 
-def _check_duplicate(descriptor: int, path: Path) -> None:
+def _check_duplicate(descriptor: int, path: Path, key: tuple, lock: _NodeLock | None) -> None:
     with open(descriptor, "rb", buffering=0) as handle:
-        _check_now(handle, path)
+        _check_once(handle, path, key, lock)
 
 
 def _check_now(handle, path: Path) -> None:
     key = _state_key(handle, path)
-    if key in _checked_here:
-        return
-    markers = _launch_marker_dir()
-    if markers is None:
+    if key not in _checked_here:
+        _check_once(handle, path, key, _node_lock(key))
+
+
+def _check_once(handle, path: Path, key: tuple, lock: _NodeLock | None) -> None:
+    """Check the file unless this launch's ranks on this node did (`lock`, None for a rank on its own)."""
+    if lock is None:
         _check(handle, path)
     else:
-        name = hashlib.sha256(repr(key).encode()).hexdigest()
-        with open(markers / f"{name}.lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the lock file closes
-            marker = markers / name
-            if not marker.exists():
+        with lock.file:
+            fcntl.flock(lock.file, fcntl.LOCK_EX)  # released when the lock file closes
+            if not lock.marker.exists():
                 _check(handle, path)
-                marker.touch()
+                lock.marker.touch()
     _checked_here.add(key)
+
+
+@dataclass
+class _NodeLock:
+    file: BinaryIO  # open, not yet locked
+    marker: Path  # there once a rank of this launch on this node found the file sound
+
+
+def _node_lock(key: tuple) -> _NodeLock | None:
+    markers = _launch_marker_dir()
+    if markers is None:
+        return None
+    name = hashlib.sha256(repr(key).encode()).hexdigest()
+    return _NodeLock(open(markers / f"{name}.lock", "ab"), markers / name)
 
 
 def checkpoint_file_problem(path: Path) -> str | None:
