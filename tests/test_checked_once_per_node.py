@@ -9,8 +9,11 @@ manifest.check_open_file, wrapped to count its calls).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -85,3 +88,26 @@ def test_a_sibling_reuses_the_check_and_a_changed_file_is_checked_again(tag_file
         handle.write(bytes([byte[0] ^ 0xFF]))
     third = _child(path, when)
     assert third["checks"] == 1 and "is damaged" in third.get("error", ""), third
+
+
+def test_a_launch_removes_the_marker_folders_of_launches_that_ended_and_keeps_the_others(tag_file):
+    temporary, uid = Path(tempfile.gettempdir()), os.getuid()
+    ended_launcher = subprocess.Popen(["true"])
+    ended_launcher.wait()  # its id names no process now, or one started after the first clock tick
+    live_launcher = subprocess.Popen(["sleep", "120"])
+    live_start = Path(f"/proc/{live_launcher.pid}/stat").read_text().rpartition(")")[2].split()[19]
+    ended = [temporary / f"neox-checked-files-{uid}-{ended_launcher.pid}-1",
+             temporary / f"neox-checked-files-{uid}-{live_launcher.pid}-{int(live_start) + 1}"]  # the id taken again
+    kept = [temporary / f"neox-checked-files-{uid}-{live_launcher.pid}-{live_start}",
+            temporary / f"neox-checked-files-{uid + 1}-{ended_launcher.pid}-1"]  # another user's name
+    try:
+        for folder in ended + kept:
+            folder.mkdir(mode=0o700)
+            (folder / "marker").touch()
+        assert _child(tag_file[0], "before")["checks"] == 1
+        assert [folder.exists() for folder in ended + kept] == [False, False, True, True]
+    finally:
+        live_launcher.kill()
+        live_launcher.wait()
+        for folder in ended + kept:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -5,8 +5,8 @@ a node reads the same files of a tag; the checksum pass is a full read of the fi
 launch on this node to read a file checks it; the others wait for that check (an exclusive lock on the
 file's key) and take its result from a marker, a file in a folder under the temporary directory that
 only this user can write, named by the launch (the process that started the ranks, by id and start
-time). A rank run on its own (no launcher process of its kind, or no /proc) remembers its checks for
-itself only.
+time). Each process's first check removes the folders of this user's launches that ended. A rank run
+on its own (no launcher process of its kind, or no /proc) remembers its checks for itself only.
 
 A file is known by its identity and state (device, inode, size, modification and change time) and by
 the state of its manifest, so a replaced, rewritten or touched file, or a changed manifest, is checked
@@ -36,10 +36,13 @@ from typing import BinaryIO
 
 from megatron.checkpointing import layout, manifest
 from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.save_lock import process_start_time
 
 _checked_here: set[tuple] = set()
 _beside_use: dict[tuple, Future] | None = None  # the checks begun inside checks_beside_use(), by file key
 _beside_use_thread: ThreadPoolExecutor | None = None
+_MARKER_DIR_PREFIX = "neox-checked-files-"
+_swept_ended_launches = False  # this process removed the marker folders of launches that ended
 
 
 def check_open_checkpoint_file(handle, path: Path) -> None:
@@ -161,12 +164,12 @@ def _state_key(handle, path: Path) -> tuple:
 
 def _launch_marker_dir() -> Path | None:
     """This launch's marker folder on this node, made private to this user; None when the launch has no name."""
-    try:
-        parent = os.getppid()
-        launcher_start = Path(f"/proc/{parent}/stat").read_text().rpartition(")")[2].split()[19]
-    except (OSError, IndexError):
+    global _swept_ended_launches
+    parent = os.getppid()
+    launcher_start = process_start_time(parent)
+    if launcher_start is None:
         return None
-    folder = Path(tempfile.gettempdir()) / f"neox-checked-files-{os.getuid()}-{parent}-{launcher_start}"
+    folder = Path(tempfile.gettempdir()) / f"{_MARKER_DIR_PREFIX}{os.getuid()}-{parent}-{launcher_start}"
     try:
         folder.mkdir(mode=0o700, exist_ok=True)
         owner = folder.lstat()
@@ -174,4 +177,27 @@ def _launch_marker_dir() -> Path | None:
         return None
     if owner.st_uid != os.getuid() or owner.st_mode & 0o077 or folder.is_symlink():
         return None  # another user's folder could claim checks that never ran
+    if not _swept_ended_launches:
+        _swept_ended_launches = True
+        _remove_folders_of_ended_launches(folder.parent)
     return folder
+
+
+def _remove_folders_of_ended_launches(temporary: Path) -> None:
+    """Remove this user's marker folders whose launcher process has ended (no process of that id, or one started
+    at another time), once per process: every launch leaves its folder behind, as its ranks cannot know which
+    of them ends last."""
+    prefix = f"{_MARKER_DIR_PREFIX}{os.getuid()}-"
+    try:
+        names = [entry.name for entry in os.scandir(temporary) if entry.name.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        pid, _, start = name.removeprefix(prefix).partition("-")
+        if pid.isdigit() and start.isdigit() and process_start_time(int(pid)) != int(start):
+            folder = temporary / name
+            try:
+                if folder.lstat().st_uid == os.getuid() and not folder.is_symlink():
+                    shutil.rmtree(folder, ignore_errors=True)
+            except OSError:
+                continue
