@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from megatron.checkpointing import layout, manifest
+from megatron.checkpointing.save_lock import process_start_time
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,9 +96,9 @@ def test_a_launch_removes_the_marker_folders_of_launches_that_ended_and_keeps_th
     ended_launcher = subprocess.Popen(["true"])
     ended_launcher.wait()  # its id names no process now, or one started after the first clock tick
     live_launcher = subprocess.Popen(["sleep", "120"])
-    live_start = Path(f"/proc/{live_launcher.pid}/stat").read_text().rpartition(")")[2].split()[19]
+    live_start = process_start_time(live_launcher.pid)
     ended = [temporary / f"neox-checked-files-{uid}-{ended_launcher.pid}-1",
-             temporary / f"neox-checked-files-{uid}-{live_launcher.pid}-{int(live_start) + 1}"]  # the id taken again
+             temporary / f"neox-checked-files-{uid}-{live_launcher.pid}-{live_start + 1}"]  # the id taken again
     kept = [temporary / f"neox-checked-files-{uid}-{live_launcher.pid}-{live_start}",
             temporary / f"neox-checked-files-{uid + 1}-{ended_launcher.pid}-1"]  # another user's name
     try:
