@@ -26,6 +26,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -152,8 +153,8 @@ def _check(handle, path: Path) -> None:
 
 
 def _state_key(handle, path: Path) -> tuple:
-    def state(stat: os.stat_result) -> tuple:
-        return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
+    def state(found: os.stat_result) -> tuple:
+        return found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns, found.st_ctime_ns
 
     try:
         manifest_state = state(os.stat(path.parent / layout.MANIFEST_FILE))
@@ -197,7 +198,8 @@ def _remove_folders_of_ended_launches(temporary: Path) -> None:
         if pid.isdigit() and start.isdigit() and process_start_time(int(pid)) != int(start):
             folder = temporary / name
             try:
-                if folder.lstat().st_uid == os.getuid() and not folder.is_symlink():
-                    shutil.rmtree(folder, ignore_errors=True)
+                found = folder.lstat()
             except OSError:
                 continue
+            if found.st_uid == os.getuid() and stat.S_ISDIR(found.st_mode):  # not a link another user placed
+                shutil.rmtree(folder, ignore_errors=True)
