@@ -18,7 +18,7 @@ exit 0. No process of the run outlives deepy.py (megatron/supervision.py).
 
 from __future__ import annotations
 
-from megatron.supervision import Supervisor, stop_quietly_before_launch
+from megatron.supervision import Supervisor, exit_if_stopped_before_launch, stop_quietly_before_launch
 
 if __name__ == "__main__":
     stop_quietly_before_launch()  # first thing: a SIGTERM while the imports below run ends with one line too
@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         if command_line.dry_run:
             # what DeepSpeed's runner would refuse of the launcher settings (megatron/launcher.py)
             launch_command(args, command_line.train_script, [], cpu_only=accelerator_is_cpu())
-            sys.stdout.write(render_dry_run(args, tokenizer_summary(args)))
+            report = render_dry_run(args, tokenizer_summary(args))
+            exit_if_stopped_before_launch()
+            sys.stdout.write(report)
             return 0
         args = resolve_run_settings(args)  # builds the tokenizer: a file it cannot read stops here
         cpu_only = accelerator_is_cpu()
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, TokenizerError) as err:
         print(f"deepy.py: config error: {err}", file=sys.stderr)
         return 2
+    exit_if_stopped_before_launch()
     shown = [part if not part.startswith(HANDOVER_FLAG) else f"{HANDOVER_FLAG}=<settings>" for part in command]
     print("deepy.py: " + " ".join(shown), file=sys.stderr, flush=True)
     return Supervisor(command, launcher_environment(dict(os.environ), cpu_only=cpu_only),

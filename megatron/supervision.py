@@ -14,6 +14,7 @@ goes to DeepSpeed's runner, started as it is there, whose own handler stops them
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -41,15 +42,34 @@ def _say_stopped_before_any_rank(signum: int) -> None:
           file=sys.stderr, flush=True)
 
 
+_signal_before_launch: int | None = None
+
+
 def _stop_before_launch(signum: int, frame) -> None:
-    _say_stopped_before_any_rank(signum)
+    global _signal_before_launch
+    _signal_before_launch = _signal_before_launch or signum
     raise SystemExit(0)  # from wherever deepy.py is (importing, checking settings): no traceback
 
 
+def _say_if_stopped_before_launch() -> None:
+    if _signal_before_launch is not None:
+        _say_stopped_before_any_rank(_signal_before_launch)
+
+
 def stop_quietly_before_launch() -> None:
-    """Until the launcher starts, a stop signal ends deepy.py with one line and exit status 0."""
+    """Until the launcher starts, a stop signal ends deepy.py with one line (its last) and exit status 0."""
+    atexit.unregister(_say_if_stopped_before_launch)  # once, however often this is called
+    atexit.register(_say_if_stopped_before_launch)
     for signum in STOP_SIGNALS:
         signal.signal(signum, _stop_before_launch)
+
+
+def exit_if_stopped_before_launch() -> None:
+    """Ends deepy.py (exit status 0) when a stop signal came before the launch but its SystemExit was swallowed:
+    the handler can run inside a C extension's import that clears any error it meets (torch's import of numpy
+    does), and deepy.py would otherwise go on to start the run it was asked to stop."""
+    if _signal_before_launch is not None:
+        raise SystemExit(0)
 
 
 def rank_processes(launcher_pid: int) -> list[int]:

@@ -87,7 +87,9 @@ class DeepyRun:
             returncode = self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill_everything()
-            raise
+            while (line := self._queue.get(timeout=60)) is not None:
+                self.lines.append(line)
+            raise AssertionError(f"deepy.py still ran after {timeout} s; output:\n{self.output[-6000:]}") from None
         while (line := self._queue.get(timeout=60)) is not None:
             self.lines.append(line)
         return returncode
@@ -258,6 +260,34 @@ def test_a_signal_before_any_rank_exists_ends_deepy_with_one_line(tmp_path, mome
     assert "Traceback" not in run.output
     assert not save.exists()
     run.assert_nothing_left()
+
+
+@pytest.mark.parametrize("dry_run", [False, True], ids=["run", "--dry-run"])
+def test_a_stop_whose_exit_a_library_swallowed_still_ends_deepy_before_the_launch(tmp_path, dry_run):
+    """torch's C import of numpy clears whatever error it meets: a SIGTERM whose handler runs in there loses its
+    SystemExit, and deepy.py went on to start the run (1 start in 30 with the signal during the imports).
+    Here the handler's exit is swallowed the same way for certain, before deepy.py runs."""
+    save = tmp_path / "ckpt"
+    command_line = ["deepy.py", "train.py", "configs/tiny.yml", str(stop_config(tmp_path, save, train_iters=2)),
+                    *(["--dry-run"] if dry_run else [])]
+    swallowing_start = (
+        "import runpy, signal, sys\n"
+        "from megatron.supervision import stop_quietly_before_launch\n"
+        "stop_quietly_before_launch()\n"
+        "try:\n"
+        "    signal.raise_signal(signal.SIGTERM)\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        f"sys.argv = {command_line!r}\n"
+        "runpy.run_path('deepy.py', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", swallowing_start], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    assert done.stderr.strip().splitlines()[-1] == \
+        "deepy.py: stopped by SIGTERM before any rank started; nothing to save", output[-6000:]
+    assert output.count("stopped by SIGTERM") == 1 and done.stdout == "", output[-6000:]
+    assert not re.search(r"^deepy\.py: \S+ -m ", output, re.MULTILINE) and not save.exists(), output[-6000:]
 
 
 def test_a_signal_taken_while_the_launcher_is_being_started_is_passed_on_once_it_exists(capfd):
