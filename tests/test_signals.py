@@ -87,11 +87,11 @@ class DeepyRun:
             returncode = self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill_everything()
-            while (line := self._queue.get(timeout=60)) is not None:
-                self.lines.append(line)
-            raise AssertionError(f"deepy.py still ran after {timeout} s; output:\n{self.output[-6000:]}") from None
+            returncode = None
         while (line := self._queue.get(timeout=60)) is not None:
             self.lines.append(line)
+        if returncode is None:
+            raise AssertionError(f"deepy.py still ran after {timeout} s; output:\n{self.output[-6000:]}")
         return returncode
 
     def kill_everything(self) -> None:
