@@ -11,6 +11,7 @@ from deepspeed.runtime import constants as deepspeed_constants
 
 from megatron.checkpointing import layout
 from megatron.checkpointing import master_weights as master_weights_module
+from megatron.checkpointing import module_load as module_load_module
 from megatron.checkpointing.engine_save import save_engine_checkpoint
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.module_load import load_module_only
@@ -240,13 +241,34 @@ def test_stale_master_really_undoes_the_load(tmp_path, monkeypatch):
     _, tag_dir, saved = _save_trained(tmp_path, config)
     engine_b = build_engine(config, seed=2)
     init = training_weights(engine_b)
-    monkeypatch.setattr(master_weights_module, "refresh_master_weights", lambda engine, values, write_trained: None)
+    monkeypatch.setattr(master_weights_module, "refresh_master_weights", refresh_that_only_checks)  # no master
     monkeypatch.setattr(master_weights_module, "verify_master_weights", lambda engine: None)
     load_module_only(engine_b, read_module_weights(tag_dir))
     assert bits_equal(training_weights(engine_b)["head.weight"], saved["head.weight"].bfloat16())
     set_lr(engine_b, 0.0)
     train_step(engine_b, batch(0))
     assert bits_equal(training_weights(engine_b)["head.weight"], init["head.weight"])
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_module_only_load_writes_every_tensor_in_the_checkpoint_s_order_all_before_the_ranks_vote(
+        tmp_path, monkeypatch, stage):
+    """In a memory-mapped file's order, so that when a cold file's last pages come in only its last tensors
+    are left to copy; none after the vote, where a rank that waited for the others would copy the parameters
+    whose master another rank holds (under ZeRO-1 on 2 ranks, half of them) while every rank waits for it."""
+    config = ds_config("bf16", stage)
+    _, tag_dir, saved = _save_trained(tmp_path, config)
+    engine = build_engine(config, seed=2)
+    weights = dict(reversed(read_module_weights(tag_dir).items()))  # not the model's order
+    names = {id(value): name for name, value in weights.items()}
+    events = []
+    write, vote = module_load_module._write, master_weights_module.reported_by_ranks
+    monkeypatch.setattr(module_load_module, "_write",
+                        lambda target, value: events.append(names[id(value)]) or write(target, value))
+    monkeypatch.setattr(master_weights_module, "reported_by_ranks", lambda value: events.append("vote") or vote(value))
+    load_module_only(engine, weights)
+    assert events == [*weights, "vote"]
+    _assert_engine_holds(engine, saved)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])

@@ -104,20 +104,18 @@ def load_module_only(engine, state_dict: dict[str, torch.Tensor], strict: bool =
 
     mismatched = {name for name, _, _ in report.mismatched}
     report.loaded = [name for name in targets if name in state_dict and name not in mismatched]
-    written = set()
+    loaded = set(report.loaded)
 
     def write(name: str) -> torch.Tensor | None:  # copy_ casts element by element: no fp32 temporary of the tensor
         target = targets[name]
-        if name not in written:
-            with torch.no_grad():
-                _write(target, state_dict[name])
-            written.add(name)
+        with torch.no_grad():
+            _write(target, state_dict[name])
         return None if is_partitioned(target) else target
 
-    # writes each parameter just before its master, every master element it can, and checks all of them
-    master_weights.refresh_master_weights(engine, {name: state_dict[name] for name in report.loaded}, write)
-    for name in report.loaded:  # buffers, frozen parameters, parameters whose master another rank holds
-        write(name)
+    # writes every loaded tensor in the checkpoint's order (a memory-mapped file's), each parameter just before its
+    # master, every master element it can, and checks all of them
+    master_weights.refresh_master_weights(engine, {name: value for name, value in state_dict.items() if name in loaded},
+                                          write)
     return report
 
 
