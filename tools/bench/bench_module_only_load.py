@@ -143,12 +143,21 @@ def read_whole_file(path: Path) -> None:
 
 
 def timed(call) -> dict[str, float]:
-    """Run ``call`` once: wall and CPU seconds, RSS peak and kept growth (MiB)."""
-    gc.collect()
+    """Run ``call`` once: wall and CPU seconds, RSS peak and kept growth (MiB). Collect garbage first
+    (collected_at_barrier), so that no collection of earlier garbage falls inside the timing."""
     wall, cpu = time.perf_counter(), time.process_time()
     _, rss = measure_memory(call)
     return {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu, "peak_rss": rss.peak_growth_mib,
             "kept_rss": rss.retained_mib}
+
+
+def collected_at_barrier() -> None:
+    """Collect garbage, then wait for every rank: the ranks' timed loads start together. A collection walks
+    every object the interpreter tracks (some ms here, more on one rank than another), so one run between the
+    barrier and the timing staggered the ranks' starts, and each rank timed a load that had the disk, or the
+    node's check of the file, to itself for a while."""
+    gc.collect()
+    dist.barrier()
 
 
 def timed_then_sampled(call) -> dict[str, float]:
@@ -224,20 +233,23 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
     for repeat in range(options.repeats):
         if options.cold:
             evict_from_page_cache(tag_dir)
-            dist.barrier()
+            collected_at_barrier()
             samples["read_evicted"].append(timed(lambda: read_whole_file(module_file)))
             samples["read_cached"].append(timed(lambda: read_whole_file(module_file)))
         for name, load in loads if repeat % 2 == 0 else loads[::-1]:
+            gc.collect()
             samples["train_step"].append(timed(lambda: train_step(engine, tokens)))
             if options.cold:
                 evict_from_page_cache(tag_dir)
             forget_checked_files()  # every repeat checks the files, as each restarted run does
-            dist.barrier()
+            collected_at_barrier()
             samples[name].append(timed_then_sampled(load))
             if repeat < 2 and name != "raw":  # raw leaves the master stale: it is a floor, not a load
                 check_loaded(engine, expected[name], name)
             if name == "ours":
+                gc.collect()
                 samples["verify"].append(timed_then_sampled(lambda: verify_master_weights(engine)))
+                gc.collect()
                 samples["checksum"].append(timed_then_sampled(lambda: manifest.verify_files(tag_dir, [module_file])))
     files_mib = sum(p.stat().st_size for p in tag_dir.iterdir() if p.is_file()) / 2**20
     medians = {name: {key: median([s[key] for s in runs]) for key in runs[0]} for name, runs in samples.items()}
