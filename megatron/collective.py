@@ -43,9 +43,8 @@ def reported_by_ranks(value: T | None, group=None) -> list[tuple[int, T]]:
     import torch
     import torch.distributed as dist
 
-    world = rank_and_world()[1]
-    if world > 1:
-        flags = torch.zeros(world, dtype=torch.int32, device=_tensor_device(group))
+    if rank_and_world()[1] > 1:
+        flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=_tensor_device(group))
         flags[dist.get_rank(group)] = value is not None
         dist.all_reduce(flags, group=group)
         if not flags.any():
