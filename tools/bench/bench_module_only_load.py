@@ -143,8 +143,9 @@ def read_whole_file(path: Path) -> None:
 
 
 def timed(call) -> dict[str, float]:
-    """Run ``call`` once: wall and CPU seconds, RSS peak and kept growth (MiB). Collect garbage first
-    (collected_at_barrier), so that no collection of earlier garbage falls inside the timing."""
+    """Run ``call`` once: wall and CPU seconds, RSS peak and kept growth (MiB). The caller collects garbage
+    first (``gc.collect()``, or collected_at_barrier where the ranks start together), so that no collection
+    of earlier garbage falls inside the timing."""
     wall, cpu = time.perf_counter(), time.process_time()
     _, rss = measure_memory(call)
     return {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu, "peak_rss": rss.peak_growth_mib,
