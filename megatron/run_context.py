@@ -70,17 +70,16 @@ def _checkpoint_model_settings(load: Path, iteration: int | None, tensor_paralle
     inventory = inventory_checkpoint(load, HF_FOLDER)
     if inventory.is_hf:
         return _hf_model_settings(load, tensor_parallel)
-    tag_name = inventory.requested_tag(iteration=iteration)
-    tag = inventory.tags.get(tag_name) if tag_name else None
     try:  # the tag's model-states file: checked against its manifest, unpickled weights-only
-        settings = tag.metadata.saved_args if tag is not None and tag.metadata is not None else None
+        tag = inventory.chosen_tag(iteration=iteration)
+        settings = tag.metadata.saved_args if tag.metadata is not None else None
     except CheckpointError as err:
         raise ConfigError(f"load: {err}") from None
     if not settings:
-        where = f"{tag.path} records no settings" if tag is not None else f"{load} holds no tag {tag_name or '(no latest)'}"
         raise ConfigError(
-            f"the config files do not give the model's shape ({', '.join(MODEL_REQUIRED)}) and {where} to take "
-            "it from; add the model's settings (e.g. the checkpoint's configs/*.yml) to the command line"
+            f"the config files do not give the model's shape ({', '.join(MODEL_REQUIRED)}) and {tag.path} records "
+            "no settings to take it from; add the model's settings (e.g. the checkpoint's configs/*.yml) to the "
+            "command line"
         )
     model = NeoXArgs.from_saved(settings, str(tag.path))
     # How the saving run split the model is not part of it: a module-only load re-splits the weights

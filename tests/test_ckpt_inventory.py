@@ -15,6 +15,7 @@ from megatron.checkpointing.inventory import (
     FORMAT_INCOMPLETE,
     FORMAT_PIPELINE,
     FORMAT_ZERO3,
+    SavedLayout,
     inventory_checkpoint,
 )
 from megatron.hf import HF_FOLDER
@@ -44,12 +45,14 @@ def test_inventory_of_deepspeed_checkpoints(single_rank_world, tmp_path, stage, 
     assert tag.format == fmt == inventory.format
     assert [p.name for p in tag.files if "model_states" in p.name] == [model_file]
     if optimizer_file is None:  # without ZeRO the optimizer state sits in the model-states file
-        assert tag.optimizer_files == {} and tag.saved_dp_size is None
+        assert tag.optimizer_files == {}
     else:
         assert {k: p.name for k, p in tag.optimizer_files.items()} == {(0, 0): optimizer_file}
-        assert tag.saved_dp_size == 1
+        assert tag.optimizer_dp_ranks == (0,)
     assert tag.has_optimizer_states
-    assert tag.saved_tp_size == 1 and tag.mp_ranks == (0,)
+    assert tag.mp_ranks == (0,)
+    assert tag.saved_layout == SavedLayout(source_format=fmt, tensor_parallel=1, pipeline_stages=1, data_parallel=1,
+                                           zero_stage=stage, precision=precision)
     meta = tag.metadata
     assert (meta.zero_stage, meta.precision, meta.dp_world_size) == (stage, precision, 1)
     assert meta.has_module_weights == (stage != 3)  # ZeRO-3 module entries are empty placeholders
@@ -72,7 +75,7 @@ def test_optimizer_files_per_dp_and_mp_rank_and_missing_ones(single_rank_world, 
     (tag_dir / "zero_pp_rank_3_mp_rank_00_optim_states.pt").write_bytes(optim.read_bytes())
     tag = inventory_checkpoint(tmp_path).tags["global_step1"]
     assert tag.optimizer_dp_ranks == (0, 1, 3)
-    assert tag.saved_dp_size == 3
+    assert tag.saved_layout.data_parallel == 1  # DeepSpeed recorded dp_world_size 1: the copies are strays
 
 
 def test_pipeline_layer_files(tmp_path):
@@ -100,7 +103,7 @@ def test_tensor_parallel_size_from_mp_rank_files(tmp_path):
     for mp in (0, 1):
         torch.save({"module": {"w": torch.ones(1)}}, tag_dir / f"mp_rank_{mp:02d}_model_states.pt")
     tag = inventory_checkpoint(tmp_path).tags["global_step1"]
-    assert tag.mp_ranks == (0, 1) and tag.saved_tp_size == 2
+    assert tag.mp_ranks == (0, 1) and tag.saved_layout.tensor_parallel == 2
 
 
 def test_hf_model_dir(tmp_path):
@@ -149,14 +152,61 @@ def test_truncated_model_states_file_is_named(single_rank_world, tmp_path):
 
 
 def test_one_rule_names_the_tag_a_request_reads(tmp_path):
-    """The load plan, the run context, inspect_checkpoint and the HF export all ask requested_tag."""
+    """The load plan, the run context, inspect_checkpoint and the HF export all ask chosen_tag."""
     for name in ("global_step2", "global_step5"):
         (tmp_path / name).mkdir()
     (tmp_path / "latest").write_text("global_step5")
     inventory = inventory_checkpoint(tmp_path)
-    assert inventory.requested_tag() == "global_step5"
-    assert inventory.requested_tag(iteration=2) == "global_step2"
-    assert inventory.requested_tag(iteration=7) == "global_step7"  # named, absent: the caller refuses it
-    assert inventory.requested_tag(tag="global_step2", iteration=5) == "global_step2"
+    assert inventory.chosen_tag().tag == "global_step5"
+    assert inventory.chosen_tag(iteration=2).tag == "global_step2"
+    assert inventory.chosen_tag(tag="global_step2", iteration=5).tag == "global_step2"
+    with pytest.raises(CheckpointError, match=r"`iteration: 7` asks for .*global_step7, which does not exist; "
+                                              r"available iterations: \[2, 5\]"):
+        inventory.chosen_tag(iteration=7)
+    with pytest.raises(CheckpointError, match=r"the tag asked for is 'global_step7', but .* does not exist; "
+                                              r"available iterations: \[2, 5\]\. Set --tag TAG to pick one\.$"):
+        inventory.chosen_tag(tag="global_step7", pick_with="--tag {tag}")
     (tmp_path / "latest").unlink()
-    assert inventory_checkpoint(tmp_path).requested_tag() is None
+    with pytest.raises(CheckpointError, match=r"has no `latest` file naming the tag to load; .*\[2, 5\]"):
+        inventory_checkpoint(tmp_path).chosen_tag()
+
+
+def test_a_partial_folder_is_refused_by_every_reader_of_a_tag_in_the_same_words(tmp_path):
+    """A `latest` naming an interrupted save, or such a folder asked for by name, is never read, whoever asks."""
+    from megatron.hf.convert import convert_neox_to_hf
+    from megatron.neox_arguments import ConfigError
+    from megatron.run_context import settings_for_run
+    from tools.ckpts.inspect_checkpoint import describe
+
+    (tmp_path / "global_step1").mkdir()
+    (tmp_path / "global_step2.partial").mkdir()
+    (tmp_path / "latest").write_text("global_step2.partial")
+    expected = "names 'global_step2.partial', the folder of an interrupted or unfinished save, which is never loaded"
+    config = tmp_path / "run.yml"
+    config.write_text(f"load: {tmp_path}\n")
+    with pytest.raises(ConfigError, match=expected):
+        settings_for_run([str(config)])
+    for read in (lambda: describe(tmp_path, None), lambda: convert_neox_to_hf(tmp_path, tmp_path / "hf")):
+        with pytest.raises(CheckpointError, match=expected + r"\. Write 'global_step1' \(the newest complete tag\) "
+                                                             r"into it, or set --tag global_step1\."):
+            read()
+    with pytest.raises(CheckpointError, match="the tag asked for is 'global_step2.partial', the folder of an "
+                                              "interrupted or unfinished save, which is never loaded. Ask for "
+                                              "'global_step1', the newest complete tag."):
+        describe(tmp_path, "global_step2.partial")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_saved_layout_without_a_recorded_data_parallel_size_counts_up_to_the_highest_shard(tmp_path):
+    """GPT-NeoX's and older files may record no dp_world_size: the shards' highest rank says it, a gap included."""
+    tag_dir = tmp_path / "global_step1"
+    tag_dir.mkdir()
+    torch.save({"module": {"w": torch.ones(1)}, "iteration": 1, "args": {"model_parallel_size": 2},
+                "ds_config": {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}},
+               tag_dir / "mp_rank_00_model_states.pt")
+    for dp in (0, 1, 3):
+        torch.save({}, tag_dir / f"bf16_zero_pp_rank_{dp}_mp_rank_00_optim_states.pt")
+    layout = inventory_checkpoint(tmp_path).tags["global_step1"].saved_layout
+    # the settings say 2 tensor-parallel ranks, though only mp_rank_00 is there: read as 2, the missing file named later
+    assert layout == SavedLayout(source_format=FORMAT_DEEPSPEED, tensor_parallel=2, pipeline_stages=1,
+                                 data_parallel=4, zero_stage=1, precision="bf16")

@@ -13,7 +13,7 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
-from megatron.checkpointing import layout
+from megatron.checkpointing import layout, manifest
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.weights_source import WeightsSource
@@ -83,6 +83,29 @@ def read_saved_metadata(path: Path) -> SavedMetadata:
 
 
 @dataclass(frozen=True)
+class SavedLayout:
+    """How a tag's state was split when it was saved: every reader (the load plan, its checks, the
+    reshard, the converters, inspect_checkpoint) takes these numbers from here.
+
+    The tensor-parallel size is the larger of the mp_rank files present and the saved settings' size, so a
+    tag that lost a rank's file is read as the size it was saved at (and the missing file is named), never
+    as a smaller model. The data-parallel size is DeepSpeed's recorded ``dp_world_size``, else the highest
+    data-parallel rank of the optimizer shards plus one (a missing shard in the middle still counts).
+    """
+
+    source_format: str
+    tensor_parallel: int
+    pipeline_stages: int
+    data_parallel: int
+    zero_stage: int | None  # None without a model-states file to read it from
+    precision: str | None
+
+    def describe(self) -> str:
+        return (f"{self.source_format}: DP {self.data_parallel} x TP {self.tensor_parallel} x PP {self.pipeline_stages}, "
+                f"ZeRO-{self.zero_stage}, {self.precision}")
+
+
+@dataclass(frozen=True)
 class TagInventory:
     """The files of one tag folder, by kind and rank."""
 
@@ -122,6 +145,11 @@ class TagInventory:
     def metadata(self) -> SavedMetadata | None:
         return read_saved_metadata(self.metadata_file) if self.metadata_file else None
 
+    @cached_property
+    def manifest(self) -> dict[str, manifest.FileRecord] | None:
+        """The tag's manifest, read once (None without one; refused when damaged: manifest.read_manifest)."""
+        return manifest.read_manifest(self.path)
+
     @property
     def mp_ranks(self) -> tuple[int, ...]:
         """The tensor-parallel ranks of the tag's files."""
@@ -150,21 +178,22 @@ class TagInventory:
         return recorded if recorded > 1 else max(len(self.engine_mp_ranks) // len(self.mp_ranks), 1)
 
     @property
-    def saved_tp_size(self) -> int:
-        """Tensor-parallel size the tag was saved with: its mp_rank files, else the saved settings."""
-        if self.mp_ranks:
-            return max(self.mp_ranks) + 1
-        args = self.metadata.saved_args if self.metadata else None
-        return int((args or {}).get("model_parallel_size") or 1)
-
-    @property
     def optimizer_dp_ranks(self) -> tuple[int, ...]:
         return tuple(sorted({dp for dp, _ in self.optimizer_files}))
 
-    @property
-    def saved_dp_size(self) -> int | None:
-        """Distinct DP ranks in the optimizer file names (None without ZeRO optimizer files)."""
-        return len(self.optimizer_dp_ranks) or None
+    @cached_property
+    def saved_layout(self) -> SavedLayout:
+        """The one answer to "what was saved, at what layout" (see SavedLayout)."""
+        settings = (self.metadata.saved_args if self.metadata else None) or {}
+        recorded_dp = self.metadata.dp_world_size if self.metadata else None
+        return SavedLayout(
+            source_format=self.format,
+            tensor_parallel=max(max(self.mp_ranks, default=0) + 1, int(settings.get("model_parallel_size") or 1)),
+            pipeline_stages=self.saved_pp_size,
+            data_parallel=int(recorded_dp or (max(self.optimizer_dp_ranks) + 1 if self.optimizer_files else 1)),
+            zero_stage=self.metadata.zero_stage if self.metadata else None,
+            precision=self.metadata.precision if self.metadata else None,
+        )
 
     @property
     def has_optimizer_states(self) -> bool:
@@ -205,15 +234,50 @@ class CheckpointInventory:
             return self.tags[self.latest].format
         return None
 
-    def requested_tag(self, iteration: int | None = None, tag: str | None = None) -> str | None:
-        """The one rule for which tag a load, an inspection or a conversion reads: `tag` when named, else
-        `global_step<iteration>` when an iteration is asked for, else the tag `latest` names (None without
-        `latest`). Whether that tag exists and may be read is the caller's to check."""
-        if tag:
-            return tag
-        if iteration is not None:
-            return layout.tag_for_iteration(iteration)
-        return self.latest
+    def chosen_tag(self, iteration: int | None = None, tag: str | None = None,
+                   pick_with: str = "`iteration: {iteration}`") -> TagInventory:
+        """The one rule for which tag a load, an inspection or a conversion reads, checked here once: `tag` when
+        named, else `global_step<iteration>` when an iteration is asked for, else the tag `latest` names. A
+        name that does not exist, a missing `latest`, and a `.partial` folder (an interrupted save) are refused
+        in one line; `pick_with` says how the caller's user names another tag (fields {iteration}, {tag})."""
+        root, latest_file = self.root, self.root / layout.LATEST_FILE
+
+        def pick(newest: TagInventory | None = None) -> str:
+            if newest is None:
+                return pick_with.format(iteration="N", tag="TAG")
+            return pick_with.format(iteration=newest.iteration, tag=newest.tag)
+
+        if tag is None and iteration is not None:
+            tag = layout.tag_for_iteration(iteration)
+            if tag not in self.tags:
+                raise CheckpointError(
+                    f"`iteration: {iteration}` asks for {root / tag}, which does not exist; {self.available()} in "
+                    f"{root}. Set `iteration` to one of them, or unset it to load the tag named in {latest_file}.")
+        from_latest = tag is None
+        if from_latest:
+            if self.latest is None:
+                raise CheckpointError(f"{root} has no `{layout.LATEST_FILE}` file naming the tag to load; "
+                                      f"{self.available()}. Set {pick()} to pick one.")
+            tag = self.latest
+        named = f"{latest_file} names" if from_latest else "the tag asked for is"
+        if tag.endswith(layout.PARTIAL_SUFFIX):
+            newest = list(self.tags.values())[-1] if self.tags else None
+            way_out = ((f"Write '{newest.tag}' (the newest complete tag) into it, or set {pick(newest)}."
+                        if from_latest else f"Ask for '{newest.tag}', the newest complete tag.")
+                       if newest else "Remove it; the directory holds no complete tag to load.")
+            raise CheckpointError(f"{named} '{tag}', the folder of an interrupted or unfinished save, which is never "
+                                  f"loaded. {way_out}")
+        if tag not in self.tags:
+            fix = f", or fix the `{layout.LATEST_FILE}` file" if from_latest else ""
+            raise CheckpointError(f"{named} '{tag}', but {root / tag} does not exist; {self.available()}. Set "
+                                  f"{pick()} to pick one{fix}.")
+        return self.tags[tag]
+
+    def available(self) -> str:
+        """The tags a user may pick instead, in words."""
+        if self.iterations:
+            return f"available iterations: {self.iterations}"
+        return f"available tags: {list(self.tags)}" if self.tags else "it holds no global_step<N> tags"
 
     @property
     def iterations(self) -> list[int]:

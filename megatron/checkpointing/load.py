@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from megatron.checkpointing import manifest
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.inventory import inventory_checkpoint
@@ -70,14 +69,13 @@ def _module_weights(plan: LoadPlan, engine):
     """This rank's weights, named as the engine's module names them: a pipeline stage takes its own layers."""
     from deepspeed.pipe import PipelineModule
 
-    from megatron.checkpointing import preflight
     from megatron.checkpointing.module_weights import read_this_ranks_module_weights, this_ranks_part
     from megatron.model.pipeline import stage_weights
 
     if plan.hf_source is not None:
         weights = this_ranks_part([plan.hf_source.read_weights(plan.load_dir, plan.architecture)], plan.architecture)
     else:
-        saved = preflight.saved_tensor_parallel_size(plan.tag_inventory)
+        saved = plan.tag_inventory.saved_layout.tensor_parallel
         weights = read_this_ranks_module_weights(plan.tag_dir, saved, plan.architecture)
     return stage_weights(engine.module, weights) if isinstance(engine.module, PipelineModule) else weights
 
@@ -106,7 +104,7 @@ def _check_names_for_resume(plan: LoadPlan, engine) -> None:
 def _verify_files(plan: LoadPlan) -> None:
     """Check the files DeepSpeed's load reads against the tag's manifest, each file on one rank, before any is read
     (a file the load plan read already, the model-states file, is not checked again)."""
-    if manifest.read_manifest(plan.tag_dir) is None:
+    if plan.tag_inventory.manifest is None:
         return
     rank, world = rank_and_world()
     mine = [checkpoint_file_problem(path) for path in plan.files[rank::world]]

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron.architecture import Architecture, ModelConfigError, describe_model
-from megatron.checkpointing import layout, manifest, preflight, reshard
+from megatron.checkpointing import layout, preflight, reshard
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.data_position import DataPosition, data_position, resume_change_notes
 from megatron.checkpointing.errors import CheckpointError
@@ -179,44 +179,6 @@ def _saved_without_optimizer(tag: TagInventory) -> bool:
     return bool((settings or {}).get("no_save_optim")) and not tag.has_optimizer_states
 
 
-def _available(inventory: CheckpointInventory) -> str:
-    iterations = inventory.iterations
-    return f"available iterations: {iterations}" if iterations else "it holds no global_step<N> tags"
-
-
-def _choose_tag(args, inventory: CheckpointInventory) -> str:
-    root = inventory.root
-    tag = inventory.requested_tag(iteration=args.iteration)
-    if args.iteration is not None:
-        if tag not in inventory.tags:
-            raise CheckpointError(
-                f"`iteration: {args.iteration}` asks for {root / tag}, which does not exist; "
-                f"{_available(inventory)} in {root}. Set `iteration` to one of them, or unset it to load "
-                f"the tag named in {root / layout.LATEST_FILE}."
-            )
-        return tag
-    if tag is None:
-        raise CheckpointError(
-            f"{root} has no `{layout.LATEST_FILE}` file naming the tag to load; {_available(inventory)}. "
-            f"Set `iteration: N` to pick one."
-        )
-    if inventory.latest.endswith(layout.PARTIAL_SUFFIX):
-        newest = list(inventory.tags.values())[-1] if inventory.tags else None
-        way_out = (f"Write '{newest.tag}' (the newest complete tag) into it, or set `iteration: {newest.iteration}`."
-                   if newest else "Remove it; the directory holds no complete tag to load.")
-        raise CheckpointError(
-            f"{root / layout.LATEST_FILE} names '{inventory.latest}', the folder of an interrupted or unfinished "
-            f"save, which is never loaded. {way_out}"
-        )
-    if inventory.latest not in inventory.tags:
-        raise CheckpointError(
-            f"{root / layout.LATEST_FILE} names tag '{inventory.latest}', but {root / inventory.latest} "
-            f"does not exist; {_available(inventory)}. Set `iteration: N` to pick one, or fix the "
-            f"`{layout.LATEST_FILE}` file."
-        )
-    return inventory.latest
-
-
 def _module_files(tag: TagInventory) -> tuple[Path, ...]:
     """The files the module-only path reads for this tag (module_weights.read_module_weights)."""
     if tag.format == FORMAT_PIPELINE:
@@ -346,15 +308,15 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
             "or set `load` and `save` to the same directory to resume automatically when a checkpoint exists."
         )
 
-    tag_name = _choose_tag(args, inventory)
-    tag = inventory.tags[tag_name]
+    tag = inventory.chosen_tag(iteration=args.iteration)
+    tag_name = tag.tag
     if tag.format == FORMAT_INCOMPLETE:
         raise CheckpointError(
             f"{tag.path} is incomplete: it holds no model-states file ({layout.model_states_name(0)}, "
             f"{layout.zero3_model_states_name(0, 0)}) and no pipeline layer files (an interrupted save?). "
-            f"{_available(inventory)}; pick another with `iteration: N`."
+            f"{inventory.available()}; pick another with `iteration: N`."
         )
-    has_manifest = manifest.read_manifest(tag.path) is not None  # refuses a damaged, empty or incomplete one
+    has_manifest = tag.manifest is not None  # refuses a damaged, empty or incomplete one
     fresh_optimizer = []
     if mode is LoadMode.RESUME and _saved_without_optimizer(tag):
         mode = LoadMode.NO_LOAD_OPTIM
@@ -363,7 +325,7 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
     load_optimizer = mode is LoadMode.RESUME
     change = None
     if load_optimizer and tag.metadata is not None and not preflight.loads_universal(tag, args):
-        change = reshard.shape_change(tag, args, data_parallel_size, preflight.saved_tensor_parallel_size(tag))
+        change = reshard.shape_change(tag, args, data_parallel_size)
     if change is not None:
         files = reshard.files_read(tag)
     elif load_optimizer:
@@ -392,7 +354,7 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         notes += [*position.notes, *resume_change_notes(args, client, tag_name, tag.iteration, position)]
     if tag.format == FORMAT_ZERO3 and not load_optimizer:
         notes.append("no full module file: weights are rebuilt from the ZeRO-3 fp32 partitions")
-    saved_tp, wanted_tp = preflight.saved_tensor_parallel_size(tag), args.model_parallel_size or 1
+    saved_tp, wanted_tp = tag.saved_layout.tensor_parallel, args.model_parallel_size or 1
     if saved_tp != wanted_tp and not load_optimizer:
         notes.append(f"weights re-split from tensor-parallel size {saved_tp} to {wanted_tp} while loading "
                      "(each rank reads only its slices)")
@@ -422,7 +384,7 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         fresh_reward_head=_fresh_reward_head(args, client, tag, load_optimizer),
     )
     _check_iterations_left(plan, args)
-    preflight.check_plan(files, load_optimizer, tag, args, data_parallel_size)
+    preflight.check_plan(files, load_optimizer, tag, args, change)
     return plan
 
 

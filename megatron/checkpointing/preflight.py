@@ -21,14 +21,9 @@ _MODULE_ONLY_HINT = ("set `no_load_optim: true` (keep iteration and data positio
                      "or `finetune: true` (weights only, start at iteration 0)")
 
 
-def saved_tensor_parallel_size(tag: TagInventory) -> int:
-    saved_args = (tag.metadata.saved_args if tag.metadata else None) or {}
-    return max(tag.saved_tp_size, saved_args.get("model_parallel_size") or 1)
-
-
 def _check_tensor_parallel(tag: TagInventory, args, load_optimizer: bool) -> None:
     """A module-only load re-splits the weights to this run's size; optimizer shards cannot be re-split."""
-    wanted, saved = args.model_parallel_size or 1, saved_tensor_parallel_size(tag)
+    wanted, saved = args.model_parallel_size or 1, tag.saved_layout.tensor_parallel
     if saved == wanted:
         return
     if load_optimizer and not tag.optimizer_files:  # else resharded (reshard.py)
@@ -77,7 +72,7 @@ def loads_universal(tag: TagInventory, args) -> bool:
     return tag.universal and bool(((args.deepspeed_extra_args or {}).get("checkpoint") or {}).get("load_universal"))
 
 
-def _check_resume(tag: TagInventory, args, data_parallel_size: int) -> None:
+def _check_resume(tag: TagInventory, args, change: reshard.ShapeChange | None) -> None:
     _check_pipeline_stages(tag, args)
     if not tag.has_optimizer_states:
         raise CheckpointError(
@@ -88,15 +83,13 @@ def _check_resume(tag: TagInventory, args, data_parallel_size: int) -> None:
     meta = tag.metadata
     if meta.zero_stage != 0:  # else the whole optimizer state sits in the model-states file
         _check_shards_complete(tag)
-    if not loads_universal(tag, args):
-        change = reshard.shape_change(tag, args, data_parallel_size, saved_tensor_parallel_size(tag))
-        problem = change and reshard.refusal(tag, args, _MODULE_ONLY_HINT)
-        if change and tag.format == FORMAT_PIPELINE:
-            problem = (f"{tag.path} is a pipeline checkpoint saved at {change.saved.describe()}, this run is "
-                       f"{change.run.describe()}; a pipeline's optimizer shards resume at their own shape only. "
-                       f"Resume there, or {_MODULE_ONLY_HINT}.")
-        if problem:
-            raise CheckpointError(problem)
+    problem = change and reshard.refusal(tag, args, _MODULE_ONLY_HINT)
+    if change and tag.format == FORMAT_PIPELINE:
+        problem = (f"{tag.path} is a pipeline checkpoint saved at {change.saved.describe()}, this run is "
+                   f"{change.run.describe()}; a pipeline's optimizer shards resume at their own shape only. "
+                   f"Resume there, or {_MODULE_ONLY_HINT}.")
+    if problem:
+        raise CheckpointError(problem)
 
 
 def _check_pipeline_stages(tag: TagInventory, args) -> None:
@@ -118,7 +111,7 @@ def _check_pipeline_stages(tag: TagInventory, args) -> None:
 
 def _check_shards_complete(tag: TagInventory) -> None:
     saved_stage = tag.metadata.zero_stage
-    saved_dp = tag.metadata.dp_world_size or (max(tag.optimizer_dp_ranks) + 1)
+    saved_dp = tag.saved_layout.data_parallel
     expected = _expected_optimizer_files(tag, saved_dp)
     missing = [name for key, name in expected.items() if key not in tag.optimizer_files]
     if saved_stage == 3:
@@ -155,11 +148,12 @@ def check_files_intact(paths) -> None:
             )
 
 
-def check_plan(files: Iterable[Path], load_optimizer: bool, tag: TagInventory, args, data_parallel_size: int) -> None:
-    """Raise CheckpointError when a plan reading `files` (and the optimizer states when `load_optimizer`)
-    cannot be carried out with these settings."""
+def check_plan(files: Iterable[Path], load_optimizer: bool, tag: TagInventory, args,
+               change: reshard.ShapeChange | None) -> None:
+    """Raise CheckpointError when a plan reading `files` (and the optimizer states when `load_optimizer`, at
+    the shape change the plan decided) cannot be carried out with these settings."""
     check_files_intact(files)
     _check_tensor_parallel(tag, args, load_optimizer)
     _check_architecture(tag, args)
     if load_optimizer:
-        _check_resume(tag, args, data_parallel_size)
+        _check_resume(tag, args, change)

@@ -61,7 +61,7 @@ def needs_reference(args) -> bool:
 def weights_checksum(plan: LoadPlan) -> str:
     """A digest of the checksum of each file a module-only `plan` reads."""
     root = plan.tag_dir if plan.tag_dir is not None else plan.load_dir
-    records = manifest.read_manifest(plan.tag_dir) if plan.tag_dir is not None else None
+    records = plan.tag_inventory.manifest if plan.tag_inventory is not None else None
     lines = []
     for path in sorted(plan.files):
         name = Path(path).relative_to(root).as_posix()

@@ -70,10 +70,9 @@ class ShapeChange:
         return notes
 
 
-def saved_shape(tag: TagInventory, saved_tensor_parallel: int) -> Shape:
-    meta = tag.metadata
-    data_parallel = meta.dp_world_size or (max(tag.optimizer_dp_ranks) + 1 if tag.optimizer_files else 1)
-    return Shape(int(data_parallel), saved_tensor_parallel, meta.zero_stage, meta.precision)
+def saved_shape(tag: TagInventory) -> Shape:
+    saved = tag.saved_layout
+    return Shape(saved.data_parallel, saved.tensor_parallel, saved.zero_stage, saved.precision)
 
 
 def run_shape(args, data_parallel_size: int) -> Shape:
@@ -81,13 +80,13 @@ def run_shape(args, data_parallel_size: int) -> Shape:
                  precision_of(args.precision, args.fp16, args.bf16))
 
 
-def shape_change(tag: TagInventory, args, data_parallel_size: int, saved_tensor_parallel: int) -> ShapeChange | None:
+def shape_change(tag: TagInventory, args, data_parallel_size: int) -> ShapeChange | None:
     """The change between the shape `tag` was saved at and this run's; None when a same-shape resume does.
 
     Without ZeRO the whole optimizer state sits in the model-states file, which DeepSpeed loads at
     any data-parallel size: a data-parallel change alone is no change there.
     """
-    saved, run = saved_shape(tag, saved_tensor_parallel), run_shape(args, data_parallel_size)
+    saved, run = saved_shape(tag), run_shape(args, data_parallel_size)
     if saved.zero_stage == run.zero_stage == 0:
         saved = Shape(run.data_parallel, saved.tensor_parallel, saved.zero_stage, saved.precision)
     if saved == run:

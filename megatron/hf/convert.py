@@ -15,7 +15,7 @@ from megatron.architecture import ModelConfigError, implied_family
 from megatron.checkpointing import layout
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.inventory import TagInventory, inventory_checkpoint, inventory_tag
+from megatron.checkpointing.inventory import TagInventory, inventory_checkpoint
 from megatron.checkpointing.module_weights import (
     layer_states,
     read_full_module_weights,
@@ -186,12 +186,9 @@ def convert_neox_to_hf(
     false; ``pad_token_id`` names the padding token instead of GPT-NeoX's <|padding|> (GPT-NeoX's
     converter's --pad-token-id)."""
     ckpt_dir = Path(ckpt_dir)
-    tag = inventory_checkpoint(ckpt_dir).requested_tag(tag=tag)
-    if tag is None:
-        raise HFConversionError(f"{ckpt_dir} has no `latest` file; name the tag to convert with --tag")
-    tag_dir = ckpt_dir / tag
-    tag_inventory = inventory_tag(ckpt_dir, tag)
-    tp_size = tag_inventory.saved_tp_size
+    tag_inventory = inventory_checkpoint(ckpt_dir).chosen_tag(tag=tag, pick_with="--tag {tag}")
+    tag_dir = tag_inventory.path
+    tp_size = tag_inventory.saved_layout.tensor_parallel
     first_part = read_module_weights(tag_dir)
     settings = _settings_of_checkpoint(tag_inventory, config_files)
     embedding = first_part.get("sequential.0.word_embeddings.weight")

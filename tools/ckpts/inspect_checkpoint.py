@@ -46,16 +46,7 @@ MODE_FLAGS = {
 
 
 def chosen_tag(inventory: CheckpointInventory, tag: str | None) -> TagInventory | None:
-    if inventory.is_hf:
-        return None
-    name = inventory.requested_tag(tag=tag)
-    if name is None:
-        raise CheckpointError(
-            f"{inventory.root} has no `latest` file; name a tag with --tag (tags: {', '.join(inventory.tags) or 'none'})"
-        )
-    if name not in inventory.tags:
-        raise CheckpointError(f"{inventory.root} has no tag {name!r}; tags: {', '.join(inventory.tags) or 'none'}")
-    return inventory.tags[name]
+    return None if inventory.is_hf else inventory.chosen_tag(tag=tag, pick_with="--tag {tag}")
 
 
 def module_weights(inventory: CheckpointInventory, tag: TagInventory | None) -> dict[str, torch.Tensor]:
@@ -68,9 +59,9 @@ def module_weights(inventory: CheckpointInventory, tag: TagInventory | None) -> 
 def tag_weights(tag: TagInventory) -> dict[str, torch.Tensor]:
     """The whole tensors of a tag, its tensor-parallel ranks' parts joined (by the saved architecture)."""
     settings = tag.metadata.saved_args if tag.metadata else None
-    if tag.saved_tp_size == 1 or not settings:
+    if tag.saved_layout.tensor_parallel == 1 or not settings:
         return read_module_weights(tag.path)
-    return read_full_module_weights(tag.path, tag.saved_tp_size, architecture_of({**settings, "model_parallel_size": 1}))
+    return read_full_module_weights(tag.path, tag.saved_layout.tensor_parallel, architecture_of({**settings, "model_parallel_size": 1}))
 
 
 def saved_model(settings: dict[str, Any] | None) -> str | None:
@@ -104,7 +95,7 @@ def load_modes(
         values["iteration"] = tag.iteration
     if metadata is not None:
         values.update(zero_optimization={"stage": metadata.zero_stage}, precision=metadata.precision)
-    dp_size = (tag.saved_dp_size if tag is not None else None) or 1
+    dp_size = tag.saved_layout.data_parallel if tag is not None else 1
     result = {}
     for mode, flags in MODE_FLAGS.items():
         try:
@@ -131,7 +122,7 @@ def full_resume_shapes(inventory: CheckpointInventory, tag: TagInventory | None,
     base = {key: value for key, value in settings.items() if key not in ("gradient_accumulation_steps", "num_gpus")}
     base.update(load=str(inventory.root), save=str(inventory.root), finetune=False, no_load_optim=False,
                 iteration=tag.iteration if tag.tag != inventory.latest else None)
-    saved_dp, saved_tp = tag.saved_dp_size or tag.metadata.dp_world_size or 1, tag.saved_tp_size
+    saved_dp, saved_tp = tag.saved_layout.data_parallel, tag.saved_layout.tensor_parallel
 
     def accepted(dp: int, tp: int, stage: int, precision: str) -> bool:
         values = {**base, "model_parallel_size": tp, "num_gpus": tp * dp, "precision": precision,
@@ -177,8 +168,8 @@ def describe(root: Path, tag_name: str | None) -> dict[str, Any]:
             iteration=saved_iteration if saved_iteration is not None else tag.iteration,
             zero_stage=metadata.zero_stage if metadata else None,
             precision=metadata.precision if metadata else None,
-            dp_world_size=metadata.dp_world_size if metadata else None,
-            tensor_parallel_size=tag.saved_tp_size,
+            dp_world_size=tag.saved_layout.data_parallel,
+            tensor_parallel_size=tag.saved_layout.tensor_parallel,
             pipeline_stages=tag.saved_pp_size,
             optimizer_states={
                 "in_model_states_file": bool(metadata and metadata.has_optimizer_in_file),
