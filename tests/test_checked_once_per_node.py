@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from megatron.checkpointing import layout, manifest
-from megatron.checkpointing.save_lock import process_start_time
+from megatron.processes import process_start_time
 
 REPO = Path(__file__).resolve().parents[1]
 

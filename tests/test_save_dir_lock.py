@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from megatron.checkpointing import CheckpointError, layout, save_lock
+from megatron.processes import process_start_time
 from tests.e2e import REPO_ROOT, run_deepy, train_lines, write_overrides
 
 # A process that takes the lock of argv[1], says so, then does what argv[2] says.
@@ -98,7 +99,7 @@ def test_a_pid_that_another_process_has_now_is_stale_the_same_process_is_not(tmp
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         real = replace(save_lock.LockHolder.this_process(["tiny.yml"]), pid=sleeper.pid,
-                       start_time=save_lock.process_start_time(sleeper.pid))
+                       start_time=process_start_time(sleeper.pid))
         write_lock(tmp_path, real)
         with pytest.raises(CheckpointError, match=f"in use by another run, pid {sleeper.pid} on host"):
             acquire_here(tmp_path)

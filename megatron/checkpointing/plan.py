@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron.architecture import Architecture, ModelConfigError, describe_model
-from megatron.checkpointing import layout, preflight, reshard
+from megatron.checkpointing import layout, preflight, shape
 from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.data_position import DataPosition, data_position, resume_change_notes
 from megatron.checkpointing.errors import CheckpointError
@@ -79,7 +79,7 @@ class LoadPlan:
     run_architecture: Callable[[], Architecture] | None = field(default=None, repr=False, compare=False)
     lr_schedule_start: int = 0  # the iteration the LR schedule counts from after this load
     model: str | None = None  # the model's family and variants (architecture.describe_model)
-    reshard: reshard.ShapeChange | None = None  # a full resume at another shape (reshard.py)
+    reshard: shape.ShapeChange | None = None  # a full resume at another shape (reshard.py)
     saves_here: bool = False  # `save` is the directory loaded from: the loaded tag is the run's own history
     tag_inventory: TagInventory | None = field(default=None, repr=False, compare=False)
     hf_source: WeightsSource | None = field(default=None, repr=False, compare=False)  # reads a FORMAT_HF folder
@@ -325,9 +325,9 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
     load_optimizer = mode is LoadMode.RESUME
     change = None
     if load_optimizer and tag.metadata is not None and not preflight.loads_universal(tag, args):
-        change = reshard.shape_change(tag, args, data_parallel_size)
+        change = shape.shape_change(tag, args, data_parallel_size)
     if change is not None:
-        files = reshard.files_read(tag)
+        files = shape.files_read(tag)
     elif load_optimizer:
         files = _resume_files(tag, preflight.loads_universal(tag, args))
     else:

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from megatron.architecture import architecture_mismatches, fields_of_settings
-from megatron.checkpointing import layout, reshard
+from megatron.checkpointing import layout, shape
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.inventory import FORMAT_PIPELINE, TagInventory
 
@@ -72,7 +72,7 @@ def loads_universal(tag: TagInventory, args) -> bool:
     return tag.universal and bool(((args.deepspeed_extra_args or {}).get("checkpoint") or {}).get("load_universal"))
 
 
-def _check_resume(tag: TagInventory, args, change: reshard.ShapeChange | None) -> None:
+def _check_resume(tag: TagInventory, args, change: shape.ShapeChange | None) -> None:
     _check_pipeline_stages(tag, args)
     if not tag.has_optimizer_states:
         raise CheckpointError(
@@ -83,7 +83,7 @@ def _check_resume(tag: TagInventory, args, change: reshard.ShapeChange | None) -
     meta = tag.metadata
     if meta.zero_stage != 0:  # else the whole optimizer state sits in the model-states file
         _check_shards_complete(tag)
-    problem = change and reshard.refusal(tag, args, _MODULE_ONLY_HINT)
+    problem = change and shape.refusal(tag, args, _MODULE_ONLY_HINT)
     if change and tag.format == FORMAT_PIPELINE:
         problem = (f"{tag.path} is a pipeline checkpoint saved at {change.saved.describe()}, this run is "
                    f"{change.run.describe()}; a pipeline's optimizer shards resume at their own shape only. "
@@ -149,7 +149,7 @@ def check_files_intact(paths) -> None:
 
 
 def check_plan(files: Iterable[Path], load_optimizer: bool, tag: TagInventory, args,
-               change: reshard.ShapeChange | None) -> None:
+               change: shape.ShapeChange | None) -> None:
     """Raise CheckpointError when a plan reading `files` (and the optimizer states when `load_optimizer`, at
     the shape change the plan decided) cannot be carried out with these settings."""
     check_files_intact(files)

@@ -31,16 +31,7 @@ from pathlib import Path
 
 from megatron.checkpointing import layout
 from megatron.checkpointing.errors import CheckpointError
-
-
-def process_start_time(pid: int) -> int | None:
-    """When process `pid` started, in clock ticks since boot (Linux /proc); None when unknown or gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # the command name (field 2) is in parentheses and may hold spaces; start time is field 22
-    return int(stat[stat.rindex(")") + 2:].split()[19])
+from megatron.processes import process_start_time
 
 
 def _is_running(pid: int) -> bool:

@@ -37,7 +37,7 @@ from typing import BinaryIO
 
 from megatron.checkpointing import layout, manifest
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.save_lock import process_start_time
+from megatron.processes import process_start_time
 
 _checked_here: set[tuple] = set()
 _beside_use: dict[tuple, Future] | None = None  # the checks begun inside checks_beside_use(), by file key
