@@ -63,8 +63,7 @@ def settings_for_run(paths: list[str], command_line: dict[str, Any] | None = Non
 
 
 def _checkpoint_model_settings(load: Path, iteration: int | None, tensor_parallel: int) -> tuple[dict[str, Any], str]:
-    from megatron.checkpointing.errors import CheckpointError
-    from megatron.checkpointing.inventory import inventory_checkpoint
+    from megatron.checkpointing import CheckpointError, inventory_checkpoint
     from megatron.hf import HF_FOLDER
 
     inventory = inventory_checkpoint(load, HF_FOLDER)

@@ -11,10 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron.checkpointing.data_position import samples_per_evaluation
-from megatron.checkpointing.layout import tag_for_iteration
-from megatron.checkpointing.lineage import Lineage
-from megatron.checkpointing.reference import ReferenceIdentity
+from megatron.checkpointing import Lineage, ReferenceIdentity, samples_per_evaluation, tag_for_iteration
 from megatron.diagnostics import StepProfiler, parameter_norms
 from megatron.divergence import NonFiniteWatch, check_weights_finite
 from megatron.initialize import (
@@ -246,10 +243,15 @@ def setup(args):
     """Everything before the first step; returns (engine, state, iterators)."""
     import deepspeed
 
-    from megatron.checkpointing import check_save_dir, load_checkpoint, plan_load
-    from megatron.checkpointing.reference import describe as describe_reference
-    from megatron.checkpointing.reference import needs_reference, plan_reference
-    from megatron.checkpointing.verified_files import checks_beside_use
+    from megatron.checkpointing import (
+        check_save_dir,
+        checks_beside_use,
+        describe_reference,
+        load_checkpoint,
+        needs_reference,
+        plan_load,
+        plan_reference,
+    )
     from megatron.data import build_data_iterators, check_data_vocabulary
     from megatron.hf import HF_FOLDER
     from megatron.model import build_model

@@ -21,11 +21,11 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: E402
 
-from megatron.checkpointing import master_weights as master_weights_module  # noqa: E402
-from megatron.checkpointing.engine_save import save_engine_checkpoint  # noqa: E402
 from megatron.checkpointing.errors import CheckpointError  # noqa: E402
-from megatron.checkpointing.module_load import load_module_only  # noqa: E402
-from megatron.checkpointing.module_weights import read_module_weights  # noqa: E402
+from megatron.checkpointing.loading import master_weights as master_weights_module  # noqa: E402
+from megatron.checkpointing.loading.module_load import load_module_only  # noqa: E402
+from megatron.checkpointing.ondisk.module_weights import read_module_weights  # noqa: E402
+from megatron.checkpointing.saving.engine_save import save_engine_checkpoint  # noqa: E402
 from megatron.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
 from tests.ckpt_engines import (  # noqa: E402
     batch,

@@ -190,7 +190,7 @@ def master_weights(engine) -> dict[str, torch.Tensor]:
 def refresh_that_only_checks(engine, values, write_trained) -> None:
     """A stand-in for master_weights.refresh_master_weights that writes the parameters but no master, then runs
     the refresh's own check: what a load would do if the refresh missed this optimizer's master."""
-    from megatron.checkpointing.master_weights import verify_master_weights
+    from megatron.checkpointing.loading.master_weights import verify_master_weights
 
     for name in values:
         write_trained(name)
@@ -204,8 +204,8 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def stored_client_state(tag_dir: Path) -> dict:
     """Every entry of the model-states file a tag's client state is read from (the inventory's choice), but the
     module weights."""
-    from megatron.checkpointing.inventory import inventory_tag
-    from megatron.checkpointing.module_weights import load_checkpoint_file
+    from megatron.checkpointing.ondisk.inventory import inventory_tag
+    from megatron.checkpointing.ondisk.module_weights import load_checkpoint_file
 
     tag = inventory_tag(Path(tag_dir).parent, Path(tag_dir).name)
     return {key: value for key, value in load_checkpoint_file(tag.metadata_file).items() if key != "module"}

@@ -23,7 +23,8 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 
-from megatron.checkpointing import load_checkpoint, plan_load, reshard, save_checkpoint  # noqa: E402
+from megatron.checkpointing import load_checkpoint, plan_load, save_checkpoint  # noqa: E402
+from megatron.checkpointing.loading import reshard
 from megatron.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
 from megatron.model import causal_lm_loss  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402

@@ -19,15 +19,13 @@ import torch
 from megatron.checkpointing import (
     CheckpointError,
     check_save_in_flight,
-    client_state,
-    layout,
-    manifest,
     save_checkpoint,
     saves_waited_for,
     wait_for_save_in_flight,
 )
-from megatron.checkpointing.async_save import save_in_flight
-from megatron.checkpointing.safe_unpickle import load_weights_only
+from megatron.checkpointing.ondisk import client_state, layout, manifest
+from megatron.checkpointing.ondisk.safe_unpickle import load_weights_only
+from megatron.checkpointing.saving.async_save import save_in_flight
 from tests.ckpt_engines import build_engine, make_args, tiny_batch, train_step
 
 CONFIGS = {"tiny.yml": "num_layers: 2\n"}

@@ -15,7 +15,7 @@ from deepspeed.accelerator import get_accelerator
 
 from megatron.architecture import ModelConfigError
 from megatron.checkpointing import CheckpointError
-from megatron.checkpointing.safe_unpickle import load_weights_only
+from megatron.checkpointing.ondisk.safe_unpickle import load_weights_only
 from megatron.data.errors import DataError
 from megatron.data.indexed_dataset import data_file_path
 from megatron.hf.errors import HFConversionError

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.checkpointing import layout, manifest
+from megatron.checkpointing.ondisk import layout, manifest
 from megatron.processes import process_start_time
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,10 +28,10 @@ CHILD = r"""
 import json, sys
 from contextlib import nullcontext
 from pathlib import Path
-from megatron.checkpointing import manifest
+from megatron.checkpointing.ondisk import manifest
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.module_weights import load_checkpoint_file
-from megatron.checkpointing.verified_files import checks_beside_use
+from megatron.checkpointing.ondisk.module_weights import load_checkpoint_file
+from megatron.checkpointing.ondisk.verified_files import checks_beside_use
 
 checks = []
 check_open_file = manifest.check_open_file

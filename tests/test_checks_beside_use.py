@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.checkpointing import layout, manifest
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.module_weights import load_checkpoint_file
-from megatron.checkpointing.verified_files import checks_beside_use, forget_checked_files
+from megatron.checkpointing.ondisk import layout, manifest
+from megatron.checkpointing.ondisk.module_weights import load_checkpoint_file
+from megatron.checkpointing.ondisk.verified_files import checks_beside_use, forget_checked_files
 
 
 @pytest.fixture
@@ -82,7 +82,7 @@ def test_a_file_whose_check_runs_beside_its_read_is_not_read_again_for_its_probl
     """A full resume asks for the problems of every file it reads after the load plan has read (and begun to
     check) the model-states file; with no launcher to share checks through (a rank run on its own), that
     answer comes from the check already begun, not from a second checksum pass over the file."""
-    from megatron.checkpointing import verified_files
+    from megatron.checkpointing.ondisk import verified_files
 
     monkeypatch.setattr(verified_files, "_launch_marker_dir", lambda: None)
     passes = []

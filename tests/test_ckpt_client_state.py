@@ -4,9 +4,9 @@ import argparse
 
 import pytest
 
-from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.rng import collect_rng_states
+from megatron.checkpointing.ondisk.client_state import ClientState
+from megatron.checkpointing.ondisk.rng import collect_rng_states
 
 
 def test_what_is_written_reads_back():

@@ -9,13 +9,13 @@ import pytest
 import torch
 from deepspeed.runtime import constants as deepspeed_constants
 
-from megatron.checkpointing import layout
-from megatron.checkpointing import master_weights as master_weights_module
-from megatron.checkpointing import module_load as module_load_module
-from megatron.checkpointing.engine_save import save_engine_checkpoint
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.module_load import load_module_only
-from megatron.checkpointing.module_weights import read_module_weights
+from megatron.checkpointing.loading import master_weights as master_weights_module
+from megatron.checkpointing.loading import module_load as module_load_module
+from megatron.checkpointing.loading.module_load import load_module_only
+from megatron.checkpointing.ondisk import layout
+from megatron.checkpointing.ondisk.module_weights import read_module_weights
+from megatron.checkpointing.saving.engine_save import save_engine_checkpoint
 from tests.ckpt_engines import (
     DTYPES,
     batch,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.checkpointing.module_load import load_module_only
-from megatron.checkpointing.module_weights import read_module_weights
+from megatron.checkpointing.loading.module_load import load_module_only
+from megatron.checkpointing.ondisk.module_weights import read_module_weights
 from tests.ckpt_engines import (
     batch,
     bits_equal,

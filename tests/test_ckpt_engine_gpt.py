@@ -6,9 +6,9 @@ import deepspeed
 import pytest
 import torch
 
-from megatron.checkpointing.engine_save import save_engine_checkpoint
-from megatron.checkpointing.module_load import load_module_only
-from megatron.checkpointing.module_weights import read_module_weights
+from megatron.checkpointing.loading.module_load import load_module_only
+from megatron.checkpointing.ondisk.module_weights import read_module_weights
+from megatron.checkpointing.saving.engine_save import save_engine_checkpoint
 from megatron.model import build_model, causal_lm_loss
 from megatron.neox_arguments import NeoXArgs
 from tests.ckpt_engines import bits_equal, ds_config, master_weights, set_lr, training_weights

@@ -10,9 +10,12 @@ import pytest
 import torch
 
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.layout import layer_file_name, model_states_name
-from megatron.checkpointing.module_load import load_module_only
-from megatron.checkpointing.module_weights import legacy_names_in_model_states_file, read_module_weights
+from megatron.checkpointing.loading.module_load import load_module_only
+from megatron.checkpointing.ondisk.layout import layer_file_name, model_states_name
+from megatron.checkpointing.ondisk.module_weights import (
+    legacy_names_in_model_states_file,
+    read_module_weights,
+)
 from megatron.data import build_data_iterators, get_batch
 from megatron.model import GPTModel, build_model, causal_lm_loss
 from megatron.neox_arguments import NeoXArgs

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.checkpointing import CheckpointError, load_checkpoint, manifest, plan_load
+from megatron.checkpointing import CheckpointError, load_checkpoint, plan_load
+from megatron.checkpointing.ondisk import manifest
 from megatron.fsio import write_text_atomically
 from tests.ckpt_engines import build_engine
 from tests.test_ckpt_save_integrity import one_line, overwrite_inside_largest_tensor, run_args, save_steps

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.inventory import (
+from megatron.checkpointing.ondisk.inventory import (
     FORMAT_DEEPSPEED,
     FORMAT_HF,
     FORMAT_INCOMPLETE,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.checkpointing import layout
 from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.ondisk import layout
 
 
 def make_tags(root, iterations):

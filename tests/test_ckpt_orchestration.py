@@ -18,7 +18,7 @@ from megatron.checkpointing import (
     plan_load,
     save_checkpoint,
 )
-from megatron.checkpointing.rng import collect_rng_states, restore_rng_states
+from megatron.checkpointing.ondisk.rng import collect_rng_states, restore_rng_states
 from megatron.hf import HF_FOLDER
 from tests.ckpt_engines import (
     build_engine,
@@ -186,7 +186,7 @@ def test_finetune_from_hugging_face_dir_gives_the_same_logits(single_rank_world,
 def test_forward_pass_validation_runs_on_save_and_load(single_rank_world, tmp_path):
     import deepspeed
 
-    from megatron.checkpointing.client_state import FORWARD_VALIDATION_KEY
+    from megatron.checkpointing.ondisk.client_state import FORWARD_VALIDATION_KEY
     from megatron.model import build_model
 
     def gpt_engine(args):

@@ -26,7 +26,7 @@ def _rank_main(rank: int, port: int, root: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD_SIZE))
     from megatron.checkpointing import load_checkpoint, plan_load, save_checkpoint
-    from megatron.checkpointing.inventory import inventory_checkpoint
+    from megatron.checkpointing.ondisk.inventory import inventory_checkpoint
     from megatron.initialize import init_deepspeed_distributed, leave_process_group
     from tests.ckpt_engines import build_engine, make_args, tiny_batch, train_step
 

@@ -1,4 +1,4 @@
-"""The load plan: the table of megatron/checkpointing/plan.py row by row, tag selection, and every refusal with its message."""
+"""The load plan: the table of megatron/checkpointing/planning/plan.py row by row, tag selection, and every refusal with its message."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ import pytest
 import torch
 
 from megatron.checkpointing import plan_load
-from megatron.checkpointing.client_state import (
+from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.ondisk.client_state import (
     FORMAT_VERSION,
     FORMAT_VERSION_KEY,
     RNG_STATES_KEY,
     ClientState,
 )
-from megatron.checkpointing.data_position import DataPosition
-from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.inventory import inventory_checkpoint, inventory_tag
-from megatron.checkpointing.plan import LoadMode, build_load_plan
-from megatron.checkpointing.rng import collect_rng_states
+from megatron.checkpointing.ondisk.inventory import inventory_checkpoint, inventory_tag
+from megatron.checkpointing.ondisk.rng import collect_rng_states
+from megatron.checkpointing.planning.data_position import DataPosition
+from megatron.checkpointing.planning.plan import LoadMode, build_load_plan
 from megatron.hf import HF_FOLDER
 from tests.ckpt_engines import hf_settings, make_args, saved_checkpoint, tiny_hf_model
 
@@ -377,7 +377,7 @@ def test_a_pipelined_save_resumes_only_at_its_number_of_stages(tmp_path):
         torch.save({"w": torch.ones(2)}, tag_dir / f"layer_{layer:02d}-model_00-model_states.pt")
     (tmp_path / "latest").write_text("global_step4")
     tag = inventory_tag(tmp_path, "global_step4")
-    assert (tag.saved_tp_size, tag.saved_pp_size, tag.engine_mp_ranks) == (1, 2, (0, 1))
+    assert (tag.saved_layout.tensor_parallel, tag.saved_layout.pipeline_stages, tag.engine_mp_ranks) == (1, 2, (0, 1))
     with pytest.raises(CheckpointError, match=r"is a pipeline checkpoint of 2 stage\(s\) \(layer files\), this run "
                        r"has pipe_parallel_size 0; .* Set `pipe_parallel_size: 2` to resume, or set `no_load_optim"):
         plan_for(tmp_path)

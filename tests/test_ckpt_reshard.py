@@ -1,4 +1,4 @@
-"""A full resume at another shape (megatron/checkpointing/reshard.py), on 2 CPU ranks: see tests/reshard_worker.py."""
+"""A full resume at another shape (megatron/checkpointing/loading/reshard.py), on 2 CPU ranks: see tests/reshard_worker.py."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron.checkpointing.client_state import ClientState
-from megatron.checkpointing.data_position import data_position
-from megatron.checkpointing.reshard import Shape, ShapeChange
+from megatron.checkpointing.loading.reshard import Shape, ShapeChange
+from megatron.checkpointing.ondisk.client_state import ClientState
+from megatron.checkpointing.planning.data_position import data_position
 from megatron.data.samplers import DistributedBatchSampler
 from tests.ckpt_engines import make_args
 from tests.conftest import free_port

@@ -17,14 +17,8 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from megatron.checkpointing import (
-    CheckpointError,
-    LoadMode,
-    commit,
-    load_checkpoint,
-    plan_load,
-    save_checkpoint,
-)
+from megatron.checkpointing import CheckpointError, LoadMode, load_checkpoint, plan_load, save_checkpoint
+from megatron.checkpointing.saving import commit
 from tests.ckpt_engines import build_engine, make_args, tiny_batch, train_step
 from tests.e2e import REPO_ROOT
 
@@ -219,7 +213,8 @@ def test_too_little_room_for_one_more_tag_is_refused_before_training(tmp_path):
     small = tmp_path / "small"
     script = f"""
 import os
-from megatron.checkpointing import commit, CheckpointError
+from megatron.checkpointing import CheckpointError
+from megatron.checkpointing.saving import commit
 os.makedirs("{small}/global_step1")
 with open("{small}/global_step1/mp_rank_00_model_states.pt", "wb") as f:
     f.write(b"x" * (700 * 1024))

@@ -21,10 +21,10 @@ import pytest
 import torch
 import torch.serialization
 
-from megatron.checkpointing.manifest import record_file, tag_file_names, write_manifest
-from megatron.checkpointing.rng import collect_rng_states, restore_rng_states
-from megatron.checkpointing.safe_checkpoint_engine import WeightsOnlyCheckpointEngine
-from megatron.checkpointing.safe_unpickle import load_weights_only
+from megatron.checkpointing.ondisk.manifest import record_file, tag_file_names, write_manifest
+from megatron.checkpointing.ondisk.rng import collect_rng_states, restore_rng_states
+from megatron.checkpointing.ondisk.safe_checkpoint_engine import WeightsOnlyCheckpointEngine
+from megatron.checkpointing.ondisk.safe_unpickle import load_weights_only
 from tests.e2e import REPO_ROOT, run_deepy, train_lines, write_overrides
 
 GPU_LOCATION = "cuda:0"

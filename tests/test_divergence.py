@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from megatron.checkpointing.module_weights import read_module_weights
+from megatron.checkpointing.ondisk.module_weights import read_module_weights
 from megatron.divergence import DivergenceError
 from megatron.neox_arguments import NeoXArgs
 from megatron.run_context import resolve_run_settings

@@ -11,9 +11,9 @@ import pytest
 import torch
 import yaml
 
-from megatron.checkpointing.inventory import inventory_tag
-from megatron.checkpointing.manifest import read_manifest
-from megatron.checkpointing.module_weights import read_full_module_weights, read_module_weights
+from megatron.checkpointing.ondisk.inventory import inventory_tag
+from megatron.checkpointing.ondisk.manifest import read_manifest
+from megatron.checkpointing.ondisk.module_weights import read_full_module_weights, read_module_weights
 from megatron.hf.config import architecture_of
 from megatron.hf.convert import convert_hf_to_neox, convert_neox_to_hf
 from tests.e2e import checkpoint_files, run_deepy, tensorboard_scalars, train_lines, write_overrides

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.checkpointing.module_weights import read_module_weights
+from megatron.checkpointing.ondisk.module_weights import read_module_weights
 from megatron.data import MMapIndexedDataset
 from megatron.hf.convert import convert_neox_to_hf
 from megatron.hf.errors import HFConversionError

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.checkpointing import manifest
-from megatron.checkpointing.commit import KILL_DURING_SAVE_ENV
+from megatron.checkpointing.ondisk import manifest
+from megatron.checkpointing.saving.commit import KILL_DURING_SAVE_ENV
 from tests.e2e import REPO_ROOT, run_deepy, train_lines, write_overrides
 
 pytestmark = pytest.mark.e2e

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from megatron.checkpointing.module_weights import read_module_weights
+from megatron.checkpointing.ondisk.module_weights import read_module_weights
 from tests.e2e import REPO_ROOT, checkpoint_files, run_deepy, train_lines, write_overrides
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from megatron.architecture import architecture_mismatches, fields_of_settings
-from megatron.checkpointing.module_weights import read_module_weights
+from megatron.checkpointing.ondisk.module_weights import read_module_weights
 from megatron.learning_rates import learning_rate_at
 from megatron.neox_arguments import NeoXArgs, padded_vocab_size
 from megatron.tokenizer import build_tokenizer

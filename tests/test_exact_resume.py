@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.checkpointing.module_weights import read_module_weights
+from megatron.checkpointing.ondisk.module_weights import read_module_weights
 from tests.e2e import run_deepy, tensorboard_scalars, train_lines, write_overrides
 
 pytestmark = pytest.mark.e2e

@@ -34,7 +34,7 @@ def test_fp16_run_with_dynamic_loss_scaling_skips_overflows_and_trains(tmp_path)
 
 
 def test_accelerator_rng_state_round_trips_through_the_checkpoint_states():
-    from megatron.checkpointing.rng import collect_rng_states, restore_rng_states
+    from megatron.checkpointing.ondisk.rng import collect_rng_states, restore_rng_states
 
     device = get_accelerator().current_device_name()
     states = collect_rng_states()

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron.checkpointing.module_weights import read_module_weights
+from megatron.checkpointing.ondisk.module_weights import read_module_weights
 from megatron.hf import HFConversionError, is_hf_model_dir, load_hf_module_weights
 from megatron.hf.config import spec_from_hf_config
 from megatron.hf.convert import convert_hf_to_neox, convert_neox_to_hf
@@ -364,7 +364,7 @@ def test_convert_neox_to_hf_takes_gpt_neox_command_line(kind, gpt_neox_flags, tm
     """GPT-NeoX's README command: --input_dir <tag> --config_file <tag>/configs/neox_config.yml --output_dir ..."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron.checkpointing.neox_config import write_neox_config
+    from megatron.checkpointing.saving.neox_config import write_neox_config
 
     model = make_hf_model(kind)
     tag_dir = convert_hf_to_neox(save_hf(model, tmp_path / "hf", tokenizer=True), tmp_path / "ckpt").tag_dir

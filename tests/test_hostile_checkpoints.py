@@ -23,21 +23,15 @@ import pytest
 import torch
 import yaml
 
-from megatron.checkpointing import (
-    CheckpointError,
-    layout,
-    load_checkpoint,
-    manifest,
-    plan_load,
-    save_checkpoint,
-)
-from megatron.checkpointing.client_state import ClientState
-from megatron.checkpointing.engine_save import save_engine_checkpoint
-from megatron.checkpointing.inventory import inventory_checkpoint
-from megatron.checkpointing.module_weights import read_module_weights
-from megatron.checkpointing.rng import collect_rng_states
-from megatron.checkpointing.safe_checkpoint_engine import use_weights_only_checkpoint_engine
-from megatron.checkpointing.safe_unpickle import every_torch_load_weights_only, load_weights_only
+from megatron.checkpointing import CheckpointError, load_checkpoint, plan_load, save_checkpoint
+from megatron.checkpointing.ondisk import layout, manifest
+from megatron.checkpointing.ondisk.client_state import ClientState
+from megatron.checkpointing.ondisk.inventory import inventory_checkpoint
+from megatron.checkpointing.ondisk.module_weights import read_module_weights
+from megatron.checkpointing.ondisk.rng import collect_rng_states
+from megatron.checkpointing.ondisk.safe_checkpoint_engine import use_weights_only_checkpoint_engine
+from megatron.checkpointing.ondisk.safe_unpickle import every_torch_load_weights_only, load_weights_only
+from megatron.checkpointing.saving.engine_save import save_engine_checkpoint
 from megatron.hf import HF_FOLDER
 from megatron.hf.convert import convert_hf_to_neox
 from megatron.hf.load import read_hf_model

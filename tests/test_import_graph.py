@@ -64,8 +64,8 @@ def area_cycles() -> list[list[str]]:
 
 def test_the_graph_is_read():
     assert "megatron.architecture" in GRAPH["megatron.model.gpt_model"]
-    assert "megatron.checkpointing.layout" in GRAPH["megatron.checkpointing.plan"]  # `from package import module`
-    assert "megatron.checkpointing.client_state" in GRAPH["megatron.checkpointing.inventory"]
+    assert "megatron.checkpointing.ondisk.layout" in GRAPH["megatron.checkpointing.planning.plan"]  # `from package import module`
+    assert "megatron.checkpointing.ondisk.client_state" in GRAPH["megatron.checkpointing.ondisk.inventory"]
 
 
 def test_no_import_cycles_between_subpackages():
@@ -84,6 +84,57 @@ def test_leaf_modules_import_nothing_of_the_package_but_the_error_base(leaf):
 
 
 def test_load_plan_and_its_checks_do_not_import_each_other():
-    plan, preflight = "megatron.checkpointing.plan", "megatron.checkpointing.preflight"
+    plan, preflight = "megatron.checkpointing.planning.plan", "megatron.checkpointing.planning.preflight"
     assert not (plan in GRAPH[preflight] and preflight in GRAPH[plan])
     assert plan not in GRAPH[preflight]
+
+
+CHECKPOINT_STAGES = ("formats", "ondisk", "planning", "loading", "saving")  # each imports only stages before it
+UNRELATED_STAGES = {("saving", "loading")}  # later in the order, yet never imports the other
+
+
+def checkpoint_stage(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["megatron", "checkpointing"] or len(parts) < 3 or parts[2] not in CHECKPOINT_STAGES:
+        return None
+    return parts[2]
+
+
+def test_checkpoint_stages_import_one_way():
+    backwards = {}
+    for module, targets in GRAPH.items():
+        stage = checkpoint_stage(module)
+        if stage is None:
+            continue
+        for target in targets:
+            other = checkpoint_stage(target)
+            if other is None:
+                assert target != "megatron.checkpointing", f"{module} imports the front door"
+                continue
+            if (CHECKPOINT_STAGES.index(other) > CHECKPOINT_STAGES.index(stage)
+                    or (stage, other) in UNRELATED_STAGES):
+                backwards.setdefault(module, []).append(target)
+    assert backwards == {}
+
+
+ENTRY_POINTS = [path for pattern in ("*.py", "tools/**/*.py") for path in PACKAGE_ROOT.parent.glob(pattern)]
+
+
+def imports_in(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def test_nothing_outside_the_checkpoint_package_reaches_past_its_front_door():
+    outside = {MODULES[name]: imported_modules(name) for name in MODULES if area(name) != "megatron.checkpointing"}
+    outside.update({path: imports_in(path) for path in ENTRY_POINTS})
+    reaching = {str(path): sorted(t for t in targets
+                                  if t.startswith("megatron.checkpointing."))
+                for path, targets in outside.items()}
+    assert {path: targets for path, targets in reaching.items() if targets} == {}
+    assert ENTRY_POINTS and any(path.name == "inspect_checkpoint.py" for path in ENTRY_POINTS)

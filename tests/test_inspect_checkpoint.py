@@ -7,7 +7,7 @@ import json
 import pytest
 
 from megatron.checkpointing import save_checkpoint
-from megatron.checkpointing.module_weights import read_module_weights
+from megatron.checkpointing.ondisk.module_weights import read_module_weights
 from megatron.hf.convert import convert_hf_to_neox
 from tests.test_hf_conversion import make_hf_model, run_tool, save_hf, tokens, write_pipeline_checkpoint
 from tests.test_hf_engine import build_engine, engine_args, engine_loss

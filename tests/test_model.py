@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.architecture import architecture_from_settings
-from megatron.checkpointing.legacy_names import is_legacy_buffer_key, translate_legacy_key
+from megatron.checkpointing.formats.legacy_names import is_legacy_buffer_key, translate_legacy_key
 from megatron.model import (
     GPTModel,
     ModelConfigError,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from megatron.checkpointing.legacy_names import translate_legacy_key
+from megatron.checkpointing.formats.legacy_names import translate_legacy_key
 from megatron.model import build_model
 from tests.test_model import HEAD_DIM, HEADS, HIDDEN, VOCAB, tiny_args, tokens
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from megatron.checkpointing.layout import NEOX_CONFIG_EXTRA_FILE
-from megatron.checkpointing.neox_config import write_neox_config
+from megatron.checkpointing.ondisk.layout import NEOX_CONFIG_EXTRA_FILE
+from megatron.checkpointing.saving.neox_config import write_neox_config
 from megatron.neox_arguments import SETTINGS, NeoXArgs
 from tests.test_neox_args import TINY_RUN
 

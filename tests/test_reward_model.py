@@ -206,8 +206,8 @@ def test_tensor_parallel_2_has_transformers_loss_and_gradients(tmp_path):
 @pytestmark_single
 def test_the_load_plan_gives_a_reward_model_from_a_language_model_a_fresh_head(tmp_path):
     from megatron.checkpointing.errors import CheckpointError
-    from megatron.checkpointing.inventory import inventory_checkpoint
-    from megatron.checkpointing.plan import build_load_plan
+    from megatron.checkpointing.ondisk.inventory import inventory_checkpoint
+    from megatron.checkpointing.planning.plan import build_load_plan
     from megatron.hf import HF_FOLDER
     from tests.ckpt_engines import make_args, saved_checkpoint
 

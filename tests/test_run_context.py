@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from megatron.checkpointing import CheckpointError
-from megatron.checkpointing.inventory import inventory_checkpoint
-from megatron.checkpointing.plan import build_load_plan
+from megatron.checkpointing.ondisk.inventory import inventory_checkpoint
+from megatron.checkpointing.planning.plan import build_load_plan
 from megatron.hf import HF_FOLDER
 from megatron.neox_arguments import ConfigError
 from megatron.run_context import settings_for_run

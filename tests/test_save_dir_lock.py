@@ -14,14 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from megatron.checkpointing import CheckpointError, layout, save_lock
+from megatron.checkpointing import CheckpointError
+from megatron.checkpointing.ondisk import layout
+from megatron.checkpointing.saving import save_lock
 from megatron.processes import process_start_time
 from tests.e2e import REPO_ROOT, run_deepy, train_lines, write_overrides
 
 # A process that takes the lock of argv[1], says so, then does what argv[2] says.
 HOLDER = """
 import os, signal, sys
-from megatron.checkpointing import save_lock
+from megatron.checkpointing.saving import save_lock
 save_lock.acquire(sys.argv[1], ["tiny.yml"], notice=print)
 print("HELD", flush=True)
 if sys.argv[2] == "sigkill":
@@ -31,7 +33,8 @@ sys.stdin.read()  # until the test closes stdin; then exits normally
 
 CONTENDER = """
 import sys
-from megatron.checkpointing import CheckpointError, save_lock
+from megatron.checkpointing import CheckpointError
+from megatron.checkpointing.saving import save_lock
 try:
     save_lock.acquire(sys.argv[1], [], notice=print)
 except CheckpointError as err:

@@ -1,7 +1,7 @@
 """Where training continues after a load: iteration, data position and the LR schedule's step."""
 
 from megatron.checkpointing import ClientState, LoadMode, LoadOutcome
-from megatron.checkpointing.plan import schedule_start
+from megatron.checkpointing.planning.plan import schedule_start
 from megatron.training import TrainState, state_after_load
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import deepspeed
 import pytest
 
-from megatron.checkpointing.neox_config import resolved_neox_config, split_by_gpt_neox
+from megatron.checkpointing.saving.neox_config import resolved_neox_config, split_by_gpt_neox
 from megatron.hf.config import FAMILIES
 from megatron.model import build_model
 from megatron.neox_arguments import SETTINGS, ConfigError, NeoXArgs

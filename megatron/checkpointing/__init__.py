@@ -1,24 +1,80 @@
-"""Checkpoint save and load: the entry points the training loop calls (this file only re-exports them).
+"""Checkpoint save and load: the front door. Training, the entry points, the tools and the benches import
+from here only; the stages below are this package's inside.
 
-    plan = plan_load(args, dp_size)          # load.py, before deepspeed.initialize: inspect files, fail fast
-    check_save_dir(args)                     # save.py, before the first step: `save` writable, room, locked
+    plan = plan_load(args, dp_size)          # before deepspeed.initialize: inspect files, decide, fail fast
+    check_save_dir(args)                     # before the first step: `save` writable, room, locked
     engine = deepspeed.initialize(...)
-    outcome = load_checkpoint(engine, plan)  # load.py: the plan is the whole contract
+    outcome = load_checkpoint(engine, plan)  # the plan is the whole contract
     ...
-    save_checkpoint(args, engine, iteration, consumed_train_samples, ..., lineage=outcome.lineage)  # save.py
-    check_save_in_flight()                   # async_save.py, every step; saves_waited_for() around the loop
+    save_checkpoint(args, engine, iteration, consumed_train_samples, ..., lineage=outcome.lineage)
+    check_save_in_flight()                   # every step; saves_waited_for() around the loop
+
+Stages, each importing only those above it (tests/test_import_graph.py pins the order):
+
+| stage      | owns                                                                      | decides                    |
+| formats    | formats from elsewhere: GPT-NeoX's older names, the HF folder interface    |                            |
+| ondisk     | what is on disk and whether it can be trusted: file names, manifests,       | which tag; what was saved  |
+|            | weights-only unpickling, the inventory of a directory and its SavedLayout  | and at what layout         |
+| planning   | the load plan: what is loaded and what starts fresh, shape changes, checks | did the shape change; what |
+|            | against the run's settings, data position, the DPO/KTO reference, lineage  | is loaded                  |
+| loading    | carrying a plan into a DeepSpeed engine: module-only, masters, reshard      |                            |
+| saving     | writing and committing tags (one commit path for blocking and async saves) | when a save is complete    |
+
+How ranks agree is megatron/collective.py's, for every stage.
 """
 
-from megatron.checkpointing.async_save import check_save_in_flight, saves_waited_for, wait_for_save_in_flight
-from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.lineage import Lineage
-from megatron.checkpointing.load import LoadOutcome, load_checkpoint, load_weights_only, plan_load
-from megatron.checkpointing.plan import LoadMode, LoadPlan
-from megatron.checkpointing.save import check_save_dir, save_checkpoint
+from megatron.checkpointing.formats.legacy_names import is_legacy_buffer_key, translate_legacy_key
+from megatron.checkpointing.loading.load import LoadOutcome, load_checkpoint, load_weights_only
+from megatron.checkpointing.ondisk import layout, manifest
+from megatron.checkpointing.ondisk.client_state import ClientState
+from megatron.checkpointing.ondisk.inventory import CheckpointInventory, TagInventory, inventory_checkpoint
+from megatron.checkpointing.ondisk.layout import tag_for_iteration
+from megatron.checkpointing.ondisk.module_weights import (
+    layer_states,
+    read_full_module_weights,
+    read_module_weights,
+)
+from megatron.checkpointing.ondisk.safe_unpickle import load_weights_only as load_file_weights_only
+from megatron.checkpointing.ondisk.verified_files import checks_beside_use, forget_checked_files
+from megatron.checkpointing.planning.data_position import samples_per_evaluation
+from megatron.checkpointing.planning.lineage import Lineage
+from megatron.checkpointing.planning.plan import LoadMode, LoadPlan, build_load_plan, plan_load
+from megatron.checkpointing.planning.reference import ReferenceIdentity, needs_reference, plan_reference
+from megatron.checkpointing.planning.reference import describe as describe_reference
+from megatron.checkpointing.saving import commit
+from megatron.checkpointing.saving.async_save import (
+    check_save_in_flight,
+    save_in_flight,
+    saves_waited_for,
+    wait_for_save_in_flight,
+)
+from megatron.checkpointing.saving.save import check_save_dir, save_checkpoint
+
+# These import DeepSpeed's engine internals: resolved on first use, so importing this package does not start
+# DeepSpeed (the settings, the tools' --help and the launcher import it).
+_IMPORTED_ON_USE = {
+    "load_module_only": "megatron.checkpointing.loading.module_load",
+    "save_engine_checkpoint": "megatron.checkpointing.saving.engine_save",
+    "verify_master_weights": "megatron.checkpointing.loading.master_weights",
+}
+
+
+def __getattr__(name: str):
+    if name not in _IMPORTED_ON_USE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_IMPORTED_ON_USE[name]), name)
+
 
 __all__ = [
-    "CheckpointError", "ClientState", "Lineage", "LoadMode", "LoadOutcome", "LoadPlan", "check_save_dir",
-    "check_save_in_flight", "load_checkpoint", "load_weights_only", "plan_load", "save_checkpoint",
-    "saves_waited_for", "wait_for_save_in_flight",
+    "CheckpointError", "CheckpointInventory", "ClientState", "Lineage", "LoadMode", "LoadOutcome", "LoadPlan",
+    "ReferenceIdentity", "TagInventory", "build_load_plan", "check_save_dir", "check_save_in_flight",
+    "checks_beside_use", "commit", "describe_reference", "forget_checked_files", "inventory_checkpoint",
+    "is_legacy_buffer_key", "layer_states", "layout", "load_checkpoint", "load_file_weights_only",
+    "load_module_only", "load_weights_only", "manifest", "needs_reference", "plan_load", "plan_reference",
+    "read_full_module_weights", "read_module_weights", "samples_per_evaluation", "save_checkpoint",
+    "save_engine_checkpoint", "save_in_flight", "saves_waited_for", "tag_for_iteration", "translate_legacy_key",
+    "verify_master_weights", "wait_for_save_in_flight",
 ]

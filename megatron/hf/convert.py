@@ -12,12 +12,13 @@ import torch
 import yaml
 
 from megatron.architecture import ModelConfigError, implied_family
-from megatron.checkpointing import layout
-from megatron.checkpointing.client_state import ClientState
-from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.inventory import TagInventory, inventory_checkpoint
-from megatron.checkpointing.module_weights import (
+from megatron.checkpointing import (
+    CheckpointError,
+    ClientState,
+    TagInventory,
+    inventory_checkpoint,
     layer_states,
+    layout,
     read_full_module_weights,
     read_module_weights,
 )

@@ -1,6 +1,6 @@
 """The one exception class of the Hugging Face interop area."""
 
-from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing import CheckpointError
 
 
 class HFConversionError(CheckpointError):

@@ -2,7 +2,7 @@
 
 Read: ``config.json`` plus ``model.safetensors``, sharded safetensors named by
 ``model.safetensors.index.json``, or ``pytorch_model.bin`` (with or without an index, unpickled
-weights-only by megatron.checkpointing.safe_unpickle, so no code in it runs); tensors are yielded one
+weights-only by megatron.checkpointing.ondisk.safe_unpickle, so no code in it runs); tensors are yielded one
 shard at a time so that at most one shard is held besides the converted result.
 Write: ``config.json`` and ``model.safetensors`` (sharded with an index above a size limit).
 """
@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from megatron.checkpointing.safe_unpickle import load_weights_only
+from megatron.checkpointing import load_file_weights_only as load_weights_only
 from megatron.hf.errors import HFConversionError
 
 CONFIG_NAME = "config.json"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron.architecture import Architecture
-from megatron.checkpointing.legacy_names import is_legacy_buffer_key, translate_legacy_key
+from megatron.checkpointing import is_legacy_buffer_key, translate_legacy_key
 from megatron.hf.config import FAMILIES, LLAMA_LIKE
 from megatron.hf.errors import HFConversionError
 from megatron.model.gpt_model import layer_key

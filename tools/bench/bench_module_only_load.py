@@ -56,13 +56,18 @@ from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from procmem import PeakSampler, RatioReport, measure_memory, median, return_freed_memory_to_os, table  # noqa: E402
 
-from megatron.checkpointing import commit, layout, manifest  # noqa: E402
-from megatron.checkpointing.engine_save import save_engine_checkpoint  # noqa: E402
-from megatron.checkpointing.master_weights import verify_master_weights  # noqa: E402
-from megatron.checkpointing.module_load import load_module_only  # noqa: E402
-from megatron.checkpointing.module_weights import read_module_weights  # noqa: E402
-from megatron.checkpointing.safe_unpickle import load_weights_only  # noqa: E402
-from megatron.checkpointing.verified_files import checks_beside_use, forget_checked_files  # noqa: E402
+from megatron.checkpointing import (  # noqa: E402
+    checks_beside_use,
+    commit,  # noqa: E402
+    forget_checked_files,
+    layout,
+    load_module_only,  # noqa: E402
+    manifest,
+    read_module_weights,  # noqa: E402
+    save_engine_checkpoint,  # noqa: E402
+    verify_master_weights,  # noqa: E402
+)
+from megatron.checkpointing import load_file_weights_only as load_weights_only  # noqa: E402
 from megatron.initialize import ModelParallelUnit  # noqa: E402
 from megatron.model import build_model, causal_lm_loss  # noqa: E402
 from megatron.model.partitioning import repartition_state_dict  # noqa: E402

@@ -46,9 +46,11 @@ from bench_world import free_port, init_world, leaves_the_world  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from procmem import RatioReport, measure_memory, median, return_freed_memory_to_os, table  # noqa: E402
 
-from megatron.checkpointing import Lineage, commit, save_checkpoint  # noqa: E402
-from megatron.checkpointing.async_save import (  # noqa: E402
+from megatron.checkpointing import (  # noqa: E402
+    Lineage,
     check_save_in_flight,
+    commit,
+    save_checkpoint,
     save_in_flight,
     saves_waited_for,
     wait_for_save_in_flight,

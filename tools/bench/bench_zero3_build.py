@@ -42,10 +42,13 @@ from bench_world import free_port, init_world, leaves_the_world  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from procmem import PeakSampler, RatioReport, return_freed_memory_to_os, smaps_rollup_kib, table  # noqa: E402
 
-from megatron.checkpointing import layout, manifest  # noqa: E402
-from megatron.checkpointing.engine_save import save_engine_checkpoint  # noqa: E402
-from megatron.checkpointing.module_load import load_module_only  # noqa: E402
-from megatron.checkpointing.module_weights import read_module_weights  # noqa: E402
+from megatron.checkpointing import (  # noqa: E402
+    layout,
+    load_module_only,  # noqa: E402
+    manifest,
+    read_module_weights,  # noqa: E402
+    save_engine_checkpoint,  # noqa: E402
+)
 from megatron.initialize import ModelParallelUnit, zero3_construction  # noqa: E402
 from megatron.model import build_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron.checkpointing.errors import CheckpointError  # noqa: E402
+from megatron.checkpointing import CheckpointError  # noqa: E402
 from megatron.hf.convert import DTYPES, convert_hf_to_neox  # noqa: E402
 
 

@@ -24,8 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron.checkpointing import layout  # noqa: E402
-from megatron.checkpointing.errors import CheckpointError  # noqa: E402
+from megatron.checkpointing import CheckpointError, layout  # noqa: E402
 from megatron.hf.config import FAMILIES  # noqa: E402
 from megatron.hf.convert import DTYPES, convert_neox_to_hf  # noqa: E402
 from megatron.hf.io import parse_size  # noqa: E402

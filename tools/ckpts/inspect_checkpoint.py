@@ -4,7 +4,7 @@
 
 CKPT_DIR is a checkpoint of ours (DeepSpeed model-states, ZeRO shards or GPT-NeoX pipeline layer
 files) or a Hugging Face model folder. Which load modes work is decided by the trainer's own load
-plan (megatron.checkpointing.plan), asked once per mode with the checkpoint's own ZeRO stage,
+plan (megatron.checkpointing.planning.plan), asked once per mode with the checkpoint's own ZeRO stage,
 precision and data-parallel size, and asked for a full resume at each shape of a small grid (data- and
 tensor-parallel size, ZeRO stage, precision; a resume at another shape reshards the optimizer state).
 --diff compares the weights (under our names) with another
@@ -28,11 +28,17 @@ with contextlib.redirect_stdout(sys.stderr):
     import torch
 
     from megatron.architecture import ModelConfigError, describe_model
-    from megatron.checkpointing import layout
-    from megatron.checkpointing.errors import CheckpointError
-    from megatron.checkpointing.inventory import CheckpointInventory, TagInventory, inventory_checkpoint
-    from megatron.checkpointing.module_weights import read_full_module_weights, read_module_weights
-    from megatron.checkpointing.plan import LoadMode, build_load_plan
+    from megatron.checkpointing import (
+        CheckpointError,
+        CheckpointInventory,
+        LoadMode,
+        TagInventory,
+        build_load_plan,
+        inventory_checkpoint,
+        layout,
+        read_full_module_weights,
+        read_module_weights,
+    )
     from megatron.hf.config import architecture_of
     from megatron.hf.load import HF_FOLDER, read_hf_model
     from megatron.neox_arguments import ConfigError, NeoXArgs

@@ -27,13 +27,12 @@ from typing import Any
 
 import torch
 
-from megatron.checkpointing import layout
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.legacy_names import is_legacy_key, translate_legacy_module
-from megatron.checkpointing.safe_unpickle import load_weights_only
-from megatron.checkpointing.verified_files import check_open_checkpoint_file
+from megatron.checkpointing.formats.legacy_names import is_legacy_key, translate_legacy_module
+from megatron.checkpointing.ondisk import layout
+from megatron.checkpointing.ondisk.safe_unpickle import load_weights_only
+from megatron.checkpointing.ondisk.verified_files import check_open_checkpoint_file
 from megatron.ranks import tensor_parallel_rank, tensor_parallel_size
-from megatron.zero3_partition import partition_numel
 
 
 def load_checkpoint_file(path: Path) -> Any:
@@ -180,6 +179,10 @@ def _module_from_zero3_shards(
     elements on every rank, and its full value is the ranks' partitions concatenated, cut to n.
     Frozen parameters are stored the same way, one fragment per rank in the model-states files.
     """
+    from megatron.zero3_partition import (
+        partition_numel,  # imports DeepSpeed: only when ZeRO-3 shards are read
+    )
+
     first_optim = load_checkpoint_file(optim_files[min(optim_files)])["optimizer_state_dict"]
     stage = first_optim.get("zero_stage")
     if int(stage) != 3:

@@ -13,10 +13,10 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
-from megatron.checkpointing import layout, manifest
-from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.weights_source import WeightsSource
+from megatron.checkpointing.formats.weights_source import WeightsSource
+from megatron.checkpointing.ondisk import layout, manifest
+from megatron.checkpointing.ondisk.client_state import ClientState
 from megatron.optimizer_layout import precision_of, zero_stage_of
 
 FORMAT_DEEPSPEED = "deepspeed"  # mp_rank_XX_model_states.pt holds the module
@@ -51,7 +51,7 @@ def _holds_weights(module: Any) -> bool:
 
 @lru_cache(maxsize=32)
 def _read_metadata_cached(path: str, _mtime_ns: int, _size: int) -> SavedMetadata:
-    from megatron.checkpointing.module_weights import load_checkpoint_file
+    from megatron.checkpointing.ondisk.module_weights import load_checkpoint_file
 
     state = load_checkpoint_file(Path(path))
     if not isinstance(state, dict):
@@ -269,6 +269,7 @@ class CheckpointInventory:
                                   f"loaded. {way_out}")
         if tag not in self.tags:
             fix = f", or fix the `{layout.LATEST_FILE}` file" if from_latest else ""
+            named = f"{latest_file} names tag" if from_latest else "the tag asked for is"
             raise CheckpointError(f"{named} '{tag}', but {root / tag} does not exist; {self.available()}. Set "
                                   f"{pick()} to pick one{fix}.")
         return self.tags[tag]

@@ -29,8 +29,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from megatron.checkpointing import layout
 from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.ondisk import layout
 from megatron.processes import process_start_time
 
 

@@ -30,19 +30,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron.architecture import Architecture, ModelConfigError, describe_model
-from megatron.checkpointing import layout, preflight, shape
-from megatron.checkpointing.client_state import ClientState
-from megatron.checkpointing.data_position import DataPosition, data_position, resume_change_notes
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.inventory import (
+from megatron.checkpointing.formats.weights_source import WeightsSource
+from megatron.checkpointing.ondisk import layout
+from megatron.checkpointing.ondisk.client_state import ClientState
+from megatron.checkpointing.ondisk.inventory import (
     FORMAT_HF,
     FORMAT_INCOMPLETE,
     FORMAT_PIPELINE,
     FORMAT_ZERO3,
     CheckpointInventory,
     TagInventory,
+    inventory_checkpoint,
 )
-from megatron.checkpointing.weights_source import WeightsSource
+from megatron.checkpointing.planning import preflight, shape
+from megatron.checkpointing.planning.data_position import DataPosition, data_position, resume_change_notes
 
 # Parameter-name endings of a language model's output layer and of a reward model's head.
 LM_HEAD = ("final_linear.weight",)
@@ -399,3 +401,18 @@ def _fresh_reward_head(args, client: ClientState, tag: TagInventory, load_optimi
             "not a reward model's, so a full resume cannot restore a reward model from it; set `finetune: true` "
             "to start the reward model from its weights with a fresh head")
     return True
+
+
+def plan_load(args, data_parallel_size: int, hf_source: WeightsSource | None = None) -> LoadPlan | None:
+    """Inspect `args.load` and decide what to load; call before deepspeed.initialize so bad loads fail fast.
+
+    None when `load` is unset. Raises CheckpointError when the plan cannot be carried out. With
+    `hf_source` (megatron.hf.HF_FOLDER) `load` may name a Hugging Face model folder.
+    """
+    if not args.load:
+        return None
+    plan = build_load_plan(args, inventory_checkpoint(args.load, hf_source), data_parallel_size)
+    from megatron.logging import get_logger
+
+    get_logger().info(plan.describe())
+    return plan

@@ -14,12 +14,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megatron.checkpointing import async_save, commit, layout, save_lock
-from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.lineage import Lineage
-from megatron.checkpointing.neox_config import write_neox_config
-from megatron.checkpointing.rng import collect_rng_states
+from megatron.checkpointing.ondisk import layout
+from megatron.checkpointing.ondisk.client_state import ClientState
+from megatron.checkpointing.ondisk.rng import collect_rng_states
+from megatron.checkpointing.planning.lineage import Lineage
+from megatron.checkpointing.saving import async_save, commit, save_lock
+from megatron.checkpointing.saving.neox_config import write_neox_config
 from megatron.collective import all_gather, barrier
 from megatron.ranks import global_rank
 
@@ -52,9 +53,9 @@ def save_checkpoint(
     (async_save.py); it waits first for the save in flight. Elsewhere nothing would wait for a background
     save, so it writes the tag before it returns.
     """
-    from megatron.checkpointing import forward_validation
-    from megatron.checkpointing.engine_save import save_engine_checkpoint
-    from megatron.checkpointing.snapshot_engine import SnapshotCheckpointEngine
+    from megatron.checkpointing.ondisk import forward_validation
+    from megatron.checkpointing.saving.engine_save import save_engine_checkpoint
+    from megatron.checkpointing.saving.snapshot_engine import SnapshotCheckpointEngine
 
     if not args.save:
         raise CheckpointError("save_checkpoint was called but `save` is not set; set `save: <directory>`.")

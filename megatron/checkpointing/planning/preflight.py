@@ -12,9 +12,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from megatron.architecture import architecture_mismatches, fields_of_settings
-from megatron.checkpointing import layout, shape
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.inventory import FORMAT_PIPELINE, TagInventory
+from megatron.checkpointing.ondisk import layout
+from megatron.checkpointing.ondisk.inventory import FORMAT_PIPELINE, TagInventory
+from megatron.checkpointing.planning import shape
 
 _SHOWN_MISMATCHES = 3
 _MODULE_ONLY_HINT = ("set `no_load_optim: true` (keep iteration and data position, fresh optimizer) "

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import xxhash
 
-from megatron.checkpointing import layout
 from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.ondisk import layout
 from megatron.fsio import fsync_path, write_text_atomically
 
 MANIFEST_VERSION = 3

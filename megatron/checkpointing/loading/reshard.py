@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.inventory import TagInventory
-from megatron.checkpointing.shape import ShapeChange
+from megatron.checkpointing.ondisk.inventory import TagInventory
+from megatron.checkpointing.planning.shape import ShapeChange
 from megatron.collective import all_gather
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -39,7 +39,7 @@ _STEP = "step"
 def resume_at_another_shape(engine, tag: TagInventory, change: ShapeChange, arch, module_weights: dict[str, torch.Tensor]):
     """Load `tag`'s full training state into `engine` (collective). `module_weights` is this rank's
     tensor-parallel part of the saved module (keys and buffers); returns the module-load report."""
-    from megatron.checkpointing.module_load import load_module_only
+    from megatron.checkpointing.loading.module_load import load_module_only
 
     problem = None
     try:
@@ -74,7 +74,7 @@ class SavedOptimizerState:
     def __init__(self, tag: TagInventory, saved_tensor_parallel: int, arch):
         from torch.utils.serialization import config as torch_load_config
 
-        from megatron.checkpointing.safe_unpickle import every_torch_load_weights_only
+        from megatron.checkpointing.ondisk.safe_unpickle import every_torch_load_weights_only
 
         self.saved, self.arch = saved_tensor_parallel, arch
         # name -> saved tensor-parallel rank -> state -> its fragments in data-parallel order, and the shapes

@@ -13,7 +13,7 @@ written by another program, and is read as far as its keys go):
    warmup_iters, decay_iters, decay_style: what resumes check against the configs; absent in
    checkpoints saved before it was recorded), consumed_valid_samples (validation samples the run's
    evaluations read, where the next evaluation continues; absent in GPT-NeoX's checkpoints and in ours
-   saved before it was recorded, where megatron.checkpointing.data_position derives it as GPT-NeoX does),
+   saved before it was recorded, where megatron.checkpointing.planning.data_position derives it as GPT-NeoX does),
    reference_model (DPO/KTO runs: source, tag and checksum of the frozen reference, see reference.py).
 2. args: intermediate_size has GPT-NeoX's meaning (the width before GPT-NeoX's MLP rule, see
    megatron/architecture.py); in format 1 it was the MLP width per projection as built, and
@@ -47,15 +47,15 @@ REFERENCE_MODEL_KEY = "reference_model"
 class ClientState:
     iteration: int | None = None
     consumed_train_samples: int | None = None  # GPT-NeoX does not record it
-    consumed_valid_samples: int | None = None  # nor this (megatron.checkpointing.data_position derives it)
+    consumed_valid_samples: int | None = None  # nor this (megatron.checkpointing.planning.data_position derives it)
     settings: dict[str, Any] | None = None  # every setting of the run that saved it, in today's meaning
-    rng_states: list[dict[str, Any]] | None = None  # megatron.checkpointing.rng states, by global rank
+    rng_states: list[dict[str, Any]] | None = None  # megatron.checkpointing.ondisk.rng states, by global rank
     # The iteration the LR schedule counts from (see megatron.training.TrainState); 0 when not recorded.
     lr_schedule_start: int = 0
     lr_schedule: dict[str, Any] | None = None  # megatron.learning_rates.Schedule.to_dict() of the saving run
-    forward_validation: dict[str, Any] | None = None  # megatron.checkpointing.forward_validation.capture
+    forward_validation: dict[str, Any] | None = None  # megatron.checkpointing.ondisk.forward_validation.capture
     converted_from: str | None = None  # the Hugging Face folder the weights came from
-    reference_model: dict[str, Any] | None = None  # megatron.checkpointing.reference.ReferenceIdentity.to_dict()
+    reference_model: dict[str, Any] | None = None  # megatron.checkpointing.planning.reference.ReferenceIdentity.to_dict()
     format_version: int | None = FORMAT_VERSION  # None: written by another program or before versions
 
     def to_dict(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.safe_unpickle import load_weights_only
+from megatron.checkpointing.ondisk.safe_unpickle import load_weights_only
 
 
 class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):

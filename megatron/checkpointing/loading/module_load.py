@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron.checkpointing import master_weights
 from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.loading import master_weights
 from megatron.zero3_partition import is_partitioned, write_whole_value
 
 _SHOWN_KEYS = 5

@@ -12,10 +12,10 @@ import torch.distributed as dist
 from deepspeed import zero
 from deepspeed.utils import safe_get_full_fp32_param
 
-from megatron.checkpointing import layout
-from megatron.checkpointing.commit import WriteFailure, is_write_error
-from megatron.checkpointing.module_weights import load_checkpoint_file
-from megatron.checkpointing.snapshot_engine import SnapshotCheckpointEngine, snapshot_engine
+from megatron.checkpointing.ondisk import layout
+from megatron.checkpointing.ondisk.module_weights import load_checkpoint_file
+from megatron.checkpointing.saving.commit import WriteFailure, is_write_error
+from megatron.checkpointing.saving.snapshot_engine import SnapshotCheckpointEngine, snapshot_engine
 from megatron.fsio import write_atomically
 from megatron.zero3_partition import is_partitioned
 
@@ -48,7 +48,7 @@ def save_engine_checkpoint(engine, save_dir: str | Path, tag: str, client_state:
       master), so a module-only load needs no optimizer shard. DeepSpeed's own resume still reads
       the ``zero_pp_rank_*`` files, and ``zero_to_fp32`` reads the same shapes from either file.
 
-    Neither ``latest`` nor a manifest is written here (megatron.checkpointing.commit does that).
+    Neither ``latest`` nor a manifest is written here (megatron.checkpointing.saving.commit does that).
     """
     save_dir = Path(save_dir)
     failures: list[WriteFailure] = []

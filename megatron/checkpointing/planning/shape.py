@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron.checkpointing import layout
-from megatron.checkpointing.inventory import TagInventory
+from megatron.checkpointing.ondisk import layout
+from megatron.checkpointing.ondisk.inventory import TagInventory
 from megatron.optimizer_layout import precision_of, zero_stage_of
 
 

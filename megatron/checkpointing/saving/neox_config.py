@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from megatron.architecture import architecture_from_settings, ungated_mlp_width
-from megatron.checkpointing.layout import NEOX_CONFIG_EXTRA_FILE
+from megatron.checkpointing.ondisk.layout import NEOX_CONFIG_EXTRA_FILE
 
 
 def resolved_neox_config(settings: dict[str, Any]) -> dict[str, Any]:
@@ -72,7 +72,7 @@ def write_neox_config(settings: dict[str, Any], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     gpt_neox, ours = split_by_gpt_neox(resolved_neox_config(settings))
     header = ("# Every setting of the run that saved this checkpoint, as one GPT-NeoX config; the settings "
-              f"GPT-NeoX does not have are in {NEOX_CONFIG_EXTRA_FILE} (megatron/checkpointing/neox_config.py)\n")
+              f"GPT-NeoX does not have are in {NEOX_CONFIG_EXTRA_FILE} (megatron/checkpointing/saving/neox_config.py)\n")
     path.write_text(header + yaml.safe_dump(gpt_neox, sort_keys=False))
     if ours:
         extra_header = (f"# The settings of the run GPT-NeoX does not have; {path.name} holds all the others\n")

@@ -15,8 +15,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron.checkpointing import layout, manifest
 from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.ondisk import layout, manifest
 from megatron.collective import all_gather, barrier, reported_by_ranks
 from megatron.fsio import fsync_path, replace_dir
 from megatron.ranks import rank_and_world

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron.checkpointing import layout
+from megatron.checkpointing.ondisk import layout
 
 
 @dataclass

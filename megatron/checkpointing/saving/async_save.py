@@ -31,14 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatron.checkpointing import commit, layout, manifest
-from megatron.checkpointing.commit import WriteFailure
 from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.ondisk import layout, manifest
+from megatron.checkpointing.saving import commit
+from megatron.checkpointing.saving.commit import WriteFailure
 from megatron.collective import all_gather
 from megatron.ranks import rank_and_world
 
 if TYPE_CHECKING:
-    from megatron.checkpointing.snapshot_engine import SnapshotCheckpointEngine
+    from megatron.checkpointing.saving.snapshot_engine import SnapshotCheckpointEngine
 
 
 @dataclass

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from megatron.checkpointing import layout, manifest
 from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.ondisk import layout, manifest
 from megatron.processes import process_start_time
 
 _checked_here: set[tuple] = set()

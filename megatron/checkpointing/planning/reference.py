@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron.checkpointing import layout, manifest
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.inventory import inventory_checkpoint
-from megatron.checkpointing.plan import LoadMode, LoadPlan, build_load_plan
-from megatron.checkpointing.weights_source import WeightsSource
+from megatron.checkpointing.formats.weights_source import WeightsSource
+from megatron.checkpointing.ondisk import layout, manifest
+from megatron.checkpointing.ondisk.inventory import inventory_checkpoint
+from megatron.checkpointing.planning.plan import LoadMode, LoadPlan, build_load_plan
 
 TRAIN_IMPLS_WITH_REFERENCE = ("dpo", "kto")
 _UNLISTED_FILE_CHECKSUM = "crc32"  # fixed: identities recorded by earlier runs must keep matching

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.ondisk.client_state import ClientState
 
 # The settings that say which documents the training samples come from, in which order.
 _PATH_SETTINGS = ("data_path", "train_data_paths", "train_label_data_paths", "pos_train_data_paths",

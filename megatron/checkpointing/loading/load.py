@@ -1,6 +1,6 @@
 """Load: the one place a checkpoint is carried into an engine.
 
-    plan = plan_load(args, dp_size)          # before deepspeed.initialize: inspect files, fail fast
+    plan = plan_load(args, dp_size)          # planning/plan.py, before deepspeed.initialize: fail fast
     engine = deepspeed.initialize(...)
     outcome = load_checkpoint(engine, plan)  # the plan is the whole contract: no settings are read here
 
@@ -15,19 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from megatron.checkpointing.client_state import ClientState
 from megatron.checkpointing.errors import CheckpointError
-from megatron.checkpointing.inventory import inventory_checkpoint
-from megatron.checkpointing.lineage import Lineage
-from megatron.checkpointing.plan import LM_HEAD, REWARD_HEAD, LoadPlan, build_load_plan
-from megatron.checkpointing.rng import restore_rng_states
-from megatron.checkpointing.verified_files import checkpoint_file_problem, checks_beside_use
-from megatron.checkpointing.weights_source import WeightsSource
+from megatron.checkpointing.ondisk.client_state import ClientState
+from megatron.checkpointing.ondisk.rng import restore_rng_states
+from megatron.checkpointing.ondisk.verified_files import checkpoint_file_problem, checks_beside_use
+from megatron.checkpointing.planning.lineage import Lineage
+from megatron.checkpointing.planning.plan import LM_HEAD, REWARD_HEAD, LoadPlan
 from megatron.collective import reported_by_ranks
 from megatron.ranks import global_rank, rank_and_world, tensor_parallel_rank
 
 if TYPE_CHECKING:  # module_load imports DeepSpeed's ZeRO internals; loaded only when a load needs it
-    from megatron.checkpointing.module_load import ModuleLoadReport
+    from megatron.checkpointing.loading.module_load import ModuleLoadReport
 
 
 @dataclass(frozen=True)
@@ -52,24 +50,11 @@ def _logger():
     return get_logger()
 
 
-def plan_load(args, data_parallel_size: int, hf_source: WeightsSource | None = None) -> LoadPlan | None:
-    """Inspect `args.load` and decide what to load; call before deepspeed.initialize so bad loads fail fast.
-
-    None when `load` is unset. Raises CheckpointError when the plan cannot be carried out. With
-    `hf_source` (megatron.hf.HF_FOLDER) `load` may name a Hugging Face model folder.
-    """
-    if not args.load:
-        return None
-    plan = build_load_plan(args, inventory_checkpoint(args.load, hf_source), data_parallel_size)
-    _logger().info(plan.describe())
-    return plan
-
-
 def _module_weights(plan: LoadPlan, engine):
     """This rank's weights, named as the engine's module names them: a pipeline stage takes its own layers."""
     from deepspeed.pipe import PipelineModule
 
-    from megatron.checkpointing.module_weights import read_this_ranks_module_weights, this_ranks_part
+    from megatron.checkpointing.ondisk.module_weights import read_this_ranks_module_weights, this_ranks_part
     from megatron.model.pipeline import stage_weights
 
     if plan.hf_source is not None:
@@ -83,8 +68,11 @@ def _module_weights(plan: LoadPlan, engine):
 def _check_names_for_resume(plan: LoadPlan, engine) -> None:
     """DeepSpeed restores the module of a full resume under the names stored; older GPT-NeoX names and a
     non-strict load are checked here first, as the module-only path checks them."""
-    from megatron.checkpointing.module_load import check_random_layers, compare_module_keys
-    from megatron.checkpointing.module_weights import legacy_names_in_model_states_file, read_module_weights
+    from megatron.checkpointing.loading.module_load import check_random_layers, compare_module_keys
+    from megatron.checkpointing.ondisk.module_weights import (
+        legacy_names_in_model_states_file,
+        read_module_weights,
+    )
 
     legacy = legacy_names_in_model_states_file(plan.tag_dir)
     if legacy:
@@ -115,8 +103,8 @@ def _verify_files(plan: LoadPlan) -> None:
 
 def _resume(engine, plan: LoadPlan) -> ClientState:
     """DeepSpeed's own load of the whole engine: module, optimizer states (fp32 master, moments), step counts."""
-    from megatron.checkpointing.safe_checkpoint_engine import use_weights_only_checkpoint_engine
-    from megatron.checkpointing.safe_unpickle import every_torch_load_weights_only
+    from megatron.checkpointing.ondisk.safe_checkpoint_engine import use_weights_only_checkpoint_engine
+    from megatron.checkpointing.ondisk.safe_unpickle import every_torch_load_weights_only
     from megatron.optimizers import replay_cpu_adam_step_count
 
     _check_names_for_resume(plan, engine)
@@ -141,8 +129,8 @@ def _resume(engine, plan: LoadPlan) -> ClientState:
 def load_weights_only(engine, plan: LoadPlan) -> None:
     """The module of a module-only `plan` into `engine` (the frozen reference model of DPO/KTO): the same
     reading, re-splitting and checks as a fine-tune's load; no iteration, data position or RNG states."""
-    from megatron.checkpointing import forward_validation
-    from megatron.checkpointing.module_load import load_module_only
+    from megatron.checkpointing.loading.module_load import load_module_only
+    from megatron.checkpointing.ondisk import forward_validation
 
     if not plan.module_only:
         raise CheckpointError(f"internal: the reference model loads weights only, but the plan for "
@@ -159,7 +147,7 @@ def load_weights_only(engine, plan: LoadPlan) -> None:
 
 def load_checkpoint(engine, plan: LoadPlan) -> LoadOutcome | None:
     """Carry out `plan` on `engine`; None when the plan has nothing to load (auto-resume first run)."""
-    from megatron.checkpointing import forward_validation
+    from megatron.checkpointing.ondisk import forward_validation
 
     if plan.nothing_to_load:
         return None
@@ -172,7 +160,7 @@ def load_checkpoint(engine, plan: LoadPlan) -> LoadOutcome | None:
             lineage = Lineage(plan.tag, plan.saved_iteration if plan.iteration_from_checkpoint else None)
     module_report = None
     if plan.reshard is not None:
-        from megatron.checkpointing.reshard import resume_at_another_shape
+        from megatron.checkpointing.loading.reshard import resume_at_another_shape
 
         _check_names_for_resume(plan, engine)
         module_report = resume_at_another_shape(engine, plan.tag_inventory, plan.reshard, plan.architecture,
@@ -181,7 +169,7 @@ def load_checkpoint(engine, plan: LoadPlan) -> LoadOutcome | None:
     elif plan.load_optimizer:
         client_state = _resume(engine, plan)
     else:
-        from megatron.checkpointing.module_load import load_module_only
+        from megatron.checkpointing.loading.module_load import load_module_only
 
         with checks_beside_use():
             weights = _module_weights(plan, engine)
