@@ -1,6 +1,6 @@
-"""The few collectives outside the training step: a barrier, gathering one value from every rank, and
-agreeing across ranks on what some of them found. Also correct in a single process without
-torch.distributed."""
+"""Every way ranks agree, outside the training step's own collectives: a barrier, gathering one value from
+every rank, hearing what some ranks found (reported_by_ranks, first_report), and taking global rank 0's
+decision (decided_by_rank_zero). Also correct in a single process without torch.distributed."""
 
 from __future__ import annotations
 
@@ -50,6 +50,25 @@ def reported_by_ranks(value: T | None, group=None) -> list[tuple[int, T]]:
         if not flags.any():
             return []
     return [(rank, reported) for rank, reported in enumerate(all_gather(value, group)) if reported is not None]
+
+
+def first_report(value: T | None, group=None) -> T | None:
+    """The value of the lowest rank that reports one (not None), the same on every rank; None when no rank
+    reports. A collective, as reported_by_ranks."""
+    reports = reported_by_ranks(value, group)
+    return reports[0][1] if reports else None
+
+
+def decided_by_rank_zero(value: T, group=None) -> T:
+    """Global rank 0's `value` (picklable) on every rank: what the other ranks pass is ignored. A collective,
+    over `group` as all_gather."""
+    import torch.distributed as dist
+
+    if rank_and_world()[1] == 1:
+        return value
+    decided = [value]
+    dist.broadcast_object_list(decided, src=0, group=group)
+    return decided[0]
 
 
 def _tensor_device(group) -> str:

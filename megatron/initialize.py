@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron.collective import barrier
 from megatron.cpu_info import ask_cpu_info_early
 from megatron.ranks import data_parallel_rank_and_size
 
@@ -57,7 +58,7 @@ def init_deepspeed_distributed(**kwargs) -> None:
     shm = Path("/dev/shm")
     if not (address and port and shm.is_dir()):
         return
-    dist.barrier()
+    barrier()
     # DeepSpeed's name: deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>
     (shm / f"deepspeed_allreduce_buffer_{os.getuid()}_{address}_{port}_{dist.get_rank()}").unlink(missing_ok=True)
 

@@ -16,21 +16,14 @@ import signal
 import threading
 import time
 
+from megatron import faults
 from megatron.collective import reported_by_ranks
 from megatron.ranks import global_rank
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Copies of one request (the scheduler's own, deepy.py's, the launcher's) arrive within this of each other.
 SAME_REQUEST_SECONDS = 2.0
-# Test-only: seconds a rank waits between agreeing to stop and saving, so a test can deliver the
-# second signal before the save starts.
-HOLD_BEFORE_SAVE_ENV = "NEOX_TEST_HOLD_BEFORE_STOP_SAVE"
-# Test-only: seconds a rank that has finished its set-up waits for a stop signal before its first step, so a
-# test's signal arrives before that step however loaded the machine is.
-HOLD_BEFORE_FIRST_STEP_ENV = "NEOX_TEST_HOLD_BEFORE_FIRST_STEP"
-# Test-only: the iteration after whose step a rank waits (up to HELD_AFTER_ITERATION_SECONDS) for a stop
-# signal before the ranks agree, so a test stops a run of a few fast steps at a step it chose.
-HOLD_AFTER_ITERATION_ENV = "NEOX_TEST_HOLD_AFTER_ITERATION"
+# How long a rank held by the hold_after_iteration fault point (megatron/faults.py) waits for a stop signal.
 HELD_AFTER_ITERATION_SECONDS = 300.0
 
 
@@ -95,7 +88,7 @@ class StopSignals:
                         .encode())
 
     def hold_before_first_step(self) -> None:
-        self._wait_for_a_signal(float(os.environ.get(HOLD_BEFORE_FIRST_STEP_ENV, "0") or 0))
+        self._wait_for_a_signal(faults.seconds("hold_before_first_step"))
 
     def _wait_for_a_signal(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -104,14 +97,14 @@ class StopSignals:
 
     def agreed_stop(self, after_iteration: int | None = None) -> int | None:
         """The stop signal any rank received (the same answer on every rank), or None; a collective."""
-        if after_iteration is not None and os.environ.get(HOLD_AFTER_ITERATION_ENV) == str(after_iteration):
+        if after_iteration is not None and faults.value("hold_after_iteration") == str(after_iteration):
             self._wait_for_a_signal(HELD_AFTER_ITERATION_SECONDS)
         noted = [signum for _, signum in reported_by_ranks(self.received)]
         return max(noted) if noted else None
 
 
 def hold_before_save() -> None:
-    seconds = float(os.environ.get(HOLD_BEFORE_SAVE_ENV, "0") or 0)
+    seconds = faults.seconds("hold_before_stop_save")
     if seconds > 0:
         time.sleep(seconds)
 

@@ -190,10 +190,10 @@ def test_save_dir_checks_before_the_first_step(tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(CheckpointError, match=r"`save: .*file` is a file, not a directory"):
-        commit.check_save_dir(a_file)
+        commit.check_room_and_access(a_file)
     with pytest.raises(CheckpointError, match=r"cannot be created \(Not a directory\)"):
-        commit.check_save_dir(a_file / "below")
-    commit.check_save_dir(tmp_path / "new" / "dir")
+        commit.check_room_and_access(a_file / "below")
+    commit.check_room_and_access(tmp_path / "new" / "dir")
     assert (tmp_path / "new" / "dir").is_dir() and not list((tmp_path / "new" / "dir").iterdir())
 
 
@@ -219,7 +219,7 @@ os.makedirs("{small}/global_step1")
 with open("{small}/global_step1/mp_rank_00_model_states.pt", "wb") as f:
     f.write(b"x" * (700 * 1024))
 try:
-    commit.check_save_dir("{small}")
+    commit.check_room_and_access("{small}")
 except CheckpointError as err:
     print("REFUSED", err)
 """

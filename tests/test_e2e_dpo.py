@@ -15,7 +15,7 @@ import signal
 
 import pytest
 
-from megatron.stop_signals import HOLD_AFTER_ITERATION_ENV
+from megatron import faults
 from tests.e2e import run_deepy, write_overrides
 from tests.test_preprocess_chat import make_chat_tokenizer, run, write_jsonl
 from tests.test_signals import DeepyRun, assert_graceful_stop, signal_the_job
@@ -82,7 +82,7 @@ def test_dpo_resumed_from_its_save_still_compares_against_the_model_it_started_f
     # SIGTERM to every process of the job after step 1 (each rank waits there for it): a checkpoint, exit 0
     stopped_save = tmp_path / "stopped"
     job = DeepyRun([write_overrides(tmp_path, name="stopped.yml", **{**settings, "save": str(stopped_save)})],
-                   extra_env={HOLD_AFTER_ITERATION_ENV: "1"})
+                   extra_env=faults.switched_on(hold_after_iteration=1))
     job.wait_for(r"iteration\s+1/4")
     signal_the_job(job, "every process", signal.SIGTERM)
     assert assert_graceful_stop(job, stopped_save, signal.SIGTERM, ranks=2) == 1

@@ -1,7 +1,7 @@
 """End to end: training processes killed inside a save, and a disk that fills, then the same command again.
 
 The kill is a real SIGKILL of the training process at a chosen moment of the save (the test-only
-NEOX_TEST_SIGKILL_DURING_SAVE hook picks the moment); the full disk is a real, small tmpfs mounted in
+sigkill_during_save fault point of megatron/faults.py picks the moment); the full disk is a real, small tmpfs mounted in
 a private mount namespace; a write that fails on one rank only is a real file-size limit (prlimit) set
 on that running rank.
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron import faults
 from megatron.checkpointing.ondisk import manifest
-from megatron.checkpointing.saving.commit import KILL_DURING_SAVE_ENV
 from tests.e2e import REPO_ROOT, run_deepy, train_lines, write_overrides
 
 pytestmark = pytest.mark.e2e
@@ -27,7 +27,7 @@ QUICK = dict(eval_interval=1000, eval_iters=1, checkpoint_factor=2)
 
 
 def killed_run(configs, moment: str):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", KILL_DURING_SAVE_ENV: moment}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **faults.switched_on(sigkill_during_save=moment)}
     result = subprocess.run([sys.executable, "deepy.py", "train.py", *map(str, configs)], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode != 0, f"the run was not killed:\n{result.stdout[-3000:]}"

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.stop_signals import HOLD_BEFORE_FIRST_STEP_ENV, HOLD_BEFORE_SAVE_ENV, SAME_REQUEST_SECONDS
+from megatron import faults
+from megatron.stop_signals import SAME_REQUEST_SECONDS
 from megatron.supervision import Supervisor
 from tests.e2e import REPO_ROOT, train_lines, write_overrides
 
@@ -227,7 +228,7 @@ def test_with_async_save_the_stop_ends_once_the_checkpoint_it_names_is_committed
 
 def test_a_signal_to_every_process_while_the_rank_starts_stops_before_the_first_step(tmp_path):
     save = tmp_path / "ckpt"
-    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save)], extra_env={HOLD_BEFORE_FIRST_STEP_ENV: "300"})
+    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save)], extra_env=faults.switched_on(hold_before_first_step=300))
     run.wait_for(r"model: [\d,]+ parameters")  # the rank is building its engine, then waits for the signal
     signal_the_job(run, "every process", signal.SIGTERM)
     assert run.finish() == 0, run.output[-6000:]
@@ -307,7 +308,7 @@ def test_a_signal_taken_while_the_launcher_is_being_started_is_passed_on_once_it
 def test_a_second_sigint_stops_at_once_without_a_traceback_and_latest_unchanged(tmp_path, receivers):
     save = tmp_path / "ckpt"
     run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save, extra_save_iters=[2])],
-                   extra_env={HOLD_BEFORE_SAVE_ENV: "600"})
+                   extra_env=faults.switched_on(hold_before_stop_save=600))
     run.wait_for(r"iteration\s+3/2000")
     deadline = time.monotonic() + 120  # async_save: the save of step 2 is committed in the background
     while not (save / "latest").is_file() and time.monotonic() < deadline:

@@ -107,16 +107,14 @@ def _read_interactive_prompt(prompt_end: str) -> str | None:
 
 
 def _interactive(model, tokenizer, args, rank: int, log) -> int:
-    import torch.distributed as dist
+    from megatron.collective import decided_by_rank_zero
 
     count = 0
     while True:
-        prompt = [_read_interactive_prompt(args.prompt_end) if rank == 0 else None]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(prompt, src=0)
-        if prompt[0] is None:
+        prompt = decided_by_rank_zero(_read_interactive_prompt(args.prompt_end) if rank == 0 else None)
+        if prompt is None:
             return count
-        record = sample(model, tokenizer, args, prompt[0])
+        record = sample(model, tokenizer, args, prompt)
         if rank == 0:
             print("Generated Text: " + (record["text"] if record["text"] is not None else record["message"]),
                   file=sys.stdout, flush=True)

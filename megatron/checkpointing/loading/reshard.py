@@ -29,7 +29,7 @@ import torch
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.ondisk.inventory import TagInventory
 from megatron.checkpointing.planning.shape import ShapeChange
-from megatron.collective import all_gather
+from megatron.collective import first_report
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _MASTER = "fp32"
@@ -46,7 +46,7 @@ def resume_at_another_shape(engine, tag: TagInventory, change: ShapeChange, arch
         saved = SavedOptimizerState(tag, change.saved.tensor_parallel, arch)
     except CheckpointError as err:
         problem = str(err)
-    problem = next(filter(None, all_gather(problem)), None)  # every rank stops when one could not read
+    problem = first_report(problem)  # every rank stops when one could not read
     if problem:
         raise CheckpointError(problem)
     names = {param: name for name, param in engine.module.named_parameters()}

@@ -10,10 +10,10 @@ DeepSpeed (0.16-0.19) writes every file of a save through ``engine.checkpoint_en
 path)``. During an asynchronous save that engine is a SnapshotCheckpointEngine: it keeps a host copy
 of each state instead of writing it, the copy sharing storage where the original did, so torch.save
 later writes the bytes the synchronous save writes. The thread writes the files through the engine's
-own checkpoint engine and seals the tag as commit.seal_tag does, over a gloo group of its own (the
-main thread's collectives go on meanwhile): every rank fsyncs and checksums the files it wrote, the
-ranks exchange the records, global rank 0 writes the manifest, renames the folder, moves `latest`,
-prunes, and tells every rank the outcome, so all of them stop, or go on, alike.
+own checkpoint engine, fsyncs and checksums the files it wrote, and commits the tag through
+commit.commit_tag, the one commit path a blocking save runs at once, over a gloo group of its own (the
+main thread's collectives go on meanwhile): global rank 0 writes the manifest, renames the folder, moves
+`latest`, prunes, and every rank gets its outcome, so all of them stop, or go on, alike.
 
 The thread runs at the lowest priority (nice 19, on Linux per thread): where training keeps every core
 busy, the writer takes the time training leaves instead of a core training waits for. A training step
@@ -84,19 +84,8 @@ def _write_and_commit(flight: _InFlight, save_dir: Path, tag: str, iteration: in
                       snapshot: SnapshotCheckpointEngine, committed: Callable[[], None], group) -> None:
     _yield_to_training()
     try:
-        partial = save_dir / layout.partial_tag(tag)
-        failure, records = _write_files(partial, snapshot)
-        line = commit.failure_line(save_dir, tag, failure)
-        exchanged = all_gather((line, records), group)
-        commit.kill_point_for_tests("files_written", iteration)
-        outcome = None
-        if rank_and_world()[0] == 0:
-            outcome = commit.first_failure([(rank, line) for rank, (line, _) in enumerate(exchanged) if line])
-            if outcome is None:
-                outcome = _publish(save_dir, tag, iteration, partial, exchanged, committed)
-            if outcome is not None:
-                commit.discard_partial(save_dir, tag)
-        flight.failure = all_gather(outcome, group)[0]
+        failure, records = _write_files(save_dir / layout.partial_tag(tag), snapshot)
+        flight.failure = commit.commit_tag(save_dir, tag, iteration, failure, records, committed, group)
     finally:
         snapshot.keep_buffers_for_next_save()
         flight.done.set()
@@ -127,21 +116,6 @@ def _write_files(partial: Path, snapshot: SnapshotCheckpointEngine
     except Exception as err:
         snapshot.files.clear()
         return WriteFailure(path, err), {}
-
-
-def _publish(save_dir: Path, tag: str, iteration: int, partial: Path, exchanged, committed) -> str | None:
-    records = {}
-    for _, part in exchanged:
-        records.update(part)
-    try:
-        for name in manifest.tag_file_names(partial):  # rank 0's own small files: configs, recovery script
-            if name not in records:
-                records[name] = manifest.record_file(partial / name)
-        commit.publish_tag(save_dir, tag, iteration, records)
-    except Exception as err:
-        return commit.first_failure([(0, commit.failure_line(save_dir, tag, WriteFailure(None, err)))])
-    committed()
-    return None
 
 
 def awaited() -> bool:

@@ -12,19 +12,17 @@ import errno
 import os
 import resource
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron import faults
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.ondisk import layout, manifest
-from megatron.collective import all_gather, barrier, reported_by_ranks
+from megatron.collective import all_gather, decided_by_rank_zero, reported_by_ranks
 from megatron.fsio import fsync_path, replace_dir
 from megatron.ranks import rank_and_world
 
-# Test-only: "<moment>@<iteration>" makes the saving process SIGKILL itself at that moment of that
-# save, so kill tests hit the moment they mean every time. Moments: SAVE_MOMENTS.
-KILL_DURING_SAVE_ENV = "NEOX_TEST_SIGKILL_DURING_SAVE"
-SAVE_MOMENTS = ("files_written", "manifest_written", "renamed")
 _PROBE_PREFIX = ".write_probe"
 
 
@@ -52,7 +50,7 @@ def _free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def check_save_dir(save_dir: str | Path, rank: int = 0) -> None:
+def check_room_and_access(save_dir: str | Path, rank: int = 0) -> None:
     """Before the first step: `save_dir` exists or can be created, is a writable directory, and has room for one more tag.
 
     The room needed is judged by the size of the newest tag already there (none: not judged).
@@ -92,41 +90,73 @@ def start_tag(save_dir: Path, tag: str) -> Path:
     save_dir.mkdir(parents=True, exist_ok=True)
     for leftover in layout.list_partial_tags(save_dir):
         shutil.rmtree(save_dir / leftover, ignore_errors=True)
-    check_save_dir(save_dir)
+    check_room_and_access(save_dir)
     partial = save_dir / layout.partial_tag(tag)
     partial.mkdir()
     return partial
 
 
-def seal_tag(save_dir: Path, tag: str, iteration: int) -> Path:
-    """Collective, once every rank's files of the tag are written: fsync and checksum them (shared
-    among the ranks), write the manifest, rename ``<tag>.partial`` to ``<tag>``, then point ``latest`` at it."""
-    partial, final = save_dir / layout.partial_tag(tag), save_dir / tag
+def record_this_ranks_share(partial: Path, failure: WriteFailure | None
+                            ) -> tuple[WriteFailure | None, dict[str, manifest.FileRecord]]:
+    """Once every rank's files of a blocking save are on disk: this rank's share of them (every world-th file
+    of the folder), fsynced and checksummed; nothing after a failed write. A file that cannot be read
+    back is this rank's failure, so that every rank still reaches the commit's one gather."""
+    if failure is not None:
+        return failure, {}
     rank, world = rank_and_world()
-    barrier()
-    names = manifest.tag_file_names(partial)
-    records = {name: manifest.record_file(partial / name) for name in names[rank::world]}
-    for part in all_gather(records):
-        records.update(part)
-    kill_point_for_tests("files_written", iteration)
-    if rank == 0:
-        publish_tag(save_dir, tag, iteration, records)
-    barrier()
-    return final
+    path = None
+    try:
+        records = {}
+        for name in manifest.tag_file_names(partial)[rank::world]:
+            path = partial / name
+            records[name] = manifest.record_file(path)
+        return None, records
+    except OSError as err:
+        return WriteFailure(path, err), {}
 
 
-def publish_tag(save_dir: Path, tag: str, iteration: int, records: dict[str, manifest.FileRecord]) -> Path:
-    """Rank 0, once every file of the tag is fsynced and in `records`: write the manifest, rename
-    ``<tag>.partial`` to ``<tag>``, then point ``latest`` at it."""
+def commit_tag(save_dir: Path, tag: str, iteration: int, failure: WriteFailure | None,
+               records: dict[str, manifest.FileRecord], committed: Callable[[], None], group=None) -> str | None:
+    """The one way a tag is committed, for a blocking save and a background one alike. Collective (over
+    `group`), once each rank has written its files of the tag into ``<tag>.partial`` and recorded them
+    (`records`), or failed (`failure`).
+
+    One gather of every rank's failure line and records; global rank 0 decides: on a failure anywhere it
+    discards the partial folder; else it records the files no rank recorded (its own small ones: configs),
+    writes the manifest, renames the folder to ``<tag>``, moves ``latest`` and runs `committed`. Every rank
+    returns rank 0's outcome: None once committed, else the one line every rank raises."""
+    exchanged = all_gather((failure_line(save_dir, tag, failure), records), group)
+    faults.kill_point("files_written", iteration)
+    outcome = None
+    if rank_and_world()[0] == 0:
+        outcome = first_failure([(rank, line) for rank, (line, _) in enumerate(exchanged) if line])
+        if outcome is None:
+            outcome = _publish(save_dir, tag, iteration, [part for _, part in exchanged], committed)
+        if outcome is not None:
+            discard_partial(save_dir, tag)
+    return decided_by_rank_zero(outcome, group)
+
+
+def _publish(save_dir: Path, tag: str, iteration: int, parts: list[dict[str, manifest.FileRecord]],
+             committed: Callable[[], None]) -> str | None:
+    """Rank 0: the manifest, the rename, `latest`, then `committed`; the one-line failure, if any."""
     partial, final = save_dir / layout.partial_tag(tag), save_dir / tag
-    manifest.write_manifest(partial, records)
-    for folder in {(partial / name).parent for name in records}:
-        fsync_path(folder)
-    kill_point_for_tests("manifest_written", iteration)
-    replace_dir(partial, final)
-    kill_point_for_tests("renamed", iteration)
-    layout.write_latest(save_dir, tag)
-    return final
+    records = {name: record for part in parts for name, record in part.items()}
+    try:
+        for name in manifest.tag_file_names(partial):
+            if name not in records:
+                records[name] = manifest.record_file(partial / name)
+        manifest.write_manifest(partial, records)
+        for folder in {(partial / name).parent for name in records}:
+            fsync_path(folder)
+        faults.kill_point("manifest_written", iteration)
+        replace_dir(partial, final)
+        faults.kill_point("renamed", iteration)
+        layout.write_latest(save_dir, tag)
+    except Exception as err:
+        return first_failure([(0, failure_line(save_dir, tag, WriteFailure(None, err)))])
+    committed()
+    return None
 
 
 def is_write_error(err: BaseException) -> bool:
@@ -219,11 +249,3 @@ def save_failed(save_dir: Path, tag: str, err: BaseException, path: Path | None 
 
 def discard_partial(save_dir: Path, tag: str) -> None:
     shutil.rmtree(save_dir / layout.partial_tag(tag), ignore_errors=True)
-
-
-def kill_point_for_tests(moment: str, iteration: int) -> None:
-    wanted = os.environ.get(KILL_DURING_SAVE_ENV)
-    if wanted and wanted == f"{moment}@{iteration}":
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)

@@ -16,6 +16,7 @@ from megatron.checkpointing.ondisk import layout
 from megatron.checkpointing.ondisk.module_weights import load_checkpoint_file
 from megatron.checkpointing.saving.commit import WriteFailure, is_write_error
 from megatron.checkpointing.saving.snapshot_engine import SnapshotCheckpointEngine, snapshot_engine
+from megatron.collective import barrier
 from megatron.fsio import write_atomically
 from megatron.zero3_partition import is_partitioned
 
@@ -141,7 +142,7 @@ def _write_full_module_file(engine, tag_dir: Path, failures: list[WriteFailure],
     finally:
         if scratch is not None:
             scratch.path.unlink(missing_ok=True)  # the mapping lives on until the tensors are gone
-    dist.barrier()
+    barrier()
 
 
 def _model_parallel_rank(engine) -> int:

@@ -4,9 +4,9 @@
     ...
     save_checkpoint(args, engine, iteration, consumed_train_samples, ..., lineage=outcome.lineage)
 
-A tag is written into `<tag>.partial`, sealed with its manifest and renamed (commit.py); `latest` moves
-last; then the run's older tags are pruned (lineage.py). With `async_save` the same happens in a
-background thread once the state is copied to host memory (async_save.py).
+A tag is written into `<tag>.partial`, then committed (commit.commit_tag: the manifest, the rename, `latest`
+last, then the run's older tags are pruned, lineage.py). With `async_save` the same commit runs in a
+background thread once the state is copied to host memory (async_save.py); a blocking save runs it at once.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from megatron.checkpointing.ondisk.rng import collect_rng_states
 from megatron.checkpointing.planning.lineage import Lineage
 from megatron.checkpointing.saving import async_save, commit, save_lock
 from megatron.checkpointing.saving.neox_config import write_neox_config
-from megatron.collective import all_gather, barrier
+from megatron.collective import all_gather, barrier, decided_by_rank_zero
 from megatron.ranks import global_rank
 
 
@@ -84,29 +84,29 @@ def save_checkpoint(
         barrier()
         in_background = args.async_save and async_save.awaited()
         snapshot = SnapshotCheckpointEngine(engine.checkpoint_engine) if in_background else None
-        commit.stop_if_any_rank_failed(
-            save_dir, tag, save_engine_checkpoint(engine, save_dir, partial, client_state.to_dict(),
-                                              optimizer_states=not args.no_save_optim, snapshot=snapshot))
-        if snapshot is None:
-            commit.seal_tag(save_dir, tag, iteration)
+        lineage = lineage if lineage is not None else Lineage()
+        lineage.saved.add(tag)
+
+        def committed() -> None:
+            _prune(args, save_dir, tag, lineage)
+
+        failure = save_engine_checkpoint(engine, save_dir, partial, client_state.to_dict(),
+                                         optimizer_states=not args.no_save_optim, snapshot=snapshot)
+        if snapshot is None:  # the commit a background save runs later, run now
+            barrier()  # every rank's files are on disk before any rank lists them
+            failure, records = commit.record_this_ranks_share(save_dir / partial, failure)
+            problem = commit.commit_tag(save_dir, tag, iteration, failure, records, committed)
+            if problem:
+                raise CheckpointError(problem)
+            return save_dir / tag
+        commit.stop_if_any_rank_failed(save_dir, tag, failure)
     except Exception as err:
         failure = commit.save_failed(save_dir, tag, err)
         commit.discard_partial(save_dir, tag)
         if failure is None:
             raise
         raise failure from err
-    lineage = lineage if lineage is not None else Lineage()
-    lineage.saved.add(tag)
-
-    def committed() -> None:
-        _prune(args, save_dir, tag, lineage)
-
-    if snapshot is not None:
-        async_save.start(save_dir, tag, iteration, snapshot, committed)
-        return save_dir / tag
-    if global_rank() == 0:
-        committed()
-    barrier()
+    async_save.start(save_dir, tag, iteration, snapshot, committed)
     return save_dir / tag
 
 
@@ -134,12 +134,12 @@ def check_save_dir(args) -> None:
     problem = None
     if global_rank() == 0:
         try:
-            commit.check_save_dir(args.save, 0)
+            commit.check_room_and_access(args.save, 0)
             save_lock.acquire(args.save, list(args.config_files or ()), notice=_logger().info)
         except CheckpointError as err:
             problem = str(err)
-    first = all_gather(problem)[0]
-    if first:
-        raise CheckpointError(first)
+    decided = decided_by_rank_zero(problem)
+    if decided:
+        raise CheckpointError(decided)
     if global_rank() != 0:
-        commit.check_save_dir(args.save, global_rank())
+        commit.check_room_and_access(args.save, global_rank())
