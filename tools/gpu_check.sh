@@ -18,8 +18,8 @@ fi
 export PYTHONUNBUFFERED=1
 python -c "import torch; print('gpu_check:', torch.cuda.get_device_name(), 'torch', torch.__version__)"
 status=0
-timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py || status=1
-timeout 150 python -m pytest -q -p no:cacheprovider tests/test_ckpt_engine.py \
+timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/e2e/test_gpu.py || status=1
+timeout 150 python -m pytest -q -p no:cacheprovider tests/unit/test_ckpt_engine.py \
     -k "module_only_load_survives_a_step or verification_fails_without_master_refresh" || status=1
 timeout 180 python tools/bench/bench_train_step.py --family llama --precision bf16 --layers 24 --hidden 2048 \
     --heads 16 --kv-heads 16 --seq 2048 --batch 4 --vocab 32000 --repeats 5 --no-profile \

@@ -9,7 +9,7 @@ from here only; the stages below are this package's inside.
     save_checkpoint(args, engine, iteration, consumed_train_samples, ..., lineage=outcome.lineage)
     check_save_in_flight()                   # every step; saves_waited_for() around the loop
 
-Stages, each importing only those above it (tests/test_import_graph.py pins the order):
+Stages, each importing only those above it (tests/unit/test_import_graph.py pins the order):
 
 | stage      | owns                                                                      | decides                    |
 | formats    | formats from elsewhere: GPT-NeoX's older names, the HF folder interface    |                            |

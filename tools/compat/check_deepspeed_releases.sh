@@ -7,8 +7,8 @@
 # Each release gets $DSENV_ROOT/dsenv-<VERSION> (created once, reused afterwards) holding torch
 # $TORCH_VERSION, that DeepSpeed release, megatron-core $MEGATRON_CORE_VERSION and the test
 # dependencies; DeepSpeed's compiled ops go to <venv>/ext, not to the shared torch-extensions cache.
-# Then tests/test_ckpt_engine.py, tests/test_ckpt_engine_gpt.py and (unless --one-rank)
-# tests/test_ckpt_engine_distributed.py (2 CPU ranks) run in it, then three runs of
+# Then tests/unit/test_ckpt_engine.py, tests/unit/test_ckpt_engine_gpt.py and (unless --one-rank)
+# tests/distributed/test_ckpt_engine_distributed.py (2 CPU ranks) run in it, then three runs of
 # `python deepy.py train.py configs/tiny.yml ...` as a user starts them (2 CPU ranks, or 1 with
 # --one-rank): a short run that saves, a resume of it, and a fine-tune from it; each must exit 0 and
 # leave the expected `latest` (--launch-only: only these). One verdict line per release is printed. Logs: <venv>/check-*.log.
@@ -35,13 +35,13 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 MEGATRON_CORE_VERSION=${MEGATRON_CORE_VERSION:-0.16.1}
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 
-test_files=(tests/test_ckpt_engine.py tests/test_ckpt_engine_gpt.py tests/test_ckpt_engine_distributed.py)
+test_files=(tests/unit/test_ckpt_engine.py tests/unit/test_ckpt_engine_gpt.py tests/distributed/test_ckpt_engine_distributed.py)
 launch_ranks=2
 launch_only=0
 versions=()
 for arg in "$@"; do
     case "$arg" in
-        --one-rank) test_files=(tests/test_ckpt_engine.py tests/test_ckpt_engine_gpt.py); launch_ranks=1 ;;
+        --one-rank) test_files=(tests/unit/test_ckpt_engine.py tests/unit/test_ckpt_engine_gpt.py); launch_ranks=1 ;;
         --launch-only) launch_only=1 ;;
         -h|--help) sed -n '2,28p' "${BASH_SOURCE[0]}"; exit 0 ;;
         -*) echo "unknown option $arg (see --help)" >&2; exit 2 ;;

@@ -1,0 +1,135 @@
+"""One rank of the 2-rank pipeline tests; started by tests/distributed/test_pipeline.py.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/distributed/pipeline_worker.py <check> <work dir>
+
+The check builds each model family once as one module (``build_model``, pipe_parallel_size 1, on every
+rank) and once as 2 pipeline stages through DeepSpeed's pipe engine, runs the same batch (2 micro batches)
+through both and compares weights, loss and gradients; any failed comparison raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+
+from megatron.data import BatchOptions, get_batch  # noqa: E402
+from megatron.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
+from megatron.model import build_model, causal_lm_loss  # noqa: E402
+from megatron.model.pipeline import build_pipeline_model  # noqa: E402
+from megatron.neox_arguments import NeoXArgs  # noqa: E402
+from megatron.pipeline import pipeline_batches  # noqa: E402
+from tests.distributed.tensor_parallel_worker import BASE, FAMILIES, SEQ, VOCAB, check, full  # noqa: E402
+
+MICRO, MICRO_BATCHES = 2, 2
+# fp32 on CPU; the two sides sum the same products in the same order except where a stage boundary
+# or the tied embedding's two gradient halves (summed by DeepSpeed's tied all-reduce) meet.
+LOSS_TOLERANCE = 1e-6
+GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-7
+
+
+def set_groups(pipe: int, tensor: int = 1) -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor, pipe)
+
+
+def micro_batches() -> list[dict[str, torch.Tensor]]:
+    tokens = torch.randint(0, VOCAB, (MICRO * MICRO_BATCHES, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    return [{"text": tokens[i * MICRO:(i + 1) * MICRO]} for i in range(MICRO_BATCHES)]
+
+
+def ours(pipe_name: str) -> str:
+    """The pipe module's parameter name as GPTModel names it."""
+    if pipe_name.startswith("tied_modules.embed."):
+        return "sequential.0." + pipe_name.removeprefix("tied_modules.embed.")
+    return "sequential." + pipe_name
+
+
+def one_module(args) -> tuple[float, dict, dict]:
+    set_groups(1)
+    model = build_model(args.architecture(), args.seed)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses = []
+    for samples in micro_batches():
+        batch = get_batch(samples, BatchOptions())
+        loss = causal_lm_loss(model(batch.tokens, parallel_output=True), batch.labels, batch.loss_mask,
+                              vocab_parallel=True) / MICRO_BATCHES
+        loss.backward()
+        losses.append(loss.detach())
+    return float(sum(losses)), weights, {n: p.grad for n, p in model.named_parameters()}
+
+
+def two_stages(args, tensor: int = 1) -> tuple[float, dict, dict, list[str]]:
+    """Weights and gradients whole (joined over the tensor-parallel group), named as GPTModel names them."""
+    set_groups(2, tensor)
+    module = build_pipeline_model(args.architecture(), args.seed, 2, args.pipe_partition_method)
+    arch = args.architecture()
+    weights = full({ours(n): p.detach().clone() for n, p in module.named_parameters()}, arch)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.0)
+    grads = {}
+    optimizer.register_step_pre_hook(lambda *_: grads.update(
+        full({ours(n): p.grad.detach().clone() for n, p in module.named_parameters()}, arch)))
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": MICRO_BATCHES,
+              "steps_per_print": 10**9, "gradient_clipping": 0.0}
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+    loss = engine.train_batch(pipeline_batches(iter(micro_batches()), BatchOptions()))
+    files = sorted({name.split(".")[0] if not name.startswith("tied_modules") else "0" for name, _ in
+                    module.named_parameters()}, key=int)
+    return float(loss), weights, grads, files
+
+
+def compare(family: str, tensor: int, checkpoint_activations: bool) -> None:
+    settings = {**BASE, **FAMILIES[family], "num_layers": 3, "checkpoint_activations": checkpoint_activations}
+    one = NeoXArgs.from_dict({**settings, "num_gpus": 1})
+    loss1, weights1, grads1 = one_module(one)
+    piped = NeoXArgs.from_dict({**settings, "pipe_parallel_size": 2, "model_parallel_size": tensor,
+                                "num_gpus": dist.get_world_size()})
+    loss2, weights2, grads2, positions = two_stages(piped, tensor)
+    label = f"{family} at TP {tensor}"
+    check(weights2 and set(weights2) <= set(weights1), f"{label}: stage names {sorted(set(weights2) - set(weights1))}")
+    for name, weight in weights2.items():
+        check(torch.equal(weight, weights1[name]), f"{label}: initial {name} differs from one module's")
+    check(abs(loss1 - loss2) <= LOSS_TOLERANCE, f"{label}: loss {loss2} in 2 stages, {loss1} in one module")
+    check(grads2.keys() == weights2.keys(), f"{label}: no gradient seen for every parameter")
+    worst = 0.0
+    for name, grad in grads2.items():
+        if name == "sequential.0.position_embeddings.weight" and parallel_state.get_pipeline_model_parallel_rank() == 1:
+            continue  # the last stage's copy of the tied embedding uses its word embeddings only
+        worst = max(worst, float((grad - grads1[name]).abs().max()))
+        check(torch.allclose(grad, grads1[name], rtol=GRAD_RTOL, atol=GRAD_ATOL),
+              f"{label}: gradient of {name} differs (max diff {(grad - grads1[name]).abs().max()})")
+    print(f"rank {dist.get_rank()} {label}: loss {loss1:.6f} (2 stages: {abs(loss1 - loss2):.1e} off, gradients "
+          f"{worst:.1e} at most), layer positions {positions}", flush=True)
+
+
+def equivalence(_work_dir: Path) -> None:
+    """2 ranks: 2 stages; the Llama model also recomputes its activations (checkpoint_activations)."""
+    for family in ("neox", "tied-learned", "llama"):
+        compare(family, 1, checkpoint_activations=family == "llama")
+
+
+def tensor_parallel(_work_dir: Path) -> None:
+    """4 ranks: 2 stages x 2 tensor-parallel ranks."""
+    for family in ("neox", "tied-learned", "llama"):
+        compare(family, 2, checkpoint_activations=False)
+
+
+CHECKS = {"equivalence": equivalence, "tensor_parallel": tensor_parallel}
+
+if __name__ == "__main__":
+    deepspeed_logger.setLevel(logging.WARNING)
+    init_deepspeed_distributed()
+    CHECKS[sys.argv[1]](Path(sys.argv[2]))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print(f"{sys.argv[1]}: ok", flush=True)
+    leave_process_group()

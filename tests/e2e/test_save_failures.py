@@ -1,0 +1,227 @@
+"""End to end: training processes killed inside a save, and a disk that fills, then the same command again.
+
+The kill is a real SIGKILL of the training process at a chosen moment of the save (the test-only
+sigkill_during_save fault point of megatron/faults.py picks the moment); the full disk is a real, small tmpfs mounted in
+a private mount namespace; a write that fails on one rank only is a real file-size limit (prlimit) set
+on that running rank.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron import faults
+from megatron.checkpointing.ondisk import manifest
+from tests.deepy_runs import REPO_ROOT, run_deepy, train_lines, write_overrides
+
+pytestmark = pytest.mark.e2e
+
+QUICK = dict(eval_interval=1000, eval_iters=1, checkpoint_factor=2)
+
+
+def killed_run(configs, moment: str):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **faults.switched_on(sigkill_during_save=moment)}
+    result = subprocess.run([sys.executable, "deepy.py", "train.py", *map(str, configs)], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode != 0, f"the run was not killed:\n{result.stdout[-3000:]}"
+    return result
+
+
+def losses(output: str) -> dict[int, float]:
+    return {line.iteration: line.loss for line in train_lines(output)}
+
+
+def directories(path) -> list[str]:
+    return sorted(p.name for p in path.iterdir() if p.is_dir())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [False, True], ids=["synchronous", "async_save"])
+def test_kill_during_the_first_save_then_the_same_command_starts_from_scratch(tmp_path, async_save):
+    save = tmp_path / "ckpt"
+    overrides = write_overrides(tmp_path, save=str(save), load=str(save), train_iters=4, async_save=async_save,
+                                **QUICK)
+    killed = killed_run(["configs/tiny.yml", overrides], "files_written@2")
+    assert directories(save) == ["global_step2.partial"] and not (save / "latest").exists()
+
+    again = run_deepy(["configs/tiny.yml", overrides])
+    assert "skipped global_step2.partial" in again.stdout
+    resumed = losses(again.stdout)
+    assert min(resumed) == 1  # from scratch: nothing complete was there
+    before = losses(killed.stdout)
+    assert {step: resumed[step] for step in before} == before  # same seed, same data: the same curve
+    assert directories(save) == ["global_step2", "global_step4"]
+    assert (save / "latest").read_text() == "global_step4"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("async_save", [False, True], ids=["synchronous", "async_save"])
+def test_kill_between_rename_and_latest_resumes_from_latest_and_continues_the_loss_curve(tmp_path, async_save):
+    save = tmp_path / "ckpt"
+    overrides = write_overrides(tmp_path, save=str(save), load=str(save), train_iters=6, num_gpus=2,
+                                async_save=async_save, **QUICK)
+    killed = killed_run(["configs/tiny.yml", overrides], "renamed@4")
+    # global_step4 is complete on disk, but `latest` had not moved yet
+    assert directories(save) == ["global_step2", "global_step4"]
+    assert (save / "latest").read_text() == "global_step2"
+
+    again = run_deepy(["configs/tiny.yml", overrides])
+    resumed = losses(again.stdout)
+    assert min(resumed) == 3
+    before = losses(killed.stdout)
+    # training goes on while an asynchronous save is written, until the save at 6 waits for it
+    assert set(before) == {1, 2, 3, 4} or (async_save and {1, 2, 3, 4} <= set(before) <= {1, 2, 3, 4, 5, 6})
+    assert resumed[3] == before[3] and resumed[4] == before[4]
+    assert directories(save) == ["global_step2", "global_step4", "global_step6"]
+    assert (save / "latest").read_text() == "global_step6"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [False, True], ids=["synchronous", "async_save"])
+def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_previous_checkpoint(tmp_path, async_save):
+    """In a private mount namespace: a first save on a 12 MiB tmpfs fails while writing; on a larger one
+    global_step2 is saved; then, during the resumed run, another process fills the disk before its save."""
+    save = tmp_path / "small_disk"
+    save.mkdir()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    # one LR schedule (lr_decay_iters) for both lengths, so the longer run may resume the shorter one
+    first = write_overrides(tmp_path, name="first.yml", save=str(save), load=str(save), train_iters=2,
+                            lr_decay_iters=12, async_save=async_save, **QUICK)
+    # long enough that the ranks are stopped while the disk fills well before the save at its end, however late
+    # this script sees iteration 3 on a busy machine (12 iterations, 0.7 s after it, were once too few)
+    longer = write_overrides(tmp_path, name="longer.yml", save=str(save), load=str(save), train_iters=100,
+                             lr_decay_iters=12, checkpoint_factor=1000, eval_interval=1000, eval_iters=1,
+                             async_save=async_save)
+    deepy = f"{shlex.quote(sys.executable)} deepy.py train.py configs/tiny.yml"
+    verify = (f"{shlex.quote(sys.executable)} -c \"from megatron.checkpointing import manifest; "
+              f"from pathlib import Path; t = Path('{save}/global_step2'); "
+              f"manifest.verify_files(t, [t / n for n in manifest.tag_file_names(t)]); print('INTACT')\"")
+    script = f"""
+set -u
+mount -t tmpfs -o size=12m tmpfs {save} || exit 77
+{deepy} {first} > {logs}/tiny_disk.log 2>&1; echo "exit $?" >> {logs}/tiny_disk.log
+ls -a {save} > {logs}/after_tiny_disk.txt
+mount -o remount,size=100m {save}
+{deepy} {first} > {logs}/first.log 2>&1 || exit 1
+{deepy} {longer} > {logs}/filled.log 2>&1 &
+run=$!
+until grep -q "iteration *3/" {logs}/filled.log; do sleep 0.05; kill -0 $run 2>/dev/null || break; done
+# the launcher's session (deepy.py starts it in its own) holds the ranks: stopped while the disk fills,
+# so that the disk is full before the save at 12 however slow this machine is
+sessions=$(pgrep -P $run)
+for sid in $sessions; do pkill -STOP -s $sid; done
+dd if=/dev/zero of={save}/filler bs=1M count=200 2>/dev/null
+for sid in $sessions; do pkill -CONT -s $sid; done
+wait $run; echo "exit $?" >> {logs}/filled.log
+rm {save}/filler
+cat {save}/latest > {logs}/latest.txt; ls -a {save} > {logs}/after_filled.txt
+{verify} > {logs}/verify.txt 2>&1
+"""
+    try:
+        result = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", script],
+                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    except FileNotFoundError:
+        pytest.skip("unshare is not installed")
+    if result.returncode == 77 or "unshare:" in result.stderr:
+        pytest.skip(f"cannot mount a small filesystem here: {result.stderr.strip()}")
+    assert result.returncode == 0, result.stderr + (logs / "first.log").read_text()[-3000:]
+
+    tiny = (logs / "tiny_disk.log").read_text()
+    assert f"no space left in {save} while saving global_step2: it needs more than" in tiny
+    assert "no earlier checkpoint was there" in tiny and "exit 0" not in tiny
+    assert (logs / "after_tiny_disk.txt").read_text().split() == [".", ".."]  # the partial tag was removed
+
+    filled = (logs / "filled.log").read_text()
+    assert f"`save: {save}` has" in filled and "needs about" in filled and "(the size of global_step2)" in filled, \
+        filled[-3000:]
+    assert "exit 0" not in filled
+    assert (logs / "latest.txt").read_text() == "global_step2"
+    assert "global_step100.partial" not in (logs / "after_filled.txt").read_text()
+    assert "INTACT" in (logs / "verify.txt").read_text()
+
+
+def _descendant_rank_pids(parent: int) -> dict[int, int]:
+    """{RANK: pid} of the training processes below process `parent`."""
+    parents, ranks = {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        rank = next((item[5:] for item in environ if item.startswith(b"RANK=")), None)
+        if rank is not None and b"train.py" in (entry / "cmdline").read_bytes():
+            ranks[int(entry.name)] = int(rank)
+    found = {}
+    for pid, rank in ranks.items():
+        ancestor = pid
+        while ancestor in parents and ancestor != parent:
+            ancestor = parents[ancestor]
+        if ancestor == parent:
+            found[rank] = pid
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("async_save", [False, True], ids=["synchronous", "async_save"])
+def test_a_write_that_fails_on_one_rank_only_stops_every_rank_in_one_line(tmp_path, async_save):
+    """Rank 1 alone gets a real 1 MiB file-size limit while it starts, so at the save of step 4 its
+    optimizer shard (about 11 MiB) cannot be written while rank 0's files can: the run must stop on both
+    ranks with one line, keep global_step2 and `latest`, and leave no rank behind."""
+    if subprocess.run(["prlimit", "--version"], capture_output=True).returncode != 0:
+        pytest.skip("prlimit is not installed")
+    save = tmp_path / "ckpt"
+    settings = dict(save=str(save), load=str(save), num_gpus=2, lr_decay_iters=6, async_save=async_save, **QUICK)
+    run_deepy(["configs/tiny.yml", write_overrides(tmp_path, name="first.yml", train_iters=2, **settings)])
+    longer = write_overrides(tmp_path, name="longer.yml", train_iters=6, **settings)
+    log = tmp_path / "longer.log"
+    with open(log, "w") as out:
+        run = subprocess.Popen([sys.executable, "deepy.py", "train.py", "configs/tiny.yml", str(longer)],
+                               cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        ranks = {}
+        while 1 not in ranks and run.poll() is None:
+            ranks = _descendant_rank_pids(run.pid)
+            time.sleep(0.05)
+        assert 1 in ranks, log.read_text()[-3000:]
+        subprocess.run(["prlimit", f"--pid={ranks[1]}", f"--fsize={1 << 20}"], check=True)
+        run.wait(timeout=600)  # a rank left waiting for another would hang here
+    finally:
+        run.kill()
+    output = log.read_text()
+    assert run.returncode != 0
+    shard = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    errors = [line for line in output.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, output[-4000:]
+    assert errors[0].startswith(
+        f"error: rank 1: cannot write {shard} of global_step4 in {save}: this process may write files of at most "
+        "1.0 MiB (its file-size limit, `ulimit -f`), the checkpoint needs about "), errors[0]
+    assert "(the size of global_step2)" in errors[0]
+    assert f"The run stopped; {save / 'global_step2'} is intact." in errors[0]
+    assert "Traceback" not in output
+    assert not any(_alive(pid) for pid in ranks.values())
+    assert directories(save) == ["global_step2"]
+    assert (save / "latest").read_text() == "global_step2"
+    tag = save / "global_step2"
+    manifest.verify_files(tag, [tag / name for name in manifest.tag_file_names(tag)])

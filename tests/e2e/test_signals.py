@@ -1,0 +1,352 @@
+"""SIGTERM/SIGINT to a real `python deepy.py train.py ...`: a checkpoint and exit 0, or a stop at once.
+
+The signal goes where a user or a scheduler sends it: deepy.py alone (Ctrl-C, `kill`), the process
+group a srun-like wrapper put deepy.py in, DeepSpeed's launcher processes, one rank, or every process
+of the run at once (as Slurm or systemd signal every process of a job). Every process of a run
+carries a marker in its environment, so the tests can find them and tell that none is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from megatron import faults
+from megatron.stop_signals import SAME_REQUEST_SECONDS
+from megatron.supervision import Supervisor
+from tests.deepy_runs import REPO_ROOT, train_lines, write_overrides
+
+pytestmark = pytest.mark.e2e
+
+RUN_MARKER = "NEOX_TEST_SIGNAL_RUN"
+STOPPED_LINE = re.compile(r"stopped by (SIG\w+) at iteration (\d+); checkpoint saved to (\S+)")
+SRUN_LIKE = REPO_ROOT / "tests" / "srun_like.py"
+
+
+def processes_with_marker(marker: str) -> dict[int, str]:
+    """pid -> command line of every process (but this one) whose environment carries `marker`."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if f"{RUN_MARKER}={marker}".encode() in environ.split(b"\0"):
+            found[int(entry.name)] = cmdline
+    return found
+
+
+class DeepyRun:
+    """`python deepy.py train.py CONFIGS` in the background (under `wrapper` when given), its output
+    read line by line."""
+
+    def __init__(self, configs: list, extra_env: dict[str, str] | None = None, wrapper: tuple[str, ...] = ()):
+        self.marker = uuid.uuid4().hex
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", RUN_MARKER: self.marker, **(extra_env or {})}
+        self.process = subprocess.Popen(
+            [*wrapper, sys.executable, "deepy.py", "train.py", *map(str, configs)], cwd=REPO_ROOT, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, pattern: str, timeout: float = 600) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=1)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            self.lines.append(line)
+            if re.search(pattern, line):
+                return line
+        self.kill_everything()
+        raise AssertionError(f"no line matching {pattern!r}; output:\n{self.output[-6000:]}")
+
+    def finish(self, timeout: float = 600) -> int:
+        try:
+            returncode = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_everything()
+            returncode = None
+        while (line := self._queue.get(timeout=60)) is not None:
+            self.lines.append(line)
+        if returncode is None:
+            raise AssertionError(f"deepy.py still ran after {timeout} s; output:\n{self.output[-6000:]}")
+        return returncode
+
+    def kill_everything(self) -> None:
+        for pid in self.processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def processes(self, *, command_has: str = "") -> list[int]:
+        return [pid for pid, cmdline in processes_with_marker(self.marker).items() if command_has in cmdline]
+
+    def ranks(self) -> dict[int, int]:
+        """RANK -> pid of every rank of the run."""
+        ranks = {}
+        for pid in self.processes(command_has="train.py"):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = [entry.split(b"=", 1)[1] for entry in environ if entry.startswith(b"RANK=")]
+            if rank and "deepspeed.launcher" not in processes_with_marker(self.marker).get(pid, ""):
+                ranks[int(rank[0])] = pid
+        return ranks
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def assert_nothing_left(self) -> None:
+        deadline = time.monotonic() + 10
+        while self.processes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert self.processes() == [], "processes of the run outlived deepy.py"
+
+
+def send(pids: list[int], signum: int) -> None:
+    assert pids
+    for pid in pids:
+        os.kill(pid, signum)
+
+
+def signal_the_job(run: DeepyRun, receivers: str, signum: int) -> None:
+    """Send `signum` to the `receivers` of the run, as the test ids below name them."""
+    if receivers == "deepy.py":
+        run.process.send_signal(signum)
+    elif receivers == "the srun-like wrapper's group":
+        run.process.send_signal(signum)  # the wrapper passes it on to its whole group
+    elif receivers == "DeepSpeed's launcher":
+        send(run.processes(command_has="megatron.launch_entry") + run.processes(command_has="deepspeed.launcher.launch"),
+             signum)
+    elif receivers == "the last rank":
+        ranks = run.ranks()
+        send([ranks[max(ranks)]], signum)
+    elif receivers == "every process":
+        send(run.processes(), signum)
+    else:
+        raise ValueError(receivers)
+
+
+# Long enough never to end before the signal; the resume keeps the LR schedule (lr_decay_iters).
+RUN_SETTINGS = dict(train_iters=2000, lr_decay_iters=2000, checkpoint_factor=1000, eval_interval=1000,
+                    train_micro_batch_size_per_gpu=2)
+
+
+def stop_config(tmp_path: Path, save: Path, **settings) -> Path:
+    return write_overrides(tmp_path, name="stop.yml", save=str(save), load=str(save), **{**RUN_SETTINGS, **settings})
+
+
+def assert_graceful_stop(run: DeepyRun, save: Path, signum: int, ranks: int) -> int:
+    assert run.finish() == 0, run.output[-6000:]
+    stopped = [STOPPED_LINE.search(line) for line in run.lines if STOPPED_LINE.search(line)]
+    assert len(stopped) == 1, run.output[-6000:]
+    name, iteration, tag_dir = stopped[0].groups()
+    iteration = int(iteration)
+    assert name == signal.Signals(signum).name
+    assert Path(tag_dir) == save / f"global_step{iteration}"
+    assert (save / "latest").read_text().strip() == f"global_step{iteration}"
+    assert not list(save.glob("*.partial")), list(save.iterdir())
+    for rank in range(ranks):
+        assert list(Path(tag_dir).glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")), rank
+    assert "Traceback" not in run.output and "KeyboardInterrupt" not in run.output, run.output[-6000:]
+    run.assert_nothing_left()
+    return iteration
+
+
+def assert_resumes_from(tmp_path: Path, save: Path, iteration: int) -> None:
+    config = write_overrides(tmp_path, name="resume.yml", save=str(save), load=str(save),
+                             **{**RUN_SETTINGS, "train_iters": iteration + 2})
+    run = DeepyRun(["configs/tiny.yml", config])
+    assert run.finish() == 0, run.output[-6000:]
+    assert train_lines(run.output)[0].iteration == iteration + 1
+    assert (save / "latest").read_text().strip() == f"global_step{iteration + 2}"
+
+
+@pytest.mark.parametrize(("receivers", "signum"), [
+    ("deepy.py", signal.SIGINT),
+    ("the srun-like wrapper's group", signal.SIGTERM),
+    ("DeepSpeed's launcher", signal.SIGTERM),
+    ("the last rank", signal.SIGTERM),
+    ("every process", signal.SIGTERM),
+])
+@pytest.mark.slow
+def test_one_rank_stops_with_a_checkpoint_whoever_gets_the_signal(tmp_path, receivers, signum):
+    save = tmp_path / "ckpt"
+    wrapper = (sys.executable, str(SRUN_LIKE)) if receivers == "the srun-like wrapper's group" else ()
+    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save)], wrapper=wrapper)
+    run.wait_for(r"iteration\s+3/2000")
+    signal_the_job(run, receivers, signum)
+    iteration = assert_graceful_stop(run, save, signum, ranks=1)
+    assert iteration >= 3
+    if receivers == "the srun-like wrapper's group":
+        assert_resumes_from(tmp_path, save, iteration)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("receivers", ["every process", "DeepSpeed's launcher", "the last rank"])
+def test_two_ranks_agree_on_the_step_to_stop_at_and_both_save(tmp_path, receivers):
+    save = tmp_path / "ckpt"
+    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save, num_gpus=2)])
+    run.wait_for(r"iteration\s+3/2000")
+    signal_the_job(run, receivers, signal.SIGTERM)
+    assert_graceful_stop(run, save, signal.SIGTERM, ranks=2)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_with_async_save_the_stop_ends_once_the_checkpoint_it_names_is_committed(tmp_path):
+    save = tmp_path / "ckpt"
+    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save, num_gpus=2, async_save=True)])
+    run.wait_for(r"iteration\s+3/2000")
+    signal_the_job(run, "every process", signal.SIGTERM)
+    assert_graceful_stop(run, save, signal.SIGTERM, ranks=2)
+
+
+def test_a_signal_to_every_process_while_the_rank_starts_stops_before_the_first_step(tmp_path):
+    save = tmp_path / "ckpt"
+    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save)], extra_env=faults.switched_on(hold_before_first_step=300))
+    run.wait_for(r"model: [\d,]+ parameters")  # the rank is building its engine, then waits for the signal
+    signal_the_job(run, "every process", signal.SIGTERM)
+    assert run.finish() == 0, run.output[-6000:]
+    assert re.search(r"stopped by SIGTERM at iteration 0, before the first step of this run; nothing to save",
+                     run.output), run.output[-6000:]
+    assert not STOPPED_LINE.search(run.output) and "Traceback" not in run.output
+    assert not save.exists() or not list(save.iterdir())
+    run.assert_nothing_left()
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler installed for `signum` (its SigCgt mask in /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.MULTILINE)[1], 16)
+    return bool(caught & (1 << (signum - 1)))
+
+
+@pytest.mark.parametrize("moment", ["while deepy.py checks the settings", "while the launcher starts"])
+def test_a_signal_before_any_rank_exists_ends_deepy_with_one_line(tmp_path, moment):
+    save = tmp_path / "ckpt"
+    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save)])
+    if moment == "while the launcher starts":
+        run.wait_for(r"^deepy\.py: \S+ -m ")  # deepy.py prints the launch command, then starts it
+    else:
+        while not catches(run.process.pid, signal.SIGTERM):  # deepy.py has begun: it still imports and checks
+            time.sleep(0.01)
+    run.process.send_signal(signal.SIGTERM)
+    assert run.finish(timeout=120) == 0, run.output[-6000:]
+    assert run.output.strip().splitlines()[-1] == "deepy.py: stopped by SIGTERM before any rank started; nothing to save"
+    assert "Traceback" not in run.output
+    assert not save.exists()
+    run.assert_nothing_left()
+
+
+@pytest.mark.parametrize("dry_run", [False, True], ids=["run", "--dry-run"])
+def test_a_stop_whose_exit_a_library_swallowed_still_ends_deepy_before_the_launch(tmp_path, dry_run):
+    """torch's C import of numpy clears whatever error it meets: a SIGTERM whose handler runs in there loses its
+    SystemExit, and deepy.py went on to start the run (1 start in 30 with the signal during the imports).
+    Here the handler's exit is swallowed the same way for certain, before deepy.py runs."""
+    save = tmp_path / "ckpt"
+    command_line = ["deepy.py", "train.py", "configs/tiny.yml", str(stop_config(tmp_path, save, train_iters=2)),
+                    *(["--dry-run"] if dry_run else [])]
+    swallowing_start = (
+        "import runpy, signal, sys\n"
+        "from megatron.supervision import stop_quietly_before_launch\n"
+        "stop_quietly_before_launch()\n"
+        "try:\n"
+        "    signal.raise_signal(signal.SIGTERM)\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        f"sys.argv = {command_line!r}\n"
+        "runpy.run_path('deepy.py', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", swallowing_start], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    assert done.stderr.strip().splitlines()[-1] == \
+        "deepy.py: stopped by SIGTERM before any rank started; nothing to save", output[-6000:]
+    assert output.count("stopped by SIGTERM") == 1 and done.stdout == "", output[-6000:]
+    assert not re.search(r"^deepy\.py: \S+ -m ", output, re.MULTILINE) and not save.exists(), output[-6000:]
+
+
+def test_a_signal_taken_while_the_launcher_is_being_started_is_passed_on_once_it_exists(capfd):
+    """deepy.py blocks the stop signals in its main thread while it starts the launcher, but a signal can reach
+    another of its threads, and Python then runs the handler in the middle of Popen, before the launcher exists.
+    Here the handler runs at that moment for certain: before run() starts a real process group."""
+    launcher = [sys.executable, "-c", "import time; time.sleep(120)"]
+    supervisor = Supervisor(launcher, dict(os.environ))
+    supervisor._on_signal(signal.SIGTERM, None)
+    started = time.monotonic()
+    assert supervisor.run() == 0
+    assert time.monotonic() - started < 60  # the launcher's group was stopped, not waited for
+    assert capfd.readouterr().err.strip() == "deepy.py: stopped by SIGTERM before any rank started; nothing to save"
+
+
+@pytest.mark.parametrize("receivers", ["deepy.py", "every process"])
+def test_a_second_sigint_stops_at_once_without_a_traceback_and_latest_unchanged(tmp_path, receivers):
+    save = tmp_path / "ckpt"
+    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save, extra_save_iters=[2])],
+                   extra_env=faults.switched_on(hold_before_stop_save=600))
+    run.wait_for(r"iteration\s+3/2000")
+    deadline = time.monotonic() + 120  # async_save: the save of step 2 is committed in the background
+    while not (save / "latest").is_file() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (save / "latest").read_text().strip() == "global_step2"
+    signal_the_job(run, receivers, signal.SIGINT)
+    run.wait_for(r"SIGINT received")
+    time.sleep(SAME_REQUEST_SECONDS + 0.5)  # a later signal, not a copy of the first
+    signal_the_job(run, receivers, signal.SIGINT)
+    assert run.finish(timeout=120) == 128 + signal.SIGINT
+    assert "stopped at once by a second SIGINT" in run.output
+    assert "Traceback" not in run.output and "KeyboardInterrupt" not in run.output, run.output[-6000:]
+    assert not STOPPED_LINE.search(run.output)
+    assert (save / "latest").read_text().strip() == "global_step2"
+    assert sorted(path.name for path in save.glob("global_step*")) == ["global_step2"]
+    run.assert_nothing_left()
+
+
+def test_deepy_killed_outright_leaves_no_rank_behind(tmp_path):
+    save = tmp_path / "ckpt"
+    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save)])
+    run.wait_for(r"iteration\s+2/2000")
+    run.process.kill()
+    run.process.wait(timeout=30)
+    run.assert_nothing_left()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_pipeline_stages_stop_at_the_same_step_and_save_their_layer_files(tmp_path):
+    """SIGTERM to the last stage only: both stages agree on the step, save GPT-NeoX's layer files, exit 0."""
+    save = tmp_path / "ckpt"
+    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save, num_gpus=2, pipe_parallel_size=2,
+                                                     gradient_accumulation_steps=2)])
+    run.wait_for(r"iteration\s+3/2000")
+    signal_the_job(run, "the last rank", signal.SIGTERM)
+    iteration = assert_graceful_stop(run, save, signal.SIGTERM, ranks=1)  # one data-parallel replica
+    tag_dir = save / f"global_step{iteration}"
+    assert (tag_dir / "layer_00-model_00-model_states.pt").is_file()
+    assert (tag_dir / "layer_08-model_00-model_states.pt").is_file()  # the output layer, on the last stage
+    assert list(tag_dir.glob("*zero_pp_rank_0_mp_rank_01_optim_states.pt"))  # the last stage's shard

@@ -1,0 +1,279 @@
+"""The DeepSpeed launcher command deepy.py builds, checked against DeepSpeed's own runner parsing."""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+import pytest
+from deepspeed.launcher import runner
+from deepspeed.launcher.multinode_runner import MVAPICHRunner, OpenMPIRunner, PDSHRunner, SlurmRunner
+
+from megatron.launcher import launch_command, rendezvous_port, runner_arguments
+from megatron.neox_arguments import ConfigError, NeoXArgs, load_args_on_rank
+from megatron.neox_arguments.handover import HANDOVER_FLAG, handover_argv
+from tests.unit.test_neox_args import TINY_RUN
+
+HOSTFILE = "worker-0 slots=4\nworker-1 slots=4\n# a comment\nworker-2 slots=2\n"
+
+
+@pytest.fixture
+def hostfile(tmp_path):
+    path = tmp_path / "hostfile"
+    path.write_text(HOSTFILE)
+    return str(path)
+
+
+def launch_args(**launcher_settings) -> NeoXArgs:
+    values = {**TINY_RUN, "train_micro_batch_size_per_gpu": 1, **launcher_settings}
+    return NeoXArgs.from_dict(values, source="test", require_run_settings=True)
+
+
+def ranks_deepspeed_would_start(parsed, cpu_only: bool) -> int:
+    """What deepspeed.launcher.runner.main resolves from these flags (without starting anything)."""
+    pool = runner.fetch_hostfile(parsed.hostfile) or {"localhost": 1 if cpu_only else 0}
+    active = runner.parse_inclusion_exclusion(pool, parsed.include, parsed.exclude)
+    active = runner.apply_num_nodes_and_gpus(active, parsed.num_nodes, parsed.num_gpus)
+    return sum(len(slots) for slots in active.values())
+
+
+def parsed_by_deepspeed(args: NeoXArgs, cpu_only: bool = True):
+    argv = runner_arguments(args, "train.py", handover_argv(args), cpu_only=cpu_only)
+    return runner.parse_args(argv)
+
+
+def test_single_node_cpu_defaults_to_one_rank():
+    args = launch_args()
+    parsed = parsed_by_deepspeed(args)
+    assert parsed.num_gpus == 1 and args.global_num_gpus == 1
+    assert parsed.user_script == "train.py"
+    assert len(parsed.user_args) == 1 and parsed.user_args[0].startswith(HANDOVER_FLAG + "=")
+    assert parsed.master_port == 29500 and parsed.launcher == "pdsh"
+    assert ranks_deepspeed_would_start(parsed, cpu_only=True) == args.global_num_gpus
+
+
+def test_num_gpus_is_passed_and_counts_ranks():
+    args = launch_args(num_gpus=2, master_port=29611)
+    parsed = parsed_by_deepspeed(args)
+    assert parsed.num_gpus == 2 and parsed.master_port == 29611
+    assert args.global_num_gpus == 2 == ranks_deepspeed_would_start(parsed, cpu_only=True)
+    assert args.train_batch_size == 2  # micro 1 x accumulation 1 x 2 data-parallel ranks
+
+
+def test_gpu_machine_without_num_gpus_lets_deepspeed_use_every_visible_gpu():
+    argv = runner_arguments(launch_args(), "train.py", [], cpu_only=False)
+    assert "--num_gpus" not in argv
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected_ranks"),
+    [
+        ({}, 10),
+        ({"num_nodes": 2}, 8),
+        ({"num_nodes": 2, "num_gpus": 3}, 6),
+        ({"num_gpus": 1}, 3),
+        ({"include": "worker-0@worker-1:0,2"}, 6),
+        ({"include": "worker-2"}, 2),
+        ({"exclude": "worker-1:0@worker-2"}, 7),
+    ],
+)
+def test_hostfile_include_exclude_count_the_ranks_deepspeed_starts(hostfile, settings, expected_ranks):
+    args = launch_args(hostfile=hostfile, **settings)
+    parsed = parsed_by_deepspeed(args)
+    assert parsed.hostfile == hostfile
+    assert parsed.include == settings.get("include", "") and parsed.exclude == settings.get("exclude", "")
+    assert args.global_num_gpus == expected_ranks
+    assert ranks_deepspeed_would_start(parsed, cpu_only=True) == expected_ranks
+
+
+def test_one_machine_starts_deepspeeds_runner_through_the_entry_that_blocks_the_stop_signals():
+    command = launch_command(launch_args(), "train.py", ["--x"], cpu_only=True, python="/usr/bin/python3")
+    assert command[:3] == ["/usr/bin/python3", "-m", "megatron.launch_entry"]
+    assert command[-2:] == ["train.py", "--x"]
+
+
+def test_multi_node_launcher_flags(hostfile):
+    args = launch_args(hostfile=hostfile, num_nodes=2, launcher="slurm", master_addr="10.0.0.1", master_port=6000)
+    parsed = parsed_by_deepspeed(args)
+    assert (parsed.launcher, parsed.master_addr, parsed.master_port, parsed.num_nodes) == ("slurm", "10.0.0.1", 6000, 2)
+    assert parsed.num_gpus == -1  # every slot of the two hosts
+    command = launch_command(args, "train.py", ["--x"], cpu_only=True, python="/usr/bin/python3")
+    assert command[:3] == ["/usr/bin/python3", "-m", "deepspeed.launcher.runner"]  # its signal handler stops them
+    assert command[-2:] == ["train.py", "--x"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"include": "worker-9"}, r"include: Hostname 'worker-9' not found in hostfile"),
+        ({"exclude": "worker-0:7"}, r"exclude: No slot '7' specified on host 'worker-0'"),
+        ({"include": "worker-0", "exclude": "worker-1"}, r"accepts only one of them"),
+    ],
+)
+def test_bad_resource_filters_are_config_errors(hostfile, settings, expected):
+    with pytest.raises(ConfigError, match=expected):
+        launch_args(hostfile=hostfile, **settings)
+
+
+def test_bad_hostfile_is_a_config_error(tmp_path):
+    bad = tmp_path / "hostfile"
+    bad.write_text("worker-0 four slots\n")
+    with pytest.raises(ConfigError, match=r"hostfile .*bad entry"):
+        launch_args(hostfile=str(bad))
+
+
+def test_settings_survive_the_multi_node_pdsh_command(hostfile):
+    """pdsh hands the remote shell one string; the rank must still find its settings intact."""
+    args = launch_args(hostfile=hostfile, num_nodes=2, master_addr="10.0.0.1")
+    parsed = parsed_by_deepspeed(args)
+    active = runner.apply_num_nodes_and_gpus(
+        runner.parse_inclusion_exclusion(runner.fetch_hostfile(parsed.hostfile), "", ""), parsed.num_nodes, -1
+    )
+    pdsh_runner = PDSHRunner(parsed, runner.encode_world_info(active))
+    command, _, _ = pdsh_runner.get_cmd({}, active)
+    remote_command = " ".join(command[command.index("-w") + 2:])  # what pdsh runs in each host's shell
+    rank_argv = shlex.split(remote_command)
+    rank_argv = rank_argv[rank_argv.index("train.py") + 1:] + ["--local_rank=3"]
+    assert load_args_on_rank(rank_argv).to_dict() == args.to_dict()
+
+
+@pytest.mark.parametrize("setting", ["deepspeed_slurm", "deepspeed_mpi"])
+def test_slurm_and_mpi_ranks_are_started_by_the_multi_node_runner(setting):
+    parsed = parsed_by_deepspeed(launch_args(**{setting: True, "launcher": "slurm"}))
+    assert parsed.force_multi and parsed.launcher == "slurm"
+    assert not parsed_by_deepspeed(launch_args()).force_multi
+
+
+def test_deepspeed_slurm_ranks_take_rank_and_world_size_from_slurm(monkeypatch):
+    from megatron.initialize import _rank_environment_from_launcher
+
+    for name, value in {"SLURM_LOCALID": "1", "SLURM_PROCID": "5", "SLURM_NNODES": "2",
+                        "SLURM_NTASKS_PER_NODE": "4"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    _rank_environment_from_launcher(launch_args(deepspeed_slurm=True))
+    assert (os.environ["LOCAL_RANK"], os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("1", "5", "8")
+
+
+def test_a_hostfile_missing_on_a_single_node_runs_here_as_deepspeed_does(tmp_path):
+    args = launch_args(hostfile=str(tmp_path / "absent"))
+    assert args.hostfile is None and args.global_num_gpus == 1
+    assert any("does not exist; running on this machine only" in notice for notice in args.notices)
+    assert "--hostfile" not in runner_arguments(args, "train.py", [], cpu_only=True)
+
+
+# --- several nodes: DeepSpeed's multi-node runners, and each node started by itself (node_rank) -----------
+
+UNIFORM_HOSTFILE = "worker-0 slots=4\nworker-1 slots=4\nworker-2 slots=4\n"
+RUNNER_CLASSES = {"pdsh": PDSHRunner, "openmpi": OpenMPIRunner, "mvapich": MVAPICHRunner, "slurm": SlurmRunner}
+
+
+def multi_node_command(args: NeoXArgs) -> tuple[list[str], dict[str, list[int]], list[str]]:
+    """(the backend's command, the hosts and slots it starts, the argv one rank gets) as
+    deepspeed.launcher.runner.main builds them for the multi-node path, from deepy.py's flags."""
+    parsed = parsed_by_deepspeed(args, cpu_only=False)
+    pool = runner.fetch_hostfile(parsed.hostfile)
+    active = runner.apply_num_nodes_and_gpus(
+        runner.parse_inclusion_exclusion(pool, parsed.include, parsed.exclude), parsed.num_nodes, parsed.num_gpus)
+    world_info = runner.encode_world_info(active)
+    backend_class = RUNNER_CLASSES[parsed.launcher]
+    if backend_class is PDSHRunner:
+        command = backend_class(parsed, world_info).get_cmd({}, active)[0]
+        rank_argv = shlex.split(" ".join(command[command.index("-w") + 2:]))  # one string for the remote shell
+    else:
+        command = backend_class(parsed, world_info, pool).get_cmd({}, active)
+        rank_argv = command
+    return command, active, rank_argv[rank_argv.index("train.py") + 1:]
+
+
+@pytest.mark.parametrize(("launcher", "settings", "hosts"), [
+    # GPT-NeoX's README: a hostfile, pdsh by default, include/exclude/num_nodes to pick hosts
+    ("pdsh", {"include": "worker-0@worker-2"}, {"worker-0": 4, "worker-2": 4}),
+    ("pdsh", {"exclude": "worker-1:0,1"}, {"worker-0": 4, "worker-1": 2, "worker-2": 4}),
+    ("pdsh", {"num_nodes": 2}, {"worker-0": 4, "worker-1": 4}),
+    # launcher: openmpi / mvapich with deepspeed_mpi: mpirun starts every slot of the hostfile
+    ("openmpi", {"deepspeed_mpi": True}, {"worker-0": 4, "worker-1": 4, "worker-2": 4}),
+    ("mvapich", {"deepspeed_mpi": True}, {"worker-0": 4, "worker-1": 4, "worker-2": 4}),
+    # launcher: slurm with deepspeed_slurm: srun starts the ranks
+    ("slurm", {"deepspeed_slurm": True, "num_nodes": 2}, {"worker-0": 4, "worker-1": 4}),
+])
+def test_each_multi_node_command_deepy_builds_is_the_one_deepspeed_runs(tmp_path, monkeypatch, launcher, settings,
+                                                                        hosts):
+    from deepspeed.launcher import multinode_runner
+
+    monkeypatch.setattr(multinode_runner, "MVAPICH_TMP_HOSTFILE", str(tmp_path / "mvapich_hosts"))  # not /tmp's
+    path = tmp_path / "hostfile"
+    path.write_text(UNIFORM_HOSTFILE)
+    args = launch_args(hostfile=str(path), launcher=launcher, master_addr="10.0.0.1", master_port=6000, **settings)
+    command, active, rank_argv = multi_node_command(args)
+    assert {host: len(slots) for host, slots in active.items()} == hosts
+    assert args.global_num_gpus == sum(hosts.values())
+    ranks = str(args.global_num_gpus)
+    if launcher == "pdsh":
+        assert command[command.index("-w") + 1] == ",".join(hosts)
+        assert "--master_addr=10.0.0.1" in command and "--master_port=6000" in command
+    elif launcher == "openmpi":
+        assert command[:5] == ["mpirun", "-n", ranks, "-hostfile", str(path)]
+    elif launcher == "mvapich":
+        assert command[:4] == ["mpirun", "-np", ranks, "-ppn"] and command[4] == "4"
+        assert (tmp_path / "mvapich_hosts").read_text().split() == list(hosts)
+    else:
+        assert command[:3] == ["srun", "-n", ranks]
+        assert command[command.index("--nodes") + 1] == "2"
+    assert load_args_on_rank([*rank_argv, "--local_rank=0"]).to_dict() == args.to_dict()
+
+
+@pytest.mark.parametrize("settings", [{"num_gpus": 2}, {"num_nodes": 2}, {"include": "worker-0"}])
+@pytest.mark.parametrize("launcher", ["openmpi", "mvapich"])
+def test_what_deepspeeds_mpi_runners_refuse_stops_deepy_with_one_line(hostfile, launcher, settings):
+    args = launch_args(hostfile=hostfile, launcher=launcher, master_addr="10.0.0.1", **settings)
+    with pytest.raises(ConfigError, match=rf"launcher: {launcher}: DeepSpeed says: .*does not support"):
+        launch_command(args, "train.py", [], cpu_only=False)
+
+
+def test_a_launcher_stock_deepspeed_lacks_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"launcher.*jsrun"):
+        launch_args(launcher="jsrun")
+
+
+def test_node_rank_starts_this_nodes_ranks_without_ssh(hostfile):
+    args = launch_args(hostfile=hostfile, num_nodes=2, node_rank=1, master_addr="10.0.0.1", master_port=6000)
+    parsed = parsed_by_deepspeed(args, cpu_only=False)
+    assert parsed.no_ssh and parsed.node_rank == 1 and parsed.master_addr == "10.0.0.1"
+    assert args.global_num_gpus == 8 == ranks_deepspeed_would_start(parsed, cpu_only=False)  # the whole job's
+    # this node's ranks only, all local: through the entry that blocks the stop signals, on the port given
+    command = launch_command(args, "train.py", [], cpu_only=False, python="/usr/bin/python3")
+    assert command[:3] == ["/usr/bin/python3", "-m", "megatron.launch_entry"]
+    assert rendezvous_port(args) == 6000
+
+
+@pytest.mark.parametrize(("settings", "expected"), [
+    ({"node_rank": 3}, r"node_rank: 3, but the hostfile gives 3 node\(s\) \(worker-0, worker-1, worker-2\), "
+                       r"numbered 0 to 2"),
+    ({"node_rank": 1, "num_nodes": 1}, r"node_rank: 1, but the hostfile gives 1 node\(s\)"),
+    ({"node_rank": -1}, r"node_rank: -1, but"),
+    ({"node_rank": 0, "master_addr": None}, r"node_rank: 0 needs master_addr: the address of node 0 \(worker-0\)"),
+    ({"node_rank": 0, "deepspeed_slurm": True}, r"node_rank: 0, but .*deepspeed_slurm has srun/mpirun start"),
+])
+def test_bad_node_rank_settings_are_config_errors(hostfile, settings, expected):
+    with pytest.raises(ConfigError, match=expected):
+        launch_args(hostfile=hostfile, **{"master_addr": "10.0.0.1", **settings})
+
+
+def test_node_rank_without_a_hostfile_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"node_rank: 0 needs a hostfile naming every node"):
+        launch_args(node_rank=0, master_addr="10.0.0.1")
+    with pytest.raises(ConfigError, match=r"hostfile: .*absent' does not exist"):  # not run on this machine alone
+        launch_args(node_rank=0, master_addr="10.0.0.1", hostfile=str(tmp_path / "absent"))
+
+
+def test_dry_run_refuses_what_deepspeeds_mpi_runner_would(hostfile, tmp_path, capsys):
+    import deepy
+    from tests.e2e.test_dry_run import RANK_ECHO, write_yaml
+
+    config = write_yaml(tmp_path, "mpi.yml", {**TINY_RUN, "hostfile": hostfile, "launcher": "openmpi", "num_gpus": 2,
+                                              "master_addr": "10.0.0.1"})
+    assert deepy.main([RANK_ECHO, str(config), "--dry-run"]) == 2
+    assert "mpi.yml: launcher: openmpi: DeepSpeed says: " in capsys.readouterr().err
