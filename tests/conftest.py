@@ -21,15 +21,17 @@ from megatron.launcher import free_port  # noqa: E402  (re-exported: tests impor
 TEST_ZERO3_REDUCE_BUCKET = 1_000_000
 
 
-def run_rank_worker(worker: Path, *worker_args: str, ranks: int = 2) -> str:
-    """`worker` on `ranks` CPU ranks started by torch.distributed.run (one thread each); its stdout. The
-    test's own launcher variables are cleared so the worker's world is its own."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def run_rank_worker(worker: Path, *worker_args: str, ranks: int = 2, timeout: int = 600) -> str:
+    """The one way a test starts ranks of its own: `worker` on `ranks` CPU ranks started by
+    torch.distributed.run (one thread each, LOCAL_SIZE set as DeepSpeed's launcher sets it, so DeepSpeed
+    takes its one-node shared-memory path); its stdout. The test's own launcher variables are cleared so the
+    worker's world is its own."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_SIZE": str(ranks)}
     for variable in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(variable, None)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                "--master_port", str(free_port()), str(worker), *worker_args]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{ranks}-rank worker failed:\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
     return result.stdout
 

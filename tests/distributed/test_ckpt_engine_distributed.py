@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +19,7 @@ from tests.ckpt_engines import (
     train_step,
     training_weights,
 )
-from tests.conftest import free_port
+from tests.conftest import run_rank_worker
 
 pytestmark = pytest.mark.distributed
 
@@ -32,19 +29,9 @@ WORKER = Path(__file__).with_name("ckpt_engine_worker.py")
 @pytest.fixture(scope="module")
 def two_rank_checkpoints(tmp_path_factory):
     work_dir = tmp_path_factory.mktemp("two_ranks")
-    # LOCAL_SIZE, as DeepSpeed's launcher sets it: all ranks on this node, so DeepSpeed takes its
-    # shared-memory path, whose buffer names the worker checks are gone after start-up
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_SIZE": "2"}
-    for variable in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(variable, None)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", str(free_port()), str(WORKER), str(work_dir),
-    ]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"2-rank worker failed:\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
+    stdout = run_rank_worker(WORKER, str(work_dir))
     for name in ("bf16-zero2", "bf16-zero3", "bf16-zero3-partitioned"):
-        assert f"{name}: ok" in result.stdout
+        assert f"{name}: ok" in stdout
     return work_dir
 
 

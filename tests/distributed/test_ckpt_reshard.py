@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +11,7 @@ from megatron.checkpointing.planning.data_position import data_position
 from megatron.checkpointing.planning.shape import Shape, ShapeChange
 from megatron.data.samplers import DistributedBatchSampler
 from tests.ckpt_engines import make_args
-from tests.conftest import free_port
+from tests.conftest import run_rank_worker
 
 WORKER = Path(__file__).with_name("reshard_worker.py")
 
@@ -22,16 +19,10 @@ WORKER = Path(__file__).with_name("reshard_worker.py")
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_resharded_resume_restores_every_master_and_moment_bit_exact(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_SIZE": "2"}
-    for variable in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(variable, None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(free_port()), str(WORKER), str(tmp_path)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, f"2-rank worker failed:\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
+    stdout = run_rank_worker(WORKER, str(tmp_path), timeout=900)
     for case in ("neox fp32", "neox bf16", "llama fp32", "llama bf16", "bf16 to fp32"):
-        assert f"{case}: ok" in result.stdout
-    assert "unrestored moment: caught" in result.stdout
+        assert f"{case}: ok" in stdout
+    assert "unrestored moment: caught" in stdout
 
 
 GLOBAL_BATCH = 8
