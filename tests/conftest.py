@@ -6,7 +6,9 @@ import copy
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,24 +18,26 @@ if str(REPO_ROOT) not in sys.path:
 
 
 from megatron.launcher import free_port  # noqa: E402  (re-exported: tests import it from here)
+from tests.worker_report import REPORT_DIR_ENV, read_reports  # noqa: E402
 
 # Elements in a ZeRO-3 engine's gradient-reduction bucket for tests (DeepSpeed's default is 5e8).
 TEST_ZERO3_REDUCE_BUCKET = 1_000_000
 
 
-def run_rank_worker(worker: Path, *worker_args: str, ranks: int = 2, timeout: int = 600) -> str:
+def run_rank_worker(worker: Path, *worker_args: str, ranks: int = 2, timeout: int = 600) -> list[dict[str, Any]]:
     """The one way a test starts ranks of its own: `worker` on `ranks` CPU ranks started by
     torch.distributed.run (one thread each, LOCAL_SIZE set as DeepSpeed's launcher sets it, so DeepSpeed
-    takes its one-node shared-memory path); its stdout. The test's own launcher variables are cleared so the
-    worker's world is its own."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_SIZE": str(ranks)}
-    for variable in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(variable, None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-               "--master_port", str(free_port()), str(worker), *worker_args]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{ranks}-rank worker failed:\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
-    return result.stdout
+    takes its one-node shared-memory path); the records its ranks reported (tests/worker_report.py). The
+    test's own launcher variables are cleared so the worker's world is its own."""
+    with tempfile.TemporaryDirectory(prefix="worker-report-") as report_dir:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_SIZE": str(ranks), REPORT_DIR_ENV: report_dir}
+        for variable in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(variable, None)
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                   "--master_port", str(free_port()), str(worker), *worker_args]
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        assert result.returncode == 0, f"{ranks}-rank worker failed:\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
+        return read_reports(Path(report_dir))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -39,6 +39,7 @@ from tests.ckpt_engines import (  # noqa: E402
     train_step,
     training_weights,
 )
+from tests.worker_report import report  # noqa: E402
 
 CASES = {
     "bf16-zero2": ds_config("bf16", 2),
@@ -142,7 +143,7 @@ def main() -> None:
     for name in CASES:
         module_only_round_trip(work_dir, name)
         if dist.get_rank() == 0:
-            print(f"{name}: ok", flush=True)
+            report(case=name, ok=True)
     dist.barrier()
 
 

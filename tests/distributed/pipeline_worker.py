@@ -28,6 +28,7 @@ from megatron.model.pipeline import build_pipeline_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 from megatron.pipeline import pipeline_batches  # noqa: E402
 from tests.distributed.tensor_parallel_worker import BASE, FAMILIES, SEQ, VOCAB, check, full  # noqa: E402
+from tests.worker_report import report  # noqa: E402
 
 MICRO, MICRO_BATCHES = 2, 2
 # fp32 on CPU; the two sides sum the same products in the same order except where a stage boundary
@@ -107,8 +108,8 @@ def compare(family: str, tensor: int, checkpoint_activations: bool) -> None:
         worst = max(worst, float((grad - grads1[name]).abs().max()))
         check(torch.allclose(grad, grads1[name], rtol=GRAD_RTOL, atol=GRAD_ATOL),
               f"{label}: gradient of {name} differs (max diff {(grad - grads1[name]).abs().max()})")
-    print(f"rank {dist.get_rank()} {label}: loss {loss1:.6f} (2 stages: {abs(loss1 - loss2):.1e} off, gradients "
-          f"{worst:.1e} at most), layer positions {positions}", flush=True)
+    report(case=label, loss=float(loss1), two_stage_loss_off_by=float(abs(loss1 - loss2)), worst_gradient_off_by=worst,
+           layer_positions=list(positions))
 
 
 def equivalence(_work_dir: Path) -> None:
@@ -131,5 +132,5 @@ if __name__ == "__main__":
     CHECKS[sys.argv[1]](Path(sys.argv[2]))
     dist.barrier()
     if dist.get_rank() == 0:
-        print(f"{sys.argv[1]}: ok", flush=True)
+        report(check=sys.argv[1], ok=True)
     leave_process_group()

@@ -29,6 +29,7 @@ from megatron.initialize import init_deepspeed_distributed, leave_process_group 
 from megatron.model import causal_lm_loss  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 from tests.distributed.tensor_parallel_worker import BASE, FAMILIES, batch, check, full, trained_engine  # noqa: E402
+from tests.worker_report import report  # noqa: E402
 
 RUN = dict(train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=1, train_iters=10,
            optimizer={"type": "Adam", "params": {"lr": 1e-2}})
@@ -121,7 +122,7 @@ def round_trip(work: Path, family: str, precision: str) -> dict:
     check(step_counts(engine) == {3}, f"step counts {step_counts(engine)} after the resume back, saved 3")
     train(engine, 1)  # the resumed engine trains on
     if dist.get_rank() == 0:
-        print(f"{family} {precision}: ok", flush=True)
+        report(case=f"{family} {precision}", ok=True)
     return saved_at_tp2
 
 
@@ -133,7 +134,7 @@ def across_precisions(work: Path, saved_dir: Path, saved: dict) -> None:
     check(not differences(saved, full_state(engine)), f"bf16 to fp32: {differences(saved, full_state(engine))[:3]}")
     check(step_counts(engine) == {2}, f"step counts {step_counts(engine)} after bf16 to fp32, saved 2")
     if dist.get_rank() == 0:
-        print("bf16 to fp32: ok", flush=True)
+        report(case="bf16 to fp32", ok=True)
 
 
 def one_moment_left_unrestored_is_caught(work: Path, saved: dict) -> None:
@@ -153,7 +154,7 @@ def one_moment_left_unrestored_is_caught(work: Path, saved: dict) -> None:
     found = differences(saved, full_state(engine))
     check(found == ["exp_avg_sq of sequential.2.mlp.linear1.weight"], f"sabotage seen as {found}")
     if dist.get_rank() == 0:
-        print("unrestored moment: caught", flush=True)
+        report(case="unrestored moment", caught=True)
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from tests.distributed.tensor_parallel_worker import check, full, set_tensor_par
 from tests.distributed.test_reward_model import RM, expected_loss, hf_config, hf_scores, pairs  # noqa: E402
 from tests.unit.test_model import LLAMA, NEOX  # noqa: E402
 from tests.unit.test_model_hf_equivalence import LAYERS  # noqa: E402
+from tests.worker_report import report  # noqa: E402
 
 BASE = dict(num_layers=LAYERS, hidden_size=64, num_attention_heads=4, seq_length=12, padded_vocab_size=128,
             hidden_dropout=0.0, attention_dropout=0.0, seed=77, z_loss=0.2, **RM)
@@ -61,7 +62,7 @@ def compare(family: str, tp: int) -> None:
         check(torch.allclose(grads[name], grad, rtol=1e-4, atol=1e-5),
               f"{family} tp{tp}: gradient of {name} differs (max diff {(grads[name] - grad).abs().max()})")
     if dist.get_rank() == 0:
-        print(f"{family} tp{tp}: ok, loss {loss.item():.6f}", flush=True)
+        report(case=f"{family} tp{tp}", ok=True, loss=loss.item())
 
 
 def main() -> None:

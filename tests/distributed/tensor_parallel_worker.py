@@ -27,6 +27,7 @@ from megatron.model import build_model, causal_lm_loss  # noqa: E402
 from megatron.model.partitioning import partitioning, repartition  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 from megatron.optimizers import build_param_groups  # noqa: E402
+from tests.worker_report import report  # noqa: E402
 
 VOCAB = 96
 SEQ = 10
@@ -115,7 +116,7 @@ def same_model_same_loss_and_gradients(_work_dir: Path) -> None:
             check(torch.allclose(grads1[name], grads2[name], rtol=1e-4, atol=1e-6),
                   f"{family}: gradient of {name} differs (max diff {(grads1[name] - grads2[name]).abs().max()})")
         if dist.get_rank() == 0:
-            print(f"{family}: loss {loss1.item():.6f}", flush=True)
+            report(case=family, loss=loss1.item())
 
 
 def preference_loss_and_grads(family: str, tp: int, train_impl: str) -> tuple[torch.Tensor, dict]:
@@ -155,7 +156,7 @@ def preference_losses_match(_work_dir: Path) -> None:
                       f"{train_impl} {family}: gradient of {name} differs "
                       f"(max diff {(grads1[name] - grads2[name]).abs().max()})")
             if dist.get_rank() == 0:
-                print(f"{train_impl} {family}: loss {loss1.item():.6f} at TP 1 and 2", flush=True)
+                report(case=f"{train_impl} {family}", loss=loss1.item())
 
 
 def engine_step(family: str, tp: int, stage: int, clipping: float) -> tuple[float | None, dict]:
@@ -196,7 +197,7 @@ def deepspeed_step_matches(work_dir: Path) -> None:
                 check(torch.allclose(weights1[name], weights2[name], rtol=1e-5, atol=1e-6),
                       f"{family} ZeRO {stage}: {name} after one step differs")
             if dist.get_rank() == 0:
-                print(f"{family} zero{stage}: grad norm {norm1}", flush=True)
+                report(case=f"{family} zero{stage}", grad_norm=norm1)
     hf_folder_at_tp2_has_the_gradient_of_transformers(work_dir)
 
 
@@ -238,7 +239,7 @@ def hf_folder_at_tp2_has_the_gradient_of_transformers(work_dir: Path) -> None:
         check(torch.allclose(grads[name], grad, rtol=1e-4, atol=1e-6),
               f"qwen3 at TP 2: gradient of {name} differs (max diff {(grads[name] - grad).abs().max()})")
     if dist.get_rank() == 0:
-        print(f"qwen3 folder at tp2: loss {loss.item():.6f} and {len(grads)} gradients as transformers'", flush=True)
+        report(case="qwen3 folder at tp2", loss=loss.item(), gradients=len(grads))
 
 
 def trained_engine(args: NeoXArgs, seed: int):
@@ -280,8 +281,7 @@ def module_only_load_from_tp2_to_tp4(work_dir: Path) -> None:
     check(torch.allclose(logits4, logits2, rtol=1e-5, atol=1e-5),
           f"logits differ after the TP 2 -> 4 load (max diff {(logits4 - logits2).abs().max()})")
     if dist.get_rank() == 0:
-        print(f"tp2 -> tp4: {len(weights2)} tensors equal, logits max diff {(logits4 - logits2).abs().max():.2e}",
-              flush=True)
+        report(case="tp2 -> tp4", tensors_equal=len(weights2), logits_off_by=float((logits4 - logits2).abs().max()))
 
 
 CHECKS = {"equivalence": same_model_same_loss_and_gradients, "deepspeed": deepspeed_step_matches,
@@ -297,7 +297,7 @@ def main() -> None:
     CHECKS[name](Path(sys.argv[2]))
     dist.barrier()
     if dist.get_rank() == 0:
-        print(f"{name}: ok", flush=True)
+        report(check=name, ok=True)
 
 
 if __name__ == "__main__":

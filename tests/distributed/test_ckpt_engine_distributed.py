@@ -20,6 +20,7 @@ from tests.ckpt_engines import (
     training_weights,
 )
 from tests.conftest import run_rank_worker
+from tests.worker_report import reported
 
 pytestmark = pytest.mark.distributed
 
@@ -29,9 +30,9 @@ WORKER = Path(__file__).with_name("ckpt_engine_worker.py")
 @pytest.fixture(scope="module")
 def two_rank_checkpoints(tmp_path_factory):
     work_dir = tmp_path_factory.mktemp("two_ranks")
-    stdout = run_rank_worker(WORKER, str(work_dir))
+    records = run_rank_worker(WORKER, str(work_dir))
     for name in ("bf16-zero2", "bf16-zero3", "bf16-zero3-partitioned"):
-        assert f"{name}: ok" in stdout
+        assert reported(records, case=name, ok=True), records
     return work_dir
 
 

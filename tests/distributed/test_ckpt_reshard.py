@@ -12,6 +12,7 @@ from megatron.checkpointing.planning.shape import Shape, ShapeChange
 from megatron.data.samplers import DistributedBatchSampler
 from tests.ckpt_engines import make_args
 from tests.conftest import run_rank_worker
+from tests.worker_report import reported
 
 WORKER = Path(__file__).with_name("reshard_worker.py")
 
@@ -19,10 +20,10 @@ WORKER = Path(__file__).with_name("reshard_worker.py")
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_resharded_resume_restores_every_master_and_moment_bit_exact(tmp_path):
-    stdout = run_rank_worker(WORKER, str(tmp_path), timeout=900)
+    records = run_rank_worker(WORKER, str(tmp_path), timeout=900)
     for case in ("neox fp32", "neox bf16", "llama fp32", "llama bf16", "bf16 to fp32"):
-        assert f"{case}: ok" in stdout
-    assert "unrestored moment: caught" in stdout
+        assert reported(records, case=case, ok=True), records
+    assert reported(records, case="unrestored moment", caught=True), records
 
 
 GLOBAL_BATCH = 8

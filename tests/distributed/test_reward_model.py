@@ -27,6 +27,7 @@ from megatron.objectives import objective_for
 from tests.conftest import run_rank_worker
 from tests.unit.test_model import HEADS, HIDDEN, LLAMA, NEOX, VOCAB, tiny_args
 from tests.unit.test_model_hf_equivalence import LAYERS, llama_state_from_hf, neox_state_from_hf, randomize_
+from tests.worker_report import reported
 
 PAD, EOS, M = 0, 1, -100
 SEQ = 12
@@ -198,9 +199,9 @@ WORKER = Path(__file__).with_name("reward_model_worker.py")
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_tensor_parallel_2_has_transformers_loss_and_gradients(tmp_path):
-    stdout = run_rank_worker(WORKER)
+    records = run_rank_worker(WORKER)
     for family in ("gpt_neox", "llama"):
-        assert f"{family} tp2: ok" in stdout
+        assert reported(records, case=f"{family} tp2", ok=True), records
 
 
 @pytestmark_single

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_rank_worker
+from tests.worker_report import reported
 
 pytestmark = pytest.mark.distributed
 
@@ -17,8 +18,9 @@ def test_partitioned_build_holds_only_partitions_and_draws_the_seeds_weights_at_
     """2 ranks: fp32 and bf16, tied/learned-position and Llama/GQA models, tensor-parallel sizes 1 and 2;
     every parameter is a partition from the start, gathered it equals a whole build's, and a ZeRO-3
     engine on it gives the whole model's loss."""
-    stdout = run_rank_worker(WORKER)
-    assert "zero3 construction: ok" in stdout
+    records = run_rank_worker(WORKER)
+    assert len(reported(records, check="zero3 construction", ok=True)) == 2, records  # both ranks
     for family in ("tied-learned", "llama"):
-        assert f"{family} tp1 bf16: partitions hold" in stdout
-        assert f"{family} engine: loss" in stdout
+        (held,) = reported(records, case=f"{family} tp1 bf16")
+        assert 0 < held["partition_elements"] < held["whole_elements"], held  # rank 0 holds a part, never the whole
+        assert reported(records, case=f"{family} engine"), records

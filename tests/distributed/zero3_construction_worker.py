@@ -27,6 +27,7 @@ from megatron.initialize import init_deepspeed_distributed, leave_process_group,
 from megatron.model import build_model, causal_lm_loss  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 from tests.distributed.tensor_parallel_worker import check, set_tensor_parallel_size  # noqa: E402
+from tests.worker_report import report  # noqa: E402
 
 VOCAB = 96
 SEQ = 10
@@ -83,7 +84,7 @@ def check_construction(family: str, tp: int, precision: str) -> None:
                   f"{family} tp{tp} {precision}: {name} differs from the whole build's")
     whole_numel = sum(p.numel() for p in whole.values())
     if dist.get_rank() == 0:
-        print(f"{family} tp{tp} {precision}: partitions hold {held} of {whole_numel} elements", flush=True)
+        report(case=f"{family} tp{tp} {precision}", partition_elements=held, whole_elements=whole_numel)
 
 
 def check_training_forward(family: str) -> None:
@@ -98,7 +99,7 @@ def check_training_forward(family: str) -> None:
     engine.backward(loss)
     engine.step()
     if dist.get_rank() == 0:
-        print(f"{family} engine: loss {loss.item():.6f} equals the whole model's", flush=True)
+        report(case=f"{family} engine", loss=loss.item())
 
 
 def main() -> None:
@@ -112,7 +113,7 @@ def main() -> None:
     set_tensor_parallel_size(1)
     for family in FAMILIES:
         check_training_forward(family)
-    print("zero3 construction: ok", flush=True)
+    report(check="zero3 construction", ok=True)
 
 
 if __name__ == "__main__":
