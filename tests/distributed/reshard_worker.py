@@ -82,7 +82,7 @@ def differences(expected: dict, got: dict) -> list[str]:
 def resume(args: NeoXArgs, seed: int):
     engine = trained_engine(args, seed)
     plan = plan_load(args, dist.get_world_size() // args.model_parallel_size)
-    check(plan.reshard is not None, f"the plan did not see the change of shape: {plan.describe()}")
+    check(plan.shape_change is not None, f"the plan did not see the change of shape: {plan.describe()}")
     load_checkpoint(engine, plan)
     return engine, plan
 

@@ -129,7 +129,7 @@ def test_zero3_resume_reads_deepspeeds_files_and_the_full_module_file_the_name_c
 def test_universal_checkpoint_may_change_dp_size_when_enabled(zero1_copy):
     (zero1_copy / "global_step2" / "zero").mkdir()  # what ds_to_universal writes
     plan = plan_for(zero1_copy, dp=2, deepspeed_extra_args={"checkpoint": {"load_universal": True}})
-    assert plan.load_optimizer and plan.reshard is None  # DeepSpeed's own universal load, as the user asked
+    assert plan.load_optimizer and plan.shape_change is None  # DeepSpeed's own universal load, as the user asked
 
 
 def test_resume_at_another_shape_is_planned_as_a_reshard(checkpoints, tmp_path):
@@ -138,11 +138,11 @@ def test_resume_at_another_shape_is_planned_as_a_reshard(checkpoints, tmp_path):
     assert ("full resume at another shape: optimizer state resharded from DP 1 x TP 1, ZeRO-1 to DP 2 x TP 1, "
             "ZeRO-3, fp32 to bf16") in plan.describe()
     assert plan.files == tuple(sorted((checkpoints["zero1"] / "global_step2").glob("*_states.pt")))
-    assert plan_for(checkpoints["zero1"], save=str(tmp_path)).reshard is None  # the same shape: DeepSpeed's load
+    assert plan_for(checkpoints["zero1"], save=str(tmp_path)).shape_change is None  # the same shape: DeepSpeed's load
 
 
 def test_resume_at_another_shape_writes_nothing_so_needs_no_save_directory(checkpoints):
-    assert plan_for(checkpoints["zero1"], dp=2).reshard is not None
+    assert plan_for(checkpoints["zero1"], dp=2).shape_change is not None
 
 
 def test_resume_at_another_shape_into_a_run_without_zero_is_refused(checkpoints, tmp_path):

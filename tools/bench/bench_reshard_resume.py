@@ -101,7 +101,7 @@ def rank_main(rank: int, ranks: int, port: int, options: argparse.Namespace, wor
             plan = plan_load(args, ranks)
             load_checkpoint(engine, plan)
             times[name].append(slowest(time.perf_counter() - start))
-            if (plan.reshard is not None) != (name == "reshard"):
+            if (plan.shape_change is not None) != (name == "reshard"):
                 raise AssertionError(f"{name}: the plan {'did not see' if name == 'reshard' else 'saw'} a change of shape")
     if rank == 0:
         medians = {name: statistics.median(values) for name, values in times.items()}

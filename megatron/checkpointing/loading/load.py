@@ -159,11 +159,11 @@ def load_checkpoint(engine, plan: LoadPlan) -> LoadOutcome | None:
             # a fine-tune counts from 0 again: the tags before the one it loaded are not its history
             lineage = Lineage(plan.tag, plan.saved_iteration if plan.iteration_from_checkpoint else None)
     module_report = None
-    if plan.reshard is not None:
+    if plan.shape_change is not None:
         from megatron.checkpointing.loading.reshard import resume_at_another_shape
 
         _check_names_for_resume(plan, engine)
-        module_report = resume_at_another_shape(engine, plan.tag_inventory, plan.reshard, plan.architecture,
+        module_report = resume_at_another_shape(engine, plan.tag_inventory, plan.shape_change, plan.architecture,
                                                 _module_weights(plan, engine))
         client_state = plan.client_state
     elif plan.load_optimizer:

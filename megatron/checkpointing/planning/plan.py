@@ -81,7 +81,7 @@ class LoadPlan:
     run_architecture: Callable[[], Architecture] | None = field(default=None, repr=False, compare=False)
     lr_schedule_start: int = 0  # the iteration the LR schedule counts from after this load
     model: str | None = None  # the model's family and variants (architecture.describe_model)
-    reshard: shape.ShapeChange | None = None  # a full resume at another shape (reshard.py)
+    shape_change: shape.ShapeChange | None = None  # a full resume at another shape (shape.py; loading/reshard.py)
     saves_here: bool = False  # `save` is the directory loaded from: the loaded tag is the run's own history
     tag_inventory: TagInventory | None = field(default=None, repr=False, compare=False)
     hf_source: WeightsSource | None = field(default=None, repr=False, compare=False)  # reads a FORMAT_HF folder
@@ -378,7 +378,7 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         files=files,
         notes=tuple(_model_from_checkpoint_note(args, root) + notes),
         **_contract(args),
-        reshard=change,
+        shape_change=change,
         validate_forward=bool(args.checkpoint_validation_with_forward_pass),
         lr_schedule_start=schedule_start(mode, saved_iteration, client),
         tag_inventory=tag,
