@@ -111,7 +111,8 @@ class NeoXArgs:
         model_parallel_size x pipe_parallel_size.
         """
         values = canonical_names({normalise_key(str(k)): v for k, v in saved.items()}, source)
-        take_foreign_settings(values, dict.fromkeys(values, source))  # an unsupported feature that is on raises
+        # an unsupported feature that is on raises
+        take_foreign_settings(values, dict.fromkeys(values, source), recorded_by_checkpoint=True)
         kept = {name: value for name, value in values.items()
                 if name in SETTINGS and name not in NOT_RESTORED and name != "config_files"
                 and (not SETTINGS[name].derived or name in GIVEN_BY_CODE)}

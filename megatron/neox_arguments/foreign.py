@@ -1,18 +1,22 @@
 """GPT-NeoX settings this framework does not have as settings of its own.
 
-Three kinds:
+Four kinds:
 - aliases: another GPT-NeoX name for one of our settings (renamed on load);
 - inert: tunes GPU kernels, memory or cluster plumbing we do not have; accepted with a notice;
 - unsupported: would change the model or training in a way we do not implement; an error,
-  unless the value given is the one that switches the feature off.
+  unless the value given is the one that switches the feature off;
+- tensor-parallel only: matters only at a tensor-parallel size above 1, where a value other than
+  the one built here is an error.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from megatron.neox_arguments.errors import ConfigError
+from megatron.neox_arguments.numbers import as_number
 
 ALIASES: dict[str, str] = {
     "gas": "gradient_accumulation_steps",
@@ -62,8 +66,6 @@ INERT: dict[str, str] = {
     "activation_checkpointing": _MEMORY,
     "use_cpu_initialization": _MEMORY,
     "mmap_warmup": _MEMORY,
-    "output_layer_parallelism": "only matters for tensor parallelism, which is fixed at 1",
-    "sequence_parallel": "only matters for tensor parallelism, which is fixed at 1",
     "distributed_backend": "the backend is chosen by DeepSpeed's accelerator (nccl on GPU, gloo on CPU)",
     "rotary_save_freqs_buffer": "only decides whether GPT-NeoX stores the rotary frequencies in checkpoints; they are recomputed here",
     "detect_nvlink_pairs": _PLUMBING,
@@ -131,20 +133,25 @@ for _feature, _names in _SUBORDINATE.items():
     INERT.update(dict.fromkeys(_names, _only_with(_feature)))
 
 
-def _falsy(value: Any) -> bool:
-    return not value
+@dataclass(frozen=True)
+class OffWhen:
+    """Which values of a GPT-NeoX setting leave its feature off (or select what is built here)."""
+
+    test: Callable[[Any], bool]
+    values: str  # those values, in words
+
+    def __call__(self, value: Any) -> bool:
+        return self.test(value)
 
 
-def _at_most_one(value: Any) -> bool:
-    return value is None or value <= 1
+_falsy = OffWhen(lambda value: not value, "unset, false, 0 or empty")
+_at_most_one = OffWhen(lambda value: value is None or value <= 1, "unset or at most 1")
+_disabled_dict = OffWhen(lambda value: not value or (isinstance(value, dict) and not value.get("enabled", False)),
+                         "unset, empty or {enabled: false}")
 
 
-def _disabled_dict(value: Any) -> bool:
-    return not value or (isinstance(value, dict) and not value.get("enabled", False))
-
-
-def _equals(off_value: Any) -> Callable[[Any], bool]:
-    return lambda value: value is None or value == off_value
+def _equals(off_value: Any) -> OffWhen:
+    return OffWhen(lambda value: value is None or value == off_value, f"unset or {off_value}")
 
 
 def _not_built(feature: str, instead: str = "") -> str:
@@ -152,7 +159,7 @@ def _not_built(feature: str, instead: str = "") -> str:
 
 
 # name -> (is the value the one that switches the feature off?, what to tell the user)
-UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+UNSUPPORTED: dict[str, tuple[OffWhen, str]] = {
     "sparsity_config": (_falsy, _not_built("sparse attention", "remove sparsity_config")),
     "moe_num_experts": (_at_most_one, _not_built("mixture-of-experts", "use moe_num_experts: 1")),
     "num_experts": (_at_most_one, _not_built("mixture-of-experts", "use 1 expert")),
@@ -173,7 +180,8 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "checkpoint_scale": (_equals("linear"), "only linear checkpoint spacing is supported (checkpoint_factor, extra_save_iters)"),
     "scheduler": (_falsy, "the trainer steps the learning rate itself; use lr_decay_style, warmup, min_lr"),
     "amp": (_disabled_dict, _not_built("apex AMP", "use fp16 or bf16")),
-    "load_universal": (_falsy, "universal checkpoints are not supported yet"),
+    "load_universal": (_falsy, "a top-level load_universal is not read; DeepSpeed reads it from its checkpoint section: "
+                               "set deepspeed_extra_args: {checkpoint: {load_universal: true}}"),
     "te_columnparallel": (_falsy, _not_built("Transformer Engine")),
     "te_rowparallel": (_falsy, _not_built("Transformer Engine")),
     "te_layernorm_mlp": (_falsy, _not_built("Transformer Engine")),
@@ -205,6 +213,35 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "autotuning_run": (_falsy, _not_built("DeepSpeed autotuning through deepy.py")),
 }
 
+
+@dataclass(frozen=True)
+class TensorParallelOnly:
+    """A GPT-NeoX setting that changes nothing at model_parallel_size 1, and at a larger size is built here
+    with one value only."""
+
+    is_built: OffWhen  # is the value the one this framework builds?
+    built: str  # what this framework builds, for the notice
+    other: str  # what another value asks for, which is not built here
+    instead: str  # what a run should set instead
+    # does another value lay out the saved weights otherwise? (then a checkpoint's settings are refused too)
+    shapes_weights: bool
+
+
+TENSOR_PARALLEL_ONLY: dict[str, TensorParallelOnly] = {
+    "sequence_parallel": TensorParallelOnly(
+        _falsy, "tensor parallelism runs without sequence parallelism",
+        "Megatron-style sequence parallelism (activations split over the tensor-parallel ranks)",
+        "set sequence_parallel: false (tensor parallelism runs without it: the same results, more activation "
+        "memory)",
+        shapes_weights=False),
+    "output_layer_parallelism": TensorParallelOnly(
+        _equals("column"), "the output layer is always split over the vocabulary, GPT-NeoX's column",
+        "an output layer split over the hidden dimension (row)",
+        "set output_layer_parallelism: column, GPT-NeoX's default",
+        shapes_weights=True),
+}
+_TENSOR_PARALLEL_SIZE_ONE = "only matters at a tensor-parallel size above 1, and model_parallel_size is 1"
+
 # Values GPT-NeoX allows for one of our settings that select a feature not built here.
 GPT_NEOX_ONLY_VALUES: dict[str, dict[Any, str]] = {
     "pos_emb": {"sinusoidal": "sinusoidal position embedding", "rpe": "T5 relative position encoding (rpe)",
@@ -233,6 +270,10 @@ def gpt_neox_only_value(name: str, value: Any) -> str | None:
 
 
 ATTENTION_TYPES_WITH_GLOBAL_MATH = ("global", "flash")
+# the notice for an attention_config of global (or flash) attention only
+GLOBAL_ATTENTION = "standard global attention is what the model always computes"
+# the notice for every other moe_* setting
+OTHER_MOE_SETTINGS = "only matters with moe_num_experts > 1, which is not supported"
 
 
 def attention_config_problem(value: Any) -> str | None:
@@ -267,10 +308,18 @@ def canonical_names(values: dict[str, Any], source: str) -> dict[str, Any]:
     return renamed
 
 
-def take_foreign_settings(values: dict[str, Any], sources: dict[str, str]) -> list[str]:
+def _tensor_parallel_size(values: dict[str, Any]) -> int:
+    size = as_number(values.get("model_parallel_size"), int)
+    return 1 if size is None else size
+
+
+def take_foreign_settings(values: dict[str, Any], sources: dict[str, str], *, recorded_by_checkpoint: bool = False
+                          ) -> list[str]:
     """Remove inert and switched-off GPT-NeoX settings from `values`; return one notice per setting.
 
     Raises ConfigError for settings that would change the model or training in an unsupported way.
+    `recorded_by_checkpoint`: the settings a checkpoint was saved with, of which only what lays out its
+    weights matters (how that run ran, such as sequence parallelism, does not).
     """
     notices = []
     for name in list(values):
@@ -280,16 +329,29 @@ def take_foreign_settings(values: dict[str, Any], sources: dict[str, str]) -> li
             problem = attention_config_problem(value)
             if problem:
                 raise ConfigError(f"{source}: attention_config: {problem}")
-            reason = "standard global attention is what the model always computes"
+            reason = GLOBAL_ATTENTION
         elif name in INERT:
             reason = INERT[name]
         elif name.startswith("moe_") and name not in UNSUPPORTED:
-            reason = "only matters with moe_num_experts > 1, which is not supported"
+            reason = OTHER_MOE_SETTINGS
         elif name in UNSUPPORTED:
             is_off, message = UNSUPPORTED[name]
             if not is_off(value):
                 raise ConfigError(f"{source}: {name}: {value!r}: {message}")
             reason = "the feature it configures is off"
+        elif name in TENSOR_PARALLEL_ONLY:
+            rule = TENSOR_PARALLEL_ONLY[name]
+            if _tensor_parallel_size(values) <= 1:
+                reason = _TENSOR_PARALLEL_SIZE_ONE
+            elif rule.is_built(value):
+                reason = rule.built
+            elif not recorded_by_checkpoint:
+                raise ConfigError(f"{source}: {name}: {value!r}: {_not_built(rule.other, rule.instead)}")
+            elif rule.shapes_weights:
+                raise ConfigError(f"{source}: {name}: {value!r}: {_not_built(rule.other)}, and the checkpoint's "
+                                  "weights are laid out for it")
+            else:
+                reason = "it only changed how the saving run ran, not its weights"
         else:
             continue
         notices.append(f"notice: {source}: {name} has no effect here ({reason})")

@@ -168,7 +168,11 @@ def test_gradient_accumulation_default_is_one_step_as_in_gpt_neox(tmp_path):
 
 
 def test_a_gpt_neox_name_is_either_a_setting_or_handled_as_foreign_never_both():
-    from megatron.neox_arguments.foreign import ALIASES, INERT, UNSUPPORTED
+    from megatron.neox_arguments.foreign import ALIASES, INERT, TENSOR_PARALLEL_ONLY, UNSUPPORTED
 
-    for table in (INERT, UNSUPPORTED, ALIASES):
+    tables = (INERT, UNSUPPORTED, ALIASES, TENSOR_PARALLEL_ONLY)
+    for table in tables:
         assert not set(table) & set(SETTINGS)
+    for i, table in enumerate(tables):
+        for other in tables[i + 1:]:
+            assert not set(table) & set(other)

@@ -293,6 +293,27 @@ def test_inert_gpt_neox_settings_are_accepted_with_one_notice_each(tmp_path):
     assert args.data_impl == "infer"
 
 
+@pytest.mark.parametrize(("name", "other"), [("sequence_parallel", True), ("output_layer_parallelism", "row")])
+def test_tensor_parallel_only_settings_are_refused_where_they_would_change_something(tmp_path, name, other):
+    # at model_parallel_size 1 GPT-NeoX's setting changes nothing, as in GPT-NeoX: a notice
+    args = run_args(tmp_path, **{name: other})
+    assert [notice for notice in args.notices if f"{name} has no effect" in notice and "model_parallel_size is 1" in notice]
+    # above 1 a value other than the one built here is one line, naming the file, the key and the way out
+    message = config_error(tmp_path, **{name: other}, model_parallel_size=2, num_gpus=2)
+    assert "run.yml: " + name in message and "not built here" in message and "\n" not in message
+    built = {"sequence_parallel": False, "output_layer_parallelism": "column"}[name]
+    args = run_args(tmp_path, **{name: built}, model_parallel_size=2, num_gpus=2)
+    assert args.model_parallel_size == 2 and sum(f"{name} has no effect" in notice for notice in args.notices) == 1
+
+
+def test_a_checkpoint_saved_with_sequence_parallelism_loads_and_one_with_a_row_output_layer_is_refused():
+    saved = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "model_parallel_size": 2}
+    # sequence parallelism changed how the saving run ran, not its weights
+    assert NeoXArgs.from_saved({**saved, "sequence_parallel": True}, "ckpt").model_parallel_size == 2
+    with pytest.raises(ConfigError, match="ckpt: output_layer_parallelism: 'row': .* weights are laid out for it"):
+        NeoXArgs.from_saved({**saved, "output_layer_parallelism": "row"}, "ckpt")
+
+
 def test_gpt_neox_aliases(tmp_path):
     args = run_args(tmp_path, gas=3, clip_grad=0.5, precision="bfloat16")
     assert args.gradient_accumulation_steps == 3 and args.train_batch_size == 2 * 3
