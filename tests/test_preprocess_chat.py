@@ -106,12 +106,14 @@ def test_labels_train_the_assistant_turns_by_default_and_the_last_with_only_last
 
 
 def test_a_masked_last_turn_masks_the_eos_and_no_mask_trains_every_token(tmp_path, tokenizer_dir):
-    ends_with_user = CHAT[:2]
+    ends_with_user = CHAT[:4]
     source = write_jsonl(tmp_path / "chats.jsonl", [{"conversation": ends_with_user}])
     run("--input", source, "--tokenizer-path", str(tokenizer_dir), "--output-prefix", str(tmp_path / "a"))
-    plain = SYSTEM + ids("<|user|> hi <|end|>")
+    last_user = ids("<|user|> what is two plus two <|end|>")
+    plain = SYSTEM + USER1 + ANSWER1 + last_user
     assert read(tmp_path / "a_conversation_document") == [plain + [EOS]]
-    assert read(tmp_path / "a_conversation_label_document") == [[M] * (len(plain) + 1)]
+    assert read(tmp_path / "a_conversation_label_document") == [[M] * len(SYSTEM + USER1) + ANSWER1
+                                                                 + [M] * (len(last_user) + 1)]
 
     run("--input", source, "--tokenizer-path", str(tokenizer_dir), "--output-prefix", str(tmp_path / "b"), "--no-mask")
     assert read(tmp_path / "b_conversation_document") == [plain]
@@ -123,7 +125,7 @@ def test_a_masked_last_turn_masks_the_eos_and_no_mask_trains_every_token(tmp_pat
 
 
 def test_command_line_with_workers_keeps_order(tmp_path, tokenizer_dir):
-    chats = [{"conversation": CHAT[: 1 + (i % 5)]} for i in range(60)]
+    chats = [{"conversation": CHAT[: 3 + (i % 3)]} for i in range(60)]
     source = write_jsonl(tmp_path / "chats.jsonl", chats)
     result = subprocess.run([sys.executable, TOOL, "--input", source, "--tokenizer-path", str(tokenizer_dir),
                              "--output-prefix", str(tmp_path / "w"), "--workers", "2", "--log-interval", "7",
@@ -140,7 +142,8 @@ def test_command_line_with_workers_keeps_order(tmp_path, tokenizer_dir):
 @pytest.mark.parametrize("record, says", [
     ({"other": CHAT}, "has no field 'conversation'"),
     ({"conversation": []}, "an empty chat"),
-    ({"conversation": [{"role": "tool", "content": "hi"}]}, "the chat template rejects"),
+    ({"conversation": [{"role": "tool", "content": "hi"}, {"role": "assistant", "content": "ok"}]},
+     "the chat template rejects"),
     ({"conversation": CHAT, "r": "good"}, "not a number"),
 ])
 def test_a_bad_record_is_one_line_with_file_and_line(tmp_path, tokenizer_dir, record, says):
