@@ -7,6 +7,7 @@ conversion leaves the folder as it was.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -99,6 +100,12 @@ def one_line_error(status: int, err: str) -> str:
     return err
 
 
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def siblings(folder: Path) -> list[str]:
     """What lies beside `folder`: a conversion's temporary folder would show here."""
     return sorted(p.name for p in folder.parent.iterdir())
@@ -163,6 +170,15 @@ def test_a_converter_never_writes_over_its_input_even_with_overwrite(tmp_path, c
                                   "--overwrite"))
     assert f"--output {out} is, holds or lies in the input {tmp_path / 'ckpt'}" in err
     assert files_of(tmp_path) == before
+
+
+def test_a_new_output_folder_is_made_like_any_folder_and_one_under_a_file_is_one_line(tmp_path, capsys):
+    hf_dir = save_hf(make_hf_model("neox_parallel"), tmp_path / "hf")
+    assert convert(capsys, "convert_hf_to_neox", "--input", hf_dir, "--output", tmp_path / "new")[0] == 0
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o777 & ~current_umask()  # readable as any folder
+    (tmp_path / "a_file").write_text("not a folder")
+    err = one_line_error(*convert(capsys, "convert_hf_to_neox", "--input", hf_dir, "--output", tmp_path / "a_file" / "x"))
+    assert f"{tmp_path / 'a_file'} is a file, not a folder" in err
 
 
 def test_a_conversion_that_fails_while_writing_leaves_the_output_folder_as_it_was(tmp_path):

@@ -10,8 +10,8 @@ that fails leaves the output folder as it was.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,8 +63,10 @@ def check_output_folder(out_dir: Path, source: Path, overwrite: bool) -> None:
     """Refuse an output folder that is a file, that overlaps `source` (replacing what is there could remove
     the input), or that holds a model or a run (unless `overwrite`)."""
     out_dir, source = Path(out_dir), Path(source)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise HFConversionError(f"--output {out_dir} is a file; name a folder to write the conversion into")
+    in_the_way = next((p for p in (out_dir, *out_dir.parents) if p.exists() and not p.is_dir()), None)
+    if in_the_way is not None:
+        raise HFConversionError(f"--output {out_dir}: {in_the_way} is a file, not a folder; name a folder to write "
+                                "the conversion into")
     out_path, source_path = out_dir.resolve(), source.resolve()
     if out_path == source_path or out_path in source_path.parents or source_path in out_path.parents:
         raise HFConversionError(f"--output {out_dir} is, holds or lies in the input {source}; write the conversion to "
@@ -83,8 +85,12 @@ def staged_output(out_dir: Path) -> Iterator[Path]:
     `out_dir` holds of a model or a run is removed (`latest` first) and the new entries take their places
     (`latest` last); when it fails, `out_dir` is as it was and the new folder is removed."""
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".converting", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = _new_folder_beside(out_dir)
+    except OSError as err:
+        raise HFConversionError(f"--output {out_dir}: cannot write into {out_dir.parent} ({err.strerror}); choose a "
+                                "folder you can write") from None
     try:
         yield staging
         if out_dir.is_dir():
@@ -94,6 +100,17 @@ def staged_output(out_dir: Path) -> Iterator[Path]:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     fsync_path(out_dir.parent)
+
+
+def _new_folder_beside(path: Path) -> Path:
+    """An empty folder next to `path` with the permissions any new folder gets (mkdtemp's are 0700)."""
+    while True:
+        folder = path.parent / f".{path.name}.{secrets.token_hex(4)}.converting"
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
 
 
 def _latest_last(names: list[str]) -> list[str]:
