@@ -4,7 +4,8 @@ For each jsonl key: `{prefix}_{key}_document` (the chat through the tokenizer's 
 `{prefix}_{key}_label_document` (aligned with the tokens, unshifted: the token id where it is trained,
 -100 where it is masked) and, with a reward key, `{prefix}_{key}_reward_document` (one value per chat).
 Labels are built turn by turn: each turn's tokens are what the template adds for it, the generation
-prompt belonging to the turn before the generating role's turn.
+prompt belonging to the turn before the generating role's turn. That needs a prefix-stable template (the
+rendering of a chat's first turns begins the rendering of the whole chat), which is checked for every chat.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def _check_prefix_stable(before: list[int], rendered: list[int], turns: int, fie
     holds only when that rendering is the start of this one."""
     if rendered[: len(before)] == before:
         return
-    differ = next((i for i, (a, b) in enumerate(zip(before, rendered, strict=False)) if a != b), min(len(before), len(rendered)))
+    pairs = zip(before, rendered, strict=False)
+    differ = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(before), len(rendered)))
     raise DataError(f"{field}: the chat template is not prefix-stable: its rendering of the first {turns} message(s) "
                     f"is not the start of its rendering of the first {turns + 1} (tokens differ at position {differ}), "
                     "so the loss mask would not match the tokens; use a template whose rendering of a chat's first "
