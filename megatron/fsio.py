@@ -10,7 +10,8 @@ from __future__ import annotations
 import errno
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -29,16 +30,33 @@ def write_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
     A reader sees the old file or the new one, never a half-written one; the temporary file is
     removed when ``write`` fails.
     """
-    path = Path(path)
-    tmp = _create_temporary_file(path)
+    with replaced_on_success([path]) as (tmp,):
+        write(tmp)
+
+
+@contextmanager
+def replaced_on_success(paths: Sequence[str | Path]) -> Iterator[list[Path]]:
+    """Temporary files next to each of ``paths`` for the block to write; when it completes they become
+    ``paths`` durably, else they are removed and ``paths`` are as they were.
+
+    Each file is replaced atomically, one after the other, and only once the block has written them all.
+    """
+    paths = [Path(path) for path in paths]
+    temporaries: list[Path] = []
     try:
-        write(Path(tmp))
-        fsync_path(tmp)
-        os.replace(tmp, path)
+        for path in paths:
+            temporaries.append(Path(_create_temporary_file(path)))
+        yield temporaries
+        for tmp in temporaries:
+            fsync_path(tmp)
+        for tmp, path in zip(temporaries, paths, strict=True):
+            os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        for tmp in temporaries:
+            tmp.unlink(missing_ok=True)
         raise
-    fsync_path(path.parent)
+    for folder in dict.fromkeys(path.parent for path in paths):
+        fsync_path(folder)
 
 
 def _create_temporary_file(path: Path) -> str:

@@ -4,11 +4,13 @@ For each jsonl key: `{prefix}_{key}_document` (the chat through the tokenizer's 
 `{prefix}_{key}_label_document` (aligned with the tokens, unshifted: the token id where it is trained,
 -100 where it is masked) and, with a reward key, `{prefix}_{key}_reward_document` (one value per chat).
 Labels are built turn by turn: each turn's tokens are what the template adds for it, the generation
-prompt belonging to the turn before the generating role's turn.
+prompt belonging to the turn before the generating role's turn. That needs a prefix-stable template (the
+rendering of a chat's first turns begins the rendering of the whole chat), which is checked for every chat.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +20,14 @@ import numpy as np
 from megatron.data.data_vocabulary import write_vocabulary_record
 from megatron.data.document_sources import iter_jsonl_records, missing_key_error
 from megatron.data.errors import DataError
-from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, data_file_path, index_file_path
-from megatron.data.preprocessing import PreprocessResult, chunks, encode_into_builders, output_prefix_for
+from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+from megatron.data.preprocessing import (
+    PreprocessResult,
+    chunks,
+    encode_into_builders,
+    output_prefix_for,
+    staged_datasets,
+)
 
 MASKED = -100
 TOKEN_DTYPE = np.dtype(np.int32)  # GPT-NeoX's choice for tokens and labels (labels hold -100)
@@ -43,8 +51,8 @@ def _template_ids(tokenizer, chat: list[dict], add_generation_prompt: bool = Fal
     return list(ids)
 
 
-def build_chat(chat: list[dict], tokenizer, options: ChatOptions) -> tuple[list[int], list[int]]:
-    """(tokens, labels) of one chat."""
+def build_chat(chat: list[dict], tokenizer, options: ChatOptions, field: str = "chat") -> tuple[list[int], list[int]]:
+    """(tokens, labels) of one chat; `field` names it in errors ("file:line: field 'key'")."""
     if not options.mask:
         tokens = _template_ids(tokenizer, chat)
         return tokens, list(tokens)
@@ -57,17 +65,40 @@ def build_chat(chat: list[dict], tokenizer, options: ChatOptions) -> tuple[list[
         # the first of two appended eos tokens.
         tokens = _template_ids(tokenizer, chat)
         return tokens + [eos, eos], [MASKED] * (len(tokens) + 1) + [eos]
+    roles = [turn["role"] for turn in chat]
+    if options.generation_role not in roles:
+        raise DataError(f"{field} has no {options.generation_role!r} message (its roles: {', '.join(roles)}), so none "
+                        "of its tokens would be trained; name the role that answers with --generation-role, or "
+                        "train every token with --no-mask")
     tokens: list[int] = []
     labels: list[int] = []
     for i, turn in enumerate(chat):
         next_is_generation = i + 1 < len(chat) and chat[i + 1]["role"] == options.generation_role
-        turn_tokens = _template_ids(tokenizer, chat[: i + 1], add_generation_prompt=next_is_generation)[len(tokens):]
+        rendered = _template_ids(tokenizer, chat[: i + 1], add_generation_prompt=next_is_generation)
+        _check_prefix_stable(tokens, rendered, i, field)
+        turn_tokens = rendered[len(tokens):]
+        if not turn_tokens:
+            raise DataError(f"{field}: the chat template renders nothing for message {i + 1} (role "
+                            f"{turn['role']!r}), a role it does not know; use the roles the template knows")
         tokens.extend(turn_tokens)
         trained = turn["role"] == options.generation_role and (not options.only_last or i == len(chat) - 1)
         labels.extend(turn_tokens if trained else [MASKED] * len(turn_tokens))
     labels.append(eos if labels and labels[-1] != MASKED else MASKED)
     tokens.append(eos)
     return tokens, labels
+
+
+def _check_prefix_stable(before: list[int], rendered: list[int], turns: int, field: str) -> None:
+    """The labels give each turn the tokens its message adds to the rendering of the turns before it; that
+    holds only when that rendering is the start of this one."""
+    if rendered[: len(before)] == before:
+        return
+    pairs = zip(before, rendered, strict=False)
+    differ = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(before), len(rendered)))
+    raise DataError(f"{field}: the chat template is not prefix-stable: its rendering of the first {turns} message(s) "
+                    f"is not the start of its rendering of the first {turns + 1} (tokens differ at position {differ}), "
+                    "so the loss mask would not match the tokens; use a template whose rendering of a chat's first "
+                    "messages begins its rendering of the whole chat, or --no-mask")
 
 
 def reward_value(value, binary: bool) -> float:
@@ -80,9 +111,13 @@ def _check_chat(chat, where: str, key: str) -> None:
     if not isinstance(chat, list) or not chat:
         raise DataError(f"{where}: field {key!r} is {'an empty chat' if chat == [] else repr(chat)[:60]}; it must be "
                         "a non-empty list of {\"role\": ..., \"content\": ...} messages")
-    for turn in chat:
+    for number, turn in enumerate(chat, start=1):
         if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
             raise DataError(f"{where}: field {key!r} holds {repr(turn)[:60]}, not a message with a role and content")
+        for part in ("role", "content"):
+            if not isinstance(turn[part], str):
+                raise DataError(f"{where}: field {key!r} message {number} has the {part} {json.dumps(turn[part])[:60]}, "
+                                f"not a string; write its {part} as a JSON string")
 
 
 _worker_tokenizer = None
@@ -120,7 +155,7 @@ def _encode_chunk(job: tuple[list[tuple[str, int, dict]], ChatOptions]) -> list[
                 raise missing_key_error(Path(path), line_number, key, record)
             _check_chat(record[key], where, key)
             try:
-                tokens, labels = build_chat(record[key], _worker_tokenizer, options)
+                tokens, labels = build_chat(record[key], _worker_tokenizer, options, f"{where}: field {key!r}")
             except TemplateError as err:
                 raise DataError(f"{where}: the chat template rejects field {key!r} ({err}); fix the record "
                                 "or the template") from None
@@ -150,13 +185,13 @@ class _RewardCollector:
     def end_document(self) -> None:
         pass
 
-    def write(self, prefix: str) -> None:
+    def write(self, bin_path: str, idx_path: str) -> None:
         whole = all(isinstance(v, (bool, int)) or float(v).is_integer() for v in self.values)
-        builder = MMapIndexedDatasetBuilder(data_file_path(prefix), np.int32 if whole else np.float32)
+        builder = MMapIndexedDatasetBuilder(bin_path, np.int32 if whole else np.float32)
         for value in self.values:
             builder.add_item([value])
             builder.end_document()
-        builder.finalize(index_file_path(prefix))
+        builder.finalize(idx_path)
 
 
 def chats_to_indexed_datasets(
@@ -171,27 +206,26 @@ def chats_to_indexed_datasets(
     expected_documents: int | None = None,
 ) -> PreprocessResult:
     tokenizer = load_chat_tokenizer(tokenizer_path)
-    Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
     reward_names = [f"{key}_reward" for key in options.jsonl_keys] if options.reward_key else []
     names = [*options.jsonl_keys, *(f"{key}_label" for key in options.jsonl_keys), *reward_names]
     if len(set(names)) < len(names):
         raise DataError(f"--jsonl-keys {list(options.jsonl_keys)} would write one output twice (a key named like "
                         "another key's _label or _reward output); rename the fields")
     prefixes = {name: output_prefix_for(output_prefix, name) for name in names}
-    builders = {name: _RewardCollector() if name in reward_names
-                else MMapIndexedDatasetBuilder(data_file_path(prefix), TOKEN_DTYPE)
-                for name, prefix in prefixes.items()}
     records: Iterable = ((str(path), line, record) for path, line, record in iter_jsonl_records(paths))
     jobs = ((chunk, options) for chunk in chunks(records, chunksize))
-    documents, tokens, seconds = encode_into_builders(
-        jobs, _encode_chunk, _init_worker, (tokenizer_path,), builders, workers, progress, log_interval,
-        expected_documents, counted=lambda name: name in options.jsonl_keys)
-    for name, prefix in prefixes.items():
-        builder = builders[name]
-        if isinstance(builder, _RewardCollector):
-            builder.write(prefix)
-            continue
-        builder.finalize(index_file_path(prefix))
-        if name in options.jsonl_keys:
-            write_vocabulary_record(prefix, len(tokenizer), builder.max_token_id, "HFTokenizer")
+    with staged_datasets(output_prefix, prefixes) as staged:
+        builders = {name: _RewardCollector() if name in reward_names else MMapIndexedDatasetBuilder(bin_path, TOKEN_DTYPE)
+                    for name, (bin_path, _) in staged.items()}
+        documents, tokens, seconds = encode_into_builders(
+            jobs, _encode_chunk, _init_worker, (tokenizer_path,), builders, workers, progress, log_interval,
+            expected_documents, counted=lambda name: name in options.jsonl_keys)
+        for name, (bin_path, idx_path) in staged.items():
+            builder = builders[name]
+            if isinstance(builder, _RewardCollector):
+                builder.write(bin_path, idx_path)
+            else:
+                builder.finalize(idx_path)
+    for key in options.jsonl_keys:
+        write_vocabulary_record(prefixes[key], len(tokenizer), builders[key].max_token_id, "HFTokenizer")
     return PreprocessResult(prefixes, documents, tokens, seconds)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,8 +37,9 @@ def is_jsonl(path: Path) -> bool:
 def iter_jsonl_records(paths: list[Path]) -> Iterator[tuple[Path, int, dict]]:
     """Yield (file, line number, parsed object) for every non-blank line of jsonl files."""
     for path in paths:
-        with path.open(encoding="utf-8") as stream:
-            for line_number, line in enumerate(stream, start=1):
+        with path.open("rb") as stream:  # decoded line by line, so that bad bytes are reported with their line
+            for line_number, raw in enumerate(stream, start=1):
+                line = _utf8_line(raw, path, line_number)
                 if not line.strip():
                     continue
                 try:
@@ -46,7 +48,30 @@ def iter_jsonl_records(paths: list[Path]) -> Iterator[tuple[Path, int, dict]]:
                     raise DataError(f"{path}:{line_number} is not valid JSON ({err})") from err
                 if not isinstance(record, dict):
                     raise DataError(f"{path}:{line_number} is a JSON {type(record).__name__}, not an object with fields")
+                if _SURROGATE_ESCAPE.search(line):
+                    _check_no_lone_surrogate(record, path, line_number)
                 yield path, line_number, record
+
+
+# JSON may spell a character outside the BMP as a pair of \ud800-\udfff escapes; one alone is no character
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _utf8_line(raw: bytes, path: Path, line_number: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}:{line_number} is not UTF-8 text (byte {raw[err.start]:#04x} at byte {err.start + 1} "
+                        "of the line); convert the file to UTF-8") from None
+
+
+def _check_no_lone_surrogate(record: dict, path: Path, line_number: int) -> None:
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as err:
+        escape = f"\\u{ord(err.object[err.start]):04x}"
+        raise DataError(f"{path}:{line_number} holds {escape}, half of a UTF-16 surrogate pair without its other half, "
+                        "which is no character; fix or remove that escape") from None
 
 
 def missing_key_error(path: Path, line_number: int, key: str, record: dict, flag: str = "--jsonl-keys") -> DataError:

@@ -9,17 +9,20 @@ import multiprocessing
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megatron.data.data_vocabulary import write_vocabulary_record
+from megatron.data.errors import DataError
 from megatron.data.indexed_dataset import (
     MMapIndexedDatasetBuilder,
     best_fitting_dtype,
     data_file_path,
     index_file_path,
 )
+from megatron.fsio import replaced_on_success
 from megatron.tokenizer import Tokenizer, TokenizerSpec, build_tokenizer
 
 
@@ -71,6 +74,25 @@ def chunks(items: Iterable, size: int) -> Iterator[list]:
 
 def output_prefix_for(output_prefix: str | Path, key: str) -> str:
     return f"{output_prefix}_{key}_document"
+
+
+@contextmanager
+def staged_datasets(output_prefix: str | Path, prefixes: dict[str, str]) -> Iterator[dict[str, tuple[str, str]]]:
+    """{name: (.bin, .idx) to write} for each of `prefixes` ({name: prefix}): temporary files that replace the
+    prefix's files when the block completes. When it fails (a bad record), the files of an earlier run stay
+    as they were and no temporary file is left."""
+    paths = [path for prefix in prefixes.values() for path in (data_file_path(prefix), index_file_path(prefix))]
+    folder = Path(output_prefix).parent
+    with ExitStack() as stack:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            temporaries = [str(path) for path in stack.enter_context(replaced_on_success(paths))]
+        except OSError as err:
+            in_the_way = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+            reason = f"{in_the_way} is a file, not a folder" if in_the_way else err.strerror
+            raise DataError(f"--output-prefix {output_prefix}: cannot write into {folder} ({reason}); choose a prefix "
+                            "in a folder you can write") from None
+        yield dict(zip(prefixes, zip(temporaries[0::2], temporaries[1::2], strict=True), strict=True))
 
 
 def encode_into_builders(
@@ -138,12 +160,13 @@ def tokenize_to_indexed_datasets(
     tokenizer = build_tokenizer(spec)
     dtype = best_fitting_dtype(tokenizer.vocab_size)
     prefixes = {key: output_prefix_for(output_prefix, key) for key in keys}
-    Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
-    builders = {key: MMapIndexedDatasetBuilder(data_file_path(prefix), dtype) for key, prefix in prefixes.items()}
-    jobs = ((chunk, append_eod) for chunk in chunks(documents, chunksize))
-    documents_done, tokens_done, seconds = encode_into_builders(
-        jobs, _encode_chunk, _init_worker, (spec,), builders, workers, progress, log_interval, expected_documents)
+    with staged_datasets(output_prefix, prefixes) as staged:
+        builders = {key: MMapIndexedDatasetBuilder(bin_path, dtype) for key, (bin_path, _) in staged.items()}
+        jobs = ((chunk, append_eod) for chunk in chunks(documents, chunksize))
+        documents_done, tokens_done, seconds = encode_into_builders(
+            jobs, _encode_chunk, _init_worker, (spec,), builders, workers, progress, log_interval, expected_documents)
+        for key, (_, idx_path) in staged.items():
+            builders[key].finalize(idx_path)
     for key, prefix in prefixes.items():
-        builders[key].finalize(index_file_path(prefix))
         write_vocabulary_record(prefix, tokenizer.vocab_size, builders[key].max_token_id, spec.tokenizer_type)
     return PreprocessResult(prefixes, documents_done, tokens_done, seconds)

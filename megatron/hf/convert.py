@@ -11,7 +11,7 @@ import deepspeed
 import torch
 import yaml
 
-from megatron.architecture import ModelConfigError, implied_family
+from megatron.architecture import Architecture, ModelConfigError, implied_family
 from megatron.checkpointing import (
     CheckpointError,
     ClientState,
@@ -22,7 +22,7 @@ from megatron.checkpointing import (
     read_full_module_weights,
     read_module_weights,
 )
-from megatron.fsio import write_atomically
+from megatron.fsio import write_atomically, write_text_atomically
 from megatron.hf.config import (
     FAMILIES,
     architecture_of,
@@ -33,6 +33,7 @@ from megatron.hf.errors import HFConversionError
 from megatron.hf.io import DEFAULT_MAX_SHARD_BYTES, TOKENIZER_NAME, write_hf_dir
 from megatron.hf.load import read_hf_model
 from megatron.hf.mapping import convert_tensors, ours_to_hf
+from megatron.hf.output_folder import check_output_folder, staged_output
 from megatron.model.partitioning import partition, partitioning
 from megatron.neox_arguments.derived import tensor_parallel_split_problem
 from megatron.neox_arguments.yaml_files import merge_config_files
@@ -72,15 +73,20 @@ def convert_hf_to_neox(
     progress: bool = False,
     model_parallel_size: int = 1,
     pipe_parallel_size: int = 0,
+    overwrite: bool = False,
 ) -> ConvertedCheckpoint:
     """Write ``out_dir/latest`` and ``out_dir/global_step0/mp_rank_<MP>_model_states.pt``, one per
     tensor-parallel rank of ``model_parallel_size`` (module only). With ``pipe_parallel_size`` >= 1
     (GPT-NeoX's meaning: a pipe module, whose weights are layer files) the weights go into
     ``layer_<II>-model_<MP>-model_states.pt`` instead, and the mp_rank files, one per (stage,
-    tensor-parallel rank) as DeepSpeed's pipe engine numbers them, hold the client state only."""
+    tensor-parallel rank) as DeepSpeed's pipe engine numbers them, hold the client state only.
+    An ``out_dir`` or ``config_out`` that holds a model or a run is refused unless ``overwrite``."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if dtype not in DTYPES:
         raise HFConversionError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    check_output_folder(out_dir, hf_dir, overwrite)
+    if config_out is not None and Path(config_out).exists() and not overwrite:
+        raise HFConversionError(f"--config-out {config_out} exists; choose a new file, or pass --overwrite to replace it")
     spec, module = read_hf_model(hf_dir, DTYPES[dtype], progress)
     arch = spec.architecture()
     problem = tensor_parallel_split_problem(model_parallel_size, arch.num_attention_heads, arch.num_kv_heads,
@@ -89,13 +95,8 @@ def convert_hf_to_neox(
         problem = f"vocab_size={spec.vocab_size} is not divisible by model_parallel_size={model_parallel_size}"
     if problem:
         raise HFConversionError(f"{hf_dir} cannot be split for --model-parallel-size {model_parallel_size}: {problem}")
-    tag_dir = out_dir / CONVERTED_TAG
-    tag_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = None
-    if (hf_dir / TOKENIZER_NAME).is_file():
-        tokenizer = out_dir / TOKENIZER_NAME
-        shutil.copyfile(hf_dir / TOKENIZER_NAME, tokenizer)
-    settings = _yaml_settings(spec.settings, spec.vocab_size, tokenizer)
+    has_tokenizer = (hf_dir / TOKENIZER_NAME).is_file()
+    settings = _yaml_settings(spec.settings, spec.vocab_size, out_dir / TOKENIZER_NAME if has_tokenizer else None)
     client_state = ClientState(
         iteration=0,
         consumed_train_samples=0,
@@ -103,6 +104,25 @@ def convert_hf_to_neox(
                   "model_parallel_size": model_parallel_size, "pipe_parallel_size": pipe_parallel_size},
         converted_from=str(hf_dir.resolve()),
     )
+    with staged_output(out_dir) as staging:
+        if has_tokenizer:
+            shutil.copyfile(hf_dir / TOKENIZER_NAME, staging / TOKENIZER_NAME)
+        _write_module_only_tag(staging / CONVERTED_TAG, module, arch, client_state, model_parallel_size,
+                               pipe_parallel_size)
+        layout.write_latest(staging, CONVERTED_TAG)
+    if config_out is not None:
+        config_out = Path(config_out)
+        header = (
+            f"# Architecture of {hf_dir.resolve()} ({spec.family}), written by convert_hf_to_neox.py.\n"
+            f"# Fine-tune from it with `load: {out_dir.resolve()}` and `finetune: true`.\n"
+        )
+        write_text_atomically(config_out, header + yaml.safe_dump(settings, sort_keys=False))
+    return ConvertedCheckpoint(out_dir / CONVERTED_TAG, settings, config_out)
+
+
+def _write_module_only_tag(tag_dir: Path, module: dict[str, torch.Tensor], arch: Architecture, client_state: ClientState,
+                           model_parallel_size: int, pipe_parallel_size: int) -> None:
+    tag_dir.mkdir()
     for mp in range(model_parallel_size):
         weights = {name: partition(value, partitioning(name, arch), mp, model_parallel_size).clone()
                    for name, value in module.items()}
@@ -124,15 +144,6 @@ def convert_hf_to_neox(
         }
         for stage in range(max(pipe_parallel_size, 1)):
             _save(tag_dir / layout.model_states_name(stage * model_parallel_size + mp), state)
-    layout.write_latest(out_dir, CONVERTED_TAG)
-    if config_out is not None:
-        config_out = Path(config_out)
-        header = (
-            f"# Architecture of {hf_dir.resolve()} ({spec.family}), written by convert_hf_to_neox.py.\n"
-            f"# Fine-tune from it with `load: {out_dir.resolve()}` and `finetune: true`.\n"
-        )
-        config_out.write_text(header + yaml.safe_dump(settings, sort_keys=False))
-    return ConvertedCheckpoint(tag_dir, settings, config_out)
 
 
 def special_tokens(tokenizer_file: Path) -> dict[str, tuple[str, int]]:
@@ -180,13 +191,15 @@ def convert_neox_to_hf(
     progress: bool = False,
     save_tokenizer: bool = True,
     pad_token_id: int | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write an HF model folder for tag ``tag`` (default: the one in ``latest``) of our checkpoint.
 
     The run's tokenizer (a `tokenizers` JSON vocab_file) is written with it unless ``save_tokenizer`` is
     false; ``pad_token_id`` names the padding token instead of GPT-NeoX's <|padding|> (GPT-NeoX's
-    converter's --pad-token-id)."""
+    converter's --pad-token-id). An ``out_dir`` that holds a model or a run is refused unless ``overwrite``."""
     ckpt_dir = Path(ckpt_dir)
+    check_output_folder(Path(out_dir), ckpt_dir, overwrite)
     tag_inventory = inventory_checkpoint(ckpt_dir).chosen_tag(tag=tag, pick_with="--tag {tag}")
     tag_dir = tag_inventory.path
     tp_size = tag_inventory.saved_layout.tensor_parallel
@@ -230,6 +243,7 @@ def convert_neox_to_hf(
             f"{tag_dir} is a reward model: transformers reads its score at the last token that is not padding, so the "
             f"folder needs a padding token other than eos (pad {config.get('pad_token_id')}, eos "
             f"{config.get('eos_token_id')}); pass --pad-token-id with another token's id")
-    write_hf_dir(Path(out_dir), config, tensors, tokenizer, max_shard_bytes, progress,
-                 {role: token for role, (token, _) in special.items()})
+    with staged_output(Path(out_dir)) as staging:
+        write_hf_dir(staging, config, tensors, tokenizer, max_shard_bytes, progress,
+                     {role: token for role, (token, _) in special.items()})
     return Path(out_dir)

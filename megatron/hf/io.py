@@ -31,6 +31,9 @@ SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
 BIN_NAME = "pytorch_model.bin"
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
 WEIGHT_NAMES = (SAFETENSORS_INDEX_NAME, SAFETENSORS_NAME, BIN_INDEX_NAME, BIN_NAME)  # in order of preference
+# the other files transformers' save_pretrained writes into a model folder (we write none of them)
+OTHER_MODEL_FOLDER_NAMES = ("generation_config.json", "special_tokens_map.json", "added_tokens.json",
+                            "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 _SIZE_UNITS = {"KB": 1024, "MB": 1024**2, "GB": 1024**3, "B": 1}
 

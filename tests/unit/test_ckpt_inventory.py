@@ -178,22 +178,23 @@ def test_a_partial_folder_is_refused_by_every_reader_of_a_tag_in_the_same_words(
     from megatron.run_context import settings_for_run
     from tools.ckpts.inspect_checkpoint import describe
 
-    (tmp_path / "global_step1").mkdir()
-    (tmp_path / "global_step2.partial").mkdir()
-    (tmp_path / "latest").write_text("global_step2.partial")
+    run = tmp_path / "run"
+    (run / "global_step1").mkdir(parents=True)
+    (run / "global_step2.partial").mkdir()
+    (run / "latest").write_text("global_step2.partial")
     expected = "names 'global_step2.partial', the folder of an interrupted or unfinished save, which is never loaded"
     config = tmp_path / "run.yml"
-    config.write_text(f"load: {tmp_path}\n")
+    config.write_text(f"load: {run}\n")
     with pytest.raises(ConfigError, match=expected):
         settings_for_run([str(config)])
-    for read in (lambda: describe(tmp_path, None), lambda: convert_neox_to_hf(tmp_path, tmp_path / "hf")):
+    for read in (lambda: describe(run, None), lambda: convert_neox_to_hf(run, tmp_path / "hf")):
         with pytest.raises(CheckpointError, match=expected + r"\. Write 'global_step1' \(the newest complete tag\) "
                                                              r"into it, or set --tag global_step1\."):
             read()
     with pytest.raises(CheckpointError, match="the tag asked for is 'global_step2.partial', the folder of an "
                                               "interrupted or unfinished save, which is never loaded. Ask for "
                                               "'global_step1', the newest complete tag."):
-        describe(tmp_path, "global_step2.partial")
+        describe(run, "global_step2.partial")
     assert not (tmp_path / "hf").exists()
 
 

@@ -2,13 +2,14 @@
 
     python tools/ckpts/convert_hf_to_neox.py --input HF_DIR --output OUT_DIR [--dtype fp32|bf16|fp16]
                                              [--config-out FILE.yml] [--model-parallel-size N]
-                                             [--pipe-parallel-size P]
+                                             [--pipe-parallel-size P] [--overwrite]
 
 Writes OUT_DIR/latest, OUT_DIR/global_step0/mp_rank_<MP>_model_states.pt for each of the N
 tensor-parallel ranks (default 1; no optimizer states), or with P >= 1 (GPT-NeoX's meaning of
 --pipe-parallel-size: a pipe module) GPT-NeoX's layer files layer_<II>-model_<MP>-model_states.pt,
 which a run at any pipeline size loads, and with --config-out, a YAML of the settings that
-reproduce the model (fine-tune with `load: OUT_DIR` and `finetune: true`).
+reproduce the model (fine-tune with `load: OUT_DIR` and `finetune: true`). An OUT_DIR that already
+holds a model or a run (a `latest`, tags, weights) is refused unless --overwrite replaces them.
 """
 
 from __future__ import annotations
@@ -33,11 +34,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="tensor-parallel ranks to split the weights for (one mp_rank file each)")
     parser.add_argument("--pipe-parallel-size", type=int, default=0,
                         help="0: the weights in the mp_rank files; >= 1: GPT-NeoX's layer files (P stages' mp_rank files)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the model or run already in --output (its latest, tags, weights, tokenizer) and "
+                             "an existing --config-out; other files there are kept")
     options = parser.parse_args(argv)
     try:
         result = convert_hf_to_neox(options.input, options.output, options.dtype, options.config_out, progress=True,
                                     model_parallel_size=options.model_parallel_size,
-                                    pipe_parallel_size=options.pipe_parallel_size)
+                                    pipe_parallel_size=options.pipe_parallel_size, overwrite=options.overwrite)
     except CheckpointError as err:  # HFConversionError is one, and so is a refused weight file
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -2,7 +2,7 @@
 
     python tools/ckpts/convert_neox_to_hf.py --input CKPT_DIR [--tag TAG] --output HF_DIR
                                              [--architecture gpt_neox|llama|mistral|qwen2|qwen3] [--config FILE.yml ...]
-                                             [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
+                                             [--dtype fp32|bf16|fp16] [--max-shard-size 5GB] [--overwrite]
 
 GPT-NeoX's command line for this tool works too, flag for flag:
 
@@ -13,7 +13,8 @@ GPT-NeoX's command line for this tool works too, flag for flag:
 
 The architecture comes from the settings saved in the checkpoint, or from --config / --config_file YAML
 files (for checkpoints without saved settings, e.g. GPT-NeoX pipeline checkpoints). Unset, the family
-is the one the model came from (hf_model_type), else the one its architecture implies.
+is the one the model came from (hf_model_type), else the one its architecture implies. An output folder
+that already holds a model or a run is refused unless --overwrite replaces it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def parse_command_line(argv: list[str] | None) -> argparse.Namespace:
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--dtype", choices=sorted(DTYPES), help="default: the dtype of the checkpoint's weights")
     precision.add_argument("--precision", choices=GPT_NEOX_PRECISIONS, help="GPT-NeoX's name of --dtype (auto: its default)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the model or run already in the output folder (its config, weights, tokenizer, "
+                             "latest, tags); other files there are kept")
     parser.add_argument("--max-shard-size", default="5GB", help="split model.safetensors above this (e.g. 5GB, 200MB)")
     parser.add_argument("--no_save_tokenizer", action="store_true", help="do not write the run's tokenizer")
     parser.add_argument("--vocab-is-hf-tokenizer", action="store_true",
@@ -83,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             ckpt_dir, options.output or options.output_dir, tag,
             GPT_NEOX_ARCHITECTURES.get(options.architecture, options.architecture), config_files, dtype,
             parse_size(options.max_shard_size), progress=True, save_tokenizer=not options.no_save_tokenizer,
-            pad_token_id=options.pad_token_id,
+            pad_token_id=options.pad_token_id, overwrite=options.overwrite,
         )
     except (CheckpointError, ConfigError) as err:  # HFConversionError is a CheckpointError
         print(f"error: {err}", file=sys.stderr)

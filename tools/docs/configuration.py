@@ -3,7 +3,7 @@ every GPT-NeoX key handled here, generated from megatron/neox_arguments/schema.p
 
     python tools/docs/configuration.py > docs/configuration.md
 
-tests/test_docs_generated.py runs it and fails when the committed file differs.
+tests/e2e/test_docs_generated.py runs it and fails when the committed file differs.
 """
 
 from __future__ import annotations

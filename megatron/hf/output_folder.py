@@ -1,0 +1,128 @@
+"""The folder a converter writes into: what is there is kept unless the user asks to replace it.
+
+A folder that already holds a model or a run (a `latest`, tags, weights, an HF config or tokenizer)
+is refused unless `overwrite` is given: converting into a run's save folder would point its
+`latest` at the converted weights, and a resume would load them without a word. The conversion is
+written into a new folder beside the output and moved in only once it is complete, so a conversion
+that fails leaves the output folder as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from megatron.checkpointing import CheckpointError, layout
+from megatron.fsio import fsync_path
+from megatron.hf.errors import HFConversionError
+from megatron.hf.io import (
+    BIN_INDEX_NAME,
+    BIN_NAME,
+    CONFIG_NAME,
+    OTHER_MODEL_FOLDER_NAMES,
+    SAFETENSORS_INDEX_NAME,
+    TOKENIZER_CONFIG_NAME,
+    TOKENIZER_NAME,
+)
+
+_MODEL_OR_RUN_NAMES = {
+    layout.LATEST_FILE, layout.LOCK_FILE, layout.MANIFEST_FILE, layout.UNIVERSAL_DIR,
+    CONFIG_NAME, TOKENIZER_NAME, TOKENIZER_CONFIG_NAME, SAFETENSORS_INDEX_NAME, BIN_INDEX_NAME, BIN_NAME,
+    *OTHER_MODEL_FOLDER_NAMES,
+}
+_WEIGHT_SUFFIXES = (".pt", ".safetensors")  # checkpoint files, HF weights and their shards
+_BIN_SHARD_STEM = Path(BIN_NAME).stem  # pytorch_model-00001-of-00002.bin
+
+
+def model_or_run_entries(folder: Path) -> list[str]:
+    """The names in `folder` that belong to a model or a run: `latest` and the tag it names, tags (also
+    partial ones), the save lock, weight files, an HF folder's config and tokenizer."""
+    if not folder.is_dir():
+        return []
+    try:
+        latest_tag = layout.read_latest(folder)
+    except CheckpointError:
+        latest_tag = None
+    found = []
+    for entry in sorted(folder.iterdir()):
+        name = entry.name
+        tag = name.removesuffix(layout.PARTIAL_SUFFIX)
+        if (name in _MODEL_OR_RUN_NAMES or name.endswith(_WEIGHT_SUFFIXES) or name == latest_tag
+                or (name.startswith(_BIN_SHARD_STEM) and name.endswith(".bin"))
+                or (entry.is_dir() and layout.iteration_of_tag(tag) is not None)):
+            found.append(name)
+    return found
+
+
+def check_output_folder(out_dir: Path, source: Path, overwrite: bool) -> None:
+    """Refuse an output folder that is a file, that overlaps `source` (replacing what is there could remove
+    the input), or that holds a model or a run (unless `overwrite`)."""
+    out_dir, source = Path(out_dir), Path(source)
+    in_the_way = next((p for p in (out_dir, *out_dir.parents) if p.exists() and not p.is_dir()), None)
+    if in_the_way is not None:
+        raise HFConversionError(f"--output {out_dir}: {in_the_way} is a file, not a folder; name a folder to write "
+                                "the conversion into")
+    out_path, source_path = out_dir.resolve(), source.resolve()
+    if out_path == source_path or out_path in source_path.parents or source_path in out_path.parents:
+        raise HFConversionError(f"--output {out_dir} is, holds or lies in the input {source}; write the conversion to "
+                                "a folder of its own")
+    found = model_or_run_entries(out_dir)
+    if found and not overwrite:
+        shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+        raise HFConversionError(
+            f"--output {out_dir} already holds a model or a run ({shown}); choose a new folder, or pass "
+            "--overwrite to replace them (other files there are kept)")
+
+
+@contextmanager
+def staged_output(out_dir: Path) -> Iterator[Path]:
+    """A new folder beside `out_dir` to write the whole conversion into. When the block completes, what
+    `out_dir` holds of a model or a run is removed (`latest` first) and the new entries take their places
+    (`latest` last); when it fails, `out_dir` is as it was and the new folder is removed."""
+    out_dir = Path(out_dir)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = _new_folder_beside(out_dir)
+    except OSError as err:
+        raise HFConversionError(f"--output {out_dir}: cannot write into {out_dir.parent} ({err.strerror}); choose a "
+                                "folder you can write") from None
+    try:
+        yield staging
+        if out_dir.is_dir():
+            _move_entries_into(staging, out_dir)
+        else:
+            os.rename(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    fsync_path(out_dir.parent)
+
+
+def _new_folder_beside(path: Path) -> Path:
+    """An empty folder next to `path` with the permissions any new folder gets (mkdtemp's are 0700)."""
+    while True:
+        folder = path.parent / f".{path.name}.{secrets.token_hex(4)}.converting"
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+
+
+def _latest_last(names: list[str]) -> list[str]:
+    return sorted(names, key=lambda name: name == layout.LATEST_FILE)
+
+
+def _move_entries_into(staging: Path, out_dir: Path) -> None:
+    for name in reversed(_latest_last(model_or_run_entries(out_dir))):
+        old = out_dir / name
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+    for name in _latest_last([entry.name for entry in staging.iterdir()]):
+        os.replace(staging / name, out_dir / name)
+    fsync_path(out_dir)
