@@ -65,15 +65,16 @@ class _Lines:
             return self._changed.wait_for(lambda: any(re.search(pattern, line) for line in self.lines), seconds)
 
 
-def test_a_rank_that_raises_in_the_loop_with_workers_ends_the_run_with_its_error_last(tmp_path):
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_rank_that_raises_in_the_loop_with_workers_ends_the_run_with_its_error_last(tmp_path, ranks):
     """The label file is rewritten under the running run (ids past the vocabulary: the check at open passed the
-    old ones); the next batch fails in the loss with IndexError while two data-loader workers run."""
+    old ones); the next batch fails in the loss with IndexError while two data-loader workers run on each rank."""
     tokenizer = _tokenizer(tmp_path)
     vocab_size = tokenizer.pop("vocab_size")
     tokens, labels = _sft_data(tmp_path, vocab_size)
     save = tmp_path / "ckpt"
     config = write_overrides(tmp_path, **tokenizer, train_data_paths=[tokens], train_label_data_paths=[labels],
-                             num_workers=2, train_iters=500, eval_interval=1000, save=str(save), checkpoint_factor=2)
+                             num_workers=2, num_gpus=ranks, train_iters=500, eval_interval=1000, save=str(save), checkpoint_factor=2)
     run = subprocess.Popen([sys.executable, "deepy.py", "train.py", "configs/tiny.yml", str(config)], cwd=REPO_ROOT,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
