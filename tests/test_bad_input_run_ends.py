@@ -113,3 +113,29 @@ def test_label_ids_past_the_vocabulary_are_refused_before_the_first_step_in_one_
     line = assert_one_line(result, f"train_label_data_paths[0]: label file {labels} holds label id 99999 "
                                    "(document 41, position 7), but the model has")
     assert result.stderr.rstrip().endswith(line) and " | loss " not in result.stdout
+
+
+@pytest.mark.parametrize(("error", "last_line"), [("DataError('train_data_paths[0]: a bad record')",
+                                                   "error: train_data_paths[0]: a bad record"),
+                                                  ("IndexError('Target 99999 is out of bounds.')",
+                                                   "IndexError: Target 99999 is out of bounds.")],
+                         ids=["expected error", "bug"])
+def test_a_rank_ends_on_its_error_while_its_data_loader_workers_run(error, last_line):
+    """A rank as train.py sets it up (stop signals blocked, also in the workers it starts), failing while two
+    workers of its iterator are running: it ends at once, its one line (a bug: its traceback) last."""
+    script = (
+        "import sys\n"
+        "from megatron.stop_signals import StopSignals\n"
+        "StopSignals().install()\n"
+        "from torch.utils.data import DataLoader\n"
+        "from megatron.data.errors import DataError\n"
+        "from megatron.rank_errors import run_rank\n"
+        "def main():\n"
+        "    batches = iter(DataLoader(list(range(100)), batch_size=2, num_workers=2))\n"
+        "    next(batches)\n"
+        f"    raise {error}\n"
+        "sys.exit(run_rank(main))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=ENDS_WITHIN_SECONDS,
+                            cwd=REPO_ROOT)
+    assert result.returncode == 1
+    assert result.stderr.rstrip().splitlines()[-1] == last_line, result.stderr[-3000:]
