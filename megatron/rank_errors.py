@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from megatron.errors import ExpectedError
 from megatron.ranks import global_rank
+from megatron.stop_signals import end_child_processes
 
 EXIT_EXPECTED_ERROR = 1
 # How long a rank other than 0 stays quiet before reporting its error (DeepSpeed's launcher polls
@@ -80,6 +81,7 @@ def run_rank(main: Callable[[], object], stop_requested: Callable[[], bool] = la
     try:
         main()
     except Exception as error:
+        end_child_processes()  # else the rank's exit waits for them for ever
         line = expected_error_line(error)
         if line is None:
             raise

@@ -103,6 +103,24 @@ class StopSignals:
         return max(noted) if noted else None
 
 
+def end_child_processes() -> None:
+    """Kill the processes this rank started through multiprocessing (data-loader workers) and wait for them.
+
+    They inherited the blocked stop signals (StopSignals.install), so the SIGTERM that multiprocessing sends
+    its children when the interpreter exits is never taken, and the exit then waits for them for ever: a rank
+    that raised while its data loaders were running never ended, nor did the run.
+    """
+    import multiprocessing
+
+    # torch's handler would report the killed workers as a data-loader failure, over the rank's own error
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    children = multiprocessing.active_children()
+    for child in children:
+        child.kill()
+    for child in children:
+        child.join()
+
+
 def hold_before_save() -> None:
     seconds = faults.seconds("hold_before_stop_save")
     if seconds > 0:

@@ -1,4 +1,4 @@
-"""Which token ids a dataset holds, checked against the model's vocabulary before training.
+"""Which token ids a dataset (and a label file) holds, checked against the model's vocabulary before training.
 
 preprocess_data.py writes `<prefix>.meta.json` next to the .bin/.idx: the vocabulary size of the
 tokenizer that made the data and the largest token id in it, with the size and modification time
@@ -56,20 +56,35 @@ def largest_token_id(data: MMapIndexedDataset) -> tuple[int, int | None]:
 
 
 def dataset_prefixes(args) -> list[tuple[str, str]]:
-    """(setting, prefix) of every dataset the run reads."""
+    """(setting, prefix) of every dataset of token ids the run reads."""
     if args.data_path:
         return [("data_path", args.data_path)]
-    token_settings = [f"{sign}{split}_data_paths" for split in ("train", "valid", "test") for sign in ("", "pos_", "neg_")]
-    return [(f"{setting}[{i}]", prefix) for setting in token_settings
-            for i, prefix in enumerate(getattr(args, setting) or [])]
+    return _prefixes_of(args, "data_paths")
+
+
+def label_prefixes(args) -> list[tuple[str, str]]:
+    """(setting, prefix) of every label file the run reads."""
+    return _prefixes_of(args, "label_data_paths")
+
+
+def _prefixes_of(args, suffix: str) -> list[tuple[str, str]]:
+    settings = [f"{sign}{split}_{suffix}" for split in ("train", "valid", "test") for sign in ("", "pos_", "neg_")]
+    return [(f"{setting}[{i}]", prefix) for setting in settings for i, prefix in enumerate(getattr(args, setting) or [])]
 
 
 def check_data_vocabulary(args, tokenizer_vocab_size: int) -> None:
-    """Raise DataError when a dataset is empty, was made with another tokenizer or holds ids the model has no row for."""
+    """Raise DataError when a dataset is empty, or a dataset or label file was made with another tokenizer or holds
+    ids the model has no row for. Once per file before training: each file's largest id is recorded or cached."""
     tokenizer = f"the tokenizer ({args.tokenizer_type}, vocab_file {args.vocab_file})"
-    for setting, prefix in dataset_prefixes(args):
+    rebuild = ("the data was made with another tokenizer: train with that one, or rebuild the data with "
+               "tools/datasets/preprocess_data.py")
+    relabel = ("labels are token ids, negative where the loss is masked: rebuild them with this tokenizer "
+               "(tools/datasets/preprocess_data_with_chat_template.py writes the labels with the data)")
+    files = [("dataset", "token id", rebuild, *entry) for entry in dataset_prefixes(args)]
+    files += [("label file", "label id", relabel, *entry) for entry in label_prefixes(args)]
+    for kind, id_name, fix, setting, prefix in files:
         data = MMapIndexedDataset(prefix, setting=setting)
-        if not data.sizes.sum():
+        if kind == "dataset" and not data.sizes.sum():
             raise DataError(
                 f"{setting}: dataset {prefix} holds no tokens ({len(data)} documents in {index_file_path(prefix)}); "
                 "re-run tools/datasets/preprocess_data.py on input with text, or remove it from the run's data"
@@ -77,14 +92,15 @@ def check_data_vocabulary(args, tokenizer_vocab_size: int) -> None:
         largest, made_with = largest_token_id(data)
         if made_with is not None and made_with != tokenizer_vocab_size:
             raise DataError(
-                f"{setting}: dataset {prefix} was made with a tokenizer of {made_with} tokens "
+                f"{setting}: {kind} {prefix} was made with a tokenizer of {made_with} tokens "
                 f"({record_path(prefix).name}), but {tokenizer} has {tokenizer_vocab_size}; train with the tokenizer "
                 "the data was made with, or rebuild the data with tools/datasets/preprocess_data.py and this one"
             )
-        if largest >= args.padded_vocab_size:
+        beyond = data.first_id_at_least(args.padded_vocab_size) if largest >= args.padded_vocab_size else None
+        if beyond is not None:
+            document, position, value = beyond
             raise DataError(
-                f"{setting}: dataset {prefix} holds token id {largest}, but the model has {args.padded_vocab_size} "
-                f"vocabulary rows ({tokenizer} has {tokenizer_vocab_size} tokens, padded to a multiple of "
-                "make_vocab_size_divisible_by); the data was made with another tokenizer: train with that one, or "
-                "rebuild the data with tools/datasets/preprocess_data.py"
+                f"{setting}: {kind} {prefix} holds {id_name} {value} (document {document}, position {position}), but "
+                f"the model has {args.padded_vocab_size} vocabulary rows ({tokenizer} has {tokenizer_vocab_size} "
+                f"tokens, padded to a multiple of make_vocab_size_divisible_by); {fix}"
             )

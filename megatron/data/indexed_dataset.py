@@ -170,6 +170,18 @@ class MMapIndexedDataset:
         tokens = np.frombuffer(self._data, dtype=self.dtype)
         return max((int(tokens[start:start + chunk].max()) for start in range(0, len(tokens), chunk)), default=-1)
 
+    def first_id_at_least(self, limit: int, chunk: int = 1 << 26) -> tuple[int, int, int] | None:
+        """(sequence, position in it, id) of the first id >= `limit`, or None; read `chunk` tokens at a time."""
+        tokens = np.frombuffer(self._data, dtype=self.dtype)
+        for start in range(0, len(tokens), chunk):
+            beyond = np.flatnonzero(tokens[start:start + chunk] >= limit)
+            if beyond.size:
+                at = start + int(beyond[0])
+                starts = self._index.pointers // self.dtype.itemsize
+                sequence = int(np.searchsorted(starts, at, side="right")) - 1
+                return sequence, at - int(starts[sequence]), int(tokens[at])
+        return None
+
     def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens offset .. offset+length of sequence idx (to its end when length is None)."""
         if not -len(self) <= idx < len(self):

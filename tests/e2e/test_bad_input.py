@@ -175,7 +175,7 @@ def _same_sized_data_of_a_larger_vocabulary(prefix, vocab_size):
     write_dataset(prefix, [list(range(0, 1000, 7))[:140]] * 8)
     later = os.stat(data_file_path(prefix)).st_mtime_ns + 10**9  # rewritten later than in the same clock tick
     os.utime(data_file_path(prefix), ns=(later, later))
-    return "holds token id 973, but the model has"
+    return "holds token id 385 (document 0, position 55), but the model has"
 
 
 @pytest.mark.parametrize(

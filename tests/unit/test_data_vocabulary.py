@@ -19,8 +19,8 @@ from megatron.neox_arguments import NeoXArgs
 MODEL = dict(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8)
 
 
-def write_dataset(prefix, documents, vocab_size=None):
-    builder = MMapIndexedDatasetBuilder(data_file_path(prefix), np.uint16)
+def write_dataset(prefix, documents, vocab_size=None, dtype=np.uint16):
+    builder = MMapIndexedDatasetBuilder(data_file_path(prefix), dtype)
     for document in documents:
         builder.add_item(np.asarray(document))
         builder.end_document()
@@ -53,14 +53,44 @@ def test_data_of_another_tokenizer_names_both_vocabulary_sizes(tmp_path):
 
 def test_ids_beyond_the_padded_vocabulary_are_refused_before_training(tmp_path):
     """Without a record (GPT-NeoX's data): the largest id, computed once and cached next to the data."""
-    prefix = write_dataset(tmp_path / "d", [[1, 2], [3, 400], [9]])
-    with pytest.raises(DataError, match=rf"^data_path: dataset {prefix} holds token id 400, but the model has "
-                                        r"384 vocabulary rows \(the tokenizer .* has 293 tokens"):
+    prefix = write_dataset(tmp_path / "d", [[1, 2], [3, 400, 390], [9]])
+    with pytest.raises(DataError, match=rf"^data_path: dataset {prefix} holds token id 400 \(document 1, position 1\), "
+                                        r"but the model has 384 vocabulary rows \(the tokenizer .* has 293 tokens"):
         check_data_vocabulary(args_for(384, data_path=prefix), tokenizer_vocab_size=293)
     cached = list(tmp_path.glob("d_max_token_id_*"))
     assert cached, "the largest id was not cached next to the data"
     check_data_vocabulary(args_for(512, data_path=prefix), tokenizer_vocab_size=500)
     assert sorted(tmp_path.glob("d_max_token_id_*")) == sorted(cached)  # read back, not rebuilt
+
+
+@pytest.mark.parametrize("setting", ["train_label_data_paths", "valid_label_data_paths", "pos_train_label_data_paths",
+                                     "neg_test_label_data_paths"])
+def test_label_ids_past_the_vocabulary_are_refused_naming_the_file_document_and_position(tmp_path, setting):
+    """Negative labels are masked and pass; a label the model has no row for is refused at setup, in one line, where
+    the run would end mid-way in `IndexError: Target 99999 is out of bounds`."""
+    data_setting = setting.replace("label_", "")
+    tokens = write_dataset(tmp_path / "d", [[1, 2, 3], [4, 5, 6]], vocab_size=293)
+    good = write_dataset(tmp_path / "good_label", [[-100, 2, 3], [-100, -100, 6]], dtype=np.int32)
+    bad = write_dataset(tmp_path / "bad_label", [[-100, 2, 3], [-100, 99999, 384]], dtype=np.int32)
+    check_data_vocabulary(args_for(384, **{data_setting: [tokens, tokens], setting: [good, good]}), 293)
+    with pytest.raises(DataError) as error:
+        check_data_vocabulary(args_for(384, **{data_setting: [tokens, tokens], setting: [good, bad]}), 293)
+    message = str(error.value)
+    assert message.startswith(f"{setting}[1]: label file {bad} holds label id 99999 (document 1, position 1), but the "
+                              "model has 384 vocabulary rows (the tokenizer (HFTokenizer, vocab_file tok.json) has 293 ")
+    assert "negative where the loss is masked" in message and "\n" not in message
+
+
+def test_the_largest_id_is_read_once_per_file_not_per_check(tmp_path):
+    """The scan of the .bin is cached next to the data: a second check (the next run, another rank) reads the cache."""
+    tokens = write_dataset(tmp_path / "d", [[1, 2, 3]], vocab_size=293)
+    labels = write_dataset(tmp_path / "l", [[-100, 2, 3]], dtype=np.int32)
+    args = args_for(384, train_data_paths=[tokens], train_label_data_paths=[labels])
+    check_data_vocabulary(args, 293)
+    cached = sorted(tmp_path.glob("l_max_token_id_*"))
+    assert cached
+    check_data_vocabulary(args, 293)
+    assert sorted(tmp_path.glob("l_max_token_id_*")) == cached
 
 
 def test_every_dataset_of_every_split_is_checked(tmp_path):
@@ -86,7 +116,8 @@ def test_a_record_left_by_same_sized_data_is_stale_and_the_ids_are_read_from_the
     later = os.stat(data_file_path(prefix)).st_mtime_ns + 10**9  # a rewrite in the same clock tick as the first write
     os.utime(data_file_path(prefix), ns=(later, later))
     assert record is not None and read_vocabulary_record(prefix) is None
-    with pytest.raises(DataError, match=rf"^data_path: dataset {prefix} holds token id 400, but the model has 384"):
+    with pytest.raises(DataError, match=rf"^data_path: dataset {prefix} holds token id 400 \(document 0, position 1\), "
+                                        r"but the model has 384"):
         check_data_vocabulary(args_for(384, data_path=prefix), tokenizer_vocab_size=293)
 
 
@@ -122,6 +153,6 @@ def test_a_training_run_stops_at_setup_not_mid_run_with_an_index_error(single_ra
     args = resolve_run_settings(NeoXArgs.from_dict(
         {**MODEL, "train_iters": 2, "lr": 1e-3, "train_micro_batch_size_per_gpu": 1, "data_path": prefix,
          "tokenizer_type": "HFTokenizer", "vocab_file": str(vocab_file)}, require_run_settings=True))
-    with pytest.raises(DataError, match=rf"^data_path: dataset {prefix} holds token id 994, but the model has "
-                                        r"\d+ vocabulary rows"):
+    with pytest.raises(DataError, match=rf"^data_path: dataset {prefix} holds token id 385 \(document 0, position 55\), "
+                                        r"but the model has 384 vocabulary rows"):
         setup(args)

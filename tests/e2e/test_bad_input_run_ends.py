@@ -1,0 +1,141 @@
+"""A run whose rank raises inside the training loop ends, with data-loader workers running: the error is the
+last thing it prints, it exits non-zero within a bound, and the checkpoint `latest` names stays whole."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from megatron.data.indexed_dataset import data_file_path
+from megatron.neox_arguments import NeoXArgs
+from megatron.rank_errors import EXIT_EXPECTED_ERROR
+from tests.deepy_runs import REPO_ROOT, run_deepy, write_overrides
+from tests.e2e.test_bad_input import assert_one_line
+from tests.unit.test_data_vocabulary import MODEL, write_dataset
+
+pytestmark = pytest.mark.e2e
+
+# From the moment the data turns bad to the end of deepy.py: a few more steps, the error, the exits. Without
+# the fix the failed rank waited for its data-loader workers for ever.
+ENDS_WITHIN_SECONDS = 60
+
+
+def _tokenizer(tmp_path) -> dict:
+    from megatron.tokenizer import build_tokenizer, train_bpe_tokenizer
+
+    vocab_file = train_bpe_tokenizer(["def f(x):\n    return x * x\n"] * 50, tmp_path / "tok.json", vocab_size=300)
+    settings = {"tokenizer_type": "HFTokenizer", "vocab_file": str(vocab_file)}
+    return {**settings, "vocab_size": build_tokenizer(NeoXArgs.from_dict({**MODEL, **settings})).vocab_size}
+
+
+def _sft_data(tmp_path, vocab_size: int, bad_label: tuple[int, int, int] | None = None) -> tuple[str, str]:
+    """A token file and its label file; `bad_label` (document, position, id) puts an id in the labels."""
+    documents = [[(7 * i + j) % vocab_size for j in range(40)] for i in range(64)]
+    labels = [list(document) for document in documents]
+    if bad_label is not None:
+        document, position, label = bad_label
+        labels[document][position] = label
+    tokens = write_dataset(tmp_path / "sft_document", documents)
+    return tokens, write_dataset(tmp_path / "sft_label_document", labels, dtype=np.int32)
+
+
+class _Lines:
+    """A stream's lines, read as they come; `wait_for(pattern)` blocks until a line matches it."""
+
+    def __init__(self, stream):
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+
+    def wait_for(self, pattern: str, seconds: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: any(re.search(pattern, line) for line in self.lines), seconds)
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_rank_that_raises_in_the_loop_with_workers_ends_the_run_with_its_error_last(tmp_path, ranks):
+    """The label file is rewritten under the running run (ids past the vocabulary: the check at open passed the
+    old ones); the next batch fails in the loss with IndexError while two data-loader workers run on each rank."""
+    tokenizer = _tokenizer(tmp_path)
+    vocab_size = tokenizer.pop("vocab_size")
+    tokens, labels = _sft_data(tmp_path, vocab_size)
+    save = tmp_path / "ckpt"
+    config = write_overrides(tmp_path, **tokenizer, train_data_paths=[tokens], train_label_data_paths=[labels],
+                             num_workers=2, num_gpus=ranks, train_iters=500, eval_interval=1000, save=str(save), checkpoint_factor=2)
+    run = subprocess.Popen([sys.executable, "deepy.py", "train.py", "configs/tiny.yml", str(config)], cwd=REPO_ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    stdout, stderr = _Lines(run.stdout), _Lines(run.stderr)
+    try:
+        assert stdout.wait_for(r"iteration\s+3/", 600), "\n".join(stdout.lines[-20:] + stderr.lines[-40:])
+        label_bin = np.memmap(data_file_path(labels), dtype=np.int32, mode="r+")
+        label_bin[:] = 99999
+        label_bin.flush()
+        broken_at = time.monotonic()
+        returncode = run.wait(timeout=ENDS_WITHIN_SECONDS)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running {ENDS_WITHIN_SECONDS} s after the label file turned bad:\n"
+                    + "\n".join(stderr.lines[-30:]))
+    finally:
+        run.kill()  # deepy.py's watchdog then kills the launcher's process group
+        run.wait()
+    print(f"ended {time.monotonic() - broken_at:.1f} s after the label file turned bad")
+    time.sleep(0.5)  # the readers reach the end of both streams
+    assert returncode != 0
+    last = [line for line in stderr.lines if line.strip()][-1]
+    assert last.endswith("IndexError: Target 99999 is out of bounds."), "\n".join(stderr.lines[-30:])
+    assert not any("stopping after this iteration" in line for line in stderr.lines)
+    tag = (save / "latest").read_text().strip()
+    assert (save / tag / "manifest.json").is_file()
+
+
+def test_label_ids_past_the_vocabulary_are_refused_before_the_first_step_in_one_line(tmp_path):
+    """The issue's run: before, it trained until the batch holding the label, then raised IndexError and hung."""
+    tokenizer = _tokenizer(tmp_path)
+    tokens, labels = _sft_data(tmp_path, tokenizer.pop("vocab_size"), bad_label=(41, 7, 99999))
+    config = write_overrides(tmp_path, **tokenizer, train_data_paths=[tokens], train_label_data_paths=[labels],
+                             num_workers=2, train_iters=3, eval_interval=3)
+    result = run_deepy(["configs/tiny.yml", config], expect_success=False, timeout=600)
+    assert result.returncode == EXIT_EXPECTED_ERROR
+    line = assert_one_line(result, f"train_label_data_paths[0]: label file {labels} holds label id 99999 "
+                                   "(document 41, position 7), but the model has")
+    assert result.stderr.rstrip().endswith(line) and " | loss " not in result.stdout
+
+
+@pytest.mark.parametrize(("error", "last_line"), [("DataError('train_data_paths[0]: a bad record')",
+                                                   "error: train_data_paths[0]: a bad record"),
+                                                  ("IndexError('Target 99999 is out of bounds.')",
+                                                   "IndexError: Target 99999 is out of bounds.")],
+                         ids=["expected error", "bug"])
+def test_a_rank_ends_on_its_error_while_its_data_loader_workers_run(error, last_line):
+    """A rank as train.py sets it up (stop signals blocked, also in the workers it starts), failing while two
+    workers of its iterator are running: it ends at once, its one line (a bug: its traceback) last."""
+    script = (
+        "import sys\n"
+        "from megatron.stop_signals import StopSignals\n"
+        "StopSignals().install()\n"
+        "from torch.utils.data import DataLoader\n"
+        "from megatron.data.errors import DataError\n"
+        "from megatron.rank_errors import run_rank\n"
+        "def main():\n"
+        "    batches = iter(DataLoader(list(range(100)), batch_size=2, num_workers=2))\n"
+        "    next(batches)\n"
+        f"    raise {error}\n"
+        "sys.exit(run_rank(main))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=ENDS_WITHIN_SECONDS,
+                            cwd=REPO_ROOT)
+    assert result.returncode == 1
+    assert result.stderr.rstrip().splitlines()[-1] == last_line, result.stderr[-3000:]
