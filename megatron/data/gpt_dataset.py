@@ -225,6 +225,13 @@ def check_rewards(rewards: MMapIndexedDataset, data: MMapIndexedDataset, pack_im
                         f"{'' if (rewards.sizes == 1).all() else 'not all of one value '}for the {len(data)} "
                         f"documents of {data.prefix!r}; give each data path the reward file written with it "
                         "(preprocess_data_with_chat_template.py --reward-key)")
+    not_finite = np.flatnonzero(~np.isfinite(rewards.values()))
+    if len(not_finite):
+        first = int(not_finite[0])
+        raise DataError(f"reward dataset {rewards.prefix!r}: document {first} has reward {rewards.get(first)[0]} "
+                        f"({len(not_finite)} documents in all are not finite numbers); a reward must be a finite "
+                        "number (above 0: desirable, below 0: undesirable); fix the records' rewards and write the "
+                        "file again (preprocess_data_with_chat_template.py --reward-key)")
 
 
 def check_reference_log_probs(ref: MMapIndexedDataset, data: MMapIndexedDataset, seq_length: int,
