@@ -166,3 +166,64 @@ def test_checkpoint_weights_holding_nan_are_refused_before_training_from_them(tm
         setup_for_inference(args)
     message = str(caught.value)
     assert message.startswith(f"{tag_dir}: tensor ") and "holds 1 NaN or infinite values" in message
+
+
+# --- --dry-run checks the files a run names as the start does ---------------------------------------------------
+
+DOCUMENTS = [np.arange(1, 11)] * 6  # 6 documents of 10 tokens
+
+
+def _own_data_run(tmp_path, **settings) -> str:
+    return str(write_yaml(tmp_path, "run.yml", {**TINY_RUN, "embedded_corpus": False, "tokenizer_type": "ByteLevelTokenizer",
+                                                "pack_impl": "unpacked", "eval_iters": 0, **settings}))
+
+
+def _dry_run_error(config: str, capsys) -> str:
+    assert deepy.main([RANK_ECHO, config, "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = [line for line in captured.err.splitlines() if line.startswith("deepy.py:")]
+    assert len(lines) == 1, captured.err
+    return lines[0]
+
+
+def test_dry_run_refuses_a_label_file_of_other_documents(tmp_path, capsys):
+    data = write_documents(tmp_path / "text", DOCUMENTS)
+    labels = write_documents(tmp_path / "label", DOCUMENTS[:5], np.int32)
+    line = _dry_run_error(_own_data_run(tmp_path, train_data_paths=[data], train_label_data_paths=[labels]), capsys)
+    assert f"label dataset '{labels}' does not match '{data}': 5 and 6 documents" in line
+
+
+def test_dry_run_refuses_a_reward_file_of_other_documents(tmp_path, capsys):
+    data = write_documents(tmp_path / "text", DOCUMENTS)
+    rewards = write_documents(tmp_path / "reward", [np.ones(1, np.float32)] * 4, np.float32)
+    config = _own_data_run(tmp_path, train_impl="kto", train_data_paths=[data], train_label_data_paths=[data],
+                           train_reward_data_paths=[rewards])
+    assert f"reward dataset '{rewards}' holds 4 documents for the 6 documents" in _dry_run_error(config, capsys)
+
+
+def test_dry_run_refuses_rejected_documents_that_do_not_pair_with_the_chosen(tmp_path, capsys):
+    chosen = write_documents(tmp_path / "chosen", DOCUMENTS)
+    rejected = write_documents(tmp_path / "rejected", DOCUMENTS[:3])
+    config = _own_data_run(tmp_path, train_impl="dpo", dataset_impl="pairwise", dpo_reference_free=True,
+                           pos_train_data_paths=[chosen], neg_train_data_paths=[rejected])
+    assert f"'{chosen}' holds 6 documents but '{rejected}' holds 3" in _dry_run_error(config, capsys)
+
+
+def test_dry_run_refuses_precomputed_log_probabilities_of_another_length(tmp_path, capsys):
+    chosen = write_documents(tmp_path / "chosen", DOCUMENTS)
+    rejected = write_documents(tmp_path / "rejected", DOCUMENTS)
+    for prefix in (chosen, rejected):
+        write_documents(f"{prefix}_ref", [np.zeros(16, np.float32)] * 6, np.float32)  # seq_length is 32
+    config = _own_data_run(tmp_path, train_impl="dpo", dataset_impl="pairwise", precompute_model_name="ref",
+                           pos_train_data_paths=[chosen], neg_train_data_paths=[rejected],
+                           pos_train_label_data_paths=[chosen], neg_train_label_data_paths=[rejected])
+    line = _dry_run_error(config, capsys)
+    assert f"precomputed log-probabilities '{chosen}_ref' hold 6 float32 documents of [16] values" in line
+
+
+def test_dry_run_refuses_a_data_path_that_is_not_there_and_passes_what_the_start_passes(tmp_path, capsys):
+    missing = str(tmp_path / "nowhere_text_document")
+    assert f"{missing}.bin' does not exist" in _dry_run_error(_own_data_run(tmp_path, data_path=missing), capsys)
+    data = write_documents(tmp_path / "text", [np.arange(1, 60)] * 40)
+    assert deepy.main([RANK_ECHO, _own_data_run(tmp_path, data_path=data, pack_impl="packed"), "--dry-run"]) == 0
