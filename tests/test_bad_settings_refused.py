@@ -227,3 +227,10 @@ def test_dry_run_refuses_a_data_path_that_is_not_there_and_passes_what_the_start
     assert f"{missing}.bin' does not exist" in _dry_run_error(_own_data_run(tmp_path, data_path=missing), capsys)
     data = write_documents(tmp_path / "text", [np.arange(1, 60)] * 40)
     assert deepy.main([RANK_ECHO, _own_data_run(tmp_path, data_path=data, pack_impl="packed"), "--dry-run"]) == 0
+
+
+def test_generate_py_without_load_asks_for_load_not_for_the_model_shape(tmp_path, capsys):
+    config = write_yaml(tmp_path, "generate.yml", {"text_gen_type": "unconditional", "maximum_tokens": 8})
+    assert deepy.main(["generate.py", str(config), "--dry-run"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("deepy.py: config error: load: not set (nor num_layers): generate.py and eval.py")

@@ -57,6 +57,9 @@ def derive_all(v: dict[str, Any], sources: dict[str, str], require_run_settings:
     model_given = all(v[name] is not None for name in MODEL_REQUIRED)
     required = (MODEL_REQUIRED if require_model else ()) + (RUN_REQUIRED if require_run_settings else ())
     for name in required:
+        if v[name] is None and not v["load"] and (v["text_gen_type"] or v["eval_tasks"]):
+            raise ConfigError(f"load: not set (nor {name}): generate.py and eval.py use a trained model; set `load` "
+                              "to its checkpoint or Hugging Face folder, which gives the model's settings")
         if v[name] is None:
             raise ConfigError(f"{name}: required but not set in any config file; add `{name}: <value>`")
     _check_ranges(v, sources)
