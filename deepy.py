@@ -30,13 +30,14 @@ import os
 import sys
 from pathlib import Path
 
+from megatron.errors import ExpectedError
 from megatron.launcher import launch_command, launcher_environment, rendezvous_port, starts_only_local_ranks
 from megatron.neox_arguments import ConfigError
 from megatron.neox_arguments.dry_run import render_dry_run, tokenizer_summary
 from megatron.neox_arguments.handover import HANDOVER_FLAG, handover_argv
 from megatron.neox_arguments.world import accelerator_is_cpu, check_precision_on_cpu
 from megatron.neox_arguments.yaml_files import gpt_neox_config_paths
-from megatron.run_context import resolve_run_settings, settings_for_run
+from megatron.run_context import check_run_files, resolve_run_settings, settings_for_run
 from megatron.tokenizer import TokenizerError
 
 
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             # what DeepSpeed's runner would refuse of the launcher settings (megatron/launcher.py)
             launch_command(args, command_line.train_script, [], cpu_only=accelerator_is_cpu())
             report = render_dry_run(args, tokenizer_summary(args))
+            check_run_files(args)  # the data files, as the start checks them
             exit_if_stopped_before_launch()
             sys.stdout.write(report)
             return 0
@@ -99,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         command = launch_command(args, command_line.train_script, handover_argv(args), cpu_only=cpu_only)
     except (ConfigError, TokenizerError) as err:
         print(f"deepy.py: config error: {err}", file=sys.stderr)
+        return 2
+    except ExpectedError as err:  # a data file or checkpoint the dry run checks as the start does
+        print(f"deepy.py: error: {err}", file=sys.stderr)
         return 2
     exit_if_stopped_before_launch()
     shown = [part if not part.startswith(HANDOVER_FLAG) else f"{HANDOVER_FLAG}=<settings>" for part in command]

@@ -40,6 +40,27 @@ def resolve_run_settings(args: NeoXArgs) -> NeoXArgs:
                             f"tokenizer {args.vocab_file or args.tokenizer_type} ({tokenizer.vocab_size} tokens)")
 
 
+def check_run_files(args: NeoXArgs) -> None:
+    """For deepy.py --dry-run: the checks megatron.training.setup makes of the data files a training run names,
+    made by the same functions (check_data_files; precomputed_reference for the precomputed log-probabilities'
+    model), so a dry run refuses what the start would. Nothing to check for generate.py / eval.py settings, or
+    for the embedded corpus, which this framework writes itself."""
+    from megatron.checkpointing import plan_load
+    from megatron.data.builders import check_data_files
+    from megatron.hf import HF_FOLDER
+    from megatron.objectives.precomputed_reference import precomputed_reference, uses_precomputed_reference
+    from megatron.tokenizer import build_tokenizer
+    from megatron.training import samples_per_split
+
+    if not args.requires_run_settings or args.embedded_corpus:
+        return
+    args = resolve_run_settings(args)
+    check_data_files(args, build_tokenizer(args).vocab_size, samples_per_split(args))
+    if uses_precomputed_reference(args):
+        plan = plan_load(args, args.data_parallel_size, hf_source=HF_FOLDER)
+        precomputed_reference(args, plan, args.data_parallel_size, hf_source=HF_FOLDER)
+
+
 # What a run that names a checkpoint but not the model's shape takes from the checkpoint: every
 # setting of the model (the architecture and its vocabulary padding) and the tokenizer.
 TOKENIZER_SETTINGS = ("tokenizer_type", "vocab_file", "merge_file")

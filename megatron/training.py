@@ -37,7 +37,7 @@ from megatron.stop_signals import StopSignals, hold_before_save, signal_name
 class ReferenceModel:
     """The frozen model DPO and KTO compare the policy with, and which weights it is (every save records them)."""
 
-    engine: Any  # a forward-only DeepSpeed engine, eval mode, no parameter requires grad
+    engine: Any  # a forward-only DeepSpeed engine, eval mode, no parameter requires grad; None: precomputed
     identity: ReferenceIdentity
 
 
@@ -252,10 +252,12 @@ def setup(args):
         plan_load,
         plan_reference,
     )
-    from megatron.data import build_data_iterators, check_data_vocabulary
+    from megatron.data import build_data_iterators
+    from megatron.data.builders import check_data_files
     from megatron.hf import HF_FOLDER
     from megatron.model import build_model
     from megatron.neox_arguments import ConfigError, NeoXArgs
+    from megatron.objectives.precomputed_reference import precomputed_reference
     from megatron.pipeline import build_pipeline_engine
     from megatron.tokenizer import build_tokenizer
 
@@ -271,7 +273,7 @@ def setup(args):
     if args.padded_vocab_size is None:
         raise ConfigError("padded_vocab_size is not resolved: start training through deepy.py, which resolves the "
                           "tokenizer and the embedded corpus once (megatron.run_context.resolve_run_settings)")
-    check_data_vocabulary(args, build_tokenizer(args).vocab_size)
+    check_data_files(args, build_tokenizer(args).vocab_size, samples_per_split(args))
     # the checkpoint files read from here on are checked in a thread while the engine is built and loaded;
     # the block ends with their checks, before any step
     with checks_beside_use():
@@ -280,6 +282,11 @@ def setup(args):
         if needs_reference(args):
             reference_plan, identity = plan_reference(args, plan, dp_size, hf_source=HF_FOLDER)
             get_logger().info(describe_reference(identity, resumed=reference_plan is not plan))
+        precomputed = precomputed_reference(args, plan, dp_size, hf_source=HF_FOLDER)
+        if precomputed is not None:
+            get_logger().info(f"precomputed reference log-probabilities ({args.precompute_model_name}) of "
+                              f"{precomputed.path}, checksum {precomputed.checksum}: this run's reference; "
+                              "recorded in every save")
         check_save_dir(args)
 
         set_seeds(args.seed)
@@ -304,6 +311,8 @@ def setup(args):
                 restored_rng = outcome.restored_rng
         if reference_plan is not None:
             state.reference = ReferenceModel(_frozen_reference(args, reference_plan), identity)
+        elif precomputed is not None:
+            state.reference = ReferenceModel(None, precomputed)
     if not restored_rng:
         # Same weights on every rank came from the shared seed above; dropout differs per rank.
         set_seeds(args.seed + 1 + dp_rank)

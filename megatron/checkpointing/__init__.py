@@ -40,7 +40,12 @@ from megatron.checkpointing.ondisk.verified_files import checks_beside_use, forg
 from megatron.checkpointing.planning.data_position import samples_per_evaluation
 from megatron.checkpointing.planning.lineage import Lineage
 from megatron.checkpointing.planning.plan import LoadMode, LoadPlan, build_load_plan, plan_load
-from megatron.checkpointing.planning.reference import ReferenceIdentity, needs_reference, plan_reference
+from megatron.checkpointing.planning.reference import (
+    TRAIN_IMPLS_WITH_REFERENCE,
+    ReferenceIdentity,
+    needs_reference,
+    plan_reference,
+)
 from megatron.checkpointing.planning.reference import describe as describe_reference
 from megatron.checkpointing.saving import commit
 from megatron.checkpointing.saving.async_save import (
@@ -69,7 +74,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "CheckpointError", "CheckpointInventory", "ClientState", "Lineage", "LoadMode", "LoadOutcome", "LoadPlan",
+    "TRAIN_IMPLS_WITH_REFERENCE", "CheckpointError", "CheckpointInventory", "ClientState", "Lineage", "LoadMode", "LoadOutcome", "LoadPlan",
     "ReferenceIdentity", "TagInventory", "build_load_plan", "check_save_dir", "check_save_in_flight",
     "checks_beside_use", "commit", "describe_reference", "forget_checked_files", "inventory_checkpoint",
     "is_legacy_buffer_key", "layer_states", "layout", "load_checkpoint", "load_file_weights_only",

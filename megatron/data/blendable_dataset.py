@@ -12,9 +12,12 @@ from megatron.data.errors import DataError
 def normalize_weights(weights: Sequence[float], paths: Sequence[str], setting: str) -> np.ndarray:
     if len(weights) != len(paths):
         raise DataError(f"{setting} has {len(weights)} weights for {len(paths)} data paths; give one weight per path")
-    array = np.asarray(weights, dtype=np.float64)
-    if (array < 0).any() or array.sum() <= 0:
-        raise DataError(f"{setting} {list(weights)} must be non-negative with a positive sum")
+    try:
+        array = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise DataError(f"{setting} {list(weights)} must be numbers, one per data path") from None
+    if not np.isfinite(array).all() or (array < 0).any() or array.sum() <= 0:
+        raise DataError(f"{setting} {list(weights)} must be finite and non-negative with a positive sum (each path's share of the samples)")
     return array / array.sum()
 
 

@@ -11,10 +11,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from megatron.data.blendable_dataset import BlendableDataset, normalize_weights, samples_per_dataset
+from megatron.data.data_vocabulary import check_data_vocabulary
 from megatron.data.errors import DataError
-from megatron.data.gpt_dataset import GPTDataset
+from megatron.data.gpt_dataset import GPTDataset, check_gpt_files
 from megatron.data.indexed_dataset import MMapIndexedDataset, data_file_path, index_file_path
-from megatron.data.pairwise_dataset import PairwiseDataset
+from megatron.data.pairwise_dataset import PairwiseDataset, check_pairwise_files
 from megatron.data.samplers import DistributedBatchSampler
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -86,38 +87,47 @@ def _index_samples(args, count: int, num_samples: int, weight: float) -> int:
     return int(count) if args.pack_impl == "packed" else math.ceil(num_samples * weight * 1.005)
 
 
-def _split_datasets(args, name: str, num_samples: int, normalised: np.ndarray) -> list:
-    """One dataset per data path of split `name` (gpt2: {name}_data_paths; pairwise: pos_/neg_{name}_data_paths)."""
-    counts = samples_per_dataset(normalised, num_samples)
+def _split_files(args, name: str) -> list[dict[str, MMapIndexedDataset | None]]:
+    """Every file of split `name` opened, one dict per data path, keyed as the split's dataset takes them
+    (gpt2: data, labels, rewards, reference; pairwise: pos, neg, pos_label, neg_label, pos_ref, neg_ref)."""
     if args.dataset_impl == "pairwise":
         pos_paths, of = getattr(args, f"pos_{name}_data_paths"), f"pos_{name}_data_paths"
         if not getattr(args, f"neg_{name}_data_paths"):
             raise DataError(f"{of} needs neg_{name}_data_paths beside it (chosen prefix k pairs with rejected prefix k)")
-        columns = [pos_paths, *(_companion_paths(args, f"neg_{name}_{kind}data_paths", pos_paths, of)
-                                for kind in ("", "label_")), _companion_paths(args, f"pos_{name}_label_data_paths",
-                                                                              pos_paths, of)]
-        datasets = []
-        for i, (pos, neg, neg_label, pos_label) in enumerate(zip(*columns, strict=True)):
-            pos_data, neg_data = _open(pos, f"pos_{name}_data_paths[{i}]"), _open(neg, f"neg_{name}_data_paths[{i}]")
-            datasets.append(PairwiseDataset(
-                name, pos_data, neg_data, np.arange(len(pos_data)), _index_samples(args, counts[i], num_samples,
-                                                                                     normalised[i]),
-                args.seq_length, args.seed, pack_impl=args.pack_impl, allow_chopped=args.allow_chopped,
-                pos_label=_open(pos_label, f"pos_{name}_label_data_paths[{i}]"),
-                neg_label=_open(neg_label, f"neg_{name}_label_data_paths[{i}]"),
-                pos_ref=_reference_log_probs(args, pos, f"pos_{name}_data_paths[{i}]"),
-                neg_ref=_reference_log_probs(args, neg, f"neg_{name}_data_paths[{i}]")))
-        return datasets
+        columns = [pos_paths, *(_companion_paths(args, setting, pos_paths, of) for setting in
+                                (f"neg_{name}_data_paths", f"pos_{name}_label_data_paths", f"neg_{name}_label_data_paths"))]
+        return [{"pos": _open(pos, f"pos_{name}_data_paths[{i}]"), "neg": _open(neg, f"neg_{name}_data_paths[{i}]"),
+                 "pos_label": _open(pos_label, f"pos_{name}_label_data_paths[{i}]"),
+                 "neg_label": _open(neg_label, f"neg_{name}_label_data_paths[{i}]"),
+                 "pos_ref": _reference_log_probs(args, pos, f"pos_{name}_data_paths[{i}]"),
+                 "neg_ref": _reference_log_probs(args, neg, f"neg_{name}_data_paths[{i}]")}
+                for i, (pos, neg, pos_label, neg_label) in enumerate(zip(*columns, strict=True))]
     paths = getattr(args, f"{name}_data_paths")
     columns = [paths, *(_companion_paths(args, f"{name}_{kind}_data_paths", paths, f"{name}_data_paths")
                         for kind in ("label", "reward"))]
-    return [
-        _gpt_dataset(args, name, data, np.arange(len(data)), _index_samples(args, counts[i], num_samples, normalised[i]),
-                     _open(label, f"{name}_label_data_paths[{i}]"), _open(reward, f"{name}_reward_data_paths[{i}]"),
-                     _reference_log_probs(args, path, f"{name}_data_paths[{i}]"))
-        for i, (path, label, reward) in enumerate(zip(*columns, strict=True))
-        for data in [MMapIndexedDataset(path, setting=f"{name}_data_paths[{i}]")]
-    ]
+    return [{"data": MMapIndexedDataset(path, setting=f"{name}_data_paths[{i}]"),
+             "labels": _open(label, f"{name}_label_data_paths[{i}]"),
+             "rewards": _open(reward, f"{name}_reward_data_paths[{i}]"),
+             "reference": _reference_log_probs(args, path, f"{name}_data_paths[{i}]")}
+            for i, (path, label, reward) in enumerate(zip(*columns, strict=True))]
+
+
+def _split_datasets(args, name: str, num_samples: int, normalised: np.ndarray) -> list:
+    """One dataset per data path of split `name` (gpt2: {name}_data_paths; pairwise: pos_/neg_{name}_data_paths)."""
+    counts = samples_per_dataset(normalised, num_samples)
+    datasets = []
+    for i, files in enumerate(_split_files(args, name)):
+        samples = _index_samples(args, counts[i], num_samples, normalised[i])
+        if args.dataset_impl == "pairwise":
+            datasets.append(PairwiseDataset(name, files["pos"], files["neg"], np.arange(len(files["pos"])), samples,
+                                            args.seq_length, args.seed, pack_impl=args.pack_impl,
+                                            allow_chopped=args.allow_chopped, pos_label=files["pos_label"],
+                                            neg_label=files["neg_label"], pos_ref=files["pos_ref"],
+                                            neg_ref=files["neg_ref"]))
+        else:
+            datasets.append(_gpt_dataset(args, name, files["data"], np.arange(len(files["data"])), samples,
+                                         files["labels"], files["rewards"], files["reference"]))
+    return datasets
 
 
 def _blended_dataset(args, name: str, paths: Sequence[str], weights, num_samples: int):
@@ -151,20 +161,54 @@ def build_train_valid_test_datasets(args, train_valid_test_num_samples: tuple[in
         )
     if args.data_path:
         data = MMapIndexedDataset(args.data_path, setting="data_path")
-        ranges = split_document_ranges(args.split, len(data))
-        (train_start, train_end), train_samples = ranges[0], train_valid_test_num_samples[0]
-        if train_samples > 0 and train_end == train_start:
-            raise DataError(
-                f"data_path: split {args.split!r} gives the train split none of the {len(data)} documents of "
-                f"{args.data_path}; give it a larger share in `split`, or more documents"
-            )
         return tuple(
-            _gpt_dataset(args, name, data, np.arange(start, end), int(num_samples))
-            if end > start and num_samples > 0 else None
-            for name, (start, end), num_samples in zip(SPLIT_NAMES, ranges, train_valid_test_num_samples, strict=True)
+            None if documents is None else _gpt_dataset(args, name, data, documents, int(num_samples))
+            for name, documents, num_samples in zip(SPLIT_NAMES, _data_path_splits(args, data, train_valid_test_num_samples),
+                                                    train_valid_test_num_samples, strict=True)
         )
     raise DataError("no training data: set data_path (one dataset split by `split`), train_data_paths "
                     "(with valid_data_paths/test_data_paths), or embedded_corpus: true")
+
+
+def _data_path_splits(args, data: MMapIndexedDataset, train_valid_test_num_samples) -> list[np.ndarray | None]:
+    """The documents of data_path each split reads (by `split`), None for a split without documents or samples."""
+    ranges = split_document_ranges(args.split, len(data))
+    (train_start, train_end), train_samples = ranges[0], train_valid_test_num_samples[0]
+    if train_samples > 0 and train_end == train_start:
+        raise DataError(
+            f"data_path: split {args.split!r} gives the train split none of the {len(data)} documents of "
+            f"{args.data_path}; give it a larger share in `split`, or more documents"
+        )
+    return [np.arange(start, end) if end > start and num_samples > 0 else None
+            for (start, end), num_samples in zip(ranges, train_valid_test_num_samples, strict=True)]
+
+
+def check_data_files(args, tokenizer_vocab_size: int, train_valid_test_num_samples: tuple[int, int, int]) -> None:
+    """Every check start-up makes of the files the run names, before any sample index is built; DataError.
+
+    megatron.training.setup calls it before building the model and deepy.py --dry-run before launching, so what
+    the dry run passes, the start passes: the vocabulary of the data (check_data_vocabulary), then each data path
+    opened with its label, reward and precomputed files and checked as its dataset checks them (check_gpt_files,
+    check_pairwise_files).
+    """
+    check_data_vocabulary(args, tokenizer_vocab_size)
+    if args.data_path:
+        data = MMapIndexedDataset(args.data_path, setting="data_path")
+        for name, documents in zip(SPLIT_NAMES, _data_path_splits(args, data, train_valid_test_num_samples),
+                                   strict=True):
+            if documents is not None:
+                check_gpt_files(name, data, documents, args.seq_length, args.pack_impl)
+        return
+    prefix = "pos_" if args.dataset_impl == "pairwise" else ""
+    for name, num_samples in zip(SPLIT_NAMES, train_valid_test_num_samples, strict=True):
+        if not getattr(args, f"{prefix}{name}_data_paths") or num_samples <= 0:
+            continue
+        for files in _split_files(args, name):
+            if args.dataset_impl == "pairwise":
+                check_pairwise_files(name, seq_length=args.seq_length, pack_impl=args.pack_impl, **files)
+            else:
+                check_gpt_files(name, documents=np.arange(len(files["data"])), seq_length=args.seq_length,
+                                pack_impl=args.pack_impl, **files)
 
 
 def _loader(dataset, sampler: DistributedBatchSampler, num_workers: int):

@@ -11,6 +11,7 @@ rendering of a chat's first turns begins the rendering of the whole chat), which
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,7 +102,15 @@ def _check_prefix_stable(before: list[int], rendered: list[int], turns: int, fie
                     "messages begins its rendering of the whole chat, or --no-mask")
 
 
-def reward_value(value, binary: bool) -> float:
+def reward_value(value, binary: bool, where: str) -> float:
+    """The reward to write of a record's `value`; DataError naming `where` unless it is a finite number that
+    float32, the reward file's widest type, holds."""
+    if not isinstance(value, (bool, int, float)):
+        raise DataError(f"{where} is {value!r}, not a number")
+    largest = float(np.finfo(np.float32).max)
+    if not math.isfinite(value) or abs(value) > largest:
+        raise DataError(f"{where} is {value}; a reward must be a finite number within float32's range "
+                        f"(+-{largest:.3g}), above 0 for a desirable answer, below 0 for an undesirable one")
     if binary:
         return 1 if value > 0 else -1
     return value
@@ -164,16 +173,15 @@ def _encode_chunk(job: tuple[list[tuple[str, int, dict]], ChatOptions]) -> list[
             if options.reward_key is not None:
                 if options.reward_key not in record:
                     raise missing_key_error(Path(path), line_number, options.reward_key, record, "--reward-key")
-                value = record[options.reward_key]
-                if not isinstance(value, (bool, int, float)):
-                    raise DataError(f"{where}: reward field {options.reward_key!r} is {value!r}, not a number")
-                sequences[f"{key}_reward"] = [reward_value(value, options.binary_reward)]
+                sequences[f"{key}_reward"] = [reward_value(record[options.reward_key], options.binary_reward,
+                                                           f"{where}: reward field {options.reward_key!r}")]
         encoded.append(sequences)
     return encoded
 
 
 class _RewardCollector:
-    """Holds the one value per chat until the end, when their dtype is known: int32 if all are whole, else float32."""
+    """Holds the one value per chat until the end, when their dtype is known: int32 if all are whole numbers
+    int32 holds, else float32."""
 
     def __init__(self):
         self.values: list[float] = []
@@ -186,7 +194,8 @@ class _RewardCollector:
         pass
 
     def write(self, bin_path: str, idx_path: str) -> None:
-        whole = all(isinstance(v, (bool, int)) or float(v).is_integer() for v in self.values)
+        int32 = np.iinfo(np.int32)
+        whole = all(float(v).is_integer() and int32.min <= v <= int32.max for v in self.values)
         builder = MMapIndexedDatasetBuilder(bin_path, np.int32 if whole else np.float32)
         for value in self.values:
             builder.add_item([value])

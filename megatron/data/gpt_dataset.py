@@ -137,23 +137,9 @@ class GPTDataset:
             raise DataError("GPTDataset documents must be a non-empty, contiguous range of document ids")
         if pack_impl not in PACK_IMPLS:
             raise DataError(f"pack_impl {pack_impl!r} is not one of {PACK_IMPLS}")
+        check_gpt_files(name, indexed_dataset, documents, seq_length, pack_impl, label_dataset, reward_dataset,
+                        reference_dataset)
         sizes = indexed_dataset.sizes
-        if label_dataset is not None and not np.array_equal(label_dataset.sizes, sizes):
-            raise DataError(
-                f"label dataset {label_dataset.prefix!r} does not match {indexed_dataset.prefix!r}: "
-                f"{len(label_dataset)} and {len(sizes)} documents, or documents of other lengths; give each data "
-                "path the label file written with it (preprocess_data_with_chat_template.py writes both)")
-        if reward_dataset is not None:
-            check_rewards(reward_dataset, indexed_dataset, pack_impl)
-        if reference_dataset is not None:
-            check_reference_log_probs(reference_dataset, indexed_dataset, seq_length, pack_impl)
-        tokens = int(sizes[documents].sum(dtype=np.int64))
-        if pack_impl == "packed" and tokens <= seq_length:
-            raise DataError(
-                f"the {name} split of {indexed_dataset.prefix!r} (documents {documents[0]}..{documents[-1]}) holds "
-                f"{tokens} tokens, fewer than one sample of seq_length + 1 = {seq_length + 1}; give it more data "
-                "(a larger share in `split`, or more documents) or use a shorter seq_length"
-            )
         self.name = name
         self.indexed_dataset = indexed_dataset
         self.label_dataset = label_dataset
@@ -216,6 +202,30 @@ class GPTDataset:
         return item
 
 
+def check_gpt_files(name: str, data: MMapIndexedDataset, documents: np.ndarray, seq_length: int, pack_impl: str,
+                    labels: MMapIndexedDataset | None = None, rewards: MMapIndexedDataset | None = None,
+                    reference: MMapIndexedDataset | None = None) -> None:
+    """What a GPTDataset of split `name` (`documents` of `data`) checks of its files before it indexes them, and
+    deepy.py --dry-run with it (megatron.data.builders.check_data_files): labels of the same lengths, one finite
+    reward per document, precomputed log-probabilities that fit, enough tokens for one packed sample."""
+    if labels is not None and not np.array_equal(labels.sizes, data.sizes):
+        raise DataError(
+            f"label dataset {labels.prefix!r} does not match {data.prefix!r}: {len(labels)} and {len(data)} "
+            "documents, or documents of other lengths; give each data path the label file written with it "
+            "(preprocess_data_with_chat_template.py writes both)")
+    if rewards is not None:
+        check_rewards(rewards, data, pack_impl)
+    if reference is not None:
+        check_reference_log_probs(reference, data, seq_length, pack_impl)
+    tokens = int(data.sizes[documents].sum(dtype=np.int64))
+    if pack_impl == "packed" and tokens <= seq_length:
+        raise DataError(
+            f"the {name} split of {data.prefix!r} (documents {documents[0]}..{documents[-1]}) holds {tokens} tokens, "
+            f"fewer than one sample of seq_length + 1 = {seq_length + 1}; give it more data (a larger share in "
+            "`split`, or more documents) or use a shorter seq_length"
+        )
+
+
 def check_rewards(rewards: MMapIndexedDataset, data: MMapIndexedDataset, pack_impl: str) -> None:
     if pack_impl != "unpacked":
         raise DataError(f"reward dataset {rewards.prefix!r}: rewards are per document, so they need pack_impl: "
@@ -225,6 +235,13 @@ def check_rewards(rewards: MMapIndexedDataset, data: MMapIndexedDataset, pack_im
                         f"{'' if (rewards.sizes == 1).all() else 'not all of one value '}for the {len(data)} "
                         f"documents of {data.prefix!r}; give each data path the reward file written with it "
                         "(preprocess_data_with_chat_template.py --reward-key)")
+    not_finite = np.flatnonzero(~np.isfinite(rewards.values()))
+    if len(not_finite):
+        first = int(not_finite[0])
+        raise DataError(f"reward dataset {rewards.prefix!r}: document {first} has reward {rewards.get(first)[0]} "
+                        f"({len(not_finite)} documents in all are not finite numbers); a reward must be a finite "
+                        "number (above 0: desirable, below 0: undesirable); fix the records' rewards and write the "
+                        "file again (preprocess_data_with_chat_template.py --reward-key)")
 
 
 def check_reference_log_probs(ref: MMapIndexedDataset, data: MMapIndexedDataset, seq_length: int,

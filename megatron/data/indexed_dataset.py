@@ -165,9 +165,13 @@ class MMapIndexedDataset:
     def __getitem__(self, idx: int) -> np.ndarray:
         return self.get(idx)
 
+    def values(self) -> np.ndarray:
+        """Every value of the .bin, all sequences one after the other, as one read-only array (memory-mapped)."""
+        return np.frombuffer(self._data, dtype=self.dtype)
+
     def largest_token_id(self, chunk: int = 1 << 26) -> int:
         """The largest id in the .bin (-1 when empty), read `chunk` tokens at a time."""
-        tokens = np.frombuffer(self._data, dtype=self.dtype)
+        tokens = self.values()
         return max((int(tokens[start:start + chunk].max()) for start in range(0, len(tokens), chunk)), default=-1)
 
     def first_id_at_least(self, limit: int, chunk: int = 1 << 26) -> tuple[int, int, int] | None:

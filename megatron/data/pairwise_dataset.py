@@ -45,6 +45,30 @@ def _check_same_documents(first: MMapIndexedDataset, second: MMapIndexedDataset,
                         "from the same jsonl (preprocess_data_with_chat_template.py --jsonl-keys chosen, then rejected)")
 
 
+def check_pairwise_files(name: str, pos: MMapIndexedDataset, neg: MMapIndexedDataset, seq_length: int,
+                         pack_impl: str, pos_label: MMapIndexedDataset | None = None,
+                         neg_label: MMapIndexedDataset | None = None, pos_ref: MMapIndexedDataset | None = None,
+                         neg_ref: MMapIndexedDataset | None = None) -> None:
+    """What a PairwiseDataset of split `name` checks of its files before it indexes them, and deepy.py --dry-run
+    with it (megatron.data.builders.check_data_files): as many chosen as rejected documents, labels and
+    precomputed log-probabilities on both sides or neither, each fitting its documents."""
+    _check_same_documents(pos, neg, f"the {name} pairs")
+    if (pos_label is None) != (neg_label is None):
+        raise DataError(f"the {name} pairs of {pos.prefix!r}: give label files for both the chosen and the "
+                        "rejected documents, or for neither")
+    if (pos_ref is None) != (neg_ref is None):
+        raise DataError(f"the {name} pairs of {pos.prefix!r}: precomputed log-probabilities are needed for "
+                        "both sides, or for neither")
+    for data, labels in ((pos, pos_label), (neg, neg_label)):
+        if labels is not None and not np.array_equal(labels.sizes, data.sizes):
+            raise DataError(
+                f"label dataset {labels.prefix!r} does not match {data.prefix!r}: {len(labels)} and {len(data)} "
+                "documents, or documents of other lengths; give each data path the label file written with it")
+    for data, ref in ((pos, pos_ref), (neg, neg_ref)):
+        if ref is not None:
+            check_reference_log_probs(ref, data, seq_length, pack_impl)
+
+
 class PairwiseDataset:
     def __init__(
         self,
@@ -68,21 +92,7 @@ class PairwiseDataset:
                             "pack_until_overflow (packed cuts a chosen and its rejected document apart)")
         if len(documents) == 0 or np.any(np.diff(documents) != 1):
             raise DataError("PairwiseDataset documents must be a non-empty, contiguous range of document ids")
-        _check_same_documents(pos, neg, f"the {name} pairs")
-        if (pos_label is None) != (neg_label is None):
-            raise DataError(f"the {name} pairs of {pos.prefix!r}: give label files for both the chosen and the "
-                            "rejected documents, or for neither")
-        if (pos_ref is None) != (neg_ref is None):
-            raise DataError(f"the {name} pairs of {pos.prefix!r}: precomputed log-probabilities are needed for "
-                            "both sides, or for neither")
-        for data, labels in ((pos, pos_label), (neg, neg_label)):
-            if labels is not None and not np.array_equal(labels.sizes, data.sizes):
-                raise DataError(
-                    f"label dataset {labels.prefix!r} does not match {data.prefix!r}: {len(labels)} and {len(data)} "
-                    "documents, or documents of other lengths; give each data path the label file written with it")
-        for data, ref in ((pos, pos_ref), (neg, neg_ref)):
-            if ref is not None:
-                check_reference_log_probs(ref, data, seq_length, pack_impl)
+        check_pairwise_files(name, pos, neg, seq_length, pack_impl, pos_label, neg_label, pos_ref, neg_ref)
         self.name = name
         self.seq_length = seq_length
         self.data = {"pos": pos, "neg": neg}

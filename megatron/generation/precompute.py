@@ -5,26 +5,18 @@ As GPT-NeoX writes them (generate.py with `text_gen_type: precompute`, `load` na
 data prefix (dataset_impl pairwise: every pos_/neg_{train,valid,test}_data_paths entry, else every
 {train,valid,test}_data_paths entry) the file `{prefix}_{precompute_model_name}.bin/.idx`, float32, one
 document per document of the prefix, seq_length long: entry j is log p(token j+1 | tokens 0..j) of the
-document cut or padded (with 0) to seq_length + 1 tokens. Files that exist are kept. Every rank computes;
-global rank 0 writes, into temporary names renamed when complete.
+document cut or padded (with 0) to seq_length + 1 tokens, and beside it `{prefix}_{precompute_model_name}.reference.json`,
+the identity of the model (megatron/objectives/precomputed_reference.py). Files the same model wrote are kept;
+files another model wrote are refused unless precompute_overwrite is set. Every rank computes; global rank 0
+writes, into temporary names renamed when complete, the identity last.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 import torch
-
-SPLITS = ("train", "valid", "test")
-
-
-def data_prefixes(args) -> list[str]:
-    """The data prefixes whose documents get reference log-probabilities, each once."""
-    sides = ("pos_", "neg_") if args.dataset_impl == "pairwise" else ("",)
-    prefixes = [path for split in SPLITS for side in sides for path in getattr(args, f"{side}{split}_data_paths") or ()]
-    return list(dict.fromkeys(prefixes))
 
 
 def _documents(data, seq_length: int, start: int, stop: int) -> torch.Tensor:
@@ -36,21 +28,18 @@ def _documents(data, seq_length: int, start: int, stop: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def write_reference_log_probs(model, args, rank: int, log) -> list[str]:
-    """Write the missing `{prefix}_{precompute_model_name}` files; the prefixes written."""
+def write_reference_log_probs(model, args, identity, rank: int, log) -> list[str]:
+    """Write the `{prefix}_{precompute_model_name}` files `model` (whose weights `identity` names, recorded beside
+    each file) has to write (precomputed_reference.files_to_write decides which); the prefixes written."""
     from megatron.data import MMapIndexedDataset, MMapIndexedDatasetBuilder
-    from megatron.data.builders import reference_log_probs_prefix
     from megatron.data.indexed_dataset import data_file_path, index_file_path
     from megatron.initialize import current_device
     from megatron.model import token_log_probs
+    from megatron.objectives.precomputed_reference import files_to_write, record_path, write_identity
 
     written = []
     batch_size = args.train_micro_batch_size_per_gpu or 1
-    for prefix in data_prefixes(args):
-        target = reference_log_probs_prefix(prefix, args.precompute_model_name)
-        if Path(data_file_path(target)).is_file() and Path(index_file_path(target)).is_file():
-            log.info(f"precompute: {target} exists, kept")
-            continue
+    for prefix, target in files_to_write(args, identity, log).items():
         data = MMapIndexedDataset(prefix, setting="precompute")
         partial = f"{target}.partial"
         builder = MMapIndexedDatasetBuilder(data_file_path(partial), dtype=np.float32) if rank == 0 else None
@@ -64,8 +53,11 @@ def write_reference_log_probs(model, args, rank: int, log) -> list[str]:
                     builder.end_document()
         if builder is not None:
             builder.finalize(index_file_path(partial))
+            record_path(target).unlink(missing_ok=True)  # replaced files never stand beside the old model's record
             os.replace(data_file_path(partial), data_file_path(target))
             os.replace(index_file_path(partial), index_file_path(target))
-        log.info(f"precompute: wrote {target} ({len(data)} documents x {args.seq_length} log-probabilities)")
+            write_identity(target, identity)
+        log.info(f"precompute: wrote {target} ({len(data)} documents x {args.seq_length} log-probabilities) from "
+                 f"{identity.path}")
         written.append(target)
     return written

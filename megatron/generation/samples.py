@@ -45,13 +45,6 @@ def check_generation_settings(args) -> None:
         if not Path(args.sample_input_file).is_file():
             raise GenerationError(f"sample_input_file: {args.sample_input_file!r} is not a file; set it to a file "
                                   "of prompts separated by prompt_end")
-    for name in ("temperature", "top_p", "top_k", "maximum_tokens"):
-        if getattr(args, name) < 0:
-            raise GenerationError(f"{name}: {getattr(args, name)} is negative; use 0 or more")
-    if args.top_p > 1:
-        raise GenerationError(f"top_p: {args.top_p} is above 1; use a probability in [0, 1]")
-    if args.text_gen_type == "unconditional" and args.num_samples < 1:
-        raise GenerationError(f"num_samples: {args.num_samples}; use 1 or more")
 
 
 def read_prompts(path: str, prompt_end: str) -> list[str]:
@@ -125,8 +118,12 @@ def generate_samples(model, tokenizer, args, rank: int, log) -> list[dict[str, A
     """Run `args.text_gen_type` on `model`; the records written (none for interactive)."""
     if args.text_gen_type == "precompute":
         from megatron.generation.precompute import write_reference_log_probs
+        from megatron.hf import HF_FOLDER
+        from megatron.objectives.precomputed_reference import identity_of_load
+        from megatron.ranks import data_parallel_rank_and_size
 
-        write_reference_log_probs(model, args, rank, log)
+        identity = identity_of_load(args, data_parallel_rank_and_size()[1], HF_FOLDER)
+        write_reference_log_probs(model, args, identity, rank, log)
         return []
     if args.text_gen_type == "interactive":
         log.info(f"interactive generation ended after {_interactive(model, tokenizer, args, rank, log)} prompt(s)")

@@ -24,6 +24,7 @@ from megatron.checkpointing import is_legacy_buffer_key, translate_legacy_key
 from megatron.hf.config import FAMILIES, LLAMA_LIKE
 from megatron.hf.errors import HFConversionError
 from megatron.model.gpt_model import layer_key
+from megatron.model.weight_values import untrainable_weight
 
 Convert = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
@@ -196,6 +197,9 @@ class StreamingConverter:
         if index is None:
             self.unexpected.append(name)
             return []
+        problem = untrainable_weight(name, tensor)
+        if problem:
+            raise HFConversionError(f"{self.source}: {problem}")
         sources, targets, convert = self.direction.rules[index]
         parts = self.pending.setdefault(index, {})
         if name in parts or index in self.completed:

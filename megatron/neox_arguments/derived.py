@@ -57,6 +57,9 @@ def derive_all(v: dict[str, Any], sources: dict[str, str], require_run_settings:
     model_given = all(v[name] is not None for name in MODEL_REQUIRED)
     required = (MODEL_REQUIRED if require_model else ()) + (RUN_REQUIRED if require_run_settings else ())
     for name in required:
+        if v[name] is None and not v["load"] and (v["text_gen_type"] or v["eval_tasks"]):
+            raise ConfigError(f"load: not set (nor {name}): generate.py and eval.py use a trained model; set `load` "
+                              "to its checkpoint or Hugging Face folder, which gives the model's settings")
         if v[name] is None:
             raise ConfigError(f"{name}: required but not set in any config file; add `{name}: <value>`")
     _check_ranges(v, sources)
@@ -116,6 +119,44 @@ def _check_ranges(v: dict[str, Any], sources: dict[str, str]) -> None:
         raise _fail(sources, "eval_interval", "eval_interval must be at least 1 and eval_iters not negative")
     if not 0 <= v["seed"] <= MAX_SEED:
         raise _fail(sources, "seed", f"must be between 0 and {MAX_SEED} (NumPy's seed range), got {v['seed']}")
+    _check_objective_coefficients(v, sources)
+    _check_generation_ranges(v, sources)
+
+
+# Each objective's coefficients, by their definitions (megatron/objectives; TRL documents the same meanings):
+# beta scales the implicit reward log(pi / pi_ref), so 0 makes the loss a constant and a negative beta
+# rewards the rejected answer; KTO's class weights (lambda_D, lambda_U) weigh a loss term each; z_loss
+# penalises large rewards, which a negative value would reward.
+OBJECTIVE_COEFFICIENTS = {
+    "dpo_beta": (lambda x: x > 0, "must be positive (DPO's beta scales the implicit reward beta * log(pi / pi_ref); "
+                 "0 leaves nothing to learn, a negative value prefers the rejected answers); TRL's default is 0.1"),
+    "kto_beta": (lambda x: x > 0, "must be positive (KTO's beta scales the implicit reward beta * log(pi / pi_ref); "
+                 "0 leaves nothing to learn, a negative value reverses desirable and undesirable); 0.1 is usual"),
+    "kto_desirable_weight": (lambda x: x > 0, "must be positive (KTO's lambda_D, the weight of the desirable "
+                             "samples' loss; 0 drops them, a negative value trains away from them)"),
+    "kto_undesirable_weight": (lambda x: x > 0, "must be positive (KTO's lambda_U, the weight of the undesirable "
+                               "samples' loss; 0 drops them, a negative value trains towards them)"),
+    "z_loss": (lambda x: x >= 0, "must not be negative (the reward model's penalty on squared rewards; a negative "
+               "one rewards unbounded rewards); 0 turns it off"),
+}
+
+
+def _check_objective_coefficients(v: dict[str, Any], sources: dict[str, str]) -> None:
+    for name, (allowed, requirement) in OBJECTIVE_COEFFICIENTS.items():
+        if not allowed(v[name]):
+            raise _fail(sources, name, f"{requirement}; got {v[name]}")
+
+
+def _check_generation_ranges(v: dict[str, Any], sources: dict[str, str]) -> None:
+    """generate.py's settings, in the ranges where they generate something (GPT-NeoX's meanings)."""
+    for name in ("temperature", "top_k"):
+        if v[name] < 0:
+            raise _fail(sources, name, f"must not be negative (0: off), got {v[name]}")
+    if not 0 <= v["top_p"] <= 1:
+        raise _fail(sources, "top_p", f"must be a probability in [0, 1] (0: off), got {v['top_p']}")
+    for name, what in (("maximum_tokens", "tokens generated per prompt"), ("num_samples", "samples generated")):
+        if v[name] < 1:
+            raise _fail(sources, name, f"must be at least 1 (the {what}; fewer generates nothing), got {v[name]}")
 
 
 def _enabled(section: dict | None) -> bool:
@@ -547,6 +588,8 @@ def _check_data(v: dict[str, Any], sources: dict[str, str]) -> None:
         paths, weights = v[data], v[f"{split}_data_weights"]
         if weights is not None and (paths is None or len(weights) != len(paths)):
             raise _fail(sources, f"{split}_data_weights", f"needs one weight per entry of {data}")
+        if weights is not None:
+            _check_data_weights(weights, paths, f"{split}_data_weights", sources)
         if v[f"{split}_reward_data_paths"] and v["pack_impl"] != "unpacked":
             raise _fail(sources, f"{split}_reward_data_paths", "rewards are per document, so they need pack_impl: "
                         f"unpacked (one document per sample, as in GPT-NeoX), not {v['pack_impl']}")
@@ -587,6 +630,16 @@ def _check_pairwise_data(v: dict[str, Any], sources: dict[str, str], pairwise: b
     if pairwise and v["pack_impl"] == "packed":
         raise _fail(sources, "pack_impl", "dataset_impl pairwise needs whole documents (packed cuts a chosen and "
                     "its rejected document apart, GPT-NeoX asserts the same); use unpacked or pack_until_overflow")
+
+
+def _check_data_weights(weights: list, paths: list, name: str, sources: dict[str, str]) -> None:
+    from megatron.data.blendable_dataset import normalize_weights
+    from megatron.data.errors import DataError
+
+    try:
+        normalize_weights(weights, paths, name)
+    except DataError as err:
+        raise ConfigError(f"{sources[name]}: {err}" if name in sources else str(err)) from None
 
 
 def _check_split(split: str, sources: dict[str, str], train_iters: int | None) -> None:

@@ -100,6 +100,9 @@ SETTINGS_LIST: list[Setting] = [
     _train("precompute_model_name", OPT_STR, None, "DPO and KTO read the reference's log-probabilities from "
            "{data path}_{this name}.bin/.idx (written by generate.py with text_gen_type precompute) instead of "
            "running a reference model"),
+    _train("precompute_overwrite", bool, False, "generate.py's text_gen_type precompute replaces precompute_model_name "
+           "files another model wrote (their .reference.json names it) instead of refusing to; files the same model "
+           "wrote are kept either way", gpt_neox=False),
     _train("kto_beta", FLOAT, 0.1, "KTO's beta"),
     _train("kto_fp32", bool, True, "KTO: cast the logits to fp32 before taking log-probabilities"),
     _train("kto_desirable_weight", FLOAT, 1.0, "KTO: the weight of samples whose reward is above 0"),

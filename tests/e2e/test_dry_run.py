@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -15,6 +16,7 @@ from megatron.run_context import resolve_run_settings
 from megatron.tokenizer import train_bpe_tokenizer
 from tests.conftest import free_port
 from tests.rank_echo import settings_digest
+from tests.unit.test_data_gpt_dataset import write_documents
 from tests.unit.test_neox_args import TINY_RUN, write_yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +24,27 @@ CONFIGS = REPO_ROOT / "configs"
 OVERLAYS = ("local_setup.yml", "finetune.yml", "text_generation.yml")  # meant to be added on top of a model config
 MODEL_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yml") if p.name not in OVERLAYS)
 OVERLAY_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yml") if p.name in OVERLAYS)
-RANK_ECHO = "tests/rank_echo.py"
+RANK_ECHO = str(REPO_ROOT / "tests" / "rank_echo.py")
+DATA_DOCUMENTS, DATA_DOCUMENT_LENGTH = 200, 2100  # a split of one document holds a packed sample of 2048
+
+
+def write_data_named_by(configs: list[Path], root: Path) -> None:
+    """Small datasets at every data path `configs` name, relative paths under `root` (the directory the dry run
+    starts in): the dry run opens them, as the start does. Every token and label file holds the same documents,
+    every reward file one reward per document, every precomputed file seq_length log-probabilities a document."""
+    args = NeoXArgs.from_yaml_files(configs)
+    tokens = [np.arange(1, DATA_DOCUMENT_LENGTH + 1) % 200 + 1] * DATA_DOCUMENTS
+    for name in [name for name in SETTINGS if name == "data_path" or name.endswith("_data_paths")]:
+        value = getattr(args, name)
+        for prefix in [value] if isinstance(value, str) else value or []:
+            (root / prefix).parent.mkdir(parents=True, exist_ok=True)
+            if "reward" in name:
+                write_documents(root / prefix, [np.ones(1, np.float32)] * DATA_DOCUMENTS, np.float32)
+                continue
+            write_documents(root / prefix, tokens, np.int32)
+            if args.precompute_model_name and "label" not in name:
+                write_documents(root / f"{prefix}_{args.precompute_model_name}",
+                                [np.zeros(args.seq_length, np.float32)] * DATA_DOCUMENTS, np.float32)
 
 
 @pytest.fixture(scope="module")
@@ -54,18 +76,22 @@ def test_real_size_configs_are_shipped():
 
 
 @pytest.mark.parametrize("config", MODEL_CONFIGS, ids=lambda p: p.relative_to(CONFIGS).as_posix())
-def test_dry_run_of_every_model_config(config, tmp_path, tokenizer_json, capsys, fp16_capable_cpu):
+def test_dry_run_of_every_model_config(config, tmp_path, tokenizer_json, capsys, fp16_capable_cpu, monkeypatch):
     """Each shipped config is understood; the fp16 ones (Pythia's) as on a GPU, whatever this CPU supports."""
     configs = [config]
     if not NeoXArgs.from_yaml_files(configs).embedded_corpus:  # the config asks the user for a tokenizer file
         configs.append(write_yaml(tmp_path, "my_tokenizer.yml", {"vocab_file": str(tokenizer_json)}))
+    monkeypatch.chdir(tmp_path)  # the user's data, where the config's relative paths point
+    write_data_named_by(configs, tmp_path)
     dry_run(configs, capsys)
 
 
-def test_dry_run_loads_the_tokenizer_and_says_what_it_is(tmp_path, tokenizer_json, capsys):
+def test_dry_run_loads_the_tokenizer_and_says_what_it_is(tmp_path, tokenizer_json, capsys, monkeypatch):
     config = write_yaml(tmp_path, "own_data.yml", {**TINY_RUN, "embedded_corpus": False, "data_path": "data/x_text_document",
                                                    "tokenizer_type": "HFTokenizer", "vocab_file": str(tokenizer_json),
                                                    "make_vocab_size_divisible_by": 128})
+    monkeypatch.chdir(tmp_path)
+    write_data_named_by([config], tmp_path)
     dry_run([config], capsys)
     assert deepy.main([RANK_ECHO, str(config), "--dry-run"]) == 0
     first_line = capsys.readouterr().out.splitlines()[0]
@@ -201,7 +227,8 @@ def test_dry_run_refuses_a_train_script_that_is_not_there(tmp_path, capsys):
     assert "train script 'no_such_script.py' not found" in capsys.readouterr().err
 
 
-def test_gpt_neox_20b_recipe_passes_the_dry_run_at_its_rank_count(tmp_path, tokenizer_json, capsys, fp16_capable_cpu):
+def test_gpt_neox_20b_recipe_passes_the_dry_run_at_its_rank_count(tmp_path, tokenizer_json, capsys, fp16_capable_cpu,
+                                                                  monkeypatch):
     """GPT-NeoX's own configs/20B.yml, unchanged, on its 96 ranks (a hostfile of 12 nodes x 8): 4 pipeline stages
     x 2 tensor-parallel x 12 data-parallel ranks, ZeRO-1, fp16. Only the tokenizer file is the user's, and fp16
     is allowed as on the GPU machines the recipe is for (this CPU's DeepSpeed accelerator has none)."""
@@ -209,6 +236,8 @@ def test_gpt_neox_20b_recipe_passes_the_dry_run_at_its_rank_count(tmp_path, toke
     hostfile.write_text("".join(f"node{i} slots=8\n" for i in range(12)))
     recipe = REPO_ROOT / "tests" / "fixtures" / "gpt_neox" / "configs" / "20B.yml"
     cluster = write_yaml(tmp_path, "cluster.yml", {"vocab_file": str(tokenizer_json), "hostfile": str(hostfile)})
+    monkeypatch.chdir(tmp_path)
+    write_data_named_by([recipe, cluster], tmp_path)
     report, args = dry_run([recipe, cluster], capsys)
     assert (args.global_num_gpus, args.pipe_parallel_size, args.model_parallel_size, args.data_parallel_size) == (
         96, 4, 2, 12)

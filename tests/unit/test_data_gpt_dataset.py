@@ -35,8 +35,8 @@ def make_args(**data_settings) -> NeoXArgs:
     return NeoXArgs.from_dict(settings)
 
 
-def write_documents(prefix, documents: list[np.ndarray]) -> str:
-    builder = MMapIndexedDatasetBuilder(f"{prefix}.bin", np.uint16)
+def write_documents(prefix, documents: list[np.ndarray], dtype=np.uint16) -> str:
+    builder = MMapIndexedDatasetBuilder(f"{prefix}.bin", dtype)
     for document in documents:
         builder.add_item(document)
         builder.end_document()

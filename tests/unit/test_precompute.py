@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
+from megatron.checkpointing.planning.reference import ReferenceIdentity
 from megatron.data import (
     BatchOptions,
     DataError,
@@ -31,6 +32,7 @@ from tests.unit.test_data_gpt_dataset import make_args
 pytestmark = pytest.mark.usefixtures("single_rank_world")
 
 SEQ = 16
+IDENTITY = ReferenceIdentity("/models/sft", None, "0123456789abcdef")  # the weights of the models built in-process
 PAIRS = [("hi", "hello there", "bye"), ("what is two plus four", "four", "two plus two"),
          ("hello", "hi there", "what"), ("bye", "bye bye", "ok ok")]
 
@@ -61,14 +63,14 @@ def test_dpo_on_precomputed_log_probs_has_the_live_references_loss(tmp_path):
         build_train_valid_test_datasets(args, (4, 0, 0))
 
     reference = build_model(args.architecture(), seed=1).eval()
-    written = write_reference_log_probs(reference, args, 0, logging.getLogger("test"))
+    written = write_reference_log_probs(reference, args, IDENTITY, 0, logging.getLogger("test"))
     assert written == [reference_log_probs_prefix(str(tmp_path / f"dpo_{side}_document"), "sft")
                        for side in ("chosen", "rejected")]
     stored = MMapIndexedDataset(written[0])
     chosen = MMapIndexedDataset(tmp_path / "dpo_chosen_document")
     assert stored.dtype == np.float32 and len(stored) == len(chosen)
     assert all(len(stored[i]) == SEQ for i in range(len(stored)))
-    assert write_reference_log_probs(reference, args, 0, logging.getLogger("test")) == []  # kept, not rewritten
+    assert write_reference_log_probs(reference, args, IDENTITY, 0, logging.getLogger("test")) == []  # kept, not rewritten
 
     train, _, _ = build_train_valid_test_datasets(args, (4, 0, 0))
     samples = collated(train, 4)
@@ -107,7 +109,7 @@ def test_kto_on_precomputed_log_probs_has_the_live_references_loss(kto_data, tmp
     shutil.copytree(kto_data, folder)
     args = kto_args(folder, precompute_model_name="sft")
     reference = build_model(args.architecture(), seed=1).eval()
-    written = write_reference_log_probs(reference, args, 0, logging.getLogger("test"))
+    written = write_reference_log_probs(reference, args, IDENTITY, 0, logging.getLogger("test"))
     assert written == [reference_log_probs_prefix(str(folder / "kto_messages_document"), "sft")]  # train = valid
     assert all(len(MMapIndexedDataset(written[0])[i]) == SEQ for i in range(len(PAIRS) * 2))
 
@@ -148,3 +150,116 @@ def test_precomputed_files_that_do_not_fit_the_data_are_refused_in_one_line(kto_
         build_train_valid_test_datasets(kto_args(kto_data, precompute_model_name="sft"), (8, 0, 0))
     message = str(refused.value)
     assert says in message and "generate.py (text_gen_type: precompute" in message and "\n" not in message
+
+
+# --- the identity of the model that wrote them ----------------------------------------------------------------
+
+def hf_dpo_run(folder, hf_dir, **overrides):
+    """A DPO fine-tune of the Hugging Face model in `hf_dir` on precomputed log-probabilities (data as dpo_args)."""
+    from tests.e2e.test_hf_conversion import our_args
+
+    data = {f"{sign}_{split}_{kind}data_paths": [str(folder / f"dpo_{key}_{kind}document")]
+            for split in ("train", "valid") for sign, key in (("pos", "chosen"), ("neg", "rejected"))
+            for kind in ("", "label_")}
+    return our_args(hf_dir, load=str(hf_dir), finetune=True, dataset_impl="pairwise", pack_impl="unpacked",
+                    seq_length=SEQ, train_impl="dpo", precompute_model_name="sft", train_micro_batch_size_per_gpu=2,
+                    optimizer={"type": "Adam", "params": {"lr": 1e-3}}, **{**data, **overrides})
+
+
+@pytest.fixture
+def two_models(tmp_path):
+    """Chosen/rejected data and two Hugging Face models of the same shape with other weights."""
+    from tests.e2e.test_hf_conversion import make_hf_model, save_hf
+
+    tokenizer = make_chat_tokenizer(tmp_path / "tok")
+    records = [{"chosen": chat(p, c), "rejected": chat(p, r)} for p, c, r in PAIRS]
+    run("--input", write_jsonl(tmp_path / "pairs.jsonl", records), "--tokenizer-path", str(tokenizer),
+        "--jsonl-keys", "chosen", "rejected", "--output-prefix", str(tmp_path / "dpo"))
+    return [save_hf(make_hf_model("llama_gqa", seed=seed), tmp_path / f"model_{seed}") for seed in (1, 2)]
+
+
+def precompute_from(hf_dir, args) -> list[str]:
+    """What generate.py's text_gen_type precompute does with `load` naming `hf_dir`."""
+    from megatron.hf import HF_FOLDER
+    from megatron.hf.load import load_hf_module_weights
+    from megatron.objectives.precomputed_reference import identity_of_load
+
+    model = build_model(args.architecture(), seed=0).eval()
+    model.load_state_dict(load_hf_module_weights(hf_dir, args.architecture()))
+    return write_reference_log_probs(model, args, identity_of_load(args, 1, HF_FOLDER), 0, logging.getLogger("test"))
+
+
+def check_at_start(args):
+    from megatron.checkpointing import plan_load
+    from megatron.hf import HF_FOLDER
+    from megatron.objectives.precomputed_reference import precomputed_reference
+
+    return precomputed_reference(args, plan_load(args, 1, hf_source=HF_FOLDER), 1, hf_source=HF_FOLDER)
+
+
+def test_a_run_refuses_log_probabilities_another_model_precomputed(tmp_path, two_models):
+    first, second = two_models
+    written = precompute_from(first, hf_dpo_run(tmp_path, first, text_gen_type="precompute"))
+    assert len(written) == 2 and all(Path(f"{target}.reference.json").is_file() for target in written)
+    identity = check_at_start(hf_dpo_run(tmp_path, first))  # the model the run starts from: its reference
+    assert identity.source == str(first)
+    with pytest.raises(DataError) as refused:
+        check_at_start(hf_dpo_run(tmp_path, second))
+    message = str(refused.value)
+    assert f"{written[0]}.bin/.idx hold the log-probabilities of {first}" in message
+    assert f"this run's reference model is {second}" in message and "\n" not in message
+
+
+def test_log_probabilities_that_record_no_model_are_refused(tmp_path, two_models):
+    first, _ = two_models
+    written = precompute_from(first, hf_dpo_run(tmp_path, first, text_gen_type="precompute"))
+    Path(f"{written[1]}.reference.json").unlink()  # as GPT-NeoX writes them
+    with pytest.raises(DataError, match="a model they do not record"):
+        check_at_start(hf_dpo_run(tmp_path, first))
+
+
+def test_a_second_precompute_into_the_name_keeps_its_own_files_and_replaces_another_models_only_when_asked(
+        tmp_path, two_models):
+    first, second = two_models
+    written = precompute_from(first, hf_dpo_run(tmp_path, first, text_gen_type="precompute"))
+    before = [Path(f"{target}.bin").read_bytes() for target in written]
+    assert precompute_from(first, hf_dpo_run(tmp_path, first, text_gen_type="precompute")) == []  # kept
+    with pytest.raises(DataError) as refused:
+        precompute_from(second, hf_dpo_run(tmp_path, second, text_gen_type="precompute"))
+    message = str(refused.value)
+    assert f"hold the log-probabilities of {first}" in message and "set precompute_overwrite: true" in message
+    assert [Path(f"{target}.bin").read_bytes() for target in written] == before  # nothing lost
+    assert precompute_from(second, hf_dpo_run(tmp_path, second, text_gen_type="precompute",
+                                              precompute_overwrite=True)) == written
+    assert [Path(f"{target}.bin").read_bytes() for target in written] != before
+    assert check_at_start(hf_dpo_run(tmp_path, second)).source == str(second)
+
+
+def test_dry_run_refuses_log_probabilities_another_model_precomputed_as_the_start_does(tmp_path, capsys):
+    import deepy
+    from tests.e2e.test_dry_run import RANK_ECHO
+    from tests.e2e.test_hf_conversion import make_hf_model, save_hf
+    from tests.unit.test_data_gpt_dataset import write_documents
+    from tests.unit.test_neox_args import write_yaml
+
+    first, second = (save_hf(make_hf_model("llama_gqa", seed=seed), tmp_path / f"model_{seed}", tokenizer=True)
+                     for seed in (1, 2))
+    documents = [np.arange(3, 3 + length) for length in (5, 9, 12, 7)]
+    for key in ("chosen", "rejected"):
+        write_documents(tmp_path / f"dpo_{key}_document", documents)
+        write_documents(tmp_path / f"dpo_{key}_label_document", documents, np.int32)
+    precompute_from(first, hf_dpo_run(tmp_path, first, text_gen_type="precompute"))
+    run_settings = {name: value for name, value in hf_dpo_run(tmp_path, first).given.items()
+                    if name in ("finetune", "dataset_impl", "pack_impl", "train_impl", "precompute_model_name",
+                                "train_micro_batch_size_per_gpu", "optimizer", "train_iters", "seq_length")
+                    or name.endswith("_data_paths")}
+
+    def dry_run(hf_dir) -> tuple[int, list[str]]:
+        config = write_yaml(tmp_path, "dpo.yml", {**run_settings, "load": str(hf_dir), "eval_iters": 0})
+        status = deepy.main([RANK_ECHO, str(config), "--dry-run"])
+        return status, [line for line in capsys.readouterr().err.splitlines() if line.startswith("deepy.py:")]
+
+    status, errors = dry_run(second)
+    assert status == 2 and len(errors) == 1
+    assert f"hold the log-probabilities of {first}" in errors[0] and f"reference model is {second}" in errors[0]
+    assert dry_run(first) == (0, [])

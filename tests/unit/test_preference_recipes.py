@@ -10,6 +10,7 @@ import yaml
 
 import deepy
 from megatron.tokenizer import train_bpe_tokenizer
+from tests.e2e.test_dry_run import RANK_ECHO, write_data_named_by
 from tests.unit.test_neox_args import write_yaml
 
 RECIPES = Path(__file__).resolve().parents[1] / "fixtures" / "gpt_neox" / "post_training"
@@ -21,11 +22,13 @@ RECIPES = Path(__file__).resolve().parents[1] / "fixtures" / "gpt_neox" / "post_
     ("llama3-8b-kto.yml", {"train_impl": "kto", "kto_beta": 0.1, "kto_desirable_weight": 1.0,
                            "train_reward_data_paths": ["data/kto/llama3_train_messages_reward_document"]}),
 ], ids=["dpo", "kto"])
-def test_gpt_neox_preference_recipe_passes_dry_run_at_its_rank_count(recipe, expected, tmp_path, capsys):
+def test_gpt_neox_preference_recipe_passes_dry_run_at_its_rank_count(recipe, expected, tmp_path, capsys, monkeypatch):
     tokenizer = train_bpe_tokenizer(["preference data for the recipe's dry run"] * 10, tmp_path / "tokenizer.json",
                                     vocab_size=270)
     overlay = write_yaml(tmp_path, "local.yml", {"num_gpus": 8, "vocab_file": str(tokenizer)})
-    assert deepy.main(["tests/rank_echo.py", str(RECIPES / recipe), str(overlay), "--dry-run"]) == 0
+    monkeypatch.chdir(tmp_path)  # the user's data, where the recipe's relative paths point
+    write_data_named_by([RECIPES / recipe, overlay], tmp_path)
+    assert deepy.main([RANK_ECHO, str(RECIPES / recipe), str(overlay), "--dry-run"]) == 0
     settings = yaml.safe_load(capsys.readouterr().out)["settings"]
     assert {name: settings[name] for name in expected} == expected
     assert settings["finetune"] is True and settings["model_parallel_size"] == 4

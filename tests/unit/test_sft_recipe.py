@@ -8,17 +8,20 @@ import yaml
 
 import deepy
 from megatron.tokenizer import train_bpe_tokenizer
+from tests.e2e.test_dry_run import RANK_ECHO, write_data_named_by
 from tests.unit.test_neox_args import write_yaml
 
 RECIPE = Path(__file__).resolve().parents[1] / "fixtures" / "gpt_neox" / "sft" / "llama3-8b-sft.yml"
 
 
-def test_gpt_neox_sft_recipe_passes_dry_run_at_its_rank_count(tmp_path, capsys):
+def test_gpt_neox_sft_recipe_passes_dry_run_at_its_rank_count(tmp_path, capsys, monkeypatch):
     tokenizer = train_bpe_tokenizer(["chat data for the recipe's dry run"] * 10, tmp_path / "tokenizer.json",
                                     vocab_size=270)
     # 4 tensor-parallel ranks x 2 data-parallel: one node of 8 GPUs
     overlay = write_yaml(tmp_path, "local.yml", {"num_gpus": 8, "vocab_file": str(tokenizer)})
-    assert deepy.main(["tests/rank_echo.py", str(RECIPE), str(overlay), "--dry-run"]) == 0
+    monkeypatch.chdir(tmp_path)  # the user's data, where the recipe's relative paths point
+    write_data_named_by([RECIPE, overlay], tmp_path)
+    assert deepy.main([RANK_ECHO, str(RECIPE), str(overlay), "--dry-run"]) == 0
     settings = yaml.safe_load(capsys.readouterr().out)["settings"]
     assert settings["pack_impl"] == "unpacked" and settings["allow_chopped"] is True
     assert settings["train_label_data_paths"] == ["data/sft/llama3_train_messages_label_document"]

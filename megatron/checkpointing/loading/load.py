@@ -56,12 +56,16 @@ def _module_weights(plan: LoadPlan, engine):
 
     from megatron.checkpointing.ondisk.module_weights import read_this_ranks_module_weights, this_ranks_part
     from megatron.model.pipeline import stage_weights
+    from megatron.model.weight_values import untrainable_weight
 
     if plan.hf_source is not None:
         weights = this_ranks_part([plan.hf_source.read_weights(plan.load_dir, plan.architecture)], plan.architecture)
     else:
         saved = plan.tag_inventory.saved_layout.tensor_parallel
         weights = read_this_ranks_module_weights(plan.tag_dir, saved, plan.architecture)
+        problem = next(filter(None, (untrainable_weight(name, value) for name, value in weights.items())), None)
+        if problem:
+            raise CheckpointError(f"{plan.tag_dir}: {problem}")
     return stage_weights(engine.module, weights) if isinstance(engine.module, PipelineModule) else weights
 
 
