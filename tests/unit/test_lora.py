@@ -100,6 +100,13 @@ def test_a_fresh_adapter_leaves_the_base_logits_exactly():
     assert torch.equal(_logits_of(ours, batch), _logits_of(base, batch))
 
 
+def test_adapters_leave_the_base_draws_of_a_seed_as_they_were():
+    base, _ = llama_pair()
+    plain = build_model(base.arch, seed=99).state_dict()
+    adapted = build_model(base.arch, seed=99, lora=lora_for(base.arch, "all-linear")).state_dict()
+    assert set(adapted) - set(plain) and all(torch.equal(adapted[name], value) for name, value in plain.items())
+
+
 def _one_batch_loss(logits, batch):
     return causal_lm_loss(logits, batch[:, 1:])
 
