@@ -356,10 +356,15 @@ def architecture_mismatches(theirs: Mapping[str, Any], ours: Mapping[str, Any]) 
             if name in theirs and name in ours and theirs[name] != ours[name]]
 
 
+def gpt_neox_shaped(norm: str, activation: str) -> bool:
+    """Whether a model of this norm and activation is of GPT-NeoX's family (else Llama's or a relative's)."""
+    return not (norm == "rmsnorm" and activation == "swiglu")
+
+
 def implied_family(arch: Architecture) -> str:
     """The family (as Hugging Face's model_type) ``arch`` implies: gpt_neox unless RMSNorm + SwiGLU; then qwen3
     for q/k norms, qwen2 for biases on q/k/v alone, mistral for a sliding window, else llama."""
-    if not (arch.norm == "rmsnorm" and arch.activation == "swiglu"):
+    if gpt_neox_shaped(arch.norm, arch.activation):
         return "gpt_neox"
     if arch.qk_layernorm:
         return "qwen3"

@@ -296,7 +296,7 @@ def setup(args):
         if args.pipe_parallel_size > 1:
             engine = build_pipeline_engine(args, ds_config)
         else:
-            model = build_model(args.architecture(), args.seed, partitioned_by=partitioned_by)
+            model = build_model(args.architecture(), args.seed, partitioned_by=partitioned_by, lora=args.lora())
             engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=build_param_groups(model, args.weight_decay),
                                                    config=ds_config, mpu=ModelParallelUnit())
         _log_model(args, engine.module, args.zero_stage, dp_size, args.pipe_parallel_size)
@@ -357,7 +357,9 @@ def _log_model(args, model, zero_stage: int, dp_size: int, pipeline_stages: int)
                       f"tensor-parallel rank, precision {args.precision}, ZeRO stage {zero_stage}, {dp_size} "
                       f"data-parallel rank(s) x {args.model_parallel_size} tensor-parallel"
                       + (f" x {pipeline_stages} pipeline stages (the count is the first stage's)"
-                         if pipeline_stages > 1 else ""))
+                         if pipeline_stages > 1 else "")
+                      + (f"; {sum(p.numel() for p in model.parameters() if p.requires_grad):,} of them train "
+                         "(LoRA adapters; the rest are frozen)" if args.lora_rank else ""))
 
 
 def setup_for_inference(args):
@@ -386,7 +388,7 @@ def setup_for_inference(args):
                                     "generate.py / eval.py (loads the weights only)")
     plan = plan_load(weights_only, data_parallel_rank_and_size()[1], hf_source=HF_FOLDER)
     set_seeds(args.seed)
-    model = build_model(args.architecture(), args.seed)
+    model = build_model(args.architecture(), args.seed, lora=args.lora())
     _log_model(args, model, 0, data_parallel_rank_and_size()[1], pipeline_stages=1)  # every rank runs the whole model
     engine, _, _, _ = deepspeed.initialize(model=model, config=build_inference_deepspeed_config(args.to_dict()),
                                            mpu=ModelParallelUnit())

@@ -23,6 +23,7 @@ from megatron.architecture import Architecture
 from megatron.checkpointing import is_legacy_buffer_key, translate_legacy_key
 from megatron.hf.config import FAMILIES, LLAMA_LIKE
 from megatron.hf.errors import HFConversionError
+from megatron.model.attention import query_key_value_rows
 from megatron.model.gpt_model import layer_key
 from megatron.model.weight_values import untrainable_weight
 
@@ -53,27 +54,16 @@ class Direction:
 
 def _qkv_converters(arch: Architecture) -> tuple[Convert, Convert]:
     """fuse(q, k, v) -> [qkv] and split([qkv]) -> [q, k, v] in our layout (weights and biases alike)."""
-    heads, kv_heads, head_dim = arch.num_attention_heads, arch.num_kv_heads, arch.head_dim
-    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-    if kv_heads < heads:  # grouped: all q heads, all k heads, all v heads
+    rows = query_key_value_rows(arch)
 
-        def fuse(parts):
-            return [torch.cat(parts, dim=0)]
-
-        def split(fused):
-            return [part.clone() for part in fused[0].split(sizes, dim=0)]
-
-        return fuse, split
-
-    def fuse(parts):  # per head [q, k, v]
-        rest = parts[0].shape[1:]
-        per_head = [p.reshape(heads, head_dim, *rest) for p in parts]
-        return [torch.stack(per_head, dim=1).reshape(3 * heads * head_dim, *rest)]
+    def fuse(parts):
+        fused = parts[0].new_empty((sum(len(r) for r in rows), *parts[0].shape[1:]))
+        for part_rows, part in zip(rows, parts, strict=True):
+            fused[part_rows] = part
+        return [fused]
 
     def split(fused):
-        rest = fused[0].shape[1:]
-        per_head = fused[0].reshape(heads, 3, head_dim, *rest)
-        return [per_head[:, i].reshape(heads * head_dim, *rest).clone() for i in range(3)]
+        return [fused[0][part_rows] for part_rows in rows]
 
     return fuse, split
 

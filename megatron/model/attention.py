@@ -29,6 +29,17 @@ from megatron.model.rotary import rotate, split_qkv
 from megatron.ranks import tensor_parallel_rank, tensor_parallel_size
 
 
+def query_key_value_rows(arch: Architecture) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of the whole ``query_key_value`` (tensor-parallel size 1) that hold the queries, the keys and
+    the values, each in the order of the separate projection's rows."""
+    heads, kv_heads, head_dim = arch.num_attention_heads, arch.num_kv_heads, arch.head_dim
+    if kv_heads < heads:
+        return tuple(torch.arange((heads + 2 * kv_heads) * head_dim).split(
+            [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]))
+    per_head = torch.arange(3 * heads * head_dim).reshape(heads, 3, head_dim)
+    return tuple(per_head[:, part].reshape(-1) for part in range(3))
+
+
 def sliding_window_mask(seq_len: int, width: int | None, device: torch.device | None = None,
                         past: int = 0) -> torch.Tensor:
     """[seq, past + seq] booleans, True where query i may attend key j: i - width <= j <= i.

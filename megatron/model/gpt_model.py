@@ -22,9 +22,11 @@ import torch.utils.checkpoint
 from deepspeed.accelerator import get_accelerator
 
 from megatron.architecture import Architecture, ModelConfigError
+from megatron.lora_settings import LoraSettings
 from megatron.model.embedding import Embedding
 from megatron.model.init_methods import init_std, initialise_parameters, normal_init
 from megatron.model.kv_cache import KVCache
+from megatron.model.lora import add_adapters, initialise_adapters
 from megatron.model.norms import build_norm
 from megatron.model.parallel_layers import (
     ColumnParallelLinear,
@@ -102,7 +104,7 @@ def _init_methods(arch: Architecture):
 class GPTModel(torch.nn.Module):
     """The decoder's structure; ``initialise_weights`` draws its weights (``build_model`` does both)."""
 
-    def __init__(self, arch: Architecture):
+    def __init__(self, arch: Architecture, lora: LoraSettings | None = None):
         super().__init__()
         self.arch = arch
         init_method, output_init_method = _init_methods(arch)
@@ -121,10 +123,13 @@ class GPTModel(torch.nn.Module):
         self.rotary = (
             RotaryEmbedding(arch.rotary_ndims, arch.rotary_emb_base, arch.rope_scaling) if arch.pos_emb == "rotary" else None
         )
+        if lora is not None:
+            add_adapters(self, lora)
 
     def initialise_weights(self) -> None:
         """Draw every weight from the current RNG state (init_methods.initialise_parameters)."""
         initialise_parameters(self, self.arch, *_init_methods(self.arch), tensor_parallel_rank(), tensor_parallel_size())
+        initialise_adapters(self)  # after the base: its draws are those of the same model without adapters
 
     @property
     def embedding(self) -> Embedding:
@@ -189,8 +194,10 @@ class GPTModel(torch.nn.Module):
         return logits if parallel_output else gather_last_dim(logits)
 
 
-def build_model(arch: Architecture, seed: int, partitioned_by=None) -> GPTModel:
+def build_model(arch: Architecture, seed: int, partitioned_by=None, lora: LoraSettings | None = None) -> GPTModel:
     """GPTModel with weights drawn from ``seed`` (same seed, same weights), on the accelerator.
+
+    With ``lora`` it has those LoRA adapters and only they train (megatron/model/lora.py).
 
     ``partitioned_by``, a ``deepspeed.zero.Init`` context, builds the model ZeRO-3-partitioned: each
     module's parameters are partitioned as soon as the module exists, so no rank holds the whole model,
@@ -200,7 +207,7 @@ def build_model(arch: Architecture, seed: int, partitioned_by=None) -> GPTModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         with partitioned_by or contextlib.nullcontext():
-            model = GPTModel(arch)
+            model = GPTModel(arch, lora)
         # Outside the context: inside it, DeepSpeed makes every new float tensor the training dtype,
         # and the draws must be fp32 to be the same for every precision.
         model.initialise_weights()

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron.architecture import Architecture, architecture_from_settings
+from megatron.lora_settings import LoraSettings, lora_settings
 from megatron.neox_arguments.deepspeed_config import build_deepspeed_config
 from megatron.neox_arguments.derived import derive_all
 from megatron.neox_arguments.errors import ConfigError
@@ -177,6 +178,10 @@ class NeoXArgs:
     def architecture(self) -> Architecture:
         """The model these settings describe (padded_vocab_size must be set); ModelConfigError if none."""
         return architecture_from_settings({name: getattr(self, name) for name in SETTINGS})
+
+    def lora(self) -> LoraSettings | None:
+        """The LoRA adapters these settings ask for; None when lora_rank is 0."""
+        return lora_settings({name: getattr(self, name) for name in SETTINGS})
 
     def source_of(self, name: str) -> str:
         """The config file that set `name`, or "default" / "derived"."""

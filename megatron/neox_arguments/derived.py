@@ -15,9 +15,11 @@ from megatron.architecture import (
     ModelConfigError,
     built_intermediate_size,
     gelu_approximation,
+    gpt_neox_shaped,
     rope_scaling_of,
     tensor_parallel_split_problem,
 )
+from megatron.lora_settings import target_modules_of
 from megatron.neox_arguments.errors import ConfigError, where
 from megatron.neox_arguments.numbers import deepspeed_sections
 from megatron.neox_arguments.world import active_hosts, effective_hostfile
@@ -76,6 +78,7 @@ def derive_all(v: dict[str, Any], sources: dict[str, str], require_run_settings:
     _check_profiling(v, sources)
     _check_train_impl(v, sources)
     _check_pipeline(v, sources)
+    _check_lora(v, sources)
     if require_run_settings:
         _check_data(v, sources)
 
@@ -522,6 +525,27 @@ def _check_train_impl(v: dict[str, Any], sources: dict[str, str]) -> None:
                                                                "2 or more")
     if v["train_impl"] == "rm":
         _check_reward_model(v, sources)
+
+
+def _check_lora(v: dict[str, Any], sources: dict[str, str]) -> None:
+    if v["lora_rank"] < 0:
+        raise _fail(sources, "lora_rank", f"must not be negative (0: no LoRA), got {v['lora_rank']}")
+    if not v["lora_rank"]:
+        return
+    if v["lora_alpha"] <= 0:
+        raise _fail(sources, "lora_alpha", f"must be positive, got {v['lora_alpha']}")
+    if not 0 <= v["lora_dropout"] < 1:
+        raise _fail(sources, "lora_dropout", f"must be in [0, 1), got {v['lora_dropout']}")
+    try:
+        target_modules_of(v["lora_target_modules"], gpt_neox_shaped(v["norm"], v["activation"]))
+    except ModelConfigError as err:
+        raise _fail(sources, "lora_target_modules", str(err)) from None
+    not_yet = {"model_parallel_size": v["model_parallel_size"] > 1, "zero_optimization": v["zero_stage"] == 3,
+               "pipe_parallel_size": (v["pipe_parallel_size"] or 0) > 1, "train_impl": v["train_impl"] != "normal"}
+    for name, unsupported in not_yet.items():
+        if unsupported:
+            raise _fail(sources, name, "LoRA (lora_rank > 0) runs so far with tensor parallelism 1, ZeRO stages 0-2, "
+                                       "no pipeline and train_impl normal; change this or set lora_rank: 0")
 
 
 def _check_reward_model(v: dict[str, Any], sources: dict[str, str]) -> None:

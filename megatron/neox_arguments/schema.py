@@ -107,6 +107,17 @@ SETTINGS_LIST: list[Setting] = [
     _train("kto_fp32", bool, True, "KTO: cast the logits to fp32 before taking log-probabilities"),
     _train("kto_desirable_weight", FLOAT, 1.0, "KTO: the weight of samples whose reward is above 0"),
     _train("kto_undesirable_weight", FLOAT, 1.0, "KTO: the weight of samples whose reward is below 0"),
+    _train("lora_rank", int, 0, "LoRA (PEFT's r): train a rank-r adapter beside each targeted linear layer, "
+           "the base weights frozen; 0: off, every weight trains", gpt_neox=False),
+    _train("lora_alpha", FLOAT, 8, "LoRA (PEFT's lora_alpha): the adapters' output is scaled by "
+           "lora_alpha / lora_rank (lora_alpha / sqrt(lora_rank) with lora_use_rslora)", gpt_neox=False),
+    _train("lora_dropout", FLOAT, 0.0, "LoRA (PEFT's lora_dropout): dropout on the adapters' input", gpt_neox=False),
+    _train("lora_target_modules", (list, str, type(None)), None, "LoRA (PEFT's target_modules): the Hugging Face "
+           "modules adapted, named as in the HF model (Llama family: q_proj, k_proj, v_proj, o_proj, gate_proj, "
+           "up_proj, down_proj; GPT-NeoX: query_key_value, dense, dense_h_to_4h, dense_4h_to_h) or all-linear; "
+           "unset: PEFT's default (q_proj and v_proj; GPT-NeoX: query_key_value)", gpt_neox=False),
+    _train("lora_use_rslora", bool, False, "LoRA (PEFT's use_rslora): scale by lora_alpha / sqrt(lora_rank)",
+           gpt_neox=False),
     _train("optimizer", (dict, type(None)), None, "optimizer as {type: Adam|AdamW|SGD, params: {lr, betas, eps, ...}}"),
     _train("lr", OPT_FLOAT, None, "peak learning rate; normally given as optimizer.params.lr; unset in both: 0.001 (GPT-NeoX's Adam default)"),
     _train("min_lr", FLOAT, 0.0, "learning rate at the end of the decay"),

@@ -20,7 +20,7 @@ from megatron.checkpointing.ondisk.client_state import ClientState
 from megatron.checkpointing.ondisk.rng import restore_rng_states
 from megatron.checkpointing.ondisk.verified_files import checkpoint_file_problem, checks_beside_use
 from megatron.checkpointing.planning.lineage import Lineage
-from megatron.checkpointing.planning.plan import LM_HEAD, REWARD_HEAD, LoadPlan
+from megatron.checkpointing.planning.plan import ADAPTERS, LM_HEAD, REWARD_HEAD, LoadPlan
 from megatron.collective import reported_by_ranks
 from megatron.ranks import global_rank, rank_and_world, tensor_parallel_rank
 
@@ -179,8 +179,9 @@ def load_checkpoint(engine, plan: LoadPlan) -> LoadOutcome | None:
             weights = _module_weights(plan, engine)
             if plan.fresh_reward_head:
                 weights = {name: value for name, value in weights.items() if not name.endswith(LM_HEAD)}
+            keep_initialised = (REWARD_HEAD if plan.fresh_reward_head else ()) + (ADAPTERS if plan.fresh_adapters else ())
             module_report = load_module_only(engine, weights, strict=plan.strict, allow_random=plan.allow_random,
-                                             keep_initialised=REWARD_HEAD if plan.fresh_reward_head else ())
+                                             keep_initialised=keep_initialised)
         if not module_report.complete:
             _logger().info(module_report.describe())
         client_state = plan.client_state

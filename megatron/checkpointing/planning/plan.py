@@ -19,6 +19,10 @@ model -- a language model's checkpoint or a Hugging Face causal LM -- load every
 keep the head as initialised (`fresh_reward_head`, said in the plan); any other load is strict as usual,
 and a full resume of a language model's checkpoint into a reward model is refused.
 
+A LoRA run (lora_rank > 0) starts its adapters fresh over the weights of a source without adapters (a
+checkpoint saved without lora_rank, a Hugging Face folder) in a weights-only load (`fresh_adapters`, said in
+the plan); a full resume of such a checkpoint into a LoRA run is refused. A LoRA run's own tags load strictly.
+
 The plan is the whole contract of a load: `load.load_checkpoint(engine, plan)` reads no settings.
 """
 
@@ -49,6 +53,7 @@ from megatron.checkpointing.planning.data_position import DataPosition, data_pos
 # Parameter-name endings of a language model's output layer and of a reward model's head.
 LM_HEAD = ("final_linear.weight",)
 REWARD_HEAD = ("rm_linear.weight",)
+ADAPTERS = (".lora_A", ".lora_B")  # megatron/model/lora.py's adapter weights
 
 
 class LoadMode(str, enum.Enum):
@@ -86,6 +91,7 @@ class LoadPlan:
     tag_inventory: TagInventory | None = field(default=None, repr=False, compare=False)
     hf_source: WeightsSource | None = field(default=None, repr=False, compare=False)  # reads a FORMAT_HF folder
     fresh_reward_head: bool = False  # a reward model from a language model: its head as initialised, see above
+    fresh_adapters: bool = False  # LoRA over a source without adapters: the adapters as initialised, see above
 
     @property
     def architecture(self) -> Architecture:
@@ -131,6 +137,8 @@ class LoadPlan:
         if self.fresh_reward_head:
             fresh.append("reward head rm_linear (drawn from the seed; the source is a language model, its output "
                          "layer final_linear is not loaded)")
+        if self.fresh_adapters:
+            fresh.append("LoRA adapters (A drawn from the seed, B zero; the loaded weights stay frozen)")
         root = self.tag_dir if self.tag_dir is not None else self.load_dir
         files = ", ".join(_relative(p, root) for p in self.files)
         lines = [
@@ -243,7 +251,8 @@ def _hf_plan(args, inventory: CheckpointInventory, mode: LoadMode) -> LoadPlan:
     return LoadPlan(mode=mode, load_dir=root, source_format=FORMAT_HF, **_contract(args),
                     files=inventory.hf_files, hf_source=inventory.hf_source, model=_model(args),
                     notes=(*_model_from_checkpoint_note(args, root), unchecked),
-                    fresh_reward_head=args.train_impl == "rm" and not inventory.hf_source.is_reward_model(root))
+                    fresh_reward_head=args.train_impl == "rm" and not inventory.hf_source.is_reward_model(root),
+                    fresh_adapters=args.lora_rank > 0)
 
 
 def _model(args) -> str | None:
@@ -384,6 +393,7 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         tag_inventory=tag,
         model=_model(args),
         fresh_reward_head=_fresh_reward_head(args, client, tag, load_optimizer),
+        fresh_adapters=_fresh_adapters(args, client, tag, load_optimizer),
     )
     _check_iterations_left(plan, args)
     preflight.check_plan(files, load_optimizer, tag, args, change)
@@ -400,6 +410,17 @@ def _fresh_reward_head(args, client: ClientState, tag: TagInventory, load_optimi
             f"{tag.path} is a language model's checkpoint (train_impl {(client.settings or {}).get('train_impl')!r}), "
             "not a reward model's, so a full resume cannot restore a reward model from it; set `finetune: true` "
             "to start the reward model from its weights with a fresh head")
+    return True
+
+
+def _fresh_adapters(args, client: ClientState, tag: TagInventory, load_optimizer: bool) -> bool:
+    """Whether a LoRA run starts its adapters fresh over this tag's weights (the module docstring)."""
+    if not args.lora_rank or (client.settings or {}).get("lora_rank"):
+        return False
+    if load_optimizer:
+        raise CheckpointError(
+            f"{tag.path} was saved without LoRA adapters (lora_rank 0), so a full resume cannot restore a LoRA run "
+            "from it; set `finetune: true` to train fresh adapters over its weights")
     return True
 
 

@@ -1,0 +1,96 @@
+"""LoRA's settings resolved (PEFT's meanings), and the Hugging Face module names our layers answer to.
+
+A target is named as PEFT names the module of the HF model (``q_proj``, ``query_key_value``, ...).
+Some of our layers fuse several HF modules: Llama's q, k and v projections are our
+``attention.query_key_value``, its up and gate projections our ``mlp.linear1``. A target on such a
+module adapts its part of the fused layer's output with an adapter pair of its own, exactly as
+PEFT's adapter on the separate HF module does (megatron/model/lora.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from megatron.architecture import ModelConfigError, gpt_neox_shaped
+
+ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer of the blocks (not the output layer)
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    linear: str  # our layer, under a transformer layer
+    part: str | None = None  # the part of its output the HF module computes; None: all of it
+
+
+_GPT_NEOX_TARGETS = {
+    "query_key_value": LoraTarget("attention.query_key_value"),
+    "dense": LoraTarget("attention.dense"),
+    "dense_h_to_4h": LoraTarget("mlp.linear1"),
+    "dense_4h_to_h": LoraTarget("mlp.linear2"),
+}
+_LLAMA_TARGETS = {
+    "q_proj": LoraTarget("attention.query_key_value", "query"),
+    "k_proj": LoraTarget("attention.query_key_value", "key"),
+    "v_proj": LoraTarget("attention.query_key_value", "value"),
+    "o_proj": LoraTarget("attention.dense"),
+    "gate_proj": LoraTarget("mlp.linear1", "gate"),
+    "up_proj": LoraTarget("mlp.linear1", "up"),
+    "down_proj": LoraTarget("mlp.linear2"),
+}
+# PEFT's own choice when target_modules is not given (peft.utils.constants, for gpt_neox and the Llama family)
+_PEFT_DEFAULT_TARGETS = {True: ("query_key_value",), False: ("q_proj", "v_proj")}
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...]  # PEFT's names, in the model's order
+    use_rslora: bool
+    gpt_neox: bool  # the model is of GPT-NeoX's family (else Llama's): which names the targets are
+
+    @property
+    def scaling(self) -> float:
+        """PEFT's factor of the adapter's output: alpha / r, or alpha / sqrt(r) with rank-stabilised LoRA."""
+        return self.alpha / math.sqrt(self.rank) if self.use_rslora else self.alpha / self.rank
+
+    def targets(self) -> dict[str, LoraTarget]:
+        """Each target's HF name -> our layer and part."""
+        table = _GPT_NEOX_TARGETS if self.gpt_neox else _LLAMA_TARGETS
+        return {name: table[name] for name in self.target_modules}
+
+
+def target_modules_of(value: str | list[str] | None, gpt_neox: bool) -> tuple[str, ...]:
+    """The targets ``lora_target_modules`` names, in the model's order; ModelConfigError for a name the model lacks."""
+    known = tuple(_GPT_NEOX_TARGETS if gpt_neox else _LLAMA_TARGETS)
+    if value is None:
+        return _PEFT_DEFAULT_TARGETS[gpt_neox]
+    names = [value] if isinstance(value, str) else list(value)
+    if names == [ALL_LINEAR]:
+        return known
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        family = "GPT-NeoX" if gpt_neox else "Llama-family"
+        raise ModelConfigError(
+            f"{', '.join(map(repr, unknown)) or 'an empty list'} names no linear module of this {family} model; "
+            f"use some of {', '.join(known)}, or {ALL_LINEAR!r}")
+    return tuple(name for name in known if name in names)
+
+
+def lora_settings(values: Mapping[str, Any]) -> LoraSettings | None:
+    """The LoRA of checked settings (megatron/neox_arguments/derived.py checks them); None when lora_rank is 0."""
+    if not values["lora_rank"]:
+        return None
+    gpt_neox = gpt_neox_shaped(values["norm"], values["activation"])
+    return LoraSettings(
+        rank=values["lora_rank"],
+        alpha=float(values["lora_alpha"]),
+        dropout=float(values["lora_dropout"]),
+        target_modules=target_modules_of(values["lora_target_modules"], gpt_neox),
+        use_rslora=values["lora_use_rslora"],
+        gpt_neox=gpt_neox,
+    )
