@@ -22,19 +22,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_world as world  # noqa: E402
 import torch  # noqa: E402
-from bench_world import LLAMA, build_engine, init_world, leaves_the_world, model_settings  # noqa: E402
-from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from harness import Ratios, bench_parser, in_turn, repeat_ratios, table, write_json  # noqa: E402
-from procmem import measure_memory, return_freed_memory_to_os, status_kib  # noqa: E402
+from procmem import measure_memory, status_kib  # noqa: E402
 
 from megatron.data import BatchOptions  # noqa: E402
 from megatron.model import build_model  # noqa: E402
@@ -49,8 +48,8 @@ def llama_settings(options: argparse.Namespace, micro_batch: int, zero_stage: in
     """A Llama-family model of the options' --layers, --hidden, --heads, --seq, --vocab and --precision, without
     dropout, trained with Adam (bench_reference_zero3.py builds the same)."""
     precision = {"bf16": {"precision": "bf16", "bf16": {"enabled": True}}}.get(options.precision, {})
-    return NeoXArgs.from_dict(model_settings(
-        options, **LLAMA, num_kv_heads=max(options.heads // 2, 1), mlp_multiple_of=32,
+    return NeoXArgs.from_dict(world.model_settings(
+        options, **world.LLAMA, num_kv_heads=max(options.heads // 2, 1), mlp_multiple_of=32,
         train_micro_batch_size_per_gpu=micro_batch, optimizer={"type": "Adam", "params": {"lr": 1e-5}},
         zero_optimization={"stage": zero_stage}, train_iters=10, **precision))
 
@@ -82,23 +81,20 @@ def step(engine, objective, samples) -> float:
     return time.perf_counter() - started
 
 
-@leaves_the_world
+@world.leaves_the_world
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, layers=4, hidden=256, heads=4, vocab=8192, seq=256, precision="fp32",
                           zero_stage=1, zero_stages=(0, 1, 2), repeats=5)
     parser.add_argument("--objective", choices=("dpo", "kto"), default="dpo")
     parser.add_argument("--pairs", type=int, default=2, help="DPO micro batch (pairs); SFT takes twice as many rows")
     options = parser.parse_args(argv)
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    deepspeed_logger.setLevel("WARNING")
-    return_freed_memory_to_os()
-    init_world()
+    world.measuring_process(options.threads)
+    world.init_world()
     load_before = os.getloadavg()[0]
     args = llama_settings(options, 2 * options.pairs, options.zero_stage)
 
     before_models_kib = status_kib("VmRSS")
-    engine = build_engine(build_model(args.architecture(), args.seed), args.deepspeed_config())
+    engine = world.build_engine(build_model(args.architecture(), args.seed), args.deepspeed_config())
     generator = torch.Generator().manual_seed(0)
     rows = 2 * options.pairs
     text = torch.randint(0, options.vocab, (rows, options.seq + 1), generator=generator)
@@ -145,24 +141,24 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.__version__}, {torch.get_num_threads()} threads; load average {load_average[1]:.2f}; "
           f"reference model resident: {reference_mib:.1f} MiB")
     print(table(["step", "median ms", "min ms", "max ms", "peak RSS above start (MiB)"],
-                [[name, 1e3 * statistics.median(times[name]), 1e3 * min(times[name]), 1e3 * max(times[name]),
-                  statistics.median(peak_mib[name])] for name in order]))
+                [[name, 1e3 * median(times[name]), 1e3 * min(times[name]), 1e3 * max(times[name]),
+                  median(peak_mib[name])] for name in order]))
     report = Ratios()
     title = options.objective.upper()
 
     def per_repeat(name: str) -> list[float]:
         return repeat_ratios(times[name], times["sft"])
 
-    report.add(f"{name_live}/sft step_seconds", statistics.median(times[name_live]), statistics.median(times["sft"]),
+    report.add(f"{name_live}/sft step_seconds", median(times[name_live]), median(times["sft"]),
                f"a {title} step (live reference) against an SFT step on as many sequences", per_repeat(name_live))
-    report.add(f"{name_precomputed}/sft step_seconds", statistics.median(times[name_precomputed]),
-               statistics.median(times["sft"]),
+    report.add(f"{name_precomputed}/sft step_seconds", median(times[name_precomputed]),
+               median(times["sft"]),
                f"a {title} step reading precomputed reference log-probabilities against the SFT step",
                per_repeat(name_precomputed))
-    report.add(f"{name_live}/sft peak_rss", statistics.median(peak_mib[name_live]), statistics.median(peak_mib["sft"]),
+    report.add(f"{name_live}/sft peak_rss", median(peak_mib[name_live]), median(peak_mib["sft"]),
                f"peak memory of the {title} step (reference resident) against the SFT step")
-    report.add(f"{name_precomputed}/{name_live} peak_rss", statistics.median(peak_mib[name_precomputed]),
-               statistics.median(peak_mib[name_live]), "below 1: the memory precompute_model_name saves")
+    report.add(f"{name_precomputed}/{name_live} peak_rss", median(peak_mib[name_precomputed]),
+               median(peak_mib[name_live]), "below 1: the memory precompute_model_name saves")
     write_json(options, __doc__, report, load_average, step_seconds=times, peak_mib=peak_mib,
                reference_mib=reference_mib)
     return 0

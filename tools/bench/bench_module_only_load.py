@@ -42,27 +42,18 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import bench_world as world  # noqa: E402
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_world import (  # noqa: E402
-    build_engine,
-    deepspeed_config,
-    free_port,
-    init_world,
-    leaves_the_world,
-    model_settings,
-    train_step,
-)
-from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from harness import (  # noqa: E402
     Ratios,
     bench_parser,
@@ -74,7 +65,7 @@ from harness import (  # noqa: E402
     write_json,
 )  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
-from procmem import PeakSampler, measure_memory, return_freed_memory_to_os  # noqa: E402
+from procmem import PeakSampler, measure_memory  # noqa: E402
 
 from megatron.checkpointing import commit, layout, manifest  # noqa: E402
 from megatron.checkpointing.engine_save import save_engine_checkpoint  # noqa: E402
@@ -94,9 +85,10 @@ def tensor_parallel_engine(options: argparse.Namespace, tensor_parallel_size: in
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_parallel_size, 1)
-    args = NeoXArgs.from_dict(model_settings(options, model_parallel_size=tensor_parallel_size, num_gpus=options.ranks))
-    return build_engine(build_model(args.architecture(), args.seed),
-                        deepspeed_config(options.batch, options.zero_stage, options.precision, lr=1e-3))
+    args = NeoXArgs.from_dict(world.model_settings(options, model_parallel_size=tensor_parallel_size,
+                                                   num_gpus=options.ranks))
+    return world.build_engine(build_model(args.architecture(), args.seed),
+                              world.deepspeed_config(options.batch, options.zero_stage, options.precision, lr=1e-3))
 
 
 def trained_weights(engine) -> dict[str, torch.Tensor]:
@@ -161,7 +153,7 @@ def timed_then_sampled(call) -> dict[str, float]:
 def trained_and_saved(options: argparse.Namespace, tensor_parallel_size: int, save_dir: Path, tokens: torch.Tensor):
     """An engine at ``tensor_parallel_size`` after one training step, and the tag it saved in ``save_dir``."""
     engine = tensor_parallel_engine(options, tensor_parallel_size)
-    train_step(engine, tokens.to(engine.device))  # warm-up, and optimizer state exists as in a real run
+    world.train_step(engine, tokens.to(engine.device))  # warm-up, and optimizer state exists as in a real run
     commit.stop_if_any_rank_failed(save_dir, TAG, save_engine_checkpoint(engine, save_dir, TAG, {"iteration": 1}))
     tag_dir = save_dir / TAG
     if dist.get_rank() == 0:  # DeepSpeed's own ZeRO-3 module-only load reads `latest`
@@ -228,7 +220,7 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
         for name in in_turn(list(loads), repeat):
             load = loads[name]
             gc.collect()
-            samples["train_step"].append(timed(lambda: train_step(engine, tokens)))
+            samples["train_step"].append(timed(lambda: world.train_step(engine, tokens)))
             if options.cold:
                 evict_from_page_cache(tag_dir)
             forget_checked_files()  # every repeat checks the files, as each restarted run does
@@ -242,28 +234,21 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
                 gc.collect()
                 samples["checksum"].append(timed_then_sampled(lambda: manifest.verify_files(tag_dir, [module_file])))
     files_mib = sum(p.stat().st_size for p in tag_dir.iterdir() if p.is_file()) / 2**20
-    medians = {name: {key: statistics.median([s[key] for s in runs]) for key in runs[0]} for name, runs in samples.items()}
+    medians = {name: {key: median([s[key] for s in runs]) for key in runs[0]} for name, runs in samples.items()}
     return {"parameters": n_params, "checkpoint_mib": files_mib, "medians": medians,
             "walls": {name: [s["wall"] for s in runs] for name, runs in samples.items()},
             "threads": torch.get_num_threads()}
 
 
-@leaves_the_world
+@world.leaves_the_world
 def rank_main(rank: int, options: argparse.Namespace, port: int, scratch: str) -> None:
-    init_world(rank, options.ranks, port)
+    world.init_world(rank, options.ranks, port)
     result = measure_rank(options, Path(scratch) / "checkpoint")
     (Path(scratch) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def setup_process(options: argparse.Namespace) -> bool:
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    deepspeed_logger.setLevel("WARNING")
-    return return_freed_memory_to_os()
-
-
 def spawned_rank(rank: int, options: argparse.Namespace, port: int, scratch: str) -> None:
-    setup_process(options)
+    world.measuring_process(options.threads)
     rank_main(rank, options, port, scratch)
 
 
@@ -354,10 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, size in (("--tp", options.tp), ("--saved-tp", options.saved_tp)):
         if size < 1 or options.ranks % size:
             parser.error(f"{name} {size} must divide --ranks {options.ranks}")
-    malloc_returns_memory = setup_process(options)
+    malloc_returns_memory = world.measuring_process(options.threads)
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench_module_only_") as scratch:
-        port = free_port()
+        port = world.free_port()
         if options.ranks == 1:
             rank_main(0, options, port, scratch)
         else:

@@ -30,18 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import bench_world as world  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_world import (  # noqa: E402
-    PYTHIA,
-    build_engine,
-    deepspeed_config,
-    free_port,
-    init_world,
-    leaves_the_world,
-    model_settings,
-)
-from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from harness import Ratios, bench_parser, in_turn, repeat_ratios, slowest_rank, write_json  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
@@ -56,7 +47,8 @@ STAGES = 2
 
 
 def model_args(options: argparse.Namespace) -> NeoXArgs:
-    return NeoXArgs.from_dict(model_settings(options, **PYTHIA, pipe_parallel_size=STAGES, num_gpus=STAGES))
+    return NeoXArgs.from_dict(world.model_settings(options, **world.PYTHIA, pipe_parallel_size=STAGES,
+                                                   num_gpus=STAGES))
 
 
 def samples(options: argparse.Namespace, count: int):
@@ -66,8 +58,8 @@ def samples(options: argparse.Namespace, count: int):
 
 
 def config(options: argparse.Namespace, micro_batches: int) -> dict:
-    return deepspeed_config(options.micro, 1, "fp32", optimizer="AdamW", gradient_accumulation_steps=micro_batches,
-                            gradient_clipping=1.0)
+    return world.deepspeed_config(options.micro, 1, "fp32", optimizer="AdamW",
+                                  gradient_accumulation_steps=micro_batches, gradient_clipping=1.0)
 
 
 def set_groups(pipe: int) -> None:
@@ -78,7 +70,7 @@ def set_groups(pipe: int) -> None:
 def one_module_step(options, args):
     set_groups(1)
     model = build_model(args.architecture(), args.seed)
-    engine = build_engine(model, config(options, options.micro_batches))
+    engine = world.build_engine(model, config(options, options.micro_batches))
 
     def step():
         for micro_batch in samples(options, options.micro_batches):
@@ -91,7 +83,7 @@ def two_stages_step(options, args):
     set_groups(STAGES)
     module = build_pipeline_model(args.architecture(), args.seed, STAGES, "type:transformer|mlp")
     micro_batches = options.micro_batches * STAGES  # one replica instead of 2: the same tokens per step
-    engine = build_engine(module, config(options, micro_batches), mpu=False)
+    engine = world.build_engine(module, config(options, micro_batches), mpu=False)
 
     def step():
         engine.train_batch(pipeline_batches(samples(options, micro_batches), BatchOptions()))
@@ -107,11 +99,10 @@ def timed(step, steps: int) -> float:
     return (time.perf_counter() - started) / steps
 
 
-@leaves_the_world
+@world.leaves_the_world
 def rank_main(rank: int, options: argparse.Namespace, port: int, scratch: str) -> None:
-    torch.set_num_threads(options.threads)
-    deepspeed_logger.setLevel("WARNING")
-    init_world(rank, STAGES, port)
+    world.measuring_process(options.threads, return_freed_memory=False)
+    world.init_world(rank, STAGES, port)
     args = model_args(options)
     steps = {"one_module": one_module_step(options, args), "two_stages": two_stages_step(options, args)}
     for step in steps.values():
@@ -132,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as scratch:
-        torch.multiprocessing.spawn(rank_main, args=(options, free_port(), scratch), nprocs=STAGES)
+        torch.multiprocessing.spawn(rank_main, args=(options, world.free_port(), scratch), nprocs=STAGES)
         ranks = [json.loads((Path(scratch) / f"rank{r}.json").read_text()) for r in range(STAGES)]
     tokens = STAGES * options.micro_batches * options.micro * options.seq  # per optimizer step, both sides
     load_average = (load_before, os.getloadavg()[0])

@@ -28,13 +28,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_world as world  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from bench_dpo_step import llama_settings  # noqa: E402
-from bench_world import free_port, init_world, leaves_the_world  # noqa: E402
-from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from harness import Ratios, bench_parser, table, write_json  # noqa: E402
-from procmem import PeakSampler, return_freed_memory_to_os, smaps_rollup_kib  # noqa: E402
+from procmem import PeakSampler, smaps_rollup_kib  # noqa: E402
 
 from megatron.data import BatchOptions, get_batch  # noqa: E402
 from megatron.initialize import current_device  # noqa: E402
@@ -65,13 +64,10 @@ def measure_rank(options: argparse.Namespace, stage: int) -> dict:
             "forward_peak_mib": held + forward_growth, "log_prob_sum": float(log_probs.sum())}
 
 
-@leaves_the_world
+@world.leaves_the_world
 def rank_main(rank: int, options: argparse.Namespace, port: int, scratch: str, stage: int) -> None:
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    deepspeed_logger.setLevel("WARNING")
-    return_freed_memory_to_os()
-    init_world(rank, options.ranks, port)
+    world.measuring_process(options.threads)
+    world.init_world(rank, options.ranks, port)
     (Path(scratch) / f"zero{stage}-rank{rank}.json").write_text(json.dumps(measure_rank(options, stage)))
 
 
@@ -84,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[int, list[dict]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         for stage in STAGES:
-            torch.multiprocessing.spawn(rank_main, args=(options, free_port(), scratch, stage), nprocs=options.ranks)
+            torch.multiprocessing.spawn(rank_main, args=(options, world.free_port(), scratch, stage),
+                                        nprocs=options.ranks)
             results[stage] = [json.loads((Path(scratch) / f"zero{stage}-rank{rank}.json").read_text())
                               for rank in range(options.ranks)]
     whole = results[1][0]["parameters"]  # ZeRO-1: every rank holds the whole model

@@ -26,9 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import bench_world as world  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_world import build_engine, free_port, init_world, leaves_the_world, model_settings, train_step  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from harness import Ratios, bench_parser, in_turn, repeat_ratios, write_json  # noqa: E402
 
@@ -44,7 +44,7 @@ GLOBAL_BATCH = 4  # the same at 1 and 2 data-parallel ranks
 
 def settings(options: argparse.Namespace, ranks: int, **paths) -> NeoXArgs:
     precision = {"bf16": {"enabled": True}} if options.precision == "bf16" else {}
-    return NeoXArgs.from_dict(model_settings(
+    return NeoXArgs.from_dict(world.model_settings(
         options, train_micro_batch_size_per_gpu=MICRO_BATCH, train_batch_size=GLOBAL_BATCH, train_iters=10,
         num_gpus=ranks, precision=options.precision, zero_optimization={"stage": options.zero_stage},
         optimizer={"type": "Adam", "params": {"lr": 1e-4}}, **precision, **paths))
@@ -52,13 +52,13 @@ def settings(options: argparse.Namespace, ranks: int, **paths) -> NeoXArgs:
 
 def engine_for(args: NeoXArgs):
     model = build_model(args.architecture(), args.seed)
-    return build_engine(model, args.deepspeed_config(), build_param_groups(model, args.weight_decay))
+    return world.build_engine(model, args.deepspeed_config(), build_param_groups(model, args.weight_decay))
 
 
 def global_batch_step(engine, options: argparse.Namespace) -> None:
     tokens = torch.randint(0, options.vocab, (MICRO_BATCH, options.seq + 1), generator=torch.Generator().manual_seed(1))
     for _ in range(GLOBAL_BATCH // (MICRO_BATCH * dist.get_world_size())):
-        train_step(engine, tokens)
+        world.train_step(engine, tokens)
 
 
 def slowest(seconds: float) -> float:
@@ -67,10 +67,10 @@ def slowest(seconds: float) -> float:
     return float(value)
 
 
-@leaves_the_world
+@world.leaves_the_world
 def rank_main(rank: int, ranks: int, port: int, options: argparse.Namespace, work: str, role: str, out: str) -> None:
     torch.set_num_threads(options.threads)
-    init_world(rank, ranks, port)
+    world.init_world(rank, ranks, port)
     deepspeed_logger.setLevel(logging.ERROR)
     get_logger().setLevel(logging.WARNING)
     work_dir = Path(work)
@@ -102,7 +102,7 @@ def rank_main(rank: int, ranks: int, port: int, options: argparse.Namespace, wor
 
 def run_world(ranks: int, options: argparse.Namespace, work: str, role: str) -> dict[str, float]:
     out = str(Path(work) / f"{role}-{ranks}.json")
-    torch.multiprocessing.spawn(rank_main, args=(ranks, free_port(), options, work, role, out), nprocs=ranks)
+    torch.multiprocessing.spawn(rank_main, args=(ranks, world.free_port(), options, work, role, out), nprocs=ranks)
     return json.loads(Path(out).read_text()) if role == "load" else {}
 
 

@@ -33,27 +33,18 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import bench_world as world  # noqa: E402
 import torch  # noqa: E402
-from bench_world import (  # noqa: E402
-    build_engine,
-    deepspeed_config,
-    free_port,
-    init_world,
-    leaves_the_world,
-    model_settings,
-    train_step,
-)
-from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from harness import Ratios, bench_parser, in_turn, repeat_ratios, slowest_rank, table, write_json  # noqa: E402
-from procmem import measure_memory, return_freed_memory_to_os  # noqa: E402
+from procmem import measure_memory  # noqa: E402
 
 from megatron.checkpointing import Lineage, commit, save_checkpoint  # noqa: E402
 from megatron.checkpointing.async_save import (  # noqa: E402
@@ -71,7 +62,7 @@ KINDS = ("synchronous", "async", "no_save_optim")
 
 
 def run_args(options: argparse.Namespace, save_dir: Path, **kind) -> NeoXArgs:
-    return NeoXArgs.from_dict(model_settings(
+    return NeoXArgs.from_dict(world.model_settings(
         options, num_gpus=options.ranks, save=str(save_dir), keep_last_n_checkpoints=1,
         config_files={"bench.yml": "num_layers: 8\n"}, **kind))
 
@@ -90,7 +81,7 @@ class Saves:
 
     def step(self, save_in_flight: bool = False) -> float:
         started = time.perf_counter()
-        train_step(self.engine, self.tokens)
+        world.train_step(self.engine, self.tokens)
         seconds = time.perf_counter() - started
         if not save_in_flight:
             self.steps_without_save.append(seconds)
@@ -136,8 +127,8 @@ class Saves:
 
 def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
     args = run_args(options, save_dir)
-    engine = build_engine(build_model(args.architecture(), args.seed),
-                          deepspeed_config(options.batch, options.zero_stage, options.precision))
+    engine = world.build_engine(build_model(args.architecture(), args.seed),
+                                world.deepspeed_config(options.batch, options.zero_stage, options.precision))
     n_params = sum(p.numel() for p in engine.module.parameters())
     tokens = torch.randint(0, options.vocab, (options.batch, options.seq + 1),
                            generator=torch.Generator().manual_seed(0))
@@ -153,23 +144,20 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
         for kind in in_turn(KINDS, repeat):
             results[kind].append(saves.timed(kind))
             saves.step()
-    step_seconds = statistics.median(saves.steps_without_save)  # steps between the saves, as loaded as the others
+    step_seconds = median(saves.steps_without_save)  # steps between the saves, as loaded as the others
     for run in results["async"]:
         run["slowed_steps"] = max(run.pop("stepped") - run["steps"] * step_seconds, 0.0)
-    medians = {kind: {key: statistics.median([r[key] for r in runs]) for key in runs[0]} for kind, runs in results.items()}
+    medians = {kind: {key: median([r[key] for r in runs]) for key in runs[0]} for kind, runs in results.items()}
     return {"parameters": n_params, "step_seconds": step_seconds, "medians": medians,
             "spread": {kind: [r["wall"] for r in runs] for kind, runs in results.items()},
             "memory": memory, "tag_mib": tag_bytes / 2**20, "threads": torch.get_num_threads()}
 
 
-@leaves_the_world
+@world.leaves_the_world
 def rank_main(rank: int, options: argparse.Namespace, port: int, save_dir: str, out: str) -> None:
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    deepspeed_logger.setLevel("WARNING")
+    world.measuring_process(options.threads)
     get_logger().setLevel("WARNING")
-    return_freed_memory_to_os()
-    init_world(rank, options.ranks, port)
+    world.init_world(rank, options.ranks, port)
     with saves_waited_for():  # as the training loop: async_save saves go to the background
         result = measure_rank(options, Path(save_dir))
     gathered = all_gather(result)
@@ -214,7 +202,8 @@ def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[f
     ratios.add("slowed_steps/synchronous wall", slowest("async", "slowed_steps"), slowest("synchronous", "wall"),
                "extra time of the steps run while the background thread writes, against the synchronous save")
     ratios.add("no_save_optim/synchronous wall", slowest("no_save_optim", "wall"), slowest("synchronous", "wall"),
-               "a synchronous save without optimizer states, against the full one", against_synchronous("no_save_optim"))
+               "a synchronous save without optimizer states, against the full one",
+               against_synchronous("no_save_optim"))
     share = first["tag_mib"] / options.ranks
     ratios.add("async peak_rss/tag size", first["memory"]["async"]["peak"], share,
                "rank 0's peak RSS growth from a first async save's call until committed, against its share of the tag")
@@ -235,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     save_dir = options.save_dir or scratch / "checkpoints"
     load_before = os.getloadavg()[0]
     try:
-        port, out = free_port(), str(scratch / "ranks.json")
+        port, out = world.free_port(), str(scratch / "ranks.json")
         if options.ranks == 1:
             rank_main(0, options, port, str(save_dir), out)
         else:

@@ -20,26 +20,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_world as world  # noqa: E402
 import torch  # noqa: E402
-from bench_world import (  # noqa: E402
-    LLAMA,
-    PYTHIA,
-    build_engine,
-    deepspeed_config,
-    init_world,
-    leaves_the_world,
-    model_settings,
-)
 from deepspeed.accelerator import get_accelerator  # noqa: E402
-from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from harness import Ratios, bench_parser, in_turn, repeat_ratios, table, write_json  # noqa: E402
 
 from megatron.model import build_model, causal_lm_loss  # noqa: E402
@@ -48,9 +39,9 @@ from megatron.neox_arguments import NeoXArgs  # noqa: E402
 
 def our_model(family: str, options: argparse.Namespace) -> torch.nn.Module:
     if family == "llama":  # the MLP width rounded as Llama's configs round it
-        settings = model_settings(options, **LLAMA, num_kv_heads=options.kv_heads, mlp_multiple_of=256)
+        settings = world.model_settings(options, **world.LLAMA, num_kv_heads=options.kv_heads, mlp_multiple_of=256)
     else:
-        settings = model_settings(options, **PYTHIA)
+        settings = world.model_settings(options, **world.PYTHIA)
     args = NeoXArgs.from_dict(settings)
     return build_model(args.architecture(), args.seed)
 
@@ -79,8 +70,8 @@ def mlp_width(model: torch.nn.Module) -> int:
 
 
 def engine_for(model: torch.nn.Module, precision: str, options: argparse.Namespace):
-    return build_engine(model, deepspeed_config(options.batch, options.zero_stage, precision, gradient_clipping=1.0),
-                        mpu=False)
+    config = world.deepspeed_config(options.batch, options.zero_stage, precision, gradient_clipping=1.0)
+    return world.build_engine(model, config, mpu=False)
 
 
 def step_seconds(engine, tokens: torch.Tensor, hugging_face: bool) -> float:
@@ -154,7 +145,7 @@ def measure(family: str, precision: str, options: argparse.Namespace) -> dict:
     parameters = {name: sum(p.numel() for p in engine.module.parameters()) for name, engine in engines.items()}
     tokens_per_step = options.batch * options.seq
     paired = repeat_ratios(times["hf"], times["ours"])
-    tokens_per_second = {name: tokens_per_step / statistics.median(values) for name, values in times.items()}
+    tokens_per_second = {name: tokens_per_step / median(values) for name, values in times.items()}
     on_cpu = accelerator.device_name() == "cpu"
     peak = bf16_peak_flops("" if on_cpu else getattr(torch, accelerator.device_name()).get_device_name(),
                            options.peak_tflops)
@@ -165,13 +156,13 @@ def measure(family: str, precision: str, options: argparse.Namespace) -> dict:
         "device": accelerator.device_name(), "peak_memory_bytes": peak_bytes, "mfu_of_bf16_peak": mfu,
         "step_seconds": times, "tokens_per_step": tokens_per_step,
         "tokens_per_second": tokens_per_second,
-        "ratio": statistics.median(times["hf"]) / statistics.median(times["ours"]), "per_repeat_ratio": paired,
+        "ratio": median(times["hf"]) / median(times["ours"]), "per_repeat_ratio": paired,
         "matmul_share": matmul_share,
         "ratio_spread": [min(paired), max(paired)],
     }
 
 
-@leaves_the_world
+@world.leaves_the_world
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, layers=6, hidden=512, heads=8, vocab=8192, seq=512, zero_stage=1, repeats=5)
     parser.add_argument("--family", nargs="+", choices=("neox", "llama"), default=["neox", "llama"])
@@ -184,10 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: from its name, see BF16_PEAK_TFLOPS)")
     parser.add_argument("--no-profile", action="store_true", help="skip the CPU profile of the matmul share")
     options = parser.parse_args(argv)
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    deepspeed_logger.setLevel("WARNING")
-    init_world()
+    world.measuring_process(options.threads, return_freed_memory=False)
+    world.init_world()
 
     load_before = os.getloadavg()[0]
     results = [measure(family, precision, options) for family in options.family for precision in options.precision]
@@ -198,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
           f"compiled (engine.compile): {options.compile}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; repeats "
           f"{options.repeats}; load average before {load_before:.2f}, after {load_after:.2f}")
-    rows = [[r["family"], r["precision"], f"{r['parameters']['ours'] / 1e6:.1f}M", 1e3 * statistics.median(r["step_seconds"]["ours"]),
-             1e3 * statistics.median(r["step_seconds"]["hf"]), r["tokens_per_second"]["ours"], r["tokens_per_second"]["hf"],
+    rows = [[r["family"], r["precision"], f"{r['parameters']['ours'] / 1e6:.1f}M", 1e3 * median(r["step_seconds"]["ours"]),
+             1e3 * median(r["step_seconds"]["hf"]), r["tokens_per_second"]["ours"], r["tokens_per_second"]["hf"],
              r["ratio"], f"{r['ratio_spread'][0]:.2f}-{r['ratio_spread'][1]:.2f}", r["matmul_share"]["ours"],
              r["matmul_share"]["hf"]] for r in results]
     print(table(["family", "precision", "params", "ours ms", "hf ms", "ours tok/s", "hf tok/s", "ours/hf",

@@ -12,7 +12,9 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import logger as deepspeed_logger
 from megatron.core import parallel_state
+from procmem import return_freed_memory_to_os
 
 from megatron.initialize import ModelParallelUnit, init_deepspeed_distributed, leave_process_group
 from megatron.launcher import free_port
@@ -22,6 +24,16 @@ from megatron.model import causal_lm_loss
 PYTHIA = {"pos_emb": "rotary", "rotary_pct": 0.25, "gpt_j_residual": True, "no_weight_tying": True}
 LLAMA = {"pos_emb": "rotary", "no_weight_tying": True, "norm": "rmsnorm", "activation": "swiglu",
          "use_bias_in_norms": False, "use_bias_in_attn_linear": False, "use_bias_in_mlp": False}
+
+
+def measuring_process(threads: int, return_freed_memory: bool = True) -> bool:
+    """Set this process up to measure in: ``threads`` torch threads (0: torch's default), DeepSpeed's logger at
+    warnings, and unless told otherwise glibc returning freed large blocks to the OS, so that RSS shows what each
+    call allocates (procmem.return_freed_memory_to_os; False where it cannot)."""
+    if threads:
+        torch.set_num_threads(threads)
+    deepspeed_logger.setLevel("WARNING")
+    return return_freed_memory_to_os() if return_freed_memory else False
 
 
 def init_world(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:

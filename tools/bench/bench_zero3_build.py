@@ -35,20 +35,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import bench_world as world  # noqa: E402
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_world import (  # noqa: E402
-    build_engine,
-    deepspeed_config,
-    free_port,
-    init_world,
-    leaves_the_world,
-    model_settings,
-)
-from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from harness import Ratios, bench_parser, table, write_json  # noqa: E402
-from procmem import PeakSampler, return_freed_memory_to_os, smaps_rollup_kib  # noqa: E402
+from procmem import PeakSampler, smaps_rollup_kib  # noqa: E402
 
 from megatron.checkpointing import layout, manifest  # noqa: E402
 from megatron.checkpointing.engine_save import save_engine_checkpoint  # noqa: E402
@@ -65,11 +57,12 @@ CHECKPOINT_SEED = SEED + 1  # the checkpoint holds other weights than a fresh bu
 
 
 def architecture(options: argparse.Namespace):
-    return NeoXArgs.from_dict(model_settings(options, seed=SEED)).architecture()
+    return NeoXArgs.from_dict(world.model_settings(options, seed=SEED)).architecture()
 
 
 def ds_config(options: argparse.Namespace) -> dict:
-    return deepspeed_config(1, 3, options.precision, optimizer="SGD", lr=1e-3, zero_allow_untested_optimizer=True)
+    return world.deepspeed_config(1, 3, options.precision, optimizer="SGD", lr=1e-3,
+                                  zero_allow_untested_optimizer=True)
 
 
 def build(options: argparse.Namespace, how: str, seed: int):
@@ -78,7 +71,7 @@ def build(options: argparse.Namespace, how: str, seed: int):
 
 
 def start_engine(options: argparse.Namespace, model):
-    return build_engine(model, ds_config(options))
+    return world.build_engine(model, ds_config(options))
 
 
 def anonymous_mib() -> float:
@@ -135,20 +128,17 @@ def measure_rank(options: argparse.Namespace, how: str, save_dir: Path) -> dict:
             "load_s": load_s}
 
 
-@leaves_the_world
+@world.leaves_the_world
 def rank_main(rank: int, options: argparse.Namespace, port: int, scratch: str, task: str) -> None:
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    deepspeed_logger.setLevel("WARNING")
-    return_freed_memory_to_os()
-    init_world(rank, options.ranks, port)
+    world.measuring_process(options.threads)
+    world.init_world(rank, options.ranks, port)
     save_dir = Path(scratch) / "checkpoint"
     result = save_checkpoint(options, save_dir) if task == "save" else measure_rank(options, task, save_dir)
     (Path(scratch) / f"{task}-rank{rank}.json").write_text(json.dumps(result))
 
 
 def run_world(options: argparse.Namespace, scratch: str, task: str) -> None:
-    torch.multiprocessing.spawn(rank_main, args=(options, free_port(), scratch, task), nprocs=options.ranks)
+    torch.multiprocessing.spawn(rank_main, args=(options, world.free_port(), scratch, task), nprocs=options.ranks)
 
 
 def report(options: argparse.Namespace, results: dict[str, list[dict]], load_average: tuple[float, float]) -> dict:
