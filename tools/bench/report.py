@@ -1,4 +1,4 @@
-"""docs/performance.md from the JSON the benches wrote (``--json``, harness.write_json), in the order given:
+"""docs/performance.md from the JSON the benches wrote (``--json``, harness.write_json), by file name:
 
     python tools/bench/report.py tools/bench/results/*.json > docs/performance.md
 
@@ -79,7 +79,7 @@ def read_results(path: Path) -> dict:
 def main(argv: list[str]) -> int:
     if not argv:
         raise SystemExit(f"report.py: no JSON files given; run it as `{COMMAND}`")
-    sections = [section(read_results(Path(path))) for path in argv]
+    sections = [section(read_results(path)) for path in sorted(map(Path, argv), key=lambda path: path.name)]
     print("\n\n".join([INTRODUCTION, *sections]))
     return 0
 
