@@ -69,10 +69,11 @@ def slowest_rank(per_rank: Sequence[Sequence[float]]) -> list[float]:
 
 
 def middle_half(values: Sequence[float]) -> tuple[float, float]:
-    """The first and third quartiles of ``values``: the spread of the middle half."""
+    """The first and third quartiles of ``values``: the spread of the middle half, within the values' range
+    (the inclusive method: the default one extrapolates beyond the extremes of a few repeats)."""
     if len(values) < 2:
         return values[0], values[0]
-    quartiles = statistics.quantiles(values, n=4)
+    quartiles = statistics.quantiles(values, n=4, method="inclusive")
     return quartiles[0], quartiles[2]
 
 
@@ -82,7 +83,7 @@ def ratio_line(name: str, value: float, meaning: str) -> str:
 
 
 class Ratios:
-    """Prints each ratio as it is added and keeps it, with the spread of its per-repeat values, for the JSON."""
+    """Prints each ratio as it is added and keeps it, with its per-repeat values, for the JSON."""
 
     def __init__(self) -> None:
         self.records: dict[str, dict] = {}
@@ -90,13 +91,12 @@ class Ratios:
     def add(self, name: str, numerator: float, denominator: float, meaning: str,
             per_repeat: Sequence[float] | None = None) -> float:
         """The ratio of ``numerator`` (a median, usually) to ``denominator``; ``per_repeat``: the same ratio in
-        each repeat, whose median and middle half the JSON keeps."""
+        each repeat, kept for the spread report.py shows (their median and middle half)."""
         value = numerator / denominator if denominator else float("inf")
         print(ratio_line(name, value, meaning))
         record = {"value": value, "meaning": meaning}
         if per_repeat:
-            record.update(per_repeat=list(per_repeat), median=statistics.median(per_repeat),
-                          middle_half=middle_half(per_repeat))
+            record["per_repeat"] = list(per_repeat)
         self.records[name] = record
         return value
 

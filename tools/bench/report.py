@@ -8,8 +8,11 @@ Every number in the page comes from those files, beside the command, machine and
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
+
+from harness import middle_half
 
 COMMAND = "python tools/bench/report.py tools/bench/results/*.json > docs/performance.md"
 
@@ -44,9 +47,10 @@ def machine_line(machine: dict) -> str:
 def spread(record: dict) -> str:
     if "per_repeat" not in record:
         return "-"
-    low, high = record["middle_half"]
-    repeats = len(record["per_repeat"])
-    return f"{number(record['median'])} ({number(low)}-{number(high)}), {repeats} repeat{'s' * (repeats != 1)}"
+    per_repeat = record["per_repeat"]
+    low, high = middle_half(per_repeat)
+    repeats = len(per_repeat)
+    return f"{number(statistics.median(per_repeat))} ({number(low)}-{number(high)}), {repeats} repeat{'s' * (repeats != 1)}"
 
 
 def section(results: dict) -> str:
