@@ -21,23 +21,21 @@ are measured before the reference exists. Ratios: `OBJ/sft step_seconds`, `OBJ_p
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import deepspeed  # noqa: E402
+import bench_world as world  # noqa: E402
 import torch  # noqa: E402
-from bench_world import init_world, leaves_the_world  # noqa: E402
-from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
-from procmem import RatioReport, measure_memory, median, return_freed_memory_to_os, status_kib, table  # noqa: E402
+from harness import Ratios, bench_parser, in_turn, repeat_ratios, table, write_json  # noqa: E402
+from procmem import measure_memory, status_kib  # noqa: E402
 
 from megatron.data import BatchOptions  # noqa: E402
-from megatron.initialize import ModelParallelUnit  # noqa: E402
 from megatron.model import build_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 from megatron.objectives.dpo import DirectPreferenceOptimization  # noqa: E402
@@ -50,14 +48,10 @@ def llama_settings(options: argparse.Namespace, micro_batch: int, zero_stage: in
     """A Llama-family model of the options' --layers, --hidden, --heads, --seq, --vocab and --precision, without
     dropout, trained with Adam (bench_reference_zero3.py builds the same)."""
     precision = {"bf16": {"precision": "bf16", "bf16": {"enabled": True}}}.get(options.precision, {})
-    return NeoXArgs.from_dict({
-        "num_layers": options.layers, "hidden_size": options.hidden, "num_attention_heads": options.heads,
-        "num_kv_heads": max(options.heads // 2, 1), "seq_length": options.seq, "pos_emb": "rotary",
-        "no_weight_tying": True, "norm": "rmsnorm", "activation": "swiglu", "use_bias_in_norms": False,
-        "use_bias_in_attn_linear": False, "use_bias_in_mlp": False, "mlp_multiple_of": 32, "hidden_dropout": 0.0,
-        "attention_dropout": 0.0, "padded_vocab_size": options.vocab, "seed": 1234,
-        "train_micro_batch_size_per_gpu": micro_batch, "optimizer": {"type": "Adam", "params": {"lr": 1e-5}},
-        "zero_optimization": {"stage": zero_stage}, "train_iters": 10, **precision})
+    return NeoXArgs.from_dict(world.model_settings(
+        options, **world.LLAMA, num_kv_heads=max(options.heads // 2, 1), mlp_multiple_of=32,
+        train_micro_batch_size_per_gpu=micro_batch, optimizer={"type": "Adam", "params": {"lr": 1e-5}},
+        zero_optimization={"stage": zero_stage}, train_iters=10, **precision))
 
 
 def preference_objective(name: str, reference=None):
@@ -87,33 +81,20 @@ def step(engine, objective, samples) -> float:
     return time.perf_counter() - started
 
 
-@leaves_the_world
+@world.leaves_the_world
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, layers=4, hidden=256, heads=4, vocab=8192, seq=256, precision="fp32",
+                          zero_stage=1, zero_stages=(0, 1, 2), repeats=5)
     parser.add_argument("--objective", choices=("dpo", "kto"), default="dpo")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--pairs", type=int, default=2, help="DPO micro batch (pairs); SFT takes twice as many rows")
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2), default=1)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
     options = parser.parse_args(argv)
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    deepspeed_logger.setLevel("WARNING")
-    return_freed_memory_to_os()
-    init_world()
+    world.measuring_process(options.threads)
+    world.init_world()
+    load_before = os.getloadavg()[0]
     args = llama_settings(options, 2 * options.pairs, options.zero_stage)
 
     before_models_kib = status_kib("VmRSS")
-    model = build_model(args.architecture(), args.seed)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=args.deepspeed_config(),
-                                      mpu=ModelParallelUnit())
+    engine = world.build_engine(build_model(args.architecture(), args.seed), args.deepspeed_config())
     generator = torch.Generator().manual_seed(0)
     rows = 2 * options.pairs
     text = torch.randint(0, options.vocab, (rows, options.seq + 1), generator=generator)
@@ -144,37 +125,42 @@ def main(argv: list[str] | None = None) -> int:
     times = {name: [] for name in times}  # time all three side by side after this, the order rotating
     order = ["sft", name_live, name_precomputed]
     for repeat in range(options.repeats):
-        for name in order[repeat % 3:] + order[: repeat % 3]:
+        for name in in_turn(order, repeat):
             if name == name_live:
                 measured(name)
             else:
                 times[name].append(step(engine, *runs[name]))
 
+    load_average = (load_before, os.getloadavg()[0])
     parameters = sum(p.numel() for p in engine.module.parameters())
     unit = f"{rows} sequences" if options.objective == "kto" else f"{options.pairs} pairs"
     batch = f"{options.objective.upper()} micro batch {unit} x {options.seq} tokens"
     print(f"shapes: Llama family, {parameters / 1e6:.1f}M parameters ({options.layers} layers, hidden {options.hidden}, "
           f"vocab {options.vocab}), {options.precision}, ZeRO stage {options.zero_stage}, Adam; {batch}, "
           f"SFT {rows} rows; repeats {options.repeats}; torch "
-          f"{torch.__version__}, {torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.2f}; "
+          f"{torch.__version__}, {torch.get_num_threads()} threads; load average {load_average[1]:.2f}; "
           f"reference model resident: {reference_mib:.1f} MiB")
     print(table(["step", "median ms", "min ms", "max ms", "peak RSS above start (MiB)"],
                 [[name, 1e3 * median(times[name]), 1e3 * min(times[name]), 1e3 * max(times[name]),
                   median(peak_mib[name])] for name in order]))
-    report = RatioReport()
+    report = Ratios()
     title = options.objective.upper()
+
+    def per_repeat(name: str) -> list[float]:
+        return repeat_ratios(times[name], times["sft"])
+
     report.add(f"{name_live}/sft step_seconds", median(times[name_live]), median(times["sft"]),
-               f"a {title} step (live reference) against an SFT step on as many sequences")
-    report.add(f"{name_precomputed}/sft step_seconds", median(times[name_precomputed]), median(times["sft"]),
-               f"a {title} step reading precomputed reference log-probabilities against the SFT step")
+               f"a {title} step (live reference) against an SFT step on as many sequences", per_repeat(name_live))
+    report.add(f"{name_precomputed}/sft step_seconds", median(times[name_precomputed]),
+               median(times["sft"]),
+               f"a {title} step reading precomputed reference log-probabilities against the SFT step",
+               per_repeat(name_precomputed))
     report.add(f"{name_live}/sft peak_rss", median(peak_mib[name_live]), median(peak_mib["sft"]),
                f"peak memory of the {title} step (reference resident) against the SFT step")
     report.add(f"{name_precomputed}/{name_live} peak_rss", median(peak_mib[name_precomputed]),
                median(peak_mib[name_live]), "below 1: the memory precompute_model_name saves")
-    if options.json:
-        options.json.write_text(json.dumps({"options": vars(options) | {"json": str(options.json)},
-                                            "step_seconds": times, "peak_mib": peak_mib,
-                                            "reference_mib": reference_mib, "ratios": report.values}, indent=2))
+    write_json(options, __doc__, report, load_average, step_seconds=times, peak_mib=peak_mib,
+               reference_mib=reference_mib)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Memory of reading a model-states file: torch.load with mmap=True against without, 1 and 2 readers.
 
-    python tools/bench/bench_mmap_read.py [--file PATH | --size-mb 128] [--repeats 1]
+    python tools/bench/bench_mmap_read.py [--file PATH | --size-mb 128] [--repeats 1] [--json PATH]
 
 Each reader is a fresh subprocess (clean RSS) that loads the file with
 ``torch.load(path, map_location="cpu", mmap=..., weights_only=True)`` and reads every byte of every
@@ -32,7 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from procmem import mapped_file_kib, measure_memory, ratio_line, smaps_rollup_kib, table
+from harness import Ratios, bench_parser, repeat_ratios, table, write_json
+from procmem import mapped_file_kib, measure_memory, smaps_rollup_kib
 
 TENSOR_MIB = 8
 
@@ -151,10 +152,9 @@ def run_readers(path: Path, use_mmap: bool, count: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, repeats=1, threads=None)
     parser.add_argument("--file", type=Path, help="a model-states file to read (default: write one)")
     parser.add_argument("--size-mb", type=int, default=128, help="size of the written file, MiB")
-    parser.add_argument("--repeats", type=int, default=1, help="runs of each scenario (medians are shown)")
     parser.add_argument("--reader", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mmap", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             for count in (1, 2):
                 for use_mmap in (False, True):
                     results.setdefault((count, use_mmap), []).append(run_readers(path, use_mmap, count))
-        load_after = os.getloadavg()
+        load_average = (load_before[0], os.getloadavg()[0])
         file_mib = path.stat().st_size / 2**20
 
     def per_reader(key: tuple[int, bool], field: str) -> float:
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(sum(report[field] for report in run) for run in results[key])
 
     print(f"file: {file_mib:.1f} MiB ({path.name}); repeats {options.repeats}; {os.cpu_count()} CPUs; "
-          f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+          f"load average before {load_average[0]:.2f}, after {load_average[1]:.2f}")
     if not results[(1, True)][0][0]["have_rollup"]:
         print("no /proc/self/smaps_rollup: RSS/PSS columns read 0")
     rows = []
@@ -196,16 +196,26 @@ def main(argv: list[str] | None = None) -> int:
                          per_reader(key, "seconds")])
     print(table(["readers", "torch.load", "RSS/reader MiB", "PSS/reader MiB", "ckpt PSS/reader MiB",
                  "ckpt PSS total MiB", "peak RSS/reader MiB", "load+read s"], rows))
-    print(ratio_line("mmap/no_mmap rss 1reader", per_reader((1, True), "rss"), per_reader((1, False), "rss"),
-                     "RSS growth of one reader"))
-    print(ratio_line("mmap/no_mmap pss 2readers", total((2, True), "pss"), total((2, False), "pss"),
-                     "summed PSS growth of two concurrent readers (smaps_rollup)"))
-    print(ratio_line("mmap/no_mmap ckpt_pss 2readers", total((2, True), "ckpt_pss"), total((2, False), "ckpt_pss"),
-                     "node memory the checkpoint costs with two readers; 0.5 = pages fully shared"))
-    print(ratio_line("2readers/1reader ckpt_pss mmap", total((2, True), "ckpt_pss"), total((1, True), "ckpt_pss"),
-                     "1.0 = a second reader adds nothing"))
-    print(ratio_line("2readers/1reader ckpt_pss no_mmap", total((2, False), "ckpt_pss"),
-                     total((1, False), "ckpt_pss"), "2.0 = every reader holds its own copy"))
+    def per_run(key: tuple[int, bool], field: str) -> list[float]:
+        return [sum(report[field] for report in run) for run in results[key]]
+
+    ratios = Ratios()
+
+    def ratio(name: str, numerator: tuple, denominator: tuple, field: str, meaning: str, value=total) -> None:
+        ratios.add(name, value(numerator, field), value(denominator, field), meaning,
+                   repeat_ratios(per_run(numerator, field), per_run(denominator, field)))
+
+    ratio("mmap/no_mmap rss 1reader", (1, True), (1, False), "rss", "RSS growth of one reader", value=per_reader)
+    ratio("mmap/no_mmap pss 2readers", (2, True), (2, False), "pss",
+          "summed PSS growth of two concurrent readers (smaps_rollup)")
+    ratio("mmap/no_mmap ckpt_pss 2readers", (2, True), (2, False), "ckpt_pss",
+          "node memory the checkpoint costs with two readers; 0.5 = pages fully shared")
+    ratio("2readers/1reader ckpt_pss mmap", (2, True), (1, True), "ckpt_pss", "1.0 = a second reader adds nothing")
+    ratio("2readers/1reader ckpt_pss no_mmap", (2, False), (1, False), "ckpt_pss",
+          "2.0 = every reader holds its own copy")
+    write_json(options, __doc__, ratios, load_average, file_mib=file_mib,
+               results={f"{count} reader(s), {'mmap' if use_mmap else 'no mmap'}": runs
+                        for (count, use_mmap), runs in results.items()})
     return 0
 
 

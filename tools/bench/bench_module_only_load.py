@@ -4,9 +4,11 @@
         [--hidden 512] [--vocab 16384] [--precision bf16] [--zero-stage 1] [--repeats 5] [--batch 1]
         [--seq 32] [--threads N] [--cold] [--json PATH]
 
+(fp16 needs an accelerator that supports it: DeepSpeed's CPU accelerator refuses it.)
+
 Builds a GPTModel inside a real DeepSpeed engine (a gloo world of ``--ranks`` processes on this
 machine, ``--tp`` of them per tensor-parallel group, the rest data parallel), saves one checkpoint
-with save_engine_checkpoint, then, alternating the order every repeat, measures on every rank at once:
+with save_engine_checkpoint, then, rotating the order every repeat, measures on every rank at once:
 
 * baseline: ``engine.load_checkpoint(dir, tag, load_module_only=True, load_optimizer_states=False,
   load_lr_scheduler_states=False)``;
@@ -40,80 +42,58 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import bench_world as world  # noqa: E402
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_world import free_port, init_world, leaves_the_world  # noqa: E402
-from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
+from harness import (  # noqa: E402
+    Ratios,
+    bench_parser,
+    in_turn,
+    middle_half,
+    repeat_ratios,
+    slowest_rank,
+    table,
+    write_json,
+)  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
-from procmem import PeakSampler, RatioReport, measure_memory, median, return_freed_memory_to_os, table  # noqa: E402
+from procmem import PeakSampler, measure_memory  # noqa: E402
 
 from megatron.checkpointing import (  # noqa: E402
     checks_beside_use,
-    commit,  # noqa: E402
+    commit,
     forget_checked_files,
     layout,
-    load_module_only,  # noqa: E402
+    load_module_only,
     manifest,
-    read_module_weights,  # noqa: E402
-    save_engine_checkpoint,  # noqa: E402
-    verify_master_weights,  # noqa: E402
+    read_module_weights,
+    save_engine_checkpoint,
+    verify_master_weights,
 )
 from megatron.checkpointing import load_file_weights_only as load_weights_only  # noqa: E402
-from megatron.initialize import ModelParallelUnit  # noqa: E402
-from megatron.model import build_model, causal_lm_loss  # noqa: E402
+from megatron.model import build_model  # noqa: E402
 from megatron.model.partitioning import repartition_state_dict  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 
 TAG = "global_step1"
 
 
-def build_engine(options: argparse.Namespace, tensor_parallel_size: int):
+def tensor_parallel_engine(options: argparse.Namespace, tensor_parallel_size: int):
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_parallel_size, 1)
-    args = NeoXArgs.from_dict(
-        {
-            "num_layers": options.layers,
-            "hidden_size": options.hidden,
-            "num_attention_heads": options.heads,
-            "seq_length": options.seq,
-            "max_position_embeddings": options.seq,
-            "hidden_dropout": 0.0,
-            "attention_dropout": 0.0,
-            "seed": 1234,
-            "padded_vocab_size": options.vocab,
-            "model_parallel_size": tensor_parallel_size,
-            "num_gpus": options.ranks,
-        }
-    )
-    model = build_model(args.architecture(), args.seed)
-    config = {
-        "train_micro_batch_size_per_gpu": options.batch,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": options.zero_stage},
-        "steps_per_print": 10**9,
-    }
-    if options.precision != "fp32":
-        config[options.precision] = {"enabled": True}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
-                                      mpu=ModelParallelUnit())
-    return engine
-
-
-def train_step(engine, tokens: torch.Tensor) -> None:
-    loss = causal_lm_loss(engine(tokens[:, :-1], parallel_output=True), tokens[:, 1:], vocab_parallel=True)
-    engine.backward(loss)
-    engine.step()
+    args = NeoXArgs.from_dict(world.model_settings(options, model_parallel_size=tensor_parallel_size,
+                                                   num_gpus=options.ranks))
+    return world.build_engine(build_model(args.architecture(), args.seed),
+                              world.deepspeed_config(options.batch, options.zero_stage, options.precision, lr=1e-3))
 
 
 def trained_weights(engine) -> dict[str, torch.Tensor]:
@@ -177,8 +157,8 @@ def timed_then_sampled(call) -> dict[str, float]:
 
 def trained_and_saved(options: argparse.Namespace, tensor_parallel_size: int, save_dir: Path, tokens: torch.Tensor):
     """An engine at ``tensor_parallel_size`` after one training step, and the tag it saved in ``save_dir``."""
-    engine = build_engine(options, tensor_parallel_size)
-    train_step(engine, tokens.to(engine.device))  # warm-up, and optimizer state exists as in a real run
+    engine = tensor_parallel_engine(options, tensor_parallel_size)
+    world.train_step(engine, tokens.to(engine.device))  # warm-up, and optimizer state exists as in a real run
     commit.stop_if_any_rank_failed(save_dir, TAG, save_engine_checkpoint(engine, save_dir, TAG, {"iteration": 1}))
     tag_dir = save_dir / TAG
     if dist.get_rank() == 0:  # DeepSpeed's own ZeRO-3 module-only load reads `latest`
@@ -225,14 +205,14 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
         state = load_weights_only(module_file)["module"]  # no manifest check: the floor
         engine.module.load_state_dict(state, strict=False)  # without the megatron-core _extra_state keys
 
-    loads = [("baseline", baseline), ("ours", ours)]
+    loads = {"baseline": baseline, "ours": ours}
     expected = {"baseline": checkpoint, "ours": checkpoint}
     if resplit_tag is not None:
-        loads.append(("resplit", resplit))
+        loads["resplit"] = resplit
         expected["resplit"] = {k: v.clone() for k, v in resplit_weights().items()}
     if options.zero_stage < 3:  # a ZeRO-3 module holds partitions; load_state_dict cannot fill them
-        loads.append(("raw", raw))
-    samples: dict[str, list[dict]] = {name: [] for name, _ in loads}
+        loads["raw"] = raw
+    samples: dict[str, list[dict]] = {name: [] for name in loads}
     samples.update(verify=[], checksum=[], train_step=[])
     if options.cold:  # the eviction works where a read of the evicted file is slower than one from the cache
         samples.update(read_evicted=[], read_cached=[])
@@ -242,9 +222,10 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
             collected_at_barrier()
             samples["read_evicted"].append(timed(lambda: read_whole_file(module_file)))
             samples["read_cached"].append(timed(lambda: read_whole_file(module_file)))
-        for name, load in loads if repeat % 2 == 0 else loads[::-1]:
+        for name in in_turn(list(loads), repeat):
+            load = loads[name]
             gc.collect()
-            samples["train_step"].append(timed(lambda: train_step(engine, tokens)))
+            samples["train_step"].append(timed(lambda: world.train_step(engine, tokens)))
             if options.cold:
                 evict_from_page_cache(tag_dir)
             forget_checked_files()  # every repeat checks the files, as each restarted run does
@@ -264,31 +245,24 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
             "threads": torch.get_num_threads()}
 
 
-@leaves_the_world
+@world.leaves_the_world
 def rank_main(rank: int, options: argparse.Namespace, port: int, scratch: str) -> None:
-    init_world(rank, options.ranks, port)
+    world.init_world(rank, options.ranks, port)
     result = measure_rank(options, Path(scratch) / "checkpoint")
     (Path(scratch) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def setup_process(options: argparse.Namespace) -> bool:
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    deepspeed_logger.setLevel("WARNING")
-    return return_freed_memory_to_os()
-
-
 def spawned_rank(rank: int, options: argparse.Namespace, port: int, scratch: str) -> None:
-    setup_process(options)
+    world.measuring_process(options.threads)
     rank_main(rank, options, port, scratch)
 
 
 def per_repeat_ratios(ranks: list[dict], numerator: str, denominator: str) -> list[float]:
     """Each repeat's ratio of the slowest rank's walls (the loads of a repeat run one right after the other)."""
     def slowest(name: str) -> list[float]:
-        return [max(walls) for walls in zip(*(r["walls"][name] for r in ranks), strict=True)]
+        return slowest_rank([r["walls"][name] for r in ranks])
 
-    return [a / b for a, b in zip(slowest(numerator), slowest(denominator), strict=True)]
+    return repeat_ratios(slowest(numerator), slowest(denominator))
 
 
 def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[float, float],
@@ -315,10 +289,14 @@ def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[f
              node(name, "peak_private"), node(name, "peak_pss")] for name in names]
     print(table(["measured", "wall ms", "cpu ms", "rank 0 peak RSS MiB", "node peak private MiB",
                  "node peak PSS MiB"], rows))
-    ratios = RatioReport()
+    ratios = Ratios()
     ratio = ratios.add
 
-    ratio("ours/baseline wall", slowest("ours", "wall"), slowest("baseline", "wall"), "module-only load time")
+    def per_repeat(numerator: str, denominator: str) -> list[float]:
+        return per_repeat_ratios(ranks, numerator, denominator)
+
+    ratio("ours/baseline wall", slowest("ours", "wall"), slowest("baseline", "wall"), "module-only load time",
+          per_repeat("ours", "baseline"))
     ratio("ours/baseline cpu", slowest("ours", "cpu"), slowest("baseline", "cpu"), "module-only load CPU time")
     ratio("ours/baseline peak_rss", first["medians"]["ours"]["peak_rss"], first["medians"]["baseline"]["peak_rss"],
           "rank 0's peak RSS growth during the load")
@@ -326,70 +304,58 @@ def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[f
           "private memory the node's ranks need at their peaks during the load")
     ratio("verify/train_step wall", slowest("verify", "wall"), slowest("train_step", "wall"),
           "verify_master_weights against one forward+backward+step")
-    ratio("verify/ours wall", slowest("verify", "wall"), slowest("ours", "wall"), "share of our load spent verifying")
+    ratio("verify/ours wall", slowest("verify", "wall"), slowest("ours", "wall"), "share of our load spent verifying",
+          per_repeat("verify", "ours"))
     ratio("checksum/ours wall", slowest("checksum", "wall"), slowest("ours", "wall"),
-          "share of our load spent on the manifest check of the module file")
+          "share of our load spent on the manifest check of the module file", per_repeat("checksum", "ours"))
     ratio("checksum/baseline wall", slowest("checksum", "wall"), slowest("baseline", "wall"),
-          "manifest check against DeepSpeed's whole module-only load")
+          "manifest check against DeepSpeed's whole module-only load", per_repeat("checksum", "baseline"))
     if "resplit" in names:
         ratio("resplit/ours wall", slowest("resplit", "wall"), slowest("ours", "wall"),
               f"module-only load of a tensor-parallel size {options.saved_tp} checkpoint at size {options.tp}, "
-              f"against one saved at {options.tp}")
+              f"against one saved at {options.tp}", per_repeat("resplit", "ours"))
         ratio("resplit/ours node_private", node("resplit", "peak_private"), node("ours", "peak_private"),
               "node's peak private memory of that load against the same-size load")
     if "read_evicted" in names:
         ratio("read_evicted/read_cached wall", slowest("read_evicted", "wall"), slowest("read_cached", "wall"),
-              "a plain read of the module file after the eviction against one from the page cache: above 1, it was cold")
+              "a plain read of the module file after the eviction against one from the page cache: above 1, it was cold",
+              per_repeat("read_evicted", "read_cached"))
     if "raw" in names:
-        per_repeat = per_repeat_ratios(ranks, "ours", "raw")
-        spread = statistics.quantiles(per_repeat, n=4) if len(per_repeat) > 1 else per_repeat * 3
+        ours_raw = per_repeat("ours", "raw")
+        low, high = middle_half(ours_raw)
         ratio("ours/raw wall", slowest("ours", "wall"), slowest("raw", "wall"),
               f"against torch.load(mmap) + load_state_dict, which leaves the master stale; per repeat, middle half "
-              f"{spread[0]:.2f}-{spread[2]:.2f}")
-    return ratios.values
+              f"{low:.2f}-{high:.2f}", ours_raw)
+    return ratios
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=1, help="ranks (processes on this machine)")
+    parser = bench_parser(__doc__, ranks=1, layers=4, hidden=512, heads=8, vocab=16384, seq=32, precision="bf16",
+                          precisions=("fp32", "bf16", "fp16"), zero_stage=1, repeats=5)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the loading engine")
     parser.add_argument("--saved-tp", type=int,
                         help="tensor-parallel size of an engine that saves a second checkpoint, loaded as 'resplit' "
                              "(default: --tp, no resplit load)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=16384, help="padded vocabulary size")
-    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16",
-                        help="fp16 needs an accelerator that supports it (DeepSpeed's CPU one refuses it)")
-    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
-    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=1, help="micro batch of the training step")
-    parser.add_argument("--seq", type=int, default=32, help="sequence length of the training step")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch's default)")
     parser.add_argument("--cold", action="store_true",
                         help="evict the checkpoint's files from the page cache before every load (a first read)")
-    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
     options = parser.parse_args(argv)
     options.saved_tp = options.saved_tp or options.tp
     for name, size in (("--tp", options.tp), ("--saved-tp", options.saved_tp)):
         if size < 1 or options.ranks % size:
             parser.error(f"{name} {size} must divide --ranks {options.ranks}")
-    malloc_returns_memory = setup_process(options)
+    malloc_returns_memory = world.measuring_process(options.threads)
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench_module_only_") as scratch:
-        port = free_port()
+        port = world.free_port()
         if options.ranks == 1:
             rank_main(0, options, port, scratch)
         else:
             torch.multiprocessing.spawn(spawned_rank, args=(options, port, scratch), nprocs=options.ranks)
         ranks = [json.loads((Path(scratch) / f"rank{r}.json").read_text()) for r in range(options.ranks)]
     load_average = (load_before, os.getloadavg()[0])
-    ratios = report(options, ranks, load_average, malloc_returns_memory)
-    if options.json:
-        options.json.write_text(json.dumps({
-            "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(options).items()},
-            "load_average": load_average, "ratios": ratios, "ranks": ranks}, indent=2))
+    write_json(options, __doc__, report(options, ranks, load_average, malloc_returns_memory), load_average,
+               ranks=ranks)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Training throughput of 2 pipeline stages against one module on the same 2 ranks (data parallel).
 
     python tools/bench/bench_pipeline.py [--layers 8] [--hidden 256] [--heads 4] [--vocab 4096] [--seq 128]
-        [--micro 4] [--micro-batches 4] [--repeats 3] [--steps 3] [--threads 1]
+        [--micro 4] [--micro-batches 4] [--repeats 3] [--steps 3] [--threads 1] [--json PATH]
 
 Both sides train the same model (GPT-NeoX/Pythia family, fp32, ZeRO-1, AdamW) on the same number of
 tokens per optimizer step, in a gloo world of 2 processes on this machine:
@@ -30,15 +30,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import deepspeed  # noqa: E402
+import bench_world as world  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_world import free_port, init_world, leaves_the_world  # noqa: E402
-from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
+from harness import Ratios, bench_parser, in_turn, repeat_ratios, slowest_rank, write_json  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 from megatron.data import BatchOptions  # noqa: E402
-from megatron.initialize import ModelParallelUnit  # noqa: E402
 from megatron.model import build_model  # noqa: E402
 from megatron.model.pipeline import build_pipeline_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
@@ -49,11 +47,8 @@ STAGES = 2
 
 
 def model_args(options: argparse.Namespace) -> NeoXArgs:
-    return NeoXArgs.from_dict({
-        "num_layers": options.layers, "hidden_size": options.hidden, "num_attention_heads": options.heads,
-        "seq_length": options.seq, "max_position_embeddings": options.seq, "padded_vocab_size": options.vocab,
-        "pos_emb": "rotary", "rotary_pct": 0.25, "gpt_j_residual": True, "no_weight_tying": True,
-        "hidden_dropout": 0.0, "attention_dropout": 0.0, "pipe_parallel_size": STAGES, "num_gpus": STAGES})
+    return NeoXArgs.from_dict(world.model_settings(options, **world.PYTHIA, pipe_parallel_size=STAGES,
+                                                   num_gpus=STAGES))
 
 
 def samples(options: argparse.Namespace, count: int):
@@ -63,9 +58,8 @@ def samples(options: argparse.Namespace, count: int):
 
 
 def config(options: argparse.Namespace, micro_batches: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": options.micro, "gradient_accumulation_steps": micro_batches,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 1},
-            "steps_per_print": 10**9, "gradient_clipping": 1.0}
+    return world.deepspeed_config(options.micro, 1, "fp32", optimizer="AdamW",
+                                  gradient_accumulation_steps=micro_batches, gradient_clipping=1.0)
 
 
 def set_groups(pipe: int) -> None:
@@ -76,8 +70,7 @@ def set_groups(pipe: int) -> None:
 def one_module_step(options, args):
     set_groups(1)
     model = build_model(args.architecture(), args.seed)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=config(options, options.micro_batches), mpu=ModelParallelUnit())
+    engine = world.build_engine(model, config(options, options.micro_batches))
 
     def step():
         for micro_batch in samples(options, options.micro_batches):
@@ -90,8 +83,7 @@ def two_stages_step(options, args):
     set_groups(STAGES)
     module = build_pipeline_model(args.architecture(), args.seed, STAGES, "type:transformer|mlp")
     micro_batches = options.micro_batches * STAGES  # one replica instead of 2: the same tokens per step
-    engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
-                                      config=config(options, micro_batches))
+    engine = world.build_engine(module, config(options, micro_batches), mpu=False)
 
     def step():
         engine.train_batch(pipeline_batches(samples(options, micro_batches), BatchOptions()))
@@ -107,54 +99,50 @@ def timed(step, steps: int) -> float:
     return (time.perf_counter() - started) / steps
 
 
-@leaves_the_world
+@world.leaves_the_world
 def rank_main(rank: int, options: argparse.Namespace, port: int, scratch: str) -> None:
-    torch.set_num_threads(options.threads)
-    deepspeed_logger.setLevel("WARNING")
-    init_world(rank, STAGES, port)
+    world.measuring_process(options.threads, return_freed_memory=False)
+    world.init_world(rank, STAGES, port)
     args = model_args(options)
     steps = {"one_module": one_module_step(options, args), "two_stages": two_stages_step(options, args)}
     for step in steps.values():
         step()  # warm-up
     seconds = {name: [] for name in steps}
     for repeat in range(options.repeats):
-        for name in (list(steps) if repeat % 2 == 0 else list(steps)[::-1]):
+        for name in in_turn(list(steps), repeat):
             seconds[name].append(timed(steps[name], options.steps))
     (Path(scratch) / f"rank{rank}.json").write_text(json.dumps(seconds))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--seq", type=int, default=128)
+    parser = bench_parser(__doc__, layers=8, hidden=256, heads=4, vocab=4096, seq=128, repeats=3, threads=1)
     parser.add_argument("--micro", type=int, default=4, help="micro batch size")
     parser.add_argument("--micro-batches", type=int, default=4,
                         help="micro batches per step of each of the 2 data-parallel ranks of one_module")
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps timed per repeat")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     options = parser.parse_args(argv)
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as scratch:
-        torch.multiprocessing.spawn(rank_main, args=(options, free_port(), scratch), nprocs=STAGES)
+        torch.multiprocessing.spawn(rank_main, args=(options, world.free_port(), scratch), nprocs=STAGES)
         ranks = [json.loads((Path(scratch) / f"rank{r}.json").read_text()) for r in range(STAGES)]
     tokens = STAGES * options.micro_batches * options.micro * options.seq  # per optimizer step, both sides
-    print(f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}; {tokens} tokens per step, "
+    load_average = (load_before, os.getloadavg()[0])
+    print(f"load average {load_average[0]:.1f} -> {load_average[1]:.1f}; {tokens} tokens per step, "
           f"{options.repeats} repeats x {options.steps} steps")
-    medians = {}
+    medians, per_repeat = {}, {}
     for name in ranks[0]:
-        per_repeat = [max(rank[name][i] for rank in ranks) for i in range(options.repeats)]  # the slowest rank
-        medians[name] = statistics.median(per_repeat)
-        print(f"{name:>10}: {1000 * medians[name]:8.1f} ms per step (spread {1000 * min(per_repeat):.1f}-"
-              f"{1000 * max(per_repeat):.1f}), {tokens / medians[name]:8.0f} tokens/s")
+        per_repeat[name] = slowest_rank([rank[name] for rank in ranks])
+        medians[name] = statistics.median(per_repeat[name])
+        print(f"{name:>10}: {1000 * medians[name]:8.1f} ms per step (spread {1000 * min(per_repeat[name]):.1f}-"
+              f"{1000 * max(per_repeat[name]):.1f}), {tokens / medians[name]:8.0f} tokens/s")
     slots = options.micro_batches * STAGES
-    print(f"RATIO two_stages/one_module tokens_per_second = {medians['one_module'] / medians['two_stages']:.3f}  "
-          "(2 pipeline stages against 2 data-parallel ranks, the same tokens per step)")
-    print(f"RATIO bubble = {(STAGES - 1) / (slots + STAGES - 1):.3f}  (the 1F1B schedule's idle fraction of each "
-          f"stage for {slots} micro batches and {STAGES} stages)")
+    ratios = Ratios()
+    ratios.add("two_stages/one_module tokens_per_second", medians["one_module"], medians["two_stages"],
+               "2 pipeline stages against 2 data-parallel ranks, the same tokens per step",
+               repeat_ratios(per_repeat["one_module"], per_repeat["two_stages"]))
+    ratios.add("bubble", STAGES - 1, slots + STAGES - 1,
+               f"the 1F1B schedule's idle fraction of each stage for {slots} micro batches and {STAGES} stages")
+    write_json(options, __doc__, ratios, load_average, seconds_per_step=per_repeat, tokens_per_step=tokens)
     return 0
 
 

@@ -28,12 +28,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_world as world  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from bench_dpo_step import llama_settings  # noqa: E402
-from bench_world import free_port, init_world, leaves_the_world  # noqa: E402
-from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
-from procmem import PeakSampler, RatioReport, return_freed_memory_to_os, smaps_rollup_kib, table  # noqa: E402
+from harness import Ratios, bench_parser, table, write_json  # noqa: E402
+from procmem import PeakSampler, smaps_rollup_kib  # noqa: E402
 
 from megatron.data import BatchOptions, get_batch  # noqa: E402
 from megatron.initialize import current_device  # noqa: E402
@@ -64,43 +64,33 @@ def measure_rank(options: argparse.Namespace, stage: int) -> dict:
             "forward_peak_mib": held + forward_growth, "log_prob_sum": float(log_probs.sum())}
 
 
-@leaves_the_world
+@world.leaves_the_world
 def rank_main(rank: int, options: argparse.Namespace, port: int, scratch: str, stage: int) -> None:
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    deepspeed_logger.setLevel("WARNING")
-    return_freed_memory_to_os()
-    init_world(rank, options.ranks, port)
+    world.measuring_process(options.threads)
+    world.init_world(rank, options.ranks, port)
     (Path(scratch) / f"zero{stage}-rank{rank}.json").write_text(json.dumps(measure_rank(options, stage)))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=2, help="data-parallel ranks (processes on this machine)")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=32000, help="padded vocabulary size")
-    parser.add_argument("--seq", type=int, default=256)
+    parser = bench_parser(__doc__, ranks=2, layers=8, hidden=512, heads=8, vocab=32000, seq=256, precision="fp32")
     parser.add_argument("--rows", type=int, default=4, help="sequences per rank in the reference's forward")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch's default)")
-    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
     options = parser.parse_args(argv)
 
     load_before = os.getloadavg()[0]
     results: dict[int, list[dict]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         for stage in STAGES:
-            torch.multiprocessing.spawn(rank_main, args=(options, free_port(), scratch, stage), nprocs=options.ranks)
+            torch.multiprocessing.spawn(rank_main, args=(options, world.free_port(), scratch, stage),
+                                        nprocs=options.ranks)
             results[stage] = [json.loads((Path(scratch) / f"zero{stage}-rank{rank}.json").read_text())
                               for rank in range(options.ranks)]
     whole = results[1][0]["parameters"]  # ZeRO-1: every rank holds the whole model
     weights_mib = whole * (2 if options.precision == "bf16" else 4) / 2**20
+    load_average = (load_before, os.getloadavg()[0])
     print(f"model: {whole / 1e6:.1f}M parameters ({weights_mib:.0f} MiB of {options.precision} weights), "
           f"{options.layers} layers, hidden {options.hidden}, vocab {options.vocab}; forward of {options.rows} x "
           f"{options.seq} tokens per rank; {options.ranks} ranks on this machine, {os.cpu_count()} CPUs; load average "
-          f"before {load_before:.2f}, after {os.getloadavg()[0]:.2f}")
+          f"before {load_average[0]:.2f}, after {load_average[1]:.2f}")
     print(table(["ZeRO stage", "rank", "parameters held", "held MiB", "build peak MiB", "forward peak MiB"],
                 [[stage, rank, r["parameters"], r["held_mib"], r["build_peak_mib"], r["forward_peak_mib"]]
                  for stage in STAGES for rank, r in enumerate(results[stage])]))
@@ -108,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     def worst(stage: int, key: str) -> float:
         return max(r[key] for r in results[stage])
 
-    report = RatioReport()
+    report = Ratios()
     report.add("zero3/zero1 reference held", worst(3, "held_mib"), worst(1, "held_mib"),
                "memory the built reference keeps on a rank, partitioned against whole")
     report.add("zero3/zero1 reference forward peak", worst(3, "forward_peak_mib"), worst(1, "forward_peak_mib"),
@@ -117,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                "the whole reference on every rank, against its weights")
     report.add("zero3 reference held/weights", worst(3, "held_mib"), weights_mib,
                f"one rank's partition, against the whole weights (1/{options.ranks} would be an even split)")
-    if options.json:
-        options.json.write_text(json.dumps({"options": vars(options) | {"json": str(options.json)},
-                                            "results": results, "ratios": report.values}, indent=2))
+    write_json(options, __doc__, report, load_average, results=results)
     return 0
 
 

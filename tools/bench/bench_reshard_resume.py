@@ -5,7 +5,7 @@
 
 Saves one checkpoint at 1 data-parallel rank and one at 2 (a GPTModel, defaults: 100.8M parameters, in a real
 DeepSpeed engine with Adam after one training step, saved with save_checkpoint), then in a gloo world of
-2 ranks and in one of 1 rank times, alternating the order every repeat, the whole full resume
+2 ranks and in one of 1 rank times, the order alternating every repeat, the whole full resume
 (plan_load + load_checkpoint) of each: the tag saved at this world's size (DeepSpeed's engine.load_checkpoint)
 and the one saved at the other size (its shards read in memory by DeepSpeed's readers, module,
 masters and moments written back). Prints the medians (the slowest rank's wall time) and the ratio lines
@@ -26,17 +26,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import deepspeed  # noqa: E402
+import bench_world as world  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_world import free_port, init_world, leaves_the_world  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
-from procmem import RatioReport  # noqa: E402
+from harness import Ratios, bench_parser, in_turn, repeat_ratios, write_json  # noqa: E402
 
 from megatron.checkpointing import load_checkpoint, plan_load, save_checkpoint  # noqa: E402
-from megatron.initialize import ModelParallelUnit  # noqa: E402
 from megatron.logging import get_logger  # noqa: E402
-from megatron.model import build_model, causal_lm_loss  # noqa: E402
+from megatron.model import build_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 from megatron.optimizers import build_param_groups  # noqa: E402
 
@@ -45,29 +43,22 @@ GLOBAL_BATCH = 4  # the same at 1 and 2 data-parallel ranks
 
 
 def settings(options: argparse.Namespace, ranks: int, **paths) -> NeoXArgs:
-    values = {"num_layers": options.layers, "hidden_size": options.hidden, "num_attention_heads": options.heads,
-              "seq_length": options.seq, "max_position_embeddings": options.seq, "padded_vocab_size": options.vocab,
-              "train_micro_batch_size_per_gpu": MICRO_BATCH, "train_batch_size": GLOBAL_BATCH, "train_iters": 10,
-              "num_gpus": ranks, "precision": options.precision, "zero_optimization": {"stage": options.zero_stage},
-              "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}, "hidden_dropout": 0.0, "attention_dropout": 0.0,
-              **paths}
-    if options.precision == "bf16":
-        values["bf16"] = {"enabled": True}
-    return NeoXArgs.from_dict(values)
+    precision = {"bf16": {"enabled": True}} if options.precision == "bf16" else {}
+    return NeoXArgs.from_dict(world.model_settings(
+        options, train_micro_batch_size_per_gpu=MICRO_BATCH, train_batch_size=GLOBAL_BATCH, train_iters=10,
+        num_gpus=ranks, precision=options.precision, zero_optimization={"stage": options.zero_stage},
+        optimizer={"type": "Adam", "params": {"lr": 1e-4}}, **precision, **paths))
 
 
-def build_engine(args: NeoXArgs):
+def engine_for(args: NeoXArgs):
     model = build_model(args.architecture(), args.seed)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=build_param_groups(model, args.weight_decay),
-                                           config=args.deepspeed_config(), mpu=ModelParallelUnit())
-    return engine
+    return world.build_engine(model, args.deepspeed_config(), build_param_groups(model, args.weight_decay))
 
 
-def train_step(engine, options: argparse.Namespace) -> None:
+def global_batch_step(engine, options: argparse.Namespace) -> None:
     tokens = torch.randint(0, options.vocab, (MICRO_BATCH, options.seq + 1), generator=torch.Generator().manual_seed(1))
     for _ in range(GLOBAL_BATCH // (MICRO_BATCH * dist.get_world_size())):
-        engine.backward(causal_lm_loss(engine(tokens[:, :-1]), tokens[:, 1:]))
-        engine.step()
+        world.train_step(engine, tokens)
 
 
 def slowest(seconds: float) -> float:
@@ -76,25 +67,25 @@ def slowest(seconds: float) -> float:
     return float(value)
 
 
-@leaves_the_world
+@world.leaves_the_world
 def rank_main(rank: int, ranks: int, port: int, options: argparse.Namespace, work: str, role: str, out: str) -> None:
     torch.set_num_threads(options.threads)
-    init_world(rank, ranks, port)
+    world.init_world(rank, ranks, port)
     deepspeed_logger.setLevel(logging.ERROR)
     get_logger().setLevel(logging.WARNING)
     work_dir = Path(work)
     if role == "save":
         args = settings(options, ranks, save=str(work_dir / f"saved-by-{ranks}"))
-        engine = build_engine(args)
-        train_step(engine, options)
+        engine = engine_for(args)
+        global_batch_step(engine, options)
         save_checkpoint(args, engine, iteration=1, consumed_train_samples=GLOBAL_BATCH)
         return
     other = 2 if ranks == 1 else 1
     loads = {"same_shape": work_dir / f"saved-by-{ranks}", "reshard": work_dir / f"saved-by-{other}"}
-    engine = build_engine(settings(options, ranks))
+    engine = engine_for(settings(options, ranks))
     times: dict[str, list[float]] = {name: [] for name in loads}
     for repeat in range(options.repeats):
-        for name in (list(loads) if repeat % 2 == 0 else list(loads)[::-1]):
+        for name in in_turn(list(loads), repeat):
             args = settings(options, ranks, load=str(loads[name]), save=str(work_dir / f"scratch-{ranks}"))
             dist.barrier()
             start = time.perf_counter()
@@ -105,46 +96,43 @@ def rank_main(rank: int, ranks: int, port: int, options: argparse.Namespace, wor
                 raise AssertionError(f"{name}: the plan {'did not see' if name == 'reshard' else 'saw'} a change of shape")
     if rank == 0:
         medians = {name: statistics.median(values) for name, values in times.items()}
-        Path(out).write_text(json.dumps({**medians, "parameters": sum(p.numel() for p in engine.module.parameters())}))
+        Path(out).write_text(json.dumps({**medians, "per_repeat": times,
+                                         "parameters": sum(p.numel() for p in engine.module.parameters())}))
 
 
 def run_world(ranks: int, options: argparse.Namespace, work: str, role: str) -> dict[str, float]:
     out = str(Path(work) / f"{role}-{ranks}.json")
-    torch.multiprocessing.spawn(rank_main, args=(ranks, free_port(), options, work, role, out), nprocs=ranks)
+    torch.multiprocessing.spawn(rank_main, args=(ranks, world.free_port(), options, work, role, out), nprocs=ranks)
     return json.loads(Path(out).read_text()) if role == "load" else {}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--vocab", type=int, default=20480)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=1)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", type=Path)
+    parser = bench_parser(__doc__, layers=12, hidden=768, heads=12, vocab=20480, seq=32, precision="fp32",
+                          zero_stage=1, zero_stages=(1, 2, 3), repeats=3, threads=1)
     options = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]
     os.environ.setdefault("OMP_NUM_THREADS", str(options.threads))
     with tempfile.TemporaryDirectory(prefix="bench_reshard_") as work:
         for ranks in (1, 2):
             run_world(ranks, options, work, "save")
         medians = {ranks: run_world(ranks, options, work, "load") for ranks in (2, 1)}
+    load_average = (load_before, os.getloadavg()[0])
     parameters = medians[1]["parameters"]
     print(f"model: {parameters:,} parameters, {options.precision}, ZeRO-{options.zero_stage}, global batch {GLOBAL_BATCH}")
     for ranks, values in medians.items():
         print(f"{ranks} rank(s): same-shape full resume {values['same_shape']:.2f} s, resharded from "
               f"{3 - ranks} rank(s) {values['reshard']:.2f} s (median of {options.repeats}, slowest rank)")
-    ratios = RatioReport()
+    ratios = Ratios()
+
+    def per_repeat(ranks: int) -> list[float]:
+        times = medians[ranks]["per_repeat"]
+        return repeat_ratios(times["reshard"], times["same_shape"])
+
     ratios.add("reshard_1to2/same_shape_2 wall", medians[2]["reshard"], medians[2]["same_shape"],
-               "full resume of a 1-rank save on 2 ranks against a 2-rank save on 2 ranks")
+               "full resume of a 1-rank save on 2 ranks against a 2-rank save on 2 ranks", per_repeat(2))
     ratios.add("reshard_2to1/same_shape_1 wall", medians[1]["reshard"], medians[1]["same_shape"],
-               "full resume of a 2-rank save on 1 rank against a 1-rank save on 1 rank")
-    if options.json:
-        options.json.write_text(json.dumps({"parameters": parameters, "medians": medians, "ratios": ratios.values},
-                                           indent=2))
+               "full resume of a 2-rank save on 1 rank against a 1-rank save on 1 rank", per_repeat(1))
+    write_json(options, __doc__, ratios, load_average, parameters=parameters, medians=medians)
     return 0
 
 

@@ -6,7 +6,7 @@
 
 Builds a GPTModel (defaults: 110M parameters) in a real DeepSpeed engine with Adam on a gloo world of
 ``--ranks`` processes on this machine, trains a few steps to time a step, then per repeat (the order
-alternating) saves through ``save_checkpoint`` into ``--save-dir`` (a temporary folder by default;
+rotating) saves through ``save_checkpoint`` into ``--save-dir`` (a temporary folder by default;
 keep_last_n_checkpoints 1):
 
 * ``synchronous``: the whole save (files, fsync, checksum manifest, rename, `latest`) while training waits;
@@ -37,14 +37,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import deepspeed  # noqa: E402
+import bench_world as world  # noqa: E402
 import torch  # noqa: E402
-from bench_world import free_port, init_world, leaves_the_world  # noqa: E402
-from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
-from procmem import RatioReport, measure_memory, median, return_freed_memory_to_os, table  # noqa: E402
+from harness import Ratios, bench_parser, in_turn, repeat_ratios, slowest_rank, table, write_json  # noqa: E402
+from procmem import measure_memory  # noqa: E402
 
 from megatron.checkpointing import (  # noqa: E402
     Lineage,
@@ -56,39 +56,17 @@ from megatron.checkpointing import (  # noqa: E402
     wait_for_save_in_flight,
 )
 from megatron.collective import all_gather, barrier  # noqa: E402
-from megatron.initialize import ModelParallelUnit  # noqa: E402
 from megatron.logging import get_logger  # noqa: E402
-from megatron.model import build_model, causal_lm_loss  # noqa: E402
+from megatron.model import build_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 
 KINDS = ("synchronous", "async", "no_save_optim")
 
 
 def run_args(options: argparse.Namespace, save_dir: Path, **kind) -> NeoXArgs:
-    return NeoXArgs.from_dict({
-        "num_layers": options.layers, "hidden_size": options.hidden, "num_attention_heads": options.heads,
-        "seq_length": options.seq, "max_position_embeddings": options.seq, "hidden_dropout": 0.0,
-        "attention_dropout": 0.0, "seed": 1234, "padded_vocab_size": options.vocab, "num_gpus": options.ranks,
-        "save": str(save_dir), "keep_last_n_checkpoints": 1, "config_files": {"bench.yml": "num_layers: 8\n"},
-        **kind})
-
-
-def build_engine(options: argparse.Namespace, args: NeoXArgs):
-    model = build_model(args.architecture(), args.seed)
-    config = {"train_micro_batch_size_per_gpu": options.batch, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
-              "zero_optimization": {"stage": options.zero_stage}, "steps_per_print": 10**9}
-    if options.precision != "fp32":
-        config[options.precision] = {"enabled": True}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
-                                      mpu=ModelParallelUnit())
-    return engine
-
-
-def train_step(engine, tokens: torch.Tensor) -> None:
-    loss = causal_lm_loss(engine(tokens[:, :-1], parallel_output=True), tokens[:, 1:], vocab_parallel=True)
-    engine.backward(loss)
-    engine.step()
+    return NeoXArgs.from_dict(world.model_settings(
+        options, num_gpus=options.ranks, save=str(save_dir), keep_last_n_checkpoints=1,
+        config_files={"bench.yml": "num_layers: 8\n"}, **kind))
 
 
 class Saves:
@@ -105,7 +83,7 @@ class Saves:
 
     def step(self, save_in_flight: bool = False) -> float:
         started = time.perf_counter()
-        train_step(self.engine, self.tokens)
+        world.train_step(self.engine, self.tokens)
         seconds = time.perf_counter() - started
         if not save_in_flight:
             self.steps_without_save.append(seconds)
@@ -151,7 +129,8 @@ class Saves:
 
 def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
     args = run_args(options, save_dir)
-    engine = build_engine(options, args)
+    engine = world.build_engine(build_model(args.architecture(), args.seed),
+                                world.deepspeed_config(options.batch, options.zero_stage, options.precision))
     n_params = sum(p.numel() for p in engine.module.parameters())
     tokens = torch.randint(0, options.vocab, (options.batch, options.seq + 1),
                            generator=torch.Generator().manual_seed(0))
@@ -164,7 +143,7 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
     tag_bytes = commit.newest_tag_size(save_dir)[1]  # a full save's (the async one just committed)
     results: dict[str, list[dict]] = {kind: [] for kind in KINDS}
     for repeat in range(options.repeats):
-        for kind in (KINDS if repeat % 2 == 0 else tuple(reversed(KINDS))):
+        for kind in in_turn(KINDS, repeat):
             results[kind].append(saves.timed(kind))
             saves.step()
     step_seconds = median(saves.steps_without_save)  # steps between the saves, as loaded as the others
@@ -176,14 +155,11 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
             "memory": memory, "tag_mib": tag_bytes / 2**20, "threads": torch.get_num_threads()}
 
 
-@leaves_the_world
+@world.leaves_the_world
 def rank_main(rank: int, options: argparse.Namespace, port: int, save_dir: str, out: str) -> None:
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    deepspeed_logger.setLevel("WARNING")
+    world.measuring_process(options.threads)
     get_logger().setLevel("WARNING")
-    return_freed_memory_to_os()
-    init_world(rank, options.ranks, port)
+    world.init_world(rank, options.ranks, port)
     with saves_waited_for():  # as the training loop: async_save saves go to the background
         result = measure_rank(options, Path(save_dir))
     gathered = all_gather(result)
@@ -197,14 +173,19 @@ def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[f
     def slowest(kind: str, key: str) -> float:
         return max(r["medians"][kind][key] for r in ranks)
 
+    def per_repeat(kind: str) -> list[float]:
+        return slowest_rank([r["spread"][kind] for r in ranks])
+
+    def against_synchronous(kind: str) -> list[float]:
+        return repeat_ratios(per_repeat(kind), per_repeat("synchronous"))
+
     print(f"model: {first['parameters'] / 1e6:.1f}M parameters, {options.layers} layers, hidden {options.hidden}, "
           f"vocab {options.vocab}; {options.precision}, ZeRO stage {options.zero_stage}, Adam; {options.ranks} "
           f"rank(s) on this machine; tag {first['tag_mib']:.0f} MiB (a full save); train step "
           f"{1e3 * max(r['step_seconds'] for r in ranks):.0f} ms (batch {options.batch} x {options.seq} tokens)")
     print(f"torch threads {first['threads']} per rank, {os.cpu_count()} CPUs; repeats {options.repeats}; "
           f"load average before {load_average[0]:.2f}, after {load_average[1]:.2f}")
-    rows = [[kind, 1e3 * slowest(kind, "wall"),
-             " ".join(f"{1e3 * max(r['spread'][kind][i] for r in ranks):.0f}" for i in range(options.repeats))]
+    rows = [[kind, 1e3 * slowest(kind, "wall"), " ".join(f"{1e3 * wall:.0f}" for wall in per_repeat(kind))]
             for kind in KINDS]
     print(table(["save", "training blocked ms (median)", "per repeat ms"], rows))
     print(f"async: call {1e3 * slowest('async', 'call'):.0f} ms, final wait {1e3 * slowest('async', 'waited'):.0f} ms, "
@@ -214,46 +195,38 @@ def report(options: argparse.Namespace, ranks: list[dict], load_average: tuple[f
     print(f"RSS growth (rank 0), peak / kept: synchronous {first['memory']['synchronous']['peak']:.0f} / "
           f"{first['memory']['synchronous']['kept']:.0f} MiB, first async {first['memory']['async']['peak']:.0f} / "
           f"{first['memory']['async']['kept']:.0f} MiB")
-    ratios = RatioReport()
+    ratios = Ratios()
     ratios.add("blocked/synchronous wall", slowest("async", "wall"), slowest("synchronous", "wall"),
-               "training time an async_save blocks, against a synchronous save of the same state")
+               "training time an async_save blocks, against a synchronous save of the same state",
+               against_synchronous("async"))
     ratios.add("first_async/synchronous wall", max(r["memory"]["async"]["call"] for r in ranks),
                slowest("synchronous", "wall"), "the pause of a run's first async_save, which allocates the host buffers")
     ratios.add("slowed_steps/synchronous wall", slowest("async", "slowed_steps"), slowest("synchronous", "wall"),
                "extra time of the steps run while the background thread writes, against the synchronous save")
     ratios.add("no_save_optim/synchronous wall", slowest("no_save_optim", "wall"), slowest("synchronous", "wall"),
-               "a synchronous save without optimizer states, against the full one")
+               "a synchronous save without optimizer states, against the full one",
+               against_synchronous("no_save_optim"))
     share = first["tag_mib"] / options.ranks
     ratios.add("async peak_rss/tag size", first["memory"]["async"]["peak"], share,
                "rank 0's peak RSS growth from a first async save's call until committed, against its share of the tag")
     ratios.add("async kept_rss/tag size", first["memory"]["async"]["kept"], share,
                "host memory rank 0 keeps after it for the next async save, against its share of the tag")
-    return ratios.values
+    return ratios
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=1, help="ranks (processes on this machine)")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--vocab", type=int, default=32768, help="padded vocabulary size")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
-    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = bench_parser(__doc__, ranks=1, layers=12, hidden=768, heads=12, vocab=32768, seq=32, precision="bf16",
+                          zero_stage=1, repeats=3)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--max-steps-in-flight", type=int, default=20,
                         help="training steps run while an asynchronous save is written, at most")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch's default)")
     parser.add_argument("--save-dir", type=Path, help="where the tags go (default: a temporary folder, removed)")
-    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
     options = parser.parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="bench_save_"))
     save_dir = options.save_dir or scratch / "checkpoints"
     load_before = os.getloadavg()[0]
     try:
-        port, out = free_port(), str(scratch / "ranks.json")
+        port, out = world.free_port(), str(scratch / "ranks.json")
         if options.ranks == 1:
             rank_main(0, options, port, str(save_dir), out)
         else:
@@ -262,11 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     load_average = (load_before, os.getloadavg()[0])
-    ratios = report(options, ranks, load_average)
-    if options.json:
-        options.json.write_text(json.dumps({
-            "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(options).items()},
-            "load_average": load_average, "ratios": ratios, "ranks": ranks}, indent=2))
+    write_json(options, __doc__, report(options, ranks, load_average), load_average, ranks=ranks)
     return 0
 
 

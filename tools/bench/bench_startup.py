@@ -22,10 +22,8 @@ joins the gloo process group. ``RATIO startup/floor wall`` is the whole start-up
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,17 +32,15 @@ import time
 from pathlib import Path
 
 import yaml
+from harness import REPO, Ratios, bench_parser, in_turn, repeat_ratios, write_json
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from megatron.launcher import free_port  # noqa: E402
+
 RANK_SCRIPT = "tools/bench/startup_rank.py"
 ORDER = ("deepy.py", "launcher", "imports", "process group", "tokenizer", "load plan", "model", "engine", "load",
          "data", "first step", "other")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def write_config(path: Path, ranks: int, **settings) -> Path:
@@ -86,11 +82,7 @@ def timed_run(config: Path, scratch: Path, ranks: int, deepy_seconds: float, flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", type=Path)
-    options = parser.parse_args(argv)
+    options = bench_parser(__doc__, ranks=1, repeats=3, threads=None).parse_args(argv)
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as name:
         scratch = Path(name)
@@ -104,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(options.repeats):
             dry_start = deepy(resume, scratch, dry_run=True)
             deepy_seconds = time.time() - dry_start
-            for kind in ("startup", "floor") if repeat % 2 == 0 else ("floor", "startup"):
+            for kind in in_turn(["startup", "floor"], repeat):
                 runs[kind].append(timed_run(resume, scratch, options.ranks, deepy_seconds, floor=kind == "floor"))
     load_average = (load_before, os.getloadavg()[0])
     medians = {kind: {key: statistics.median(run[key] for run in samples) for key in samples[0]}
@@ -120,14 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     total, floor_total = medians["startup"]["total"], medians["floor"]["total"]
     floor_phases = ("deepy.py", "launcher", "process group")
     ours = total - sum(medians["startup"][phase] for phase in floor_phases)
-    spread = [s["total"] / f["total"] for s, f in zip(runs["startup"], runs["floor"], strict=True)]
-    print(f"RATIO startup/floor wall = {total / floor_total:.3f}  (per repeat {min(spread):.2f}-{max(spread):.2f}; "
-          f"from `python deepy.py` to the end of the first step, against a rank that only imports and joins)")
-    print(f"RATIO ours/startup wall = {ours / total:.3f}  (all but deepy.py, the launcher and the process group)")
-    if options.json:
-        options.json.write_text(json.dumps({"options": vars(options) | {"json": str(options.json)},
-                                            "load_average": load_average, "medians": medians, "runs": runs},
-                                           indent=2))
+    spread = repeat_ratios([run["total"] for run in runs["startup"]], [run["total"] for run in runs["floor"]])
+    ratios = Ratios()
+    ratios.add("startup/floor wall", total, floor_total, f"per repeat {min(spread):.2f}-{max(spread):.2f}; from "
+               "`python deepy.py` to the end of the first step, against a rank that only imports and joins", spread)
+    ratios.add("ours/startup wall", ours, total, "all but deepy.py, the launcher and the process group")
+    write_json(options, __doc__, ratios, load_average, medians=medians, runs=runs)
     return 0
 
 

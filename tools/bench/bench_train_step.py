@@ -19,37 +19,29 @@ writes the same as JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import deepspeed  # noqa: E402
+import bench_world as world  # noqa: E402
 import torch  # noqa: E402
-from bench_world import init_world, leaves_the_world  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
-from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
-from procmem import median, ratio_line, table  # noqa: E402
+from harness import Ratios, bench_parser, in_turn, repeat_ratios, table, write_json  # noqa: E402
 
 from megatron.model import build_model, causal_lm_loss  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 
 
 def our_model(family: str, options: argparse.Namespace) -> torch.nn.Module:
-    settings = {
-        "num_layers": options.layers, "hidden_size": options.hidden, "num_attention_heads": options.heads,
-        "seq_length": options.seq, "pos_emb": "rotary", "no_weight_tying": True, "hidden_dropout": 0.0,
-        "attention_dropout": 0.0, "padded_vocab_size": options.vocab, "seed": 1234,
-    }
-    if family == "llama":
-        settings.update(norm="rmsnorm", activation="swiglu", num_kv_heads=options.kv_heads, use_bias_in_norms=False,
-                        use_bias_in_attn_linear=False, use_bias_in_mlp=False, mlp_multiple_of=256)  # as Llama's configs
+    if family == "llama":  # the MLP width rounded as Llama's configs round it
+        settings = world.model_settings(options, **world.LLAMA, num_kv_heads=options.kv_heads, mlp_multiple_of=256)
     else:
-        settings.update(rotary_pct=0.25, gpt_j_residual=True)
+        settings = world.model_settings(options, **world.PYTHIA)
     args = NeoXArgs.from_dict(settings)
     return build_model(args.architecture(), args.seed)
 
@@ -78,18 +70,8 @@ def mlp_width(model: torch.nn.Module) -> int:
 
 
 def engine_for(model: torch.nn.Module, precision: str, options: argparse.Namespace):
-    config = {
-        "train_micro_batch_size_per_gpu": options.batch,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
-        "zero_optimization": {"stage": options.zero_stage},
-        "gradient_clipping": 1.0,
-        "steps_per_print": 10**9,
-    }
-    if precision != "fp32":
-        config[precision] = {"enabled": True}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    return engine
+    config = world.deepspeed_config(options.batch, options.zero_stage, precision, gradient_clipping=1.0)
+    return world.build_engine(model, config, mpu=False)
 
 
 def step_seconds(engine, tokens: torch.Tensor, hugging_face: bool) -> float:
@@ -152,10 +134,9 @@ def measure(family: str, precision: str, options: argparse.Namespace) -> dict:
         step_seconds(engine, tokens, name == "hf")  # warm-up: kernels, optimizer state
     times: dict[str, list[float]] = {"ours": [], "hf": []}
     peak_bytes = dict.fromkeys(times, 0)  # the process's peak accelerator memory during each model's steps
-    order = ["ours", "hf"]
     accelerator = get_accelerator()
     for repeat in range(options.repeats):
-        for name in order if repeat % 2 == 0 else order[::-1]:
+        for name in in_turn(["ours", "hf"], repeat):
             accelerator.reset_peak_memory_stats()
             times[name].append(step_seconds(engines[name], tokens, name == "hf"))
             peak_bytes[name] = max(peak_bytes[name], accelerator.max_memory_allocated())
@@ -163,7 +144,7 @@ def measure(family: str, precision: str, options: argparse.Namespace) -> dict:
                     for name, engine in engines.items()}
     parameters = {name: sum(p.numel() for p in engine.module.parameters()) for name, engine in engines.items()}
     tokens_per_step = options.batch * options.seq
-    paired = [hf / ours for ours, hf in zip(times["ours"], times["hf"], strict=True)]
+    paired = repeat_ratios(times["hf"], times["ours"])
     tokens_per_second = {name: tokens_per_step / median(values) for name, values in times.items()}
     on_cpu = accelerator.device_name() == "cpu"
     peak = bf16_peak_flops("" if on_cpu else getattr(torch, accelerator.device_name()).get_device_name(),
@@ -175,38 +156,27 @@ def measure(family: str, precision: str, options: argparse.Namespace) -> dict:
         "device": accelerator.device_name(), "peak_memory_bytes": peak_bytes, "mfu_of_bf16_peak": mfu,
         "step_seconds": times, "tokens_per_step": tokens_per_step,
         "tokens_per_second": tokens_per_second,
-        "ratio": median(times["hf"]) / median(times["ours"]),
+        "ratio": median(times["hf"]) / median(times["ours"]), "per_repeat_ratio": paired,
         "matmul_share": matmul_share,
         "ratio_spread": [min(paired), max(paired)],
     }
 
 
-@leaves_the_world
+@world.leaves_the_world
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, layers=6, hidden=512, heads=8, vocab=8192, seq=512, zero_stage=1, repeats=5)
     parser.add_argument("--family", nargs="+", choices=("neox", "llama"), default=["neox", "llama"])
     parser.add_argument("--precision", nargs="+", choices=("fp32", "bf16", "fp16"), default=["fp32", "bf16"])
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4, help="key/value heads of the Llama family")
-    parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4, help="micro batch")
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--compile", choices=("none", "ours", "both"), default="none",
                         help="torch.compile (engine.compile, what `torch_compile: true` does) ours or both models")
-    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak for model FLOPs utilisation "
                         "(default: from its name, see BF16_PEAK_TFLOPS)")
     parser.add_argument("--no-profile", action="store_true", help="skip the CPU profile of the matmul share")
     options = parser.parse_args(argv)
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    deepspeed_logger.setLevel("WARNING")
-    init_world()
+    world.measuring_process(options.threads, return_freed_memory=False)
+    world.init_world()
 
     load_before = os.getloadavg()[0]
     results = [measure(family, precision, options) for family in options.family for precision in options.precision]
@@ -223,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
              r["matmul_share"]["hf"]] for r in results]
     print(table(["family", "precision", "params", "ours ms", "hf ms", "ours tok/s", "hf tok/s", "ours/hf",
                  "per-repeat", "ours matmul share", "hf matmul share"], rows))
+    ratios = Ratios()
     for r in results:
         if r["device"] != "cpu":
             for name in ("ours", "hf"):
@@ -230,12 +201,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} {r['family']} {r['precision']}: {r['tokens_per_second'][name]:,.0f} tokens/s, "
                       f"model FLOPs utilisation {f'{100 * mfu[name]:.1f}%' if mfu else 'unknown (give --peak-tflops)'}"
                       f" of the bf16 peak, peak memory {r['peak_memory_bytes'][name] / 2**30:.1f} GiB")
-        print(ratio_line(f"ours/hf tokens_per_s {r['family']} {r['precision']}", r["tokens_per_second"]["ours"],
-                         r["tokens_per_second"]["hf"], "training-step throughput; above 1: ours is faster"))
-    if options.json:
-        options.json.write_text(json.dumps({"options": vars(options) | {"json": str(options.json)},
-                                            "load_average": [load_before, load_after], "results": results},
-                                           indent=2))
+        ratios.add(f"ours/hf tokens_per_s {r['family']} {r['precision']}", r["tokens_per_second"]["ours"],
+                   r["tokens_per_second"]["hf"], "training-step throughput; above 1: ours is faster",
+                   r["per_repeat_ratio"])
+    write_json(options, __doc__, ratios, (load_before, load_after), results=results)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Host memory per rank of building a ZeRO-3 model and loading a checkpoint into it: partitioned against whole.
 
     python tools/bench/bench_zero3_build.py [--ranks 2] [--layers 24] [--hidden 1280] [--heads 16]
-        [--vocab 50304] [--precision bf16] [--threads N] [--json PATH]
+        [--vocab 50304] [--seq 32] [--precision bf16] [--threads N] [--json PATH]
 
 First one gloo world of ``--ranks`` processes builds the model (another seed), starts a ZeRO-3 engine
 and saves a checkpoint as training does (full fp32 module file, manifest), measuring the save. Then,
@@ -35,21 +35,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import bench_world as world  # noqa: E402
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_world import free_port, init_world, leaves_the_world  # noqa: E402
-from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
-from procmem import PeakSampler, RatioReport, return_freed_memory_to_os, smaps_rollup_kib, table  # noqa: E402
+from harness import Ratios, bench_parser, table, write_json  # noqa: E402
+from procmem import PeakSampler, smaps_rollup_kib  # noqa: E402
 
 from megatron.checkpointing import (  # noqa: E402
     layout,
-    load_module_only,  # noqa: E402
+    load_module_only,
     manifest,
-    read_module_weights,  # noqa: E402
-    save_engine_checkpoint,  # noqa: E402
+    read_module_weights,
+    save_engine_checkpoint,
 )
-from megatron.initialize import ModelParallelUnit, zero3_construction  # noqa: E402
+from megatron.initialize import zero3_construction  # noqa: E402
 from megatron.model import build_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 
@@ -60,20 +60,12 @@ CHECKPOINT_SEED = SEED + 1  # the checkpoint holds other weights than a fresh bu
 
 
 def architecture(options: argparse.Namespace):
-    return NeoXArgs.from_dict({
-        "num_layers": options.layers, "hidden_size": options.hidden, "num_attention_heads": options.heads,
-        "seq_length": 32, "max_position_embeddings": 32, "padded_vocab_size": options.vocab,
-        "hidden_dropout": 0.0, "attention_dropout": 0.0, "seed": SEED,
-    }).architecture()
+    return NeoXArgs.from_dict(world.model_settings(options, seed=SEED)).architecture()
 
 
 def ds_config(options: argparse.Namespace) -> dict:
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}, "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": 3}, "steps_per_print": 10**9}
-    if options.precision != "fp32":
-        config[options.precision] = {"enabled": True}
-    return config
+    return world.deepspeed_config(1, 3, options.precision, optimizer="SGD", lr=1e-3,
+                                  zero_allow_untested_optimizer=True)
 
 
 def build(options: argparse.Namespace, how: str, seed: int):
@@ -82,9 +74,7 @@ def build(options: argparse.Namespace, how: str, seed: int):
 
 
 def start_engine(options: argparse.Namespace, model):
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(options),
-                                      mpu=ModelParallelUnit())
-    return engine
+    return world.build_engine(model, ds_config(options))
 
 
 def anonymous_mib() -> float:
@@ -141,20 +131,17 @@ def measure_rank(options: argparse.Namespace, how: str, save_dir: Path) -> dict:
             "load_s": load_s}
 
 
-@leaves_the_world
+@world.leaves_the_world
 def rank_main(rank: int, options: argparse.Namespace, port: int, scratch: str, task: str) -> None:
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    deepspeed_logger.setLevel("WARNING")
-    return_freed_memory_to_os()
-    init_world(rank, options.ranks, port)
+    world.measuring_process(options.threads)
+    world.init_world(rank, options.ranks, port)
     save_dir = Path(scratch) / "checkpoint"
     result = save_checkpoint(options, save_dir) if task == "save" else measure_rank(options, task, save_dir)
     (Path(scratch) / f"{task}-rank{rank}.json").write_text(json.dumps(result))
 
 
 def run_world(options: argparse.Namespace, scratch: str, task: str) -> None:
-    torch.multiprocessing.spawn(rank_main, args=(options, free_port(), scratch, task), nprocs=options.ranks)
+    torch.multiprocessing.spawn(rank_main, args=(options, world.free_port(), scratch, task), nprocs=options.ranks)
 
 
 def report(options: argparse.Namespace, results: dict[str, list[dict]], load_average: tuple[float, float]) -> dict:
@@ -172,7 +159,7 @@ def report(options: argparse.Namespace, results: dict[str, list[dict]], load_ave
     print(table(["build", "rank", "build peak MiB", "held after build MiB", "load peak growth MiB",
                  "build + load MiB", "build + load / fp32 model", "engine start peak MiB", "build s", "load s"],
                 rows))
-    ratios = RatioReport()
+    ratios = Ratios()
     ratio = ratios.add
 
     def worst(how: str, key: str) -> float:
@@ -188,19 +175,11 @@ def report(options: argparse.Namespace, results: dict[str, list[dict]], load_ave
           "most anonymous memory a rank needed while saving (DP rank 0 writes the full fp32 module file)")
     ratio("partitioned/whole build wall", worst("partitioned", "build_s"), worst("whole", "build_s"),
           "time to build (draws, and the partitioning's broadcasts)")
-    return ratios.values
+    return ratios
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=2, help="data-parallel ranks (processes on this machine)")
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--hidden", type=int, default=1280)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=50304, help="padded vocabulary size")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch's default)")
-    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
+    parser = bench_parser(__doc__, ranks=2, layers=24, hidden=1280, heads=16, vocab=50304, seq=32, precision="bf16")
     options = parser.parse_args(argv)
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench_zero3_build_") as scratch:
@@ -210,12 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             results[how] = [json.loads((Path(scratch) / f"{how}-rank{r}.json").read_text())
                             for r in range(options.ranks)]
     load_average = (load_before, os.getloadavg()[0])
-    ratios = report(options, results, load_average)
-    if options.json:
-        options.json.write_text(json.dumps({"options": {k: str(v) if isinstance(v, Path) else v
-                                                        for k, v in vars(options).items()},
-                                            "load_average": load_average, "ratios": ratios, "results": results},
-                                           indent=2))
+    write_json(options, __doc__, report(options, results, load_average), load_average, results=results)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Memory readings of the current process from Linux /proc, and the ratio/table printing the benchmarks share.
+"""Memory readings of the current process from Linux /proc.
 
 Peak RSS is measured by resetting the kernel's high-water mark (``echo 5 > /proc/self/clear_refs``),
 running the code, then reading ``VmHWM``; where that reset is refused, ``ru_maxrss`` is the fallback,
@@ -10,8 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import resource
-import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -102,36 +101,6 @@ def measure_memory(call: Callable[[], T]) -> tuple[T, MemoryDelta]:
     else:
         peak = max(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, maxrss_before)
     return result, MemoryDelta((peak - before) / 1024, (after - before) / 1024, exact)
-
-
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values)
-
-
-def ratio_line(name: str, numerator: float, denominator: float, meaning: str) -> str:
-    """One greppable line per ratio: ``RATIO <name> = <value>  (<meaning>)``."""
-    value = numerator / denominator if denominator else float("inf")
-    return f"RATIO {name} = {value:.3f}  ({meaning})"
-
-
-class RatioReport:
-    """Prints each ratio as it is added (``ratio_line``) and keeps it, by name, for the JSON output."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, float] = {}
-
-    def add(self, name: str, numerator: float, denominator: float, meaning: str) -> None:
-        print(ratio_line(name, numerator, denominator, meaning))
-        self.values[name] = numerator / denominator if denominator else float("inf")
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [[str(h) for h in headers]] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in row]
-                                           for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in cells]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    return "\n".join(lines)
 
 
 class PeakSampler:
