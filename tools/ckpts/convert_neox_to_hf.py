@@ -24,6 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megatron.foreign_notices import hide_foreign_notices  # noqa: E402
+
+hide_foreign_notices()  # before the imports below
+
 from megatron.checkpointing import layout  # noqa: E402
 from megatron.checkpointing.errors import CheckpointError  # noqa: E402
 from megatron.hf.config import FAMILIES  # noqa: E402
