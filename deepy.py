@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """Validate GPT-NeoX style YAML configs, then start every rank through DeepSpeed's launcher.
 
-    python deepy.py TRAIN_SCRIPT CONFIG [CONFIG ...] [--dry-run] [--eval_tasks TASK ...] [--iteration N]
+    python deepy.py TRAIN_SCRIPT CONFIG [CONFIG ...] [--dry-run] [--verbose] [--eval_tasks TASK ...] [--iteration N]
 
 Config paths are taken as given, else under configs/. Later files override earlier ones key by
 key (a nested dict such as zero_optimization is replaced as a whole, as in GPT-NeoX). --dry-run
-prints the resolved settings and the DeepSpeed config and starts nothing. Every rank receives
-the validated settings in one argv flag and reads them with
+prints the resolved settings and the DeepSpeed config and starts nothing. --verbose also shows the
+notices of DeepSpeed, torch and megatron-core that report nothing wrong (megatron/foreign_notices.py),
+here and in every rank. Every rank receives the validated settings in one argv flag and reads them with
 megatron.neox_arguments.load_args_on_rank(). GPT-NeoX's --eval_tasks, --eval_results_prefix and
 --iteration set those settings over every file.
 
@@ -31,6 +32,7 @@ import sys
 from pathlib import Path
 
 from megatron.errors import ExpectedError
+from megatron.foreign_notices import VERBOSE_VARIABLE, hide_foreign_notices
 from megatron.launcher import launch_command, launcher_environment, rendezvous_port, starts_only_local_ranks
 from megatron.neox_arguments import ConfigError
 from megatron.neox_arguments.dry_run import render_dry_run, tokenizer_summary
@@ -47,6 +49,9 @@ def parse_command_line(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("configs", nargs="+", help="YAML config files; later ones override earlier ones")
     parser.add_argument("-d", "--conf_dir", help="directory put in front of every config path (as in GPT-NeoX)")
     parser.add_argument("--dry-run", action="store_true", help="print the resolved settings and exit")
+    parser.add_argument("--verbose", action="store_true",
+                        help=f"show the notices of DeepSpeed, torch and megatron-core that are hidden because they "
+                             f"report nothing wrong, here and in every rank (sets {VERBOSE_VARIABLE}=1)")
     # GPT-NeoX's evaluation flags; each overrides the setting of its name in the config files
     evaluation = parser.add_argument_group("eval.py and generate.py")
     evaluation.add_argument("--eval_tasks", nargs="+", help="the harness's tasks eval.py runs")
@@ -75,6 +80,9 @@ def send_deepspeed_logs_to_stderr() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     command_line = parse_command_line(argv)
+    if command_line.verbose:
+        os.environ[VERBOSE_VARIABLE] = "1"  # the ranks inherit it
+    hide_foreign_notices()
     send_deepspeed_logs_to_stderr()
     try:
         args = settings_for_run(gpt_neox_config_paths(command_line.configs, command_line.conf_dir),

@@ -9,10 +9,10 @@ harness: pip install -e '.[eval]'.
 """
 
 import sys
-import warnings
 
-# megatron-core announces at import that NVIDIA's optional fused kernels are absent; we do not use them.
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+from megatron.foreign_notices import hide_foreign_notices
+
+hide_foreign_notices()  # before the imports below
 
 from megatron.neox_arguments import load_args_on_rank  # noqa: E402
 from megatron.rank_errors import run_rank  # noqa: E402

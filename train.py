@@ -1,8 +1,9 @@
 """Entry point of every rank, started by deepy.py through the DeepSpeed launcher."""
 
 import sys
-import warnings
 
+from megatron.foreign_notices import hide_foreign_notices
+from megatron.logging import slow_stage
 from megatron.stop_signals import StopSignals
 
 if __name__ == "__main__":
@@ -14,12 +15,12 @@ if __name__ == "__main__":
 
     ask_cpu_info_early()
 
-# megatron-core announces at import that NVIDIA's optional fused kernels are absent; we do not use them.
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+hide_foreign_notices()  # before the imports below
 
-from megatron.neox_arguments import load_args_on_rank  # noqa: E402
-from megatron.rank_errors import run_rank  # noqa: E402
-from megatron.training import pretrain  # noqa: E402
+with slow_stage("starting the rank (importing torch, DeepSpeed and megatron-core)"):
+    from megatron.neox_arguments import load_args_on_rank
+    from megatron.rank_errors import run_rank
+    from megatron.training import pretrain
 
 if __name__ == "__main__":
     sys.exit(run_rank(lambda: pretrain(load_args_on_rank(), stop_signals),

@@ -11,6 +11,8 @@ import torch
 
 from megatron.collective import barrier
 from megatron.cpu_info import ask_cpu_info_early
+from megatron.foreign_notices import foreign_prints_hidden
+from megatron.logging import slow_stage
 from megatron.ranks import data_parallel_rank_and_size
 
 
@@ -53,7 +55,9 @@ def init_deepspeed_distributed(**kwargs) -> None:
     import torch.distributed as dist
 
     ask_cpu_info_early()  # train.py asked before its imports; any other rank asks here, before its engine
-    deepspeed.init_distributed(verbose=False, **kwargs)
+    with slow_stage("joining the process group (a first run on a CPU also builds DeepSpeed's communication op)"), \
+            foreign_prints_hidden():
+        deepspeed.init_distributed(verbose=False, **kwargs)
     address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     shm = Path("/dev/shm")
     if not (address and port and shm.is_dir()):

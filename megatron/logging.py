@@ -6,7 +6,9 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
+from contextlib import contextmanager
 
 from megatron.ranks import global_rank
 
@@ -68,6 +70,33 @@ def quiet_deepspeed() -> None:
     from deepspeed.utils import logger as ds_logger
 
     ds_logger.setLevel(logging.WARNING)
+
+
+SLOW_STAGE_SECONDS = 2.0
+
+
+@contextmanager
+def slow_stage(description: str):
+    """A start-up step that can take long (a build on a first run): once it has run for 2 s, rank 0 says
+    "<description> ...", and when it ends, what it took. A quick one (its result cached) prints nothing."""
+    logger = get_logger()  # made here, outside the block: a block may redirect stdout
+    announced = threading.Event()
+
+    def announce() -> None:
+        logger.info(f"{description} ...")
+        announced.set()
+
+    started = time.perf_counter()
+    timer = threading.Timer(SLOW_STAGE_SECONDS, announce)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        timer.join()  # an announcement under way is finished before the done line
+    if announced.is_set():
+        logger.info(f"{description}: done in {time.perf_counter() - started:.1f} s")
 
 
 def format_duration(seconds: float) -> str:

@@ -7,19 +7,21 @@ the launcher's RANK, or the answer of a process that is alone).
 from __future__ import annotations
 
 import os
+import sys
 
 
 def _process_group_exists() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
+    # Not imported yet, or still being imported by another thread: no group exists, and asking must not import
+    # torch (a rank's start-up announces itself while it imports torch: megatron.logging.slow_stage).
+    dist = sys.modules.get("torch.distributed")
+    return hasattr(dist, "is_initialized") and dist.is_available() and dist.is_initialized()
 
 
 def global_rank() -> int:
     """This process's rank in the job; before the process group exists, the launcher's RANK (0 when started alone)."""
-    import torch.distributed as dist
-
     if _process_group_exists():
+        import torch.distributed as dist
+
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
 

@@ -26,6 +26,7 @@ from megatron.logging import (
     ProgressReporter,
     get_logger,
     quiet_deepspeed,
+    slow_stage,
     tee_output_to,
 )
 from megatron.optimizers import build_param_groups
@@ -293,12 +294,14 @@ def setup(args):
         ds_config = args.deepspeed_config()
         # Under ZeRO-3 no rank ever holds the whole model: it is built partitioned over the data-parallel group.
         partitioned_by = zero3_construction(ds_config) if args.zero_stage == 3 else None
-        if args.pipe_parallel_size > 1:
-            engine = build_pipeline_engine(args, ds_config)
-        else:
-            model = build_model(args.architecture(), args.seed, partitioned_by=partitioned_by, lora=args.lora())
-            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=build_param_groups(model, args.weight_decay),
-                                                   config=ds_config, mpu=ModelParallelUnit())
+        with slow_stage("building the model and its DeepSpeed engine (a first run also builds DeepSpeed's optimizer op)"):
+            if args.pipe_parallel_size > 1:
+                engine = build_pipeline_engine(args, ds_config)
+            else:
+                model = build_model(args.architecture(), args.seed, partitioned_by=partitioned_by, lora=args.lora())
+                engine, _, _, _ = deepspeed.initialize(model=model,
+                                                       model_parameters=build_param_groups(model, args.weight_decay),
+                                                       config=ds_config, mpu=ModelParallelUnit())
         _log_model(args, engine.module, args.zero_stage, dp_size, args.pipe_parallel_size)
         if args.torch_compile:
             engine.compile()  # compiles the module in place: parameter and checkpoint names stay as they are

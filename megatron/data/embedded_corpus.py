@@ -21,6 +21,7 @@ from pathlib import Path
 from megatron.data.index_cache import default_cache_root
 from megatron.data.indexed_dataset import dataset_exists
 from megatron.data.preprocessing import tokenize_to_indexed_datasets
+from megatron.logging import slow_stage
 from megatron.tokenizer import TokenizerSpec, train_bpe_tokenizer
 
 CORPUS_FORMAT_VERSION = 1
@@ -91,7 +92,8 @@ def ensure_embedded_corpus(
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=root, prefix=".building-"))
     try:
-        _build(staging, files, vocab_size)
+        with slow_stage(f"building the embedded corpus and training its tokenizer in {root} (first run only)"):
+            _build(staging, files, vocab_size)
         (staging / "recipe.json").write_text(json.dumps(recipe, indent=1))
         staging.chmod(0o755)  # mkdtemp makes it private; the corpus is meant to be shared
         try:

@@ -17,6 +17,7 @@ import numpy as np
 
 from megatron.data.indexed_dataset import data_file_path, index_file_path
 from megatron.fsio import write_atomically
+from megatron.logging import slow_stage
 
 
 def default_cache_root() -> Path:
@@ -74,7 +75,8 @@ def load_or_build(
                 return arrays, False
         except (OSError, ValueError, KeyError):
             pass  # unreadable or incomplete cache: rebuild it below
-    arrays = build()
+    with slow_stage(f"building the {name} index of {prefix} (kept for later runs)"):
+        arrays = build()
     for array_name, array in arrays.items():
         write_atomically(directory / f"{stem}_{array_name}.npy", lambda tmp, a=array: _write_npy(tmp, a))
     meta["arrays"] = sorted(arrays)

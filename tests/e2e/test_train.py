@@ -16,7 +16,7 @@ from megatron.learning_rates import learning_rate_at
 from megatron.neox_arguments import NeoXArgs, padded_vocab_size
 from megatron.tokenizer import build_tokenizer
 from tests.ckpt_engines import stored_client_state
-from tests.deepy_runs import checkpoint_files, run_deepy, train_lines, write_overrides
+from tests.deepy_runs import checkpoint_files, foreign_notices, run_deepy, train_lines, write_overrides
 from tests.unit.test_neox_config import keys_gpt_neox_refuses
 
 pytestmark = pytest.mark.e2e
@@ -26,6 +26,7 @@ def test_single_rank_run_trains_evaluates_and_saves(tmp_path):
     save = tmp_path / "ckpt"
     overrides = write_overrides(tmp_path, save=str(save), train_iters=40, checkpoint_factor=20, eval_interval=20)
     result = run_deepy(["configs/tiny.yml", overrides])
+    assert foreign_notices(result.stdout + result.stderr) == []  # also in the rank's output
     lines = train_lines(result.stdout)
     assert [line.iteration for line in lines][-1] == 40
     first, last = lines[0].loss, lines[-1].loss
@@ -98,6 +99,7 @@ def test_two_ranks_zero1_bf16_llama_trains_and_saves_per_rank_optimizer_shards(t
     )
     result = run_deepy(["configs/tiny.yml", overrides])
     assert "2 data-parallel rank(s)" in result.stdout
+    assert foreign_notices(result.stdout + result.stderr) == []  # also in every rank's output
     lines = train_lines(result.stdout)
     assert lines[-1].iteration == 30
     assert lines[-1].loss < lines[0].loss - 0.5

@@ -15,11 +15,13 @@ import functools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
-import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+from megatron.foreign_notices import hide_foreign_notices  # noqa: E402
+
+hide_foreign_notices()  # before the imports below
 
 # (module, attribute, phase): the functions setup() calls, looked up on their modules at call time
 PHASES = (

@@ -25,6 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megatron.foreign_notices import hide_foreign_notices  # noqa: E402
+
+hide_foreign_notices()  # before the imports below
+
 from megatron.checkpointing import CheckpointError, layout  # noqa: E402
 from megatron.hf.config import FAMILIES  # noqa: E402
 from megatron.hf.convert import DTYPES, convert_neox_to_hf  # noqa: E402

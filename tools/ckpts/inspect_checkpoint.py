@@ -23,6 +23,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megatron.foreign_notices import hide_foreign_notices  # noqa: E402
+
+hide_foreign_notices()  # before the imports below
+
 # DeepSpeed's logger writes to the stdout it finds at import; bind it to stderr so --json output stays parseable.
 with contextlib.redirect_stdout(sys.stderr):
     import torch

@@ -12,6 +12,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megatron.foreign_notices import hide_foreign_notices  # noqa: E402
+
+hide_foreign_notices()  # before the imports below
+
 from megatron.data.embedded_corpus import ensure_embedded_corpus  # noqa: E402
 
 

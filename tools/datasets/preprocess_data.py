@@ -16,6 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megatron.foreign_notices import hide_foreign_notices  # noqa: E402
+
+hide_foreign_notices()  # before the imports below
+
 from megatron.data.document_sources import expand_input_paths, iter_documents  # noqa: E402
 from megatron.data.errors import DataError  # noqa: E402
 from megatron.data.preprocessing import tokenize_to_indexed_datasets  # noqa: E402
