@@ -56,7 +56,7 @@ def _rank_main(rank: int, port: int, root: str) -> None:
 
     if rank == 0:
         tag = inventory_checkpoint(root).tags["global_step2"]
-        assert tag.optimizer_dp_ranks == (0, 1) and tag.saved_dp_size == 2
+        assert tag.optimizer_dp_ranks == (0, 1) and tag.saved_layout.data_parallel == 2
         assert len(tag.metadata.client_state.rng_states) == WORLD_SIZE
         assert "resharded from DP 2 x TP 1, ZeRO-2 to DP 1 x TP 1, ZeRO-2" in plan_load(args, 1).describe()
         finetune = make_args(stage=2, precision="bf16", load=root, finetune=True)
