@@ -37,12 +37,11 @@ class TrainLine:
 
 
 def write_overrides(directory: Path, name: str = "overrides.yml", **settings) -> Path:
-    """A config file of `settings` over the quick defaults, on a free rendezvous port (not 29500, which
-    another run on the machine may hold)."""
-    from tests.conftest import free_port
-
+    """A config file of `settings` over the quick defaults. No master_port unless a test sets one: deepy.py
+    picks a free port at launch, whereas a port picked here could be taken by another test's connections
+    before the run binds it."""
     path = Path(directory) / name
-    path.write_text(yaml.safe_dump({**QUICK_SETTINGS, "master_port": free_port(), **settings}, sort_keys=False))
+    path.write_text(yaml.safe_dump({**QUICK_SETTINGS, **settings}, sort_keys=False))
     return path
 
 
