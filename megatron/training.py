@@ -38,7 +38,7 @@ from megatron.stop_signals import StopSignals, hold_before_save, signal_name
 class ReferenceModel:
     """The frozen model DPO and KTO compare the policy with, and which weights it is (every save records them)."""
 
-    engine: Any  # a forward-only DeepSpeed engine, eval mode, no parameter requires grad; None: precomputed
+    engine: Any  # called as a forward-only engine, eval mode, no parameter requires grad; None: precomputed
     identity: ReferenceIdentity
 
 
@@ -257,6 +257,7 @@ def setup(args):
     from megatron.data.builders import check_data_files
     from megatron.hf import HF_FOLDER
     from megatron.model import build_model
+    from megatron.model.lora import BaseWithoutAdapters
     from megatron.neox_arguments import ConfigError, NeoXArgs
     from megatron.objectives.precomputed_reference import precomputed_reference
     from megatron.pipeline import build_pipeline_engine
@@ -282,7 +283,8 @@ def setup(args):
         reference_plan = None
         if needs_reference(args):
             reference_plan, identity = plan_reference(args, plan, dp_size, hf_source=HF_FOLDER)
-            get_logger().info(describe_reference(identity, resumed=reference_plan is not plan))
+            get_logger().info(describe_reference(identity, resumed=reference_plan is not plan,
+                                                 adapters_off=args.lora_rank > 0))
         precomputed = precomputed_reference(args, plan, dp_size, hf_source=HF_FOLDER)
         if precomputed is not None:
             get_logger().info(f"precomputed reference log-probabilities ({args.precompute_model_name}) of "
@@ -312,7 +314,9 @@ def setup(args):
             if outcome is not None:
                 state = state_after_load(outcome, args)
                 restored_rng = outcome.restored_rng
-        if reference_plan is not None:
+        if reference_plan is not None and args.lora_rank:
+            state.reference = ReferenceModel(BaseWithoutAdapters(engine), identity)
+        elif reference_plan is not None:
             state.reference = ReferenceModel(_frozen_reference(args, reference_plan), identity)
         elif precomputed is not None:
             state.reference = ReferenceModel(None, precomputed)

@@ -139,6 +139,11 @@ class GPTModel(torch.nn.Module):
     def layers(self) -> list[TransformerLayer]:
         return [self.sequential[layer_key(i)] for i in range(self.arch.num_layers)]
 
+    @property
+    def reward_head(self) -> RewardHead:
+        """A reward model's scalar head (train_impl rm), where a language model has its output layer."""
+        return self.sequential[str(self.arch.num_layers + 4)]
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -186,7 +191,7 @@ class GPTModel(torch.nn.Module):
                 hidden = layer(hidden, rotary_cos_sin, attention_mask)
         hidden = self.sequential[str(self.arch.num_layers + 3)](hidden)
         if self.arch.reward_head:
-            return self.sequential[str(self.arch.num_layers + 4)](hidden)
+            return self.reward_head(hidden)
         if self.arch.tied_embeddings:
             logits = F.linear(copy_to_tensor_parallel_region(hidden), self.embedding.word_embeddings.weight)
         else:

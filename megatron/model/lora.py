@@ -7,13 +7,19 @@ and gate in ``mlp.linear1``) each adapter adds into the rows of the output its H
 
 The adapters of a layer are its child ``lora`` and a forward hook adds their output to the layer's,
 so the base's parameter names stay those of its checkpoints. Adding adapters freezes every other
-parameter: they get no gradient, so the optimizer holds no state or master copy of them.
+parameter: they get no gradient, so the optimizer holds no state or master copy of them. A reward
+model's scalar head is new to the base and trains beside the adapters (PEFT's `modules_to_save` for
+its sequence-classification head).
+
+DPO and KTO compare the policy with the base it started from: in a LoRA run that is the policy itself
+with its adapters switched off (`BaseWithoutAdapters`), so no second model is held in memory.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +54,7 @@ class LinearAdapters(torch.nn.ModuleDict):
     def __init__(self, adapters: dict[str, LoraAdapter], scaling: float):
         super().__init__(adapters)
         self.scaling = scaling
+        self.switched_on = True
 
     def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         for adapter in self.values():
@@ -57,8 +64,41 @@ class LinearAdapters(torch.nn.ModuleDict):
 
 
 def _add_adapter_output(linear: torch.nn.Module, inputs: tuple, output: tuple) -> tuple:
+    if not linear.lora.switched_on:
+        return output
     out, bias = output  # megatron-core's linear layers return (output, bias or None)
     return linear.lora(inputs[0], out), bias
+
+
+@contextmanager
+def adapters_switched_off(model: torch.nn.Module):
+    """Within the block ``model`` computes as its base, as if it had no adapters."""
+    adapters = [module for module in model.modules() if isinstance(module, LinearAdapters)]
+    for layer_adapters in adapters:
+        layer_adapters.switched_on = False
+    try:
+        yield
+    finally:
+        for layer_adapters in adapters:
+            layer_adapters.switched_on = True
+
+
+class BaseWithoutAdapters:
+    """The frozen base of a LoRA ``engine``'s model, called as the engine is: its forward in eval mode (as a
+    separately built reference runs) with the adapters switched off, without gradients."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __call__(self, *args, **kwargs):
+        module = self.engine.module
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad(), adapters_switched_off(module):
+                return self.engine(*args, **kwargs)
+        finally:
+            module.train(was_training)
 
 
 def _rows_of_parts(arch: Architecture) -> dict[str, torch.Tensor]:
@@ -86,6 +126,8 @@ def add_adapters(model: torch.nn.Module, lora: LoraSettings) -> None:
                 adapters[name] = LoraAdapter(in_features, width, lora.rank, lora.dropout, rows)
             linear.lora = LinearAdapters(adapters, lora.scaling)
             linear.register_forward_hook(_add_adapter_output)
+    if model.arch.reward_head:
+        model.reward_head.requires_grad_(True)
 
 
 def initialise_adapters(model: torch.nn.Module) -> None:

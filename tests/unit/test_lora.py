@@ -6,6 +6,7 @@ separate adapters on the HF modules compute: the logits, and the gradients of ev
 
 from __future__ import annotations
 
+import math
 import re
 
 import deepspeed
@@ -14,12 +15,16 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from megatron.checkpointing.loading.master_weights import master_fragments
+from megatron.data import BatchOptions
 from megatron.lora_settings import lora_settings
 from megatron.model import build_model, causal_lm_loss
+from megatron.model.lora import BaseWithoutAdapters
 from megatron.neox_arguments import ConfigError, NeoXArgs
+from megatron.objectives.dpo import DirectPreferenceOptimization
 from megatron.optimizers import build_param_groups
 from tests.unit.test_model import tokens
 from tests.unit.test_model_hf_equivalence import gpt_neox_pair, llama_pair
+from tests.unit.test_preference_losses import hf_sequence_log_probs, pairs
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
 
@@ -134,6 +139,67 @@ def test_the_first_step_of_a_deepspeed_engine_moves_each_adapter_by_peft_gradien
             torch.testing.assert_close(before[name] - param.detach(), expected[name], atol=1e-5, rtol=0, msg=name)
         else:
             assert torch.equal(param, before[name]), name
+
+
+def _sgd_engine(model):
+    return deepspeed.initialize(model=model, optimizer=torch.optim.SGD(build_param_groups(model, 0.0), lr=1.0),
+                                config={"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+                                        "gradient_clipping": 0.0})[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_dpo_with_lora_compares_with_the_base_as_peft_with_its_adapter_disabled(family):
+    """The reference of a LoRA DPO run is the policy's own base: the loss and the adapters' first step equal
+    DPO computed on PEFT's model against itself under `disable_adapter()`, with trained (non-zero) adapters."""
+    ours, peft, ours_name_of = adapted_pair(family, "all-linear")
+    samples, beta = pairs(), 0.5
+    peft.train()
+    chosen = hf_sequence_log_probs(peft, samples["pos"], samples["pos_label"])
+    rejected = hf_sequence_log_probs(peft, samples["neg"], samples["neg_label"])
+    with torch.no_grad(), peft.disable_adapter():
+        reference_chosen = hf_sequence_log_probs(peft, samples["pos"], samples["pos_label"])
+        reference_rejected = hf_sequence_log_probs(peft, samples["neg"], samples["neg_label"])
+    expected_loss = -torch.nn.functional.logsigmoid(
+        beta * ((chosen - reference_chosen) - (rejected - reference_rejected))).mean()
+    expected_loss.backward()
+    expected = {ours_name_of[name]: p.grad for name, p in peft.named_parameters() if name in ours_name_of}
+
+    before = {name: p.detach().clone() for name, p in ours.named_parameters()}
+    engine = _sgd_engine(ours)
+    objective = DirectPreferenceOptimization(BatchOptions(), beta, fp32=True, reference=BaseWithoutAdapters(engine))
+    loss, _ = objective(engine, samples)
+    assert engine.module.training  # the reference's forward ran in eval mode and gave the mode back
+    torch.testing.assert_close(loss, expected_loss, atol=1e-5, rtol=1e-5)
+    assert abs(loss.item() - math.log(2)) > 1e-3  # the adapters are not zero: the policy is not its reference
+    engine.backward(loss)
+    engine.step()
+    for name, param in ours.named_parameters():
+        if name in expected:
+            torch.testing.assert_close(before[name] - param.detach(), expected[name], atol=1e-5, rtol=1e-4, msg=name)
+        else:
+            assert torch.equal(param, before[name]), name
+
+
+def test_the_base_without_adapters_computes_the_base_and_leaves_the_adapters_on_after():
+    ours, _, _ = adapted_pair("llama", "all-linear")
+    base = build_model(ours.arch, seed=1234)
+    base.load_state_dict({name: value for name, value in ours.state_dict().items() if ".lora." not in name})
+    engine = _sgd_engine(ours)
+    batch = tokens(batch=2, seq=10, seed=8)
+    adapted = engine(batch)
+    assert torch.equal(BaseWithoutAdapters(engine)(batch), _logits_of(base, batch))
+    assert torch.equal(engine(batch), adapted) and not torch.equal(adapted, _logits_of(base, batch))
+
+
+def test_a_lora_reward_model_trains_its_new_scalar_head_beside_the_adapters():
+    args = NeoXArgs.from_dict({**LLAMA_SETTINGS, "lora_rank": 4, "lora_target_modules": "all-linear", "train_impl": "rm", "no_weight_tying": True,
+                               "dataset_impl": "pairwise", "pack_impl": "unpacked", "padded_vocab_size": 128})
+    model = build_model(args.architecture(), seed=3, lora=args.lora())
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    head = {name for name in trained if ".lora." not in name}
+    assert head == {f"sequential.{LLAMA_SETTINGS['num_layers'] + 4}.{name}"
+                    for name, _ in model.reward_head.named_parameters()}
+    assert len(trained - head) == 2 * 7 * LLAMA_SETTINGS["num_layers"]  # A and B of 7 modules in each layer
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

@@ -117,7 +117,8 @@ def _recorded_plan(args, recorded: ReferenceIdentity, policy_plan: LoadPlan, dat
         raise CheckpointError(f"{where} cannot be loaded: {err}") from None
 
 
-def describe(identity: ReferenceIdentity, resumed: bool) -> str:
+def describe(identity: ReferenceIdentity, resumed: bool, adapters_off: bool = False) -> str:
     origin = "recorded by the checkpoint this run resumes" if resumed else "the model this fine-tune starts from"
-    return (f"reference model: {identity.path} ({origin}), weights only, frozen, checksum {identity.checksum}; "
-            "recorded in every save")
+    held = ("this run's own frozen base with its LoRA adapters switched off, no second model in memory"
+            if adapters_off else "weights only, frozen")
+    return f"reference model: {identity.path} ({origin}), {held}, checksum {identity.checksum}; recorded in every save"
