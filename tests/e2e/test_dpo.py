@@ -49,7 +49,9 @@ def save_llama(folder, seed: int) -> None:
                                  tie_word_embeddings=False)).save_pretrained(folder)
 
 
-def test_dpo_resumed_from_its_save_still_compares_against_the_model_it_started_from(tmp_path):
+def dpo_run(tmp_path) -> tuple[dict, object]:
+    """(settings, HF folder) of a DPO fine-tune from a tiny Llama folder on 2 ranks, on chats made by the
+    preprocess tool."""
     tokenizer = make_chat_tokenizer(tmp_path / "tok", eos="<|endoftext|>")
     records = [{"chosen": chat(p, c), "rejected": chat(p, r)}
                for _ in range(4) for p, c, r in zip(PROMPTS, CHOSEN, REJECTED, strict=True)]
@@ -66,6 +68,11 @@ def test_dpo_resumed_from_its_save_still_compares_against_the_model_it_started_f
         vocab_file=str(tokenizer / "tokenizer.json"), seq_length=24, num_gpus=2, train_micro_batch_size_per_gpu=2,
         precision="fp32", zero_optimization={"stage": 1}, optimizer={"type": "Adam", "params": {"lr": 0.01}},
         train_iters=4, checkpoint_factor=2, eval_interval=2, eval_iters=1, num_workers=0)
+    return settings, hf_dir
+
+
+def test_dpo_resumed_from_its_save_still_compares_against_the_model_it_started_from(tmp_path):
+    settings, hf_dir = dpo_run(tmp_path)
     unbroken = run_deepy([write_overrides(tmp_path, name="dpo.yml", **settings)]).stdout
     assert f"reference model: {hf_dir} (the model this fine-tune starts from)" in unbroken
     lines = dpo_lines(unbroken)
@@ -101,3 +108,29 @@ def test_dpo_resumed_from_its_save_still_compares_against_the_model_it_started_f
     gone = run_deepy([write_overrides(tmp_path, name="gone.yml", **resume)], expect_success=False)
     assert gone.returncode != 0 and f"{hf_dir} (recorded in {stopped_save / 'global_step1'}), is gone" in \
         gone.stdout + gone.stderr
+
+
+def test_dpo_with_lora_compares_against_its_own_base_and_resumes_with_the_unbroken_losses(tmp_path):
+    settings, hf_dir = dpo_run(tmp_path)
+    lora = {**settings, "num_gpus": 1, "lora_rank": 4, "lora_alpha": 8, "lora_target_modules": "all-linear",
+            "optimizer": {"type": "Adam", "params": {"lr": 0.05}}, "save": str(tmp_path / "unbroken")}
+    unbroken = run_deepy([write_overrides(tmp_path, name="lora.yml", **lora)]).stdout
+    assert (f"reference model: {hf_dir} (the model this fine-tune starts from), this run's own frozen base with its "
+            "LoRA adapters switched off, no second model in memory") in unbroken
+    lines = dpo_lines(unbroken)
+    assert lines[1][0] == pytest.approx(math.log(2), abs=1e-4) and lines[1][1:] == (0.0, 0.0, 0.0, 0.0)
+    # a reference that moved with the adapters would keep every reward at 0 and the loss at ln 2
+    assert lines[2][0] < lines[1][0] and all(lines[i][1] != 0.0 and lines[i][2] != 0.0 for i in (2, 3, 4)), lines
+
+    saved = tmp_path / "at_step_2"  # the unbroken run's save at step 2, as a copy of it someone resumes
+    saved.mkdir()
+    shutil.copytree(tmp_path / "unbroken" / "global_step2", saved / "global_step2")
+    (saved / "latest").write_text("global_step2")
+    resume = {**lora, "load": str(saved), "finetune": False, "save": str(tmp_path / "resumed")}
+    resumed = run_deepy([write_overrides(tmp_path, name="lora_resume.yml", **resume)]).stdout
+    assert f"reference model: {hf_dir} (recorded by the checkpoint this run resumes)" in resumed
+    assert dpo_lines(resumed) == {i: lines[i] for i in (3, 4)}
+
+    save_llama(hf_dir, seed=1)  # the base the adapters were trained against is not the folder's any more
+    changed = run_deepy([write_overrides(tmp_path, name="lora_changed.yml", **resume)], expect_success=False)
+    assert changed.returncode != 0 and "changed since the run started" in changed.stdout + changed.stderr
