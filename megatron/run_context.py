@@ -74,13 +74,27 @@ def settings_for_run(paths: list[str], command_line: dict[str, Any] | None = Non
     HF folder's config.json); a setting a file does set is compared with the checkpoint by the load plan.
     `command_line` (deepy.py's --eval_tasks, --iteration, ...) wins over every file.
     """
-    given = {**merge_config_files(paths).values, **(command_line or {})}
+    files = merge_config_files(paths)
+    given = {**files.values, **(command_line or {})}
+    _check_no_tokenizer_beside_the_embedded_corpus(given, files.sources)
     load = given.get("load")
     if not load or all(given.get(name) is not None for name in MODEL_REQUIRED):
         return NeoXArgs.from_yaml_files(paths, overlay=command_line)
     saved, source = _checkpoint_model_settings(Path(load).expanduser(), given.get("iteration"),
                                                given.get("model_parallel_size") or 1)
     return NeoXArgs.from_yaml_files(paths, underlay=saved, underlay_source=source, overlay=command_line)
+
+
+def _check_no_tokenizer_beside_the_embedded_corpus(given: dict[str, Any], sources: dict[str, str]) -> None:
+    """The embedded corpus is tokenized with its own tokenizer, which replaces any a config file names."""
+    if not given.get("embedded_corpus"):
+        return
+    for name in TOKENIZER_SETTINGS:
+        if given.get(name) is not None:
+            raise ConfigError(
+                f"{sources.get(name, 'the command line')}: {name} is set, but {sources.get('embedded_corpus')}: "
+                "embedded_corpus trains on the embedded corpus, which brings its own tokenizer; remove "
+                f"{name}, or set embedded_corpus: false and data_path to data tokenized with it")
 
 
 def _checkpoint_model_settings(load: Path, iteration: int | None, tensor_parallel: int) -> tuple[dict[str, Any], str]:
