@@ -1,0 +1,88 @@
+"""Mixtures of experts from Hugging Face folders against transformers itself: Mixtral and Qwen3-MoE.
+
+Each tiny model is built with transformers' own classes and saved by save_pretrained (the kinds of
+tests/e2e/test_hf_conversion.py, which also checks their logits and round trips). Here: the routing's
+renormalisation is what makes the logits equal (the other choice is far off), and one step of a real DeepSpeed
+engine started from the folder, with the load-balancing loss the config asks for, has transformers' loss,
+load-balancing loss and gradient of every parameter, the routers' and the experts' included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.core_model_loading import revert_weight_conversion
+
+from megatron.checkpointing import load_checkpoint, plan_load
+from megatron.data import BatchOptions
+from megatron.hf import HF_FOLDER, load_hf_module_weights
+from megatron.hf.config import spec_from_hf_config
+from megatron.hf.mapping import convert_tensors, hf_to_ours
+from megatron.model import build_model, load_balancing_loss
+from megatron.objectives import objective_for
+from tests.e2e.test_hf_conversion import MOE_KINDS, logits_of, make_hf_model, our_args, save_hf
+from tests.unit.test_hf_engine import build_engine, engine_args
+from tests.unit.test_hf_families import long_tokens
+
+pytestmark = pytest.mark.usefixtures("single_rank_world")
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_logits_equal_transformers_and_not_with_the_other_renormalisation(kind, tmp_path):
+    model = make_hf_model(kind)
+    hf_dir = save_hf(model, tmp_path / "hf")
+    args = our_args(hf_dir)
+    weights = load_hf_module_weights(hf_dir, args.architecture())
+    batch = long_tokens()
+    with torch.no_grad():
+        expected = model(batch).logits
+    for renormalised in (args.moe_norm_topk_prob, not args.moe_norm_topk_prob):
+        ours = build_model(our_args(hf_dir, moe_norm_topk_prob=renormalised).architecture(), args.seed).eval()
+        ours.load_state_dict(weights, strict=True)
+        with torch.no_grad():
+            difference = (logits_of(ours, batch) - expected).abs().max().item()
+        if renormalised == args.moe_norm_topk_prob:
+            assert difference <= 1e-5
+        else:
+            assert difference > 1e-2, f"{kind}: renormalising or not changes nothing"
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_one_step_from_the_folder_has_the_loss_and_gradient_of_transformers_with_load_balancing(kind, tmp_path):
+    model = make_hf_model(kind)
+    assert model.config.output_router_logits and model.config.router_aux_loss_coef == 0.02
+    hf_dir = save_hf(model, tmp_path / "hf")
+    args = engine_args(model, load=str(hf_dir), finetune=True, zero_optimization={"stage": 0})
+    plan = plan_load(args, data_parallel_size=1, hf_source=HF_FOLDER)
+    engine = build_engine(args)
+    load_checkpoint(engine, plan)
+    batch = long_tokens(seed=1)
+    loss, metrics = objective_for(args, BatchOptions())(engine, {"text": batch})
+    engine.backward(loss)
+
+    model.train()
+    # the same inputs and targets: transformers' loss with the targets given unshifted (shift_labels)
+    targets = batch[:, 1:].contiguous()
+    expected = model(input_ids=batch[:, :-1], labels=targets, shift_labels=targets)
+    expected.loss.backward()
+    assert metrics["load_balancing_loss"].item() == pytest.approx(expected.aux_loss.item(), rel=1e-6)
+    assert 0.02 * expected.aux_loss.item() > 1e-3 * expected.loss.item()  # far above the tolerance below
+    assert loss.item() == pytest.approx(expected.loss.item(), rel=1e-6)
+    spec = spec_from_hf_config(model.config.to_dict())
+    hf_grads = revert_weight_conversion(model, {name: p.grad for name, p in model.named_parameters()})
+    expected_grads = convert_tensors(hf_grads.items(), hf_to_ours(spec.family, spec.architecture()), "grads")
+    ours = {name: p.grad.cpu() for name, p in engine.module.named_parameters()}
+    assert sorted(ours) == sorted(expected_grads)
+    assert any(name.endswith("mlp.router.layer.weight") for name in ours)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(ours[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_the_load_balancing_loss_is_top_k_for_balanced_routing_and_grows_as_routing_collapses():
+    """Transformers' formula on known values: with each expert's mean probability and share of the choices
+    equal the loss is top_k; with every token sent to the same two experts, num_experts / 2 x top_k."""
+    experts, top_k = 4, 2
+    spread = torch.log(torch.tensor([[4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0]])).repeat(4, 1)
+    assert load_balancing_loss([spread], experts, top_k).item() == pytest.approx(top_k * 1.0, rel=1e-6)
+    collapsed = torch.tensor([[9.0, 9.0, -9.0, -9.0]]).repeat(8, 1)
+    assert load_balancing_loss([collapsed], experts, top_k).item() == pytest.approx(experts / 2 * top_k, rel=1e-3)
