@@ -583,6 +583,9 @@ def _check_mixture_of_experts(v: dict[str, Any], sources: dict[str, str]) -> Non
     if (v["pipe_parallel_size"] or 0) > 1:
         raise _fail(sources, "pipe_parallel_size", "mixture of experts runs so far without a pipeline; set "
                                                    "pipe_parallel_size to 0 or 1")
+    if v["zero_stage"] == 3:
+        raise _fail(sources, "zero_optimization", "mixture of experts runs so far with ZeRO stages 0-2 (stage 3 "
+                                                  "with experts is not tested yet); set stage 2")
     if v["moe_load_balancing_loss_coef"] < 0:
         raise _fail(sources, "moe_load_balancing_loss_coef", f"must not be negative, got "
                                                              f"{v['moe_load_balancing_loss_coef']}")

@@ -86,3 +86,23 @@ def test_the_load_balancing_loss_is_top_k_for_balanced_routing_and_grows_as_rout
     assert load_balancing_loss([spread], experts, top_k).item() == pytest.approx(top_k * 1.0, rel=1e-6)
     collapsed = torch.tensor([[9.0, 9.0, -9.0, -9.0]]).repeat(8, 1)
     assert load_balancing_loss([collapsed], experts, top_k).item() == pytest.approx(experts / 2 * top_k, rel=1e-3)
+
+
+def test_recomputed_layers_give_the_same_loss_and_gradient_with_the_load_balancing_loss(tmp_path):
+    """checkpoint_activations recomputes each layer in the backward, appending its router logits again to a list
+    whose loss is already taken: the step is the same."""
+    hf_dir = save_hf(make_hf_model("mixtral"), tmp_path / "hf")
+    weights = load_hf_module_weights(hf_dir, our_args(hf_dir).architecture())
+    results = []
+    for recompute in (False, True):
+        args = our_args(hf_dir, checkpoint_activations=recompute)
+        model = build_model(args.architecture(), args.seed)
+        model.load_state_dict(weights, strict=True)
+        loss, metrics = objective_for(args, BatchOptions())(model.train(), {"text": long_tokens(seed=2)})
+        loss.backward()
+        results.append((loss.item(), metrics["load_balancing_loss"].item(),
+                        {name: p.grad.clone() for name, p in model.named_parameters()}))
+    (plain_loss, plain_balance, plain_grads), (loss, balance, grads) = results
+    assert (loss, balance) == (plain_loss, plain_balance)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")

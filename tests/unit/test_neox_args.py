@@ -251,6 +251,8 @@ def test_saved_settings_of_other_programs_restore_what_this_schema_knows():
         ({"moe_num_experts": 8, "moe_router_type": "topk", "use_bias_in_mlp": False, "lora_rank": 4},
          r"run.yml: moe_num_experts: LoRA .* no experts"),
         ({"moe_jitter_eps": 0.01}, r"run.yml: moe_jitter_eps: 0.01: router jitter .* not built"),
+        ({"moe_num_experts": 8, "moe_router_type": "topk", "use_bias_in_mlp": False,
+          "zero_optimization": {"stage": 3}}, r"run.yml: zero_optimization: mixture of experts runs so far with ZeRO"),
         ({"mlp_type": "llama"}, r"run.yml: mlp_type: 'llama': .*activation: swiglu"),
         ({"num_gpus": 2, "include": "localhost:0"}, r"include/exclude cannot be combined with num_gpus"),
         ({"hostfile": "/nonexistent/hostfile", "num_nodes": 2}, r"hostfile: '/nonexistent/hostfile' does not exist"),
