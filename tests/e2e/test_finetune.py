@@ -5,7 +5,11 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
+from megatron.checkpointing.ondisk.module_weights import read_module_weights
+from megatron.hf import load_hf_module_weights
+from megatron.hf.config import spec_from_hf_config
 from tests.deepy_runs import TRAIN_LINE, checkpoint_files, run_deepy, train_lines, write_overrides
 
 pytestmark = pytest.mark.e2e
@@ -117,7 +121,7 @@ def test_a_mixtral_folder_fine_tunes_with_its_load_balancing_loss_in_the_log(tmp
                            max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.02)
     MixtralForCausalLM(config).save_pretrained(hf_dir)
     finetune = write_overrides(tmp_path, name="finetune.yml", load=str(hf_dir), save=str(tmp_path / "out"),
-                               **{**SHORT_FINETUNE, "train_iters": 4,
+                               **{**SHORT_FINETUNE, "train_iters": 4, "weight_decay": 0.0,
                                   "optimizer": {"type": "Adam", "params": {"lr": 0.003}}})
     result = run_deepy([finetune])
     assert f"model settings taken from {hf_dir / 'config.json'}" in result.stdout
@@ -127,7 +131,16 @@ def test_a_mixtral_folder_fine_tunes_with_its_load_balancing_loss_in_the_log(tmp
     for _, loss, lm_loss, balance in lines:
         assert balance >= 2 - 1e-4  # top_k at best, when every expert gets its share
         assert loss == pytest.approx(lm_loss + 0.02 * balance, abs=2e-4)
-    assert lines[-1][2] < lines[0][2]  # it trains
+    # it trains: every expert and router moved from the folder's weights (by its gradient: no weight decay)
+    loaded = load_hf_module_weights(hf_dir, spec_from_hf_config(config.to_dict()).architecture())
+    trained = read_module_weights(tmp_path / "out" / "global_step4")
+    for layer in (2, 3):
+        assert not torch.equal(trained[f"sequential.{layer}.mlp.router.layer.weight"],
+                               loaded[f"sequential.{layer}.mlp.router.layer.weight"])
+        for name in ("w1", "w3", "w2"):
+            key = f"sequential.{layer}.mlp.experts.mlp.{name}"
+            for before, after in zip(loaded[key].chunk(4), trained[key].chunk(4), strict=True):
+                assert not torch.equal(before, after), f"{key}: an expert did not train"
 
 
 MOE_LINE = re.compile(r"iteration\s+(\d+)/\d+ \| loss ([\d.]+) \| lm_loss ([\d.]+) \| load_balancing_loss ([\d.]+) \|")
