@@ -86,7 +86,6 @@ NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "relu", "silu", "swiglu")
 GATED_ACTIVATIONS = ("swiglu",)
 POSITION_EMBEDDINGS = ("learned", "rotary", "none")
-MOE_ROUTER_TYPES = ("sinkhorn", "topk")  # GPT-NeoX's; only topk is built
 MOE_DEFAULT_WIDTH_MULTIPLE = 256  # GPT-NeoX rounds its default expert width up to this
 INIT_METHODS = ("normal", "small_init", "wang_init", "scaled_normal")
 # GELU as GPT-NeoX computes it: exact (erf), tanh (bias_gelu_fusion), or erf with 1.41421 for sqrt(2) (onnx_safe)
@@ -135,7 +134,7 @@ class Architecture:
     moe_num_experts: int = 1  # > 1: mixture of experts (see the module docstring)
     moe_top_k: int = 1
     moe_expert_interval: int = 1
-    moe_intermediate_size: int | None = None  # each expert's width per projection, as built; None without experts
+    moe_intermediate_size: int | None = None  # each expert's width per projection, as built (``expert_width``)
     moe_norm_topk_prob: bool = False
     moe_load_balancing_loss: bool = False
     moe_load_balancing_loss_coef: float = 0.001
@@ -279,6 +278,9 @@ def mixture_of_experts_problem(values: Mapping[str, Any]) -> tuple[str, str] | N
         return "moe_top_k", f"{top_k!r} experts per token: must lie between 1 and moe_num_experts ({experts})"
     if not isinstance(interval, int) or interval < 1:
         return "moe_expert_interval", f"must be a positive integer (1: experts in every layer), got {interval!r}"
+    width = values.get("moe_intermediate_size")
+    if width is not None and (not isinstance(width, int) or width < 1):
+        return "moe_intermediate_size", f"must be a positive integer when set, got {width!r}"
     if values.get("moe_router_type") != "topk":
         return "moe_router_type", (f"{values.get('moe_router_type')!r} routing is not built here; set "
                                    "moe_router_type: topk (softmax, then the moe_top_k most probable experts)")

@@ -6,7 +6,8 @@ options of our one architecture: LlamaForCausalLM (``llama``: every rope_type of
 (``qwen2``: biases on q/k/v only) and Qwen3ForCausalLM (``qwen3``: per-head q/k RMSNorm, a head width
 apart from hidden_size / heads), and the mixtures of experts MixtralForCausalLM (``mixtral``: Mistral's
 attention, experts renormalising their top-k weights) and Qwen3MoeForCausalLM (``qwen3_moe``: Qwen3's
-attention, ``norm_topk_prob`` as the config says), each with experts in every layer. Anything either side cannot represent exactly is refused, because a
+attention, ``norm_topk_prob`` as the config says), each with experts in every layer. Anything either side
+cannot represent exactly is refused, because a
 conversion that silently changes the architecture produces a model that loads but is wrong.
 
 Transformers' sliding window W lets a query see the keys less than W positions back; GPT-NeoX's
@@ -137,7 +138,8 @@ def _sliding_window_width(hf: dict[str, Any], family: str, source: str) -> int |
 
 def _experts(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]:
     """Our settings for the experts of a mixture-of-experts family; HFConversionError for what we cannot build."""
-    experts = hf.get("num_local_experts", hf.get("num_experts"))  # transformers 5 writes Qwen3-MoE's as the first
+    # Qwen3-MoE's hub configs say num_experts; transformers 5 saves it as num_local_experts
+    experts = hf.get("num_local_experts", hf.get("num_experts"))
     if not isinstance(experts, int) or experts < 2:
         raise HFConversionError(f"{source}: num_local_experts / num_experts is {experts!r}; a mixture of experts "
                                 "needs at least 2")

@@ -15,8 +15,8 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from megatron.checkpointing import load_checkpoint, plan_load
 from megatron.data import BatchOptions
-from megatron.hf import HF_FOLDER, load_hf_module_weights
-from megatron.hf.config import spec_from_hf_config
+from megatron.hf import HF_FOLDER, HFConversionError, load_hf_module_weights
+from megatron.hf.config import spec_from_hf_config, unrepresentable
 from megatron.hf.mapping import convert_tensors, hf_to_ours
 from megatron.model import build_model, load_balancing_loss
 from megatron.objectives import objective_for
@@ -106,3 +106,22 @@ def test_recomputed_layers_give_the_same_loss_and_gradient_with_the_load_balanci
     assert (loss, balance) == (plain_loss, plain_balance)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize(("kind", "change", "expected"), [
+    ("qwen3_moe", dict(decoder_sparse_step=2), "keep some layers dense"),
+    ("qwen3_moe", dict(mlp_only_layers=[0]), "keep some layers dense"),
+    ("mixtral", dict(router_jitter_noise=0.1), "router jitter is not built"),
+])
+def test_experts_we_cannot_build_are_refused_in_one_line(kind, change, expected):
+    config = {**make_hf_model(kind).config.to_dict(), **change}
+    with pytest.raises(HFConversionError, match=expected):
+        spec_from_hf_config(config)
+
+
+def test_a_model_with_experts_is_written_only_as_a_family_with_experts():
+    arch = spec_from_hf_config(make_hf_model("mixtral").config.to_dict()).architecture()
+    assert unrepresentable(arch, "mixtral") == []
+    assert any("mistral has no experts" in problem for problem in unrepresentable(arch, "mistral"))
+    assert "moe_norm_topk_prob=False (mixtral needs True)" in unrepresentable(
+        spec_from_hf_config(make_hf_model("qwen3_moe_unnormalised").config.to_dict()).architecture(), "mixtral")

@@ -250,6 +250,7 @@ def test_saved_settings_of_other_programs_restore_what_this_schema_knows():
          r"run.yml: pipe_parallel_size: mixture of experts runs so far without a pipeline"),
         ({"moe_num_experts": 8, "moe_router_type": "topk", "use_bias_in_mlp": False, "lora_rank": 4},
          r"run.yml: moe_num_experts: LoRA .* no experts"),
+        ({"moe_num_experts": 8, "moe_intermediate_size": 0}, r"run.yml: moe_intermediate_size: must be a positive"),
         ({"moe_jitter_eps": 0.01}, r"run.yml: moe_jitter_eps: 0.01: router jitter .* not built"),
         ({"moe_num_experts": 8, "moe_router_type": "topk", "use_bias_in_mlp": False,
           "zero_optimization": {"stage": 3}}, r"run.yml: zero_optimization: mixture of experts runs so far with ZeRO"),
