@@ -61,7 +61,7 @@ class Partitioning:
 REPLICATED = Partitioning(None)
 
 # Weights drawn from the output-layer init method (the others from the plain one).
-OUTPUT_WEIGHTS = ("attention.dense.weight", "mlp.linear2.weight")
+OUTPUT_WEIGHTS = ("attention.dense.weight", "mlp.linear2.weight", "mlp.experts.mlp.w2")
 # Weights drawn at initialisation; every other parameter starts as its module made it.
 INITIALISED_WEIGHTS = (
     "word_embeddings.weight",
@@ -70,6 +70,9 @@ INITIALISED_WEIGHTS = (
     "mlp.linear1.weight",
     "final_linear.weight",
     "rm_linear.weight",
+    "mlp.router.layer.weight",
+    "mlp.experts.mlp.w1",
+    "mlp.experts.mlp.w3",
     *OUTPUT_WEIGHTS,
 )
 # Biases of split layers, set to zero at initialisation.
