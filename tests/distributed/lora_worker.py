@@ -184,7 +184,31 @@ def zero3_steps_and_saves_as_zero0(work_dir: Path) -> None:
                saved_adapter_bytes=sum(saved[name].numel() * saved[name].element_size() for name in adapters))
 
 
-CHECKS = {"tp2": tensor_parallel_2_steps_as_1, "zero3": zero3_steps_and_saves_as_zero0}
+def tensor_parallel_2_tag_resumes_at_1_under_zero3(work_dir: Path) -> None:
+    """A LoRA tag saved at TP 2 (ZeRO-1) resumes fully, and loads weights-only, at TP 1 x DP 2 under ZeRO-3: the
+    plan re-splits its adapters (and their optimizer state) by their layout, and every weight is the saved one."""
+    adam = {"optimizer": {"type": "Adam", "params": {"lr": 0.01}}}
+    args = lora_args("llama", 2, 1, save=str(work_dir), **adam)
+    engine, _ = engine_of(args, random=True)
+    tokens, labels = batch()
+    engine.backward(causal_lm_loss(engine(tokens, parallel_output=True), labels, vocab_parallel=True))
+    engine.step()
+    saved = whole_weights(engine.module)
+    save_checkpoint(args, engine, iteration=1, consumed_train_samples=6)
+    for finetune in (False, True):
+        load_args = lora_args("llama", 1, 3, load=str(work_dir), finetune=finetune, **adam)
+        resumed, _ = engine_of(load_args)
+        load_checkpoint(resumed, plan_load(load_args, dist.get_world_size()))
+        loaded = whole_weights(resumed.module)
+        for name, value in saved.items():
+            check(torch.equal(loaded[name], value), f"{name} differs after loading the TP 2 tag at TP 1 under ZeRO-3 "
+                                                    f"(finetune {finetune})")
+    if dist.get_rank() == 0:
+        report(case="tp2 -> tp1 zero3", tensors=len(saved))
+
+
+CHECKS = {"tp2": tensor_parallel_2_steps_as_1, "zero3": zero3_steps_and_saves_as_zero0,
+          "reshard": tensor_parallel_2_tag_resumes_at_1_under_zero3}
 
 
 def main() -> None:

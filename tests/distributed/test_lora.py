@@ -36,3 +36,8 @@ def test_zero3_partitions_the_adapters_steps_as_zero0_and_saves_them_full(tmp_pa
     records = run_worker("zero3", tmp_path)
     (case,) = reported(records, case="zero3")
     assert case["partitioned"] > 0 and case["saved_adapter_bytes"] > 1000, case
+
+
+def test_a_tp2_lora_tag_loads_at_tp1_under_zero3_with_the_saved_adapters(tmp_path):
+    records = run_worker("reshard", tmp_path)
+    assert reported(records, case="tp2 -> tp1 zero3"), records
