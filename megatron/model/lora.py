@@ -16,7 +16,9 @@ input's, is summed over the ranks. On a row-parallel layer each rank holds A's c
 input, the ranks' A outputs are summed (the layer's own output is already summed when the hook sees it),
 and B, whole on every rank, gets the whole gradient. A key/value head shared by several ranks (fewer heads
 than ranks) has its B gradient summed over them, as ``query_key_value``'s own. The weights are drawn
-whole, as at size 1, and each rank keeps its part, so the adapters are the same at every size.
+whole, as at size 1, and each rank keeps its part, so the adapters are the same at every size. With
+lora_dropout the masks at size 2 are other draws than at size 1 (every tensor-parallel rank draws from the
+same state, as the base's dropout does), so runs are equal across sizes without dropout.
 """
 
 from __future__ import annotations

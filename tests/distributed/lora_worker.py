@@ -150,13 +150,16 @@ def tensor_parallel_2_steps_as_1(_work_dir: Path) -> None:
 
 def zero3_steps_and_saves_as_zero0(work_dir: Path) -> None:
     """2 data-parallel ranks: ZeRO-3 (adapters and base partitioned) moves the adapters as ZeRO-0 does; its tag
-    holds the full adapters, equal to ZeRO-0's after the step, and a full resume of it gives them back."""
+    holds the full adapters, equal to ZeRO-0's after the step, and a full resume or a weights-only load of it gives
+    them back."""
     step0 = first_step(lora_args("llama", 1, 0))
     args = lora_args("llama", 1, 3, save=str(work_dir))
     engine, fresh = engine_of(args, random=True)
     partitioned = [name for name, param in engine.module.named_parameters()
                    if is_partitioned(param) and param.numel() == 0]
     check(len(partitioned) == sum(1 for _ in engine.module.parameters()), "a ZeRO-3 parameter is not partitioned")
+    for name, value in step0[0].items():
+        check(torch.equal(fresh[name], value), f"fresh {name} differs between ZeRO-0 and ZeRO-3")
     before = whole_weights(engine.module)
     tokens, labels = batch()
     engine.backward(causal_lm_loss(engine(tokens, parallel_output=True), labels, vocab_parallel=True))
@@ -173,12 +176,13 @@ def zero3_steps_and_saves_as_zero0(work_dir: Path) -> None:
                                                                           atol=TOLERANCE),
               f"the ZeRO-3 tag's {name} is not the adapter ZeRO-0 trained")
 
-    resume_args = lora_args("llama", 1, 3, load=str(work_dir))
-    resumed, _ = engine_of(resume_args)  # fresh adapters until the load
-    load_checkpoint(resumed, plan_load(resume_args, dist.get_world_size()))
-    loaded = whole_weights(resumed.module)
-    for name, value in after.items():
-        check(torch.equal(loaded[name], value), f"{name} differs after the full resume of the ZeRO-3 tag")
+    for finetune in (False, True):  # DeepSpeed's partitioned files, then the full module file alone
+        load_args = lora_args("llama", 1, 3, load=str(work_dir), finetune=finetune)
+        resumed, _ = engine_of(load_args)  # fresh adapters until the load
+        load_checkpoint(resumed, plan_load(load_args, dist.get_world_size()))
+        loaded = whole_weights(resumed.module)
+        for name, value in after.items():
+            check(torch.equal(loaded[name], value), f"{name} differs after loading the ZeRO-3 tag (finetune {finetune})")
     if dist.get_rank() == 0:
         report(case="zero3", adapters=len(adapters), partitioned=len(partitioned),
                saved_adapter_bytes=sum(saved[name].numel() * saved[name].element_size() for name in adapters))
