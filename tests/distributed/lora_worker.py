@@ -114,24 +114,29 @@ def first_step(args: NeoXArgs, swap_slices: bool = False) -> tuple[dict, dict, d
     return fresh, before, whole_weights(engine.module)
 
 
+def update_offsets(reference: tuple[dict, dict, dict], other: tuple[dict, dict, dict]) -> dict[str, float]:
+    """How far each adapter's update in ``other``'s step is from ``reference``'s (largest element)."""
+    (_, before1, after1), (_, before2, after2) = reference, other
+    return {name: ((before2[name] - after2[name]) - (before1[name] - value)).abs().max().item()
+            for name, value in after1.items() if ".lora." in name}
+
+
 def mismatches(reference: tuple[dict, dict, dict], other: tuple[dict, dict, dict]) -> list[str]:
     """Where ``other``'s step differs from ``reference``'s: an adapter's update off by more than TOLERANCE, or a
     base weight not bit-identical."""
-    (_, before1, after1), (_, before2, after2) = reference, other
-    wrong = []
+    wrong = [f"{name} update off by {off:.2e}" for name, off in update_offsets(reference, other).items()
+             if off > TOLERANCE]
+    (_, _, after1), (_, before2, after2) = reference, other
     for name, value in after1.items():
-        if ".lora." in name:
-            off = ((before2[name] - after2[name]) - (before1[name] - value)).abs().max().item()
-            if off > TOLERANCE:
-                wrong.append(f"{name} update off by {off:.2e}")
-        elif not (torch.equal(after2[name], value) and torch.equal(before2[name], after2[name])):
+        if ".lora." not in name and not (torch.equal(after2[name], value) and torch.equal(before2[name], after2[name])):
             wrong.append(f"base {name} differs or moved")
     return wrong
 
 
 def tensor_parallel_2_steps_as_1(_work_dir: Path) -> None:
     """The adapters drawn at TP 2 are TP 1's bit for bit; the first step moves every A and B as at TP 1 (within
-    1e-5) and no base weight; given each other's slices, the ranks' step differs (the comparison sees a bad split)."""
+    1e-5), clipped by the gradient norm too, and no base weight; given each other's slices, the ranks' step differs
+    (the comparison sees a bad split)."""
     for family in ("llama", "llama-mqa", "neox"):
         step1 = first_step(lora_args(family, 1, 0))
         step2 = first_step(lora_args(family, 2, 0))
@@ -144,8 +149,15 @@ def tensor_parallel_2_steps_as_1(_work_dir: Path) -> None:
         check(not wrong, f"{family}: TP 2's step differs from TP 1's: {wrong[:3]}")
         swapped = mismatches(step1, first_step(lora_args(family, 2, 0), swap_slices=True))
         check(bool(swapped), f"{family}: adapters split the wrong way took TP 1's step")
+        if family != "llama-mqa":  # DeepSpeed's norm counts a shared key/value head once per rank (architecture.md)
+            clipping = dict(gradient_clipping=0.01, optimizer={"type": "SGD", "params": {"lr": 100.0}})  # a step of 1
+            clipped = first_step(lora_args(family, 1, 0, **clipping))
+            check(bool(mismatches(step1, clipped)), f"{family}: clipping at 0.01 left the step as it was")
+            wrong = mismatches(clipped, first_step(lora_args(family, 2, 0, **clipping)))
+            check(not wrong, f"{family}: the clipped step (by the whole adapters' norm) differs at TP 2: {wrong[:3]}")
         if dist.get_rank() == 0:
-            report(case=f"{family} tp2", adapters=len(updates), swapped_split_caught=len(swapped))
+            report(case=f"{family} tp2", adapters=len(updates), swapped_split_caught=len(swapped),
+                   largest_update_offset=max(update_offsets(step1, step2).values()))
 
 
 def zero3_steps_and_saves_as_zero0(work_dir: Path) -> None:
@@ -185,6 +197,7 @@ def zero3_steps_and_saves_as_zero0(work_dir: Path) -> None:
             check(torch.equal(loaded[name], value), f"{name} differs after loading the ZeRO-3 tag (finetune {finetune})")
     if dist.get_rank() == 0:
         report(case="zero3", adapters=len(adapters), partitioned=len(partitioned),
+               largest_update_offset=max(update_offsets(step0, (fresh, before, after)).values()),
                saved_adapter_bytes=sum(saved[name].numel() * saved[name].element_size() for name in adapters))
 
 
