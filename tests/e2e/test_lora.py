@@ -57,7 +57,7 @@ def test_a_full_resume_of_a_checkpoint_without_adapters_into_a_lora_run_is_refus
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_tp2_zero3_lora_finetune_of_a_hugging_face_llama_resumes_with_the_same_losses(tmp_path):
-    """2 ranks at model_parallel_size 2 under ZeRO-3 (adapters and base partitioned) fine-tune a Llama folder with
+    """2 ranks at model_parallel_size 2 under ZeRO-3 (adapters and base partitioned, none kept whole) fine-tune a Llama folder with
     grouped-query attention; the tag at step 2 holds each rank's adapter slices whole, and resumed from it the run
     takes the unbroken run's steps 3 and 4."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -66,7 +66,7 @@ def test_a_tp2_zero3_lora_finetune_of_a_hugging_face_llama_resumes_with_the_same
     LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                  tie_word_embeddings=False)).save_pretrained(hf_dir)  # 4096: the embedded corpus's
-    run = dict(embedded_corpus=True, seq_length=64, num_gpus=2, model_parallel_size=2, zero_optimization={"stage": 3},
+    run = dict(embedded_corpus=True, seq_length=64, num_gpus=2, model_parallel_size=2, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0},
                optimizer={"type": "Adam", "params": {"lr": 0.01}}, train_iters=4, checkpoint_factor=2, **LORA)
     save = tmp_path / "lora"
     first = run_deepy([write_overrides(tmp_path, load=str(hf_dir), save=str(save), finetune=True, **run)]).stdout
