@@ -365,7 +365,8 @@ def _log_model(args, model, zero_stage: int, dp_size: int, pipeline_stages: int)
                       f"data-parallel rank(s) x {args.model_parallel_size} tensor-parallel"
                       + (f" x {pipeline_stages} pipeline stages (the count is the first stage's)"
                          if pipeline_stages > 1 else "")
-                      + (f"; {sum(p.numel() for p in model.parameters() if p.requires_grad):,} of them train "
+                      + (f"; {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters() if p.requires_grad):,} "
+                         "of them train "
                          "(LoRA adapters; the rest are frozen)" if args.lora_rank else ""))
 
 

@@ -542,13 +542,12 @@ def _check_lora(v: dict[str, Any], sources: dict[str, str]) -> None:
         target_modules_of(v["lora_target_modules"], gpt_neox_shaped(v["norm"], v["activation"]))
     except ModelConfigError as err:
         raise _fail(sources, "lora_target_modules", str(err)) from None
-    not_yet = {"model_parallel_size": v["model_parallel_size"] > 1, "zero_optimization": v["zero_stage"] == 3,
-               "pipe_parallel_size": (v["pipe_parallel_size"] or 0) > 1,
+    not_yet = {"pipe_parallel_size": (v["pipe_parallel_size"] or 0) > 1,
                "moe_num_experts": (v["moe_num_experts"] or 1) > 1}
     for name, unsupported in not_yet.items():
         if unsupported:
-            raise _fail(sources, name, "LoRA (lora_rank > 0) runs so far with tensor parallelism 1, ZeRO stages 0-2, "
-                                       "no pipeline and no experts; change this or set lora_rank: 0")
+            raise _fail(sources, name, "LoRA (lora_rank > 0) runs so far without a pipeline and without experts; "
+                                       "change this or set lora_rank: 0")
 
 
 def _check_reward_model(v: dict[str, Any], sources: dict[str, str]) -> None:

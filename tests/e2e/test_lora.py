@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -50,3 +52,38 @@ def test_a_full_resume_of_a_checkpoint_without_adapters_into_a_lora_run_is_refus
     assert result.returncode != 0
     assert "was saved without LoRA adapters (lora_rank 0)" in output and "finetune: true" in output
     assert TRAIN_LINE.search(output) is None
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_tp2_zero3_lora_finetune_of_a_hugging_face_llama_resumes_with_the_same_losses(tmp_path):
+    """2 ranks at model_parallel_size 2 under ZeRO-3 (adapters and base partitioned, none kept whole) fine-tune a Llama folder with
+    grouped-query attention; the tag at step 2 holds each rank's adapter slices whole, and resumed from it the run
+    takes the unbroken run's steps 3 and 4."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_dir = tmp_path / "hf"
+    LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                 tie_word_embeddings=False)).save_pretrained(hf_dir)  # 4096: the embedded corpus's
+    run = dict(embedded_corpus=True, seq_length=64, num_gpus=2, model_parallel_size=2, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0},
+               optimizer={"type": "Adam", "params": {"lr": 0.01}}, train_iters=4, checkpoint_factor=2, **LORA)
+    save = tmp_path / "lora"
+    first = run_deepy([write_overrides(tmp_path, load=str(hf_dir), save=str(save), finetune=True, **run)]).stdout
+    assert "ZeRO stage 3, 1 data-parallel rank(s) x 2 tensor-parallel" in first
+    trained = re.search(r"; ([\d,]+) of them train \(LoRA adapters", first)
+    # per rank and layer, times rank 4: A whole on q, k, v, gate and up (64 inputs each), split on o and down (64 / 2
+    # and 96 / 2); B split on q, k, v, gate and up (64 / 2, 32 / 2, 32 / 2, 96 / 2 rows), whole on o and down (64)
+    per_layer = 4 * (5 * 64 + 32 + 48 + 32 + 16 + 16 + 48 + 48 + 2 * 64)
+    assert trained and int(trained[1].replace(",", "")) == 2 * per_layer
+    unbroken = train_lines(first)
+    tag = save / "global_step2"
+    for mp in (0, 1):
+        adapters = {name: value for name, value in read_module_weights(tag, mp).items() if ".lora." in name}
+        assert adapters and all(value.numel() for value in adapters.values()), f"mp_rank {mp}: empty adapters"
+        assert any(value.any() for name, value in adapters.items() if name.endswith("lora_B")), "no adapter trained"
+
+    resumed = run_deepy([write_overrides(tmp_path, name="resume.yml", load=str(save), iteration=2,
+                                         save=str(tmp_path / "resumed"), **run)])
+    assert [(line.iteration, line.loss) for line in train_lines(resumed.stdout)] == \
+        [(line.iteration, line.loss) for line in unbroken[2:]]
