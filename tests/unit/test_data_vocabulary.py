@@ -57,10 +57,10 @@ def test_ids_beyond_the_padded_vocabulary_are_refused_before_training(tmp_path):
     with pytest.raises(DataError, match=rf"^data_path: dataset {prefix} holds token id 400 \(document 1, position 1\), "
                                         r"but the model has 384 vocabulary rows \(the tokenizer .* has 293 tokens"):
         check_data_vocabulary(args_for(384, data_path=prefix), tokenizer_vocab_size=293)
-    cached = list(tmp_path.glob("d_max_token_id_*"))
+    cached = list(tmp_path.glob("d_token_id_range_*"))
     assert cached, "the largest id was not cached next to the data"
     check_data_vocabulary(args_for(512, data_path=prefix), tokenizer_vocab_size=500)
-    assert sorted(tmp_path.glob("d_max_token_id_*")) == sorted(cached)  # read back, not rebuilt
+    assert sorted(tmp_path.glob("d_token_id_range_*")) == sorted(cached)  # read back, not rebuilt
 
 
 @pytest.mark.parametrize("setting", ["train_label_data_paths", "valid_label_data_paths", "pos_train_label_data_paths",
@@ -81,16 +81,35 @@ def test_label_ids_past_the_vocabulary_are_refused_naming_the_file_document_and_
     assert "negative where the loss is masked" in message and "\n" not in message
 
 
+@pytest.mark.parametrize("setting", ["data_path", "train_data_paths", "neg_valid_data_paths"])
+def test_a_negative_token_id_in_a_signed_token_file_is_refused_naming_the_file_document_and_position(tmp_path,
+                                                                                                       setting):
+    """A label may be negative (masked); a token id may not: the embedding would read a row from the end."""
+    prefix = write_dataset(tmp_path / "d", [[1, 2, 3], [4, -7, 6, -1]], dtype=np.int32)
+    value = prefix if setting == "data_path" else [prefix]
+    with pytest.raises(DataError) as error:
+        check_data_vocabulary(args_for(384, **{setting: value}), 293)
+    where = setting if setting == "data_path" else f"{setting}[0]"
+    message = str(error.value)
+    assert message.startswith(f"{where}: dataset {prefix} holds token id -7 (document 1, position 1); ")
+    assert "never negative" in message and "preprocess_data.py" in message and "\n" not in message
+    cached = sorted(tmp_path.glob("d_token_id_range_*"))
+    assert cached  # the scan is kept: once per file
+    with pytest.raises(DataError):
+        check_data_vocabulary(args_for(384, **{setting: value}), 293)
+    assert sorted(tmp_path.glob("d_token_id_range_*")) == cached
+
+
 def test_the_largest_id_is_read_once_per_file_not_per_check(tmp_path):
     """The scan of the .bin is cached next to the data: a second check (the next run, another rank) reads the cache."""
     tokens = write_dataset(tmp_path / "d", [[1, 2, 3]], vocab_size=293)
     labels = write_dataset(tmp_path / "l", [[-100, 2, 3]], dtype=np.int32)
     args = args_for(384, train_data_paths=[tokens], train_label_data_paths=[labels])
     check_data_vocabulary(args, 293)
-    cached = sorted(tmp_path.glob("l_max_token_id_*"))
+    cached = sorted(tmp_path.glob("l_token_id_range_*"))
     assert cached
     check_data_vocabulary(args, 293)
-    assert sorted(tmp_path.glob("l_max_token_id_*")) == cached
+    assert sorted(tmp_path.glob("l_token_id_range_*")) == cached
 
 
 def test_every_dataset_of_every_split_is_checked(tmp_path):
