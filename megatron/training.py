@@ -253,8 +253,7 @@ def setup(args):
         plan_load,
         plan_reference,
     )
-    from megatron.data import build_data_iterators
-    from megatron.data.builders import check_data_files
+    from megatron.data.builders import build_checked_datasets, data_iterators
     from megatron.hf import HF_FOLDER
     from megatron.model import build_model
     from megatron.neox_arguments import ConfigError, NeoXArgs
@@ -274,7 +273,8 @@ def setup(args):
     if args.padded_vocab_size is None:
         raise ConfigError("padded_vocab_size is not resolved: start training through deepy.py, which resolves the "
                           "tokenizer and the embedded corpus once (megatron.run_context.resolve_run_settings)")
-    check_data_files(args, build_tokenizer(args).vocab_size, samples_per_split(args))
+    # before the model: a data file that cannot train stops the run before the slow part of the start
+    datasets = build_checked_datasets(args, build_tokenizer(args).vocab_size, samples_per_split(args))
     # the checkpoint files read from here on are checked in a thread while the engine is built and loaded;
     # the block ends with their checks, before any step
     with checks_beside_use():
@@ -319,9 +319,8 @@ def setup(args):
     if not restored_rng:
         # Same weights on every rank came from the shared seed above; dropout differs per rank.
         set_seeds(args.seed + 1 + dp_rank)
-    iterators = build_data_iterators(
-        args, samples_per_split(args), dp_rank, dp_size, state.consumed_train_samples, state.consumed_valid_samples
-    )
+    iterators = data_iterators(args, datasets, dp_rank, dp_size, state.consumed_train_samples,
+                               state.consumed_valid_samples)
     return engine, state, iterators
 
 

@@ -175,3 +175,29 @@ def test_a_training_run_stops_at_setup_not_mid_run_with_an_index_error(single_ra
     with pytest.raises(DataError, match=rf"^data_path: dataset {prefix} holds token id 385 \(document 0, position 55\), "
                                         r"but the model has 384 vocabulary rows"):
         setup(args)
+
+
+def test_start_up_checks_each_data_file_once(single_rank_world, tmp_path, monkeypatch):
+    """check_data_files (the dry run's) and the datasets' constructors make the same checks; start-up makes them
+    once, as it builds the datasets, not once more before."""
+    from megatron.data import builders, gpt_dataset
+    from megatron.run_context import resolve_run_settings
+    from megatron.tokenizer import train_bpe_tokenizer
+    from megatron.training import setup
+
+    checked, check = [], gpt_dataset.check_gpt_files
+
+    def counted(name, data, *rest, **settings):
+        checked.append((name, data.prefix))
+        return check(name, data, *rest, **settings)
+
+    monkeypatch.setattr(gpt_dataset, "check_gpt_files", counted)
+    monkeypatch.setattr(builders, "check_gpt_files", counted)
+    vocab_file = train_bpe_tokenizer(["def f(x):\n    return x * x\n"] * 50, tmp_path / "tok.json", vocab_size=300)
+    prefix = write_dataset(tmp_path / "d", [list(range(1, 40))] * 8)
+    args = resolve_run_settings(NeoXArgs.from_dict(
+        {**MODEL, "train_iters": 2, "lr": 1e-3, "train_micro_batch_size_per_gpu": 1, "train_data_paths": [prefix],
+         "valid_data_paths": [prefix], "eval_iters": 1, "tokenizer_type": "HFTokenizer",
+         "vocab_file": str(vocab_file)}, require_run_settings=True))
+    setup(args)
+    assert checked == [("train", prefix), ("valid", prefix)]

@@ -31,7 +31,7 @@ PHASES = (
     ("megatron.model", "build_model", "model"),
     ("deepspeed", "initialize", "engine"),
     ("megatron.checkpointing", "load_checkpoint", "load"),
-    ("megatron.data", "build_data_iterators", "data"),
+    ("megatron.data.builders", "build_checked_datasets", "data"),
 )
 
 
