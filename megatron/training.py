@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron import faults
 from megatron.checkpointing import Lineage, ReferenceIdentity, samples_per_evaluation, tag_for_iteration
 from megatron.diagnostics import StepProfiler, parameter_norms
 from megatron.divergence import NonFiniteWatch, check_weights_finite
@@ -480,6 +481,7 @@ def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals
         if _should_save(args, step) and step != args.train_iters:
             _save(args, engine, state)
             saved_at = step
+        faults.fail_point(global_rank(), step)
         stop = agreed_stop(step)
         if stop is not None:
             progress.close()
