@@ -42,7 +42,7 @@ def resolve_run_settings(args: NeoXArgs) -> NeoXArgs:
 
 def check_run_files(args: NeoXArgs) -> None:
     """For deepy.py --dry-run: the checks megatron.training.setup makes of the data files a training run names,
-    made by the same functions (check_data_files; precomputed_reference for the precomputed log-probabilities'
+    made by the same functions without building sample indices (check_data_files; precomputed_reference for the precomputed log-probabilities'
     model), so a dry run refuses what the start would. Nothing to check for generate.py / eval.py settings, or
     for the embedded corpus, which this framework writes itself."""
     from megatron.checkpointing import plan_load

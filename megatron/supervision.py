@@ -10,6 +10,9 @@ is killed and deepy.py exits 0. When the launcher has exited, whatever is left i
 killed. A small watchdog process kills the group when deepy.py itself dies without cleaning up
 (SIGKILL, a closed terminal). With ranks on other machines, a first request without local ranks
 goes to DeepSpeed's runner, started as it is there, whose own handler stops them.
+
+A rank that fails hands its one line to deepy.py (megatron/rank_errors.py), which prints it last, once
+every process of the run has ended.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
+from megatron.rank_errors import RANK_ERRORS_FILE, first_rank_error
 from megatron.stop_signals import STOP_SIGNALS, StopRequests, signal_name
 
 # The per-node launcher DeepSpeed's runner starts; its children are the ranks.
@@ -122,9 +128,12 @@ class Supervisor:
         blocked = STOP_SIGNALS if self.one_machine else ()
         signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
         previous = {signum: signal.signal(signum, self._on_signal) for signum in STOP_SIGNALS}
+        rank_errors = tempfile.NamedTemporaryFile(prefix="neox-rank-errors-")
+        # only the ranks of this machine can write to it; those on other machines print their own lines
+        env = {**self.env, RANK_ERRORS_FILE: rank_errors.name} if self.one_machine else self.env
         try:
             try:
-                self.launcher = subprocess.Popen(self.command, env=self.env, start_new_session=True)
+                self.launcher = subprocess.Popen(self.command, env=env, start_new_session=True)
             finally:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
             if self.requests.count:  # arrived while the launcher was starting (see _on_signal)
@@ -137,10 +146,15 @@ class Supervisor:
                 watchdog.stdin.write(b"x")  # goodbye: the group is already cleaned up
                 watchdog.stdin.close()
                 watchdog.wait()
+            status = self._exit_status(returncode)
+            rank_error = first_rank_error(Path(rank_errors.name))
+            if rank_error is not None:
+                print(rank_error, file=sys.stderr, flush=True)
+            return status
         finally:
+            rank_errors.close()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-        return self._exit_status(returncode)
 
     def _wait_and_clean_up(self) -> int:
         pid = self.launcher.pid
