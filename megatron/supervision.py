@@ -43,6 +43,13 @@ if not sys.stdin.buffer.read(1):  # end of file: deepy.py died without saying go
 """
 
 
+def _signal_that_ended_a_rank(launcher_status: int) -> int | None:
+    """The signal that killed a rank, read from the per-node launcher's exit status: it exits with the first
+    failed rank's return code, which for a rank killed by signal N is -N, an exit status of 256 - N."""
+    number = 256 - launcher_status
+    return number if 0 < launcher_status < 256 and number in set(signal.valid_signals()) else None
+
+
 def _say_stopped_before_any_rank(signum: int) -> None:
     print(f"deepy.py: stopped by {signal_name(signum)} before any rank started; nothing to save",
           file=sys.stderr, flush=True)
@@ -150,6 +157,12 @@ class Supervisor:
             rank_error = first_rank_error(Path(rank_errors.name))
             if rank_error is not None:
                 print(rank_error, file=sys.stderr, flush=True)
+            killer = None if self.requests.count else _signal_that_ended_a_rank(returncode)
+            if killer is not None:  # the cause: the other ranks' lines (a lost connection) are its consequences
+                why = (": a process outside this run sent it, on Linux most often the out-of-memory killer (`dmesg` "
+                       "names what it killed)" if killer == signal.SIGKILL else "")
+                print(f"deepy.py: a rank was ended by {signal_name(killer)} without a message of its own{why}",
+                      file=sys.stderr, flush=True)
             return status
         finally:
             rank_errors.close()

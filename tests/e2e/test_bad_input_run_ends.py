@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ from megatron.neox_arguments import NeoXArgs
 from megatron.rank_errors import EXIT_EXPECTED_ERROR
 from tests.deepy_runs import REPO_ROOT, run_deepy, write_overrides
 from tests.e2e.test_bad_input import assert_one_line
+from tests.e2e.test_signals import DeepyRun
 from tests.unit.test_data_vocabulary import MODEL, write_dataset
 
 pytestmark = pytest.mark.e2e
@@ -210,3 +212,17 @@ def test_an_expected_error_in_a_data_loader_worker_is_the_same_one_line_as_witho
                                 timeout=ENDS_WITHIN_SECONDS, cwd=REPO_ROOT)
         assert result.returncode == EXIT_EXPECTED_ERROR
         assert result.stderr.splitlines() == ["error: train_data_paths[0]: record 7 is bad fix it"], result.stderr
+
+
+@pytest.mark.slow
+def test_a_rank_killed_outright_is_named_as_the_cause_in_deepys_last_line(tmp_path):
+    """A rank the out-of-memory killer ends says nothing; the other rank only says it lost the connection. The
+    launcher's exit status still tells which signal ended a rank, and deepy.py says so last."""
+    config = write_overrides(tmp_path, num_gpus=2, train_iters=500, eval_interval=1000)
+    run = DeepyRun(["configs/tiny.yml", config])
+    run.wait_for(r"iteration\s+3/")
+    os.kill(run.ranks()[1], signal.SIGKILL)
+    assert run.finish(timeout=60) == 256 - signal.SIGKILL  # DeepSpeed's launcher exits with the rank's -9
+    printed = [line.strip() for line in run.lines if line.strip()]
+    assert printed[-1].startswith("deepy.py: a rank was ended by SIGKILL without a message of its own: a process "
+                                  "outside this run sent it"), "\n".join(printed[-10:])
