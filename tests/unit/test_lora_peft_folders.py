@@ -20,14 +20,16 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from megatron.checkpointing import load_checkpoint, plan_load
+from megatron.checkpointing import LoadMode, LoraBase, load_checkpoint, lora_base, plan_load
 from megatron.hf import HF_FOLDER, HFConversionError
+from megatron.hf.convert import convert_hf_to_neox
 from megatron.hf.peft import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, peft_names
 from megatron.lora_settings import lora_settings
 from megatron.model import build_model
-from megatron.neox_arguments import ConfigError
+from megatron.neox_arguments import ConfigError, NeoXArgs
 from megatron.optimizers import build_param_groups
 from megatron.run_context import settings_for_run
+from tests.ckpt_engines import hf_settings, make_args, saved_checkpoint, tiny_hf_model
 
 VOCAB = 96
 RANK, ALPHA = 4, 12  # a scaling of 3: alpha / r matters
@@ -199,3 +201,27 @@ def test_a_folder_peft_loads_needs_no_more_than_safetensors_and_json(llama_adapt
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), llama_adapter)
     assert HF_FOLDER.adapter_base(llama_adapter) == Path(base)
     assert {name for name, _ in loaded.named_parameters() if ".lora_" in name}
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_a_lora_run_records_the_hugging_face_folder_of_its_base_and_a_resume_carries_it(tmp_path):
+    hf_dir = tiny_hf_model(tmp_path / "hf")
+    lora = {"lora_rank": 4, "finetune": True}
+    from_hf = NeoXArgs.from_dict({**hf_settings(hf_dir), **lora, "load": str(hf_dir)})
+    assert lora_base(from_hf, plan_load(from_hf, 1, hf_source=HF_FOLDER)) == LoraBase(str(hf_dir), None, str(hf_dir))
+    convert_hf_to_neox(hf_dir, tmp_path / "converted")  # a tag holding exactly the folder's weights
+    from_tag = from_hf.with_values({"load": str(tmp_path / "converted")}, "test")
+    assert lora_base(from_tag, plan_load(from_tag, 1)) == LoraBase(str(tmp_path / "converted"), "global_step0",
+                                                                   str(hf_dir))
+    assert lora_base(from_hf.with_values({"lora_rank": 0}, "test"), plan_load(from_hf, 1, hf_source=HF_FOLDER)) is None
+
+    recorded = LoraBase("/models/llama", None, "/models/llama")
+    run = make_args(lora_rank=4, save=str(tmp_path / "run"))
+    saved_checkpoint(tmp_path / "run", run, client_state={"lora_base": recorded.to_dict()})
+    resume = run.with_values({"load": str(tmp_path / "run")}, "test")
+    plan = plan_load(resume, 1)
+    assert plan.mode is LoadMode.RESUME and lora_base(resume, plan) == recorded
+    unchanged_weights = make_args(save=str(tmp_path / "plain"))
+    saved_checkpoint(tmp_path / "plain", unchanged_weights)  # trained by a run of ours: no HF folder holds them
+    finetune = run.with_values({"load": str(tmp_path / "plain"), "finetune": True}, "test")
+    assert lora_base(finetune, plan_load(finetune, 1)) == LoraBase(str(tmp_path / "plain"), "global_step1", None)
