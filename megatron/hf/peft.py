@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megatron.architecture import ModelConfigError
@@ -110,7 +110,7 @@ class PeftFolder:
         if not self.base:
             raise HFConversionError(f"{where} is not set; set it to the local Hugging Face model folder the adapter "
                                     "was trained on")
-        folder = Path(self.base).expanduser()
+        folder = Path(self.base).expanduser().resolve()  # PEFT reads a relative path from the working directory
         if not is_hf_model_dir(folder):
             raise HFConversionError(f"{where} {self.base!r} is no local Hugging Face model folder (config.json and "
                                     "weights); download that model into a folder and set base_model_name_or_path "
@@ -138,8 +138,10 @@ def _config_problem(config: dict[str, Any]) -> tuple[str, str] | None:
         if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
             return key, f"is {value!r}; it must be a number"
     for key, plain in _PLAIN_LORA.items():
-        if config.get(key, plain) not in (plain, None, {}, [], False):
-            return key, f"is {config[key]!r}; only plain LoRA adapters on the linear layers load here ({plain!r})"
+        value = config.get(key, plain)
+        if not (value is None or value == plain or value in ({}, [])):
+            return key, (f"is {value!r}; only plain LoRA adapters on the linear layers load here (train without "
+                         f"this option: {key} {plain!r})")
     targets = config.get("target_modules")
     if isinstance(targets, str) and targets != ALL_LINEAR:
         return "target_modules", f"is the pattern {targets!r}; list the module names instead (q_proj, ...)"
@@ -221,7 +223,7 @@ def read_adapters(folder: PeftFolder, lora: LoraSettings, family: str, num_layer
                     raise HFConversionError(f"{source}: {key} holds values that are not finite floating-point "
                                             f"numbers ({tensor.dtype}); the adapter is damaged: export it again")
                 adapters[names[key]] = tensor.float()
-    except OSError as err:
+    except (OSError, SafetensorError) as err:
         raise HFConversionError(f"{source}: cannot be read as safetensors ({err}); restore the adapter folder") from None
     return adapters
 

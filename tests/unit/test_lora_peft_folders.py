@@ -146,10 +146,15 @@ BAD_WEIGHTS = [
 ]
 
 
-@pytest.mark.parametrize(("edit", "message"), BAD_WEIGHTS, ids=["missing", "extra", "shape", "nan"])
+@pytest.mark.parametrize(("edit", "message"), BAD_WEIGHTS + [(None, "cannot be read as safetensors")],
+                         ids=["missing", "extra", "shape", "nan", "truncated"])
 def test_adapter_weights_that_are_not_the_configs_adapters_are_refused_in_one_line(llama_adapter, edit, message,
                                                                                    tmp_path):
-    _edit_weights(llama_adapter, edit)
+    if edit is None:
+        weights = llama_adapter / ADAPTER_WEIGHTS_NAME
+        weights.write_bytes(weights.read_bytes()[:200])
+    else:
+        _edit_weights(llama_adapter, edit)
     args = run_settings(tmp_path, load=str(llama_adapter))
     with pytest.raises(HFConversionError) as caught:
         HF_FOLDER.read_weights(llama_adapter, args.architecture())
@@ -159,6 +164,7 @@ def test_adapter_weights_that_are_not_the_configs_adapters_are_refused_in_one_li
 
 BAD_CONFIGS = [
     ({"use_dora": True}, "use_dora is True; only plain LoRA adapters on the linear layers load here"),
+    ({"layers_to_transform": 0}, "layers_to_transform is 0; only plain LoRA adapters"),
     ({"peft_type": "IA3"}, "peft_type is 'IA3'; only LoRA adapters"),
     ({"target_modules": ".*proj"}, "target_modules is the pattern '.*proj'"),
     ({"base_model_name_or_path": None}, "base_model_name_or_path is not set; set it to the local Hugging Face"),

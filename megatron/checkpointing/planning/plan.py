@@ -21,7 +21,8 @@ and a full resume of a language model's checkpoint into a reward model is refuse
 
 A LoRA run (lora_rank > 0) starts its adapters fresh over the weights of a source without adapters (a
 checkpoint saved without lora_rank, a Hugging Face folder) in a weights-only load (`fresh_adapters`, said in
-the plan); a full resume of such a checkpoint into a LoRA run is refused. A LoRA run's own tags load strictly.
+the plan); a full resume of such a checkpoint into a LoRA run is refused. A LoRA run's own tags load strictly,
+and so does a PEFT adapter folder: its adapters with the base model it names (megatron/hf/peft.py).
 
 The plan is the whole contract of a load: `load.load_checkpoint(engine, plan)` reads no settings.
 """
