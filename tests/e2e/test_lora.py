@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from megatron.checkpointing import read_module_weights
 from tests.deepy_runs import TRAIN_LINE, run_deepy, train_lines, write_overrides
+from tests.e2e.test_lora_peft import export
 
 pytestmark = pytest.mark.e2e
 
@@ -38,6 +40,15 @@ def test_a_lora_finetune_trains_the_adapters_alone_and_its_tag_resumes(base, tmp
     for name, value in base_weights.items():
         assert torch.equal(tuned[name], value), f"{name}: a frozen base weight changed"
     assert all(tuned[name].any() for name in adapters if name.endswith("lora_B")), "an adapter did not train"
+
+    # its base was trained here, so no Hugging Face folder holds it: a PEFT export asks for one, checked
+    refused = export(out, tmp_path / "adapter", "--peft")
+    assert refused.returncode == 1 and "pass --base-model PATH" in refused.stderr
+    assert export(base, tmp_path / "hf_base").returncode == 0
+    written = export(out, tmp_path / "adapter", "--peft", "--base-model", str(tmp_path / "hf_base"))
+    assert written.returncode == 0, written.stderr
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path / "hf_base")
 
     resumed = run_deepy(["configs/tiny.yml", write_overrides(tmp_path, name="resume.yml", load=str(out),
                                                              save=str(out), train_iters=4, checkpoint_factor=4,

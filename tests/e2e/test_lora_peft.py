@@ -55,13 +55,13 @@ def lora_run(tmp_path_factory):
     return hf_dir, directory / "run" / "global_step2"
 
 
-def export(*arguments: str) -> subprocess.CompletedProcess:
+def export(source: Path, output: Path, *options: str) -> subprocess.CompletedProcess:
     """tools/ckpts/convert_neox_to_hf.py as a user runs it, with PEFT not importable: the export needs none."""
     program = ("import runpy, sys; sys.modules['peft'] = None; sys.argv = sys.argv[1:]; "
                "runpy.run_path(sys.argv[0], run_name='__main__')")
     return subprocess.run([sys.executable, "-c", program, str(REPO_ROOT / "tools/ckpts/convert_neox_to_hf.py"),
-                           *arguments], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                           "--input", str(source), "--output", str(output), *options],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
 
 
 def our_logits(tag_dir: Path, batch: torch.Tensor) -> torch.Tensor:
@@ -89,7 +89,7 @@ def test_the_peft_export_loads_in_peft_model_and_gives_our_logits(lora_run, tmp_
 
     hf_dir, tag_dir = lora_run
     out = tmp_path / "adapter"
-    result = export("--input", str(tag_dir.parent), "--output", str(out), "--peft")
+    result = export(tag_dir.parent, out, "--peft")
     assert result.returncode == 0, result.stderr
     config = json.loads((out / ADAPTER_CONFIG_NAME).read_text())
     assert {key: config[key] for key in ("peft_type", "task_type", "r", "lora_alpha", "use_rslora")} == \
@@ -114,7 +114,7 @@ def test_the_merged_export_gives_our_logits_and_rounds_the_fp32_merge_once(lora_
 
     hf_dir, tag_dir = lora_run
     for dtype in ("fp32", "bf16"):
-        result = export("--input", str(tag_dir.parent), "--output", str(tmp_path / dtype), "--dtype", dtype)
+        result = export(tag_dir.parent, tmp_path / dtype, "--dtype", dtype)
         assert result.returncode == 0, result.stderr
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32")
     torch.testing.assert_close(hf_logits(merged, tokens()), our_logits(tag_dir, tokens()), atol=1e-5, rtol=0)
@@ -132,7 +132,7 @@ def test_the_merged_export_gives_our_logits_and_rounds_the_fp32_merge_once(lora_
 def test_peft_export_of_a_tag_without_adapters_is_refused_in_one_line(lora_run, tmp_path):
     hf_dir, _ = lora_run
     convert_hf_to_neox(hf_dir, tmp_path / "ckpt")
-    result = export("--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "adapter"), "--peft")
+    result = export(tmp_path / "ckpt", tmp_path / "adapter", "--peft")
     assert result.returncode == 1
     assert result.stderr.strip() == (f"error: {tmp_path / 'ckpt' / 'global_step0'} holds no LoRA adapters (its run "
                                      "had lora_rank 0); --peft writes adapters only: leave it out to export the model")
@@ -142,7 +142,7 @@ def test_peft_export_of_a_tag_without_adapters_is_refused_in_one_line(lora_run, 
 def test_a_run_starts_from_the_peft_folder_over_its_base_and_records_it(lora_run, tmp_path):
     hf_dir, tag_dir = lora_run
     adapter = tmp_path / "adapter"
-    assert export("--input", str(tag_dir.parent), "--output", str(adapter), "--peft").returncode == 0
+    assert export(tag_dir.parent, adapter, "--peft").returncode == 0
     result = run_deepy([write_overrides(tmp_path, load=str(adapter), save=str(tmp_path / "next"), train_iters=1,
                                         checkpoint_factor=1, **RUN)])  # no lora_* setting: the folder's
     assert f"LoRA adapters of PEFT's folder {adapter} over their base model {hf_dir}, both loaded" in result.stdout
