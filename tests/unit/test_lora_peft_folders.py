@@ -20,7 +20,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from megatron.checkpointing import LoadMode, LoraBase, load_checkpoint, lora_base, plan_load
+from megatron.checkpointing import LoadMode, LoraBase, load_checkpoint, lora_base, plan_load, plan_reference
 from megatron.hf import HF_FOLDER, HFConversionError
 from megatron.hf.convert import convert_hf_to_neox
 from megatron.hf.peft import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, peft_names
@@ -115,6 +115,16 @@ def test_a_run_from_a_peft_folder_takes_its_lora_and_base_and_starts_with_peft_l
         ours = engine.module.eval()(tokens())
         expected = theirs(input_ids=tokens()).logits
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+
+
+def test_the_reference_identity_of_a_start_from_a_peft_folder_covers_the_base_files_too(llama_adapter, tmp_path):
+    """What DPO/KTO record of the model they start from (reference.py), here with the base outside the folder."""
+    args = run_settings(tmp_path, load=str(llama_adapter))
+    plan = plan_load(args, 1, hf_source=HF_FOLDER)
+    _, identity = plan_reference(args, plan, 1, hf_source=HF_FOLDER)
+    base = HF_FOLDER.adapter_base(llama_adapter)
+    (base / "config.json").write_text((base / "config.json").read_text() + " ")  # the base changes
+    assert plan_reference(args, plan, 1, hf_source=HF_FOLDER)[1].checksum != identity.checksum
 
 
 @pytest.fixture
