@@ -75,7 +75,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "TRAIN_IMPLS_WITH_REFERENCE", "CheckpointError", "CheckpointInventory", "ClientState", "Lineage", "LoadMode", "LoraBase", "LoadOutcome", "LoadPlan",
+    "TRAIN_IMPLS_WITH_REFERENCE", "CheckpointError", "CheckpointInventory", "ClientState", "Lineage", "LoadMode", "LoadOutcome", "LoadPlan", "LoraBase",
     "ReferenceIdentity", "TagInventory", "build_load_plan", "check_save_dir", "check_save_in_flight",
     "checks_beside_use", "commit", "describe_reference", "forget_checked_files", "inventory_checkpoint",
     "is_legacy_buffer_key", "layer_states", "layout", "load_checkpoint", "load_file_weights_only",

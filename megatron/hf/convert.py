@@ -272,7 +272,7 @@ def convert_neox_to_hf(
 
 
 def _lora_of(settings: dict[str, Any], arch: Architecture, tag_dir: Path) -> LoraSettings | None:
-    """The LoRA of the saved settings (PEFT's defaults where they predate a lora_* setting); None without."""
+    """The LoRA of the saved settings (a lora_* setting they predate at its default); None without."""
     values = {name: settings.get(name, SETTINGS[name].default) for name in LORA_SETTINGS}
     try:
         return lora_settings({**values, "norm": arch.norm, "activation": arch.activation})
@@ -300,6 +300,9 @@ def _peft_base(tag: TagInventory, lora: LoraSettings | None, arch: Architecture,
     if lora is None:
         raise HFConversionError(f"{tag.path} holds no LoRA adapters (its run had lora_rank 0); --peft writes "
                                 "adapters only: leave it out to export the model")
+    if arch.reward_head:
+        raise HFConversionError(f"{tag.path} is a reward model, whose new head rm_linear trained whole beside the "
+                                "adapters; leave --peft out to export it merged")
     if base_model is not None:
         if not is_hf_model_dir(base_model):
             raise HFConversionError(f"--base-model {base_model} is no Hugging Face model folder (config.json and "
