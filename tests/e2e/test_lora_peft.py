@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron.checkpointing import read_module_weights
+from megatron.checkpointing import read_full_module_weights, read_module_weights
+from megatron.hf.config import architecture_of
 from megatron.hf.convert import convert_hf_to_neox
 from megatron.hf.peft import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 from megatron.lora_settings import lora_settings
 from megatron.model import build_model
-from megatron.neox_arguments import NeoXArgs
 from tests.ckpt_engines import stored_client_state
 from tests.deepy_runs import REPO_ROOT, run_deepy, train_lines, write_overrides
 
@@ -65,10 +65,11 @@ def export(source: Path, output: Path, *options: str) -> subprocess.CompletedPro
 
 
 def our_logits(tag_dir: Path, batch: torch.Tensor) -> torch.Tensor:
-    """Our model with the tag's weights and adapters, as the run built it (fp32)."""
+    """Our model with the tag's weights and adapters, its tensor-parallel parts joined, in one process (fp32)."""
     saved = stored_client_state(tag_dir)["args"]
-    model = build_model(NeoXArgs.from_saved(saved, str(tag_dir)).architecture(), seed=1, lora=lora_settings(saved))
-    model.load_state_dict(read_module_weights(tag_dir))
+    arch = architecture_of({**saved, "model_parallel_size": 1})
+    model = build_model(arch, seed=1, lora=lora_settings(saved))
+    model.load_state_dict(read_full_module_weights(tag_dir, saved["model_parallel_size"], arch))
     with torch.no_grad():
         return model.eval()(batch)
 
