@@ -78,6 +78,9 @@ def settings_for_run(paths: list[str], command_line: dict[str, Any] | None = Non
     given = {**files.values, **(command_line or {})}
     _check_no_tokenizer_beside_the_embedded_corpus(given, files.sources)
     load = given.get("load")
+    adapters = _peft_folder(Path(load).expanduser()) if load else None
+    if adapters is not None:
+        return _settings_over_adapters(paths, command_line, given, adapters)
     if not load or all(given.get(name) is not None for name in MODEL_REQUIRED):
         return NeoXArgs.from_yaml_files(paths, overlay=command_line)
     saved, source = _checkpoint_model_settings(Path(load).expanduser(), given.get("iteration"),
@@ -95,6 +98,40 @@ def _check_no_tokenizer_beside_the_embedded_corpus(given: dict[str, Any], source
                 f"{sources.get(name, 'the command line')}: {name} is set, but {sources.get('embedded_corpus')}: "
                 "embedded_corpus trains on the embedded corpus, which brings its own tokenizer; remove "
                 f"{name}, or set embedded_corpus: false and data_path to data tokenized with it")
+
+
+def _peft_folder(load: Path):
+    """The PEFT adapter folder `load` names, read and checked; None when it names none."""
+    from megatron.hf.errors import HFConversionError
+    from megatron.hf.peft import is_peft_dir, read_peft_folder
+
+    if not is_peft_dir(load):
+        return None
+    try:
+        return read_peft_folder(load)
+    except HFConversionError as err:
+        raise ConfigError(f"load: {err}") from None
+
+
+def _settings_over_adapters(paths: list[str], command_line: dict[str, Any] | None, given: dict[str, Any],
+                            adapters) -> NeoXArgs:
+    """A run that starts from a PEFT adapter folder: the lora_* settings no file sets come from its
+    adapter_config.json (one that a file sets differently is refused), the model from its base's config.json
+    when no file gives the model's shape."""
+    from megatron.hf.errors import HFConversionError
+    from megatron.hf.peft import check_run_lora
+
+    try:
+        model, model_source = {}, ""
+        if not all(given.get(name) is not None for name in MODEL_REQUIRED):
+            model, model_source = _hf_model_settings(adapters.base_folder(), given.get("model_parallel_size") or 1)
+        args = NeoXArgs.from_yaml_files(paths, underlay=model, underlay_source=model_source, overlay=command_line)
+        unset = {name: value for name, value in adapters.settings.items() if name not in given}
+        args = args.with_values(unset, str(adapters.config_file))
+        check_run_lora(adapters, args.lora(), args.source_of)
+    except HFConversionError as err:
+        raise ConfigError(str(err)) from None
+    return args
 
 
 def _checkpoint_model_settings(load: Path, iteration: int | None, tensor_parallel: int) -> tuple[dict[str, Any], str]:

@@ -12,7 +12,13 @@ import torch
 import torch.distributed as dist
 
 from megatron import faults
-from megatron.checkpointing import Lineage, ReferenceIdentity, samples_per_evaluation, tag_for_iteration
+from megatron.checkpointing import (
+    Lineage,
+    LoraBase,
+    ReferenceIdentity,
+    samples_per_evaluation,
+    tag_for_iteration,
+)
 from megatron.diagnostics import StepProfiler, parameter_norms
 from megatron.divergence import NonFiniteWatch, check_weights_finite
 from megatron.initialize import (
@@ -58,6 +64,7 @@ class TrainState:
     skipped_steps: int = 0
     lineage: Lineage = field(default_factory=Lineage)  # the tags of `save` this run may prune
     reference: ReferenceModel | None = None  # DPO/KTO's frozen reference; its identity goes into every save
+    lora_base: LoraBase | None = None  # a LoRA run's frozen base; every save records it
 
     @property
     def lr_step(self) -> int:
@@ -223,7 +230,8 @@ def _save(args, engine, state: TrainState) -> Path:
     return save_checkpoint(args, engine, state.iteration, state.consumed_train_samples, state.lr_schedule_start,
                            lr_schedule=state.schedule.to_dict(), consumed_valid_samples=state.consumed_valid_samples,
                            lineage=state.lineage,
-                           reference_model=state.reference.identity.to_dict() if state.reference else None)
+                           reference_model=state.reference.identity.to_dict() if state.reference else None,
+                           lora_base=state.lora_base.to_dict() if state.lora_base else None)
 
 
 def _stop_after_signal(args, engine, state: TrainState, signum: int, saved_at: int | None) -> None:
@@ -250,6 +258,7 @@ def setup(args):
         checks_beside_use,
         describe_reference,
         load_checkpoint,
+        lora_base,
         needs_reference,
         plan_load,
         plan_reference,
@@ -315,6 +324,7 @@ def setup(args):
             if outcome is not None:
                 state = state_after_load(outcome, args)
                 restored_rng = outcome.restored_rng
+        state.lora_base = lora_base(args, plan)
         if reference_plan is not None and args.lora_rank:
             state.reference = ReferenceModel(BaseWithoutAdapters(engine), identity)
         elif reference_plan is not None:

@@ -181,6 +181,20 @@ def _llama_correspondences(family: str, arch: Architecture) -> list[Corresponden
     return rules + _output_correspondence(arch, "lm_head.weight")
 
 
+# The HF module of each linear layer a LoRA target names (megatron/lora_settings.py), under its layer
+_LINEAR_MODULES = {
+    **{f"{x}_proj": f"self_attn.{x}_proj" for x in "qkvo"},
+    **{f"{x}_proj": f"mlp.{x}_proj" for x in ("gate", "up", "down")},
+    "query_key_value": "attention.query_key_value", "dense": "attention.dense",
+    "dense_h_to_4h": "mlp.dense_h_to_4h", "dense_4h_to_h": "mlp.dense_4h_to_h",
+}
+
+
+def hf_linear_module(family: str, layer: int, name: str) -> str:
+    """The HF module a LoRA target ``name`` adapts in layer ``layer``, e.g. model.layers.0.self_attn.q_proj."""
+    return f"{'gpt_neox' if family == 'gpt_neox' else 'model'}.layers.{layer}.{_LINEAR_MODULES[name]}"
+
+
 def correspondences(family: str, arch: Architecture) -> list[Correspondence]:
     if family == "gpt_neox":
         return _gpt_neox_correspondences(arch)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from megatron.checkpointing import read_module_weights
 from tests.deepy_runs import TRAIN_LINE, run_deepy, train_lines, write_overrides
+from tests.e2e.test_lora_peft import export, our_logits, tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -39,6 +41,15 @@ def test_a_lora_finetune_trains_the_adapters_alone_and_its_tag_resumes(base, tmp
         assert torch.equal(tuned[name], value), f"{name}: a frozen base weight changed"
     assert all(tuned[name].any() for name in adapters if name.endswith("lora_B")), "an adapter did not train"
 
+    # its base was trained here, so no Hugging Face folder holds it: a PEFT export asks for one, checked
+    refused = export(out, tmp_path / "adapter", "--peft")
+    assert refused.returncode == 1 and "pass --base-model PATH" in refused.stderr
+    assert export(base, tmp_path / "hf_base").returncode == 0
+    written = export(out, tmp_path / "adapter", "--peft", "--base-model", str(tmp_path / "hf_base"))
+    assert written.returncode == 0, written.stderr
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path / "hf_base")
+
     resumed = run_deepy(["configs/tiny.yml", write_overrides(tmp_path, name="resume.yml", load=str(out),
                                                              save=str(out), train_iters=4, checkpoint_factor=4,
                                                              **LORA)])
@@ -56,10 +67,11 @@ def test_a_full_resume_of_a_checkpoint_without_adapters_into_a_lora_run_is_refus
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.usefixtures("single_rank_world")
 def test_a_tp2_zero3_lora_finetune_of_a_hugging_face_llama_resumes_with_the_same_losses(tmp_path):
     """2 ranks at model_parallel_size 2 under ZeRO-3 (adapters and base partitioned, none kept whole) fine-tune a Llama folder with
     grouped-query attention; the tag at step 2 holds each rank's adapter slices whole, and resumed from it the run
-    takes the unbroken run's steps 3 and 4."""
+    takes the unbroken run's steps 3 and 4, and its PEFT export gives our logits in PeftModel."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_dir = tmp_path / "hf"
@@ -87,3 +99,12 @@ def test_a_tp2_zero3_lora_finetune_of_a_hugging_face_llama_resumes_with_the_same
                                          save=str(tmp_path / "resumed"), **run)])
     assert [(line.iteration, line.loss) for line in train_lines(resumed.stdout)] == \
         [(line.iteration, line.loss) for line in unbroken[2:]]
+
+    # its PEFT export: PeftModel over the folder the run started from computes our logits
+    from peft import PeftModel
+
+    assert export(save, tmp_path / "adapter", "--tag", "global_step2", "--peft").returncode == 0
+    loaded = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(hf_dir), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        theirs = loaded(input_ids=tokens()).logits
+    torch.testing.assert_close(theirs, our_logits(tag, tokens()), atol=1e-5, rtol=0)

@@ -12,7 +12,8 @@ from megatron.checkpointing.ondisk.rng import collect_rng_states
 def test_what_is_written_reads_back():
     state = ClientState(iteration=7, consumed_train_samples=56, settings={"hidden_size": 8},
                         rng_states=[collect_rng_states()], lr_schedule_start=3,
-                        forward_validation={"precision": "fp32"})
+                        forward_validation={"precision": "fp32"},
+                        lora_base={"source": "/models/llama", "tag": None, "hf_folder": "/models/llama"})
     written = state.to_dict()
     assert written["checkpoint_format_version"] == 2 and written["lr_schedule_start_iteration"] == 3
     assert "converted_from" not in written  # unset optional fields are not written

@@ -21,7 +21,8 @@ and a full resume of a language model's checkpoint into a reward model is refuse
 
 A LoRA run (lora_rank > 0) starts its adapters fresh over the weights of a source without adapters (a
 checkpoint saved without lora_rank, a Hugging Face folder) in a weights-only load (`fresh_adapters`, said in
-the plan); a full resume of such a checkpoint into a LoRA run is refused. A LoRA run's own tags load strictly.
+the plan); a full resume of such a checkpoint into a LoRA run is refused. A LoRA run's own tags load strictly,
+and so does a PEFT adapter folder: its adapters with the base model it names (megatron/hf/peft.py).
 
 The plan is the whole contract of a load: `load.load_checkpoint(engine, plan)` reads no settings.
 """
@@ -246,13 +247,18 @@ def _hf_plan(args, inventory: CheckpointInventory, mode: LoadMode) -> LoadPlan:
             f"`load: {root}` is a Hugging Face model folder: it holds weights only, no optimizer states, "
             "iteration or RNG states. Set `finetune: true` (and leave `iteration` unset) to start from its weights."
         )
-    inventory.hf_source.check_architecture(root, args.architecture())
+    source = inventory.hf_source
+    source.check_architecture(root, args.architecture())
+    source.check_adapters(root, args)
+    adapter_base = source.adapter_base(root)
     unchecked = f"no {layout.MANIFEST_FILE} in a Hugging Face folder: its files are not checksummed"
+    adapters = [] if adapter_base is None else [f"LoRA adapters of PEFT's folder {root} over their base model "
+                                                f"{adapter_base}, both loaded"]
     return LoadPlan(mode=mode, load_dir=root, source_format=FORMAT_HF, **_contract(args),
-                    files=inventory.hf_files, hf_source=inventory.hf_source, model=_model(args),
-                    notes=(*_model_from_checkpoint_note(args, root), unchecked),
-                    fresh_reward_head=args.train_impl == "rm" and not inventory.hf_source.is_reward_model(root),
-                    fresh_adapters=args.lora_rank > 0)
+                    files=inventory.hf_files, hf_source=source, model=_model(args),
+                    notes=(*_model_from_checkpoint_note(args, root), *adapters, unchecked),
+                    fresh_reward_head=args.train_impl == "rm" and not source.is_reward_model(root),
+                    fresh_adapters=args.lora_rank > 0 and adapter_base is None)
 
 
 def _model(args) -> str | None:

@@ -64,7 +64,8 @@ def weights_checksum(plan: LoadPlan) -> str:
     records = plan.tag_inventory.manifest if plan.tag_inventory is not None else None
     lines = []
     for path in sorted(plan.files):
-        name = Path(path).relative_to(root).as_posix()
+        # a PEFT adapter folder's plan also reads its base model's files, which lie outside the folder
+        name = Path(path).relative_to(root).as_posix() if Path(path).is_relative_to(root) else Path(path).as_posix()
         record = (records or {}).get(name)
         digest = (f"{record.checksum}:{record.digest}" if record is not None else
                   f"{_UNLISTED_FILE_CHECKSUM}:{manifest.file_checksum(path, _UNLISTED_FILE_CHECKSUM)}")

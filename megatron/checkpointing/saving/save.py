@@ -39,14 +39,15 @@ def _logger():
 def save_checkpoint(
     args, engine, iteration: int, consumed_train_samples: int, lr_schedule_start: int = 0,
     lr_schedule: dict | None = None, consumed_valid_samples: int = 0, lineage: Lineage | None = None,
-    reference_model: dict | None = None,
+    reference_model: dict | None = None, lora_base: dict | None = None,
 ) -> Path:
     """Save tag global_step<iteration> under `args.save`; all ranks call it (DeepSpeed's save is collective).
 
     The run's YAML files and all its settings as one GPT-NeoX config (neox_config.py) go into
     `<tag>/configs/` first, then the engine's files; `latest` names the tag once every file is written, then old
     tags are pruned per `keep_last_n_checkpoints`: only tags of `lineage` (the run's own, which this save joins;
-    without one, only this tag). `reference_model` is the identity of a DPO/KTO run's reference (reference.py).
+    without one, only this tag). `reference_model` is the identity of a DPO/KTO run's reference (reference.py),
+    `lora_base` a LoRA run's base (lora_base.py).
 
     With `async_save`, inside `saves_waited_for` (the training loop), it returns once the state is copied to
     host memory, and the files, the manifest, `latest` and the pruning follow in the background
@@ -71,6 +72,7 @@ def save_checkpoint(
         lr_schedule_start=int(lr_schedule_start),
         lr_schedule=lr_schedule,
         reference_model=reference_model,
+        lora_base=lora_base,
         forward_validation=(forward_validation.capture(engine, args)
                             if args.checkpoint_validation_with_forward_pass else None),
     )
