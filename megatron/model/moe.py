@@ -13,16 +13,27 @@ The experts run one after the other on the tokens routed to each (a plain-PyTorc
 that runs anywhere): megatron-core's MoE layer needs its CUDA kernels and token dispatchers for the same.
 
 ``load_balancing_loss`` is transformers' ``load_balancing_loss_func`` (Switch Transformer's auxiliary
-loss) over the router logits of every expert layer of one forward pass.
+loss) over the router logits of every expert layer of one forward pass; ``expert_load`` is what share of a
+layer's routed token slots each expert got, from the router's choices.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from megatron.architecture import Architecture
 from megatron.model.mlp import elementwise_activation
+
+
+@dataclass
+class Routing:
+    """What one expert layer's router did for one forward pass."""
+
+    logits: torch.Tensor  # [tokens, experts], in the model's dtype
+    chosen: torch.Tensor  # [tokens, top_k]: the experts each token went to
 
 
 class Router(torch.nn.Module):
@@ -68,14 +79,14 @@ class MixtureOfExperts(torch.nn.Module):
         self.router = Router(arch)
         self.experts = Experts(arch)
 
-    def forward(self, hidden: torch.Tensor, router_logits: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """The experts' weighted outputs for ``hidden`` [..., hidden]; the router's logits [tokens, experts]
-        are appended to ``router_logits`` when given (for ``load_balancing_loss``)."""
+    def forward(self, hidden: torch.Tensor, routing: list[Routing] | None = None) -> torch.Tensor:
+        """The experts' weighted outputs for ``hidden`` [..., hidden]; what the router did is appended to
+        ``routing`` when given (for ``load_balancing_loss`` and ``expert_load``)."""
         tokens = hidden.reshape(-1, hidden.shape[-1])
         logits = self.router.layer(tokens)
-        if router_logits is not None:
-            router_logits.append(logits)
         weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        if routing is not None:
+            routing.append(Routing(logits, chosen.detach()))
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(tokens)
@@ -100,3 +111,8 @@ def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top
         probabilities = probabilities + layer_probabilities.float().sum(dim=0)
     rows = sum(logits.shape[0] for logits in router_logits)
     return torch.sum((choices / rows) * (probabilities / rows)) * num_experts
+
+
+def expert_load(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Each expert's share of the routed token slots (tokens x top_k) in ``chosen`` [tokens, top_k]; sums to 1."""
+    return torch.bincount(chosen.reshape(-1), minlength=num_experts).float() / chosen.numel()

@@ -170,6 +170,8 @@ SETTINGS_LIST: list[Setting] = [
     _log("tensorboard_dir", OPT_STR, None, "write TensorBoard scalars here"),
     _log("log_dir", OPT_STR, None, "write text logs here"),
     _log("log_grad_norm", bool, False, "write each parameter's gradient norm to TensorBoard/W&B every step (gradient_norms/<name>)"),
+    _log("moe_collapse_token_share", FLOAT, 0.9, "with experts: a layer's router counts as collapsed onto an expert that gets more than this share of the layer's tokens (its share of the routed slots x moe_top_k), see megatron/expert_load.py", gpt_neox=False),
+    _log("moe_collapse_steps", int, 50, "with experts: say in one line when a layer's router stays collapsed onto one expert (moe_collapse_token_share) for this many steps in a row", gpt_neox=False),
     _log("log_param_norm", bool, False, "write each parameter's norm to TensorBoard/W&B every step (parameter_norms/<name>)"),
     _log("profile", bool, False, "record a torch.profiler trace of steps profile_step_start..profile_step_stop into tensorboard_dir"),
     _log("profile_step_start", int, 10, "first step the profiler records"),
