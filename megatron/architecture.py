@@ -40,6 +40,7 @@ A load is refused when a field of ``FIELDS_THAT_REFUSE_A_LOAD`` differs between 
 | moe_expert_interval     | moe_expert_interval                                | moe_num_experts > 1     |
 | moe_intermediate_size   | GPT-NeoX's expert width rule (``expert_width``)    | moe_num_experts > 1     |
 | moe_norm_topk_prob      | moe_norm_topk_prob                                 | moe_num_experts > 1     |
+| moe_router_type         | moe_router_type                                    | moe_num_experts > 1     |
 
 Settings saved by another program may lack some keys: a field whose settings are missing is not
 compared (``fields_of_settings``). The other fields (dropout, initialisation, activation
@@ -62,12 +63,15 @@ at inference, so a trained model would depend on the batch's length; it is refus
 
 Mixture of experts (``moe_num_experts`` > 1, GPT-NeoX's settings): layer ``i`` (0-based) has experts in place
 of its MLP when ``i % moe_expert_interval == 0``, as in GPT-NeoX. A router (hidden -> experts, no bias) scores
-each token; its softmax's ``moe_top_k`` largest probabilities pick the experts, renormalised to sum to 1
-with ``moe_norm_topk_prob`` (Mixtral; Qwen3-MoE says in its config; GPT-NeoX's topk router does not), and
-weigh their outputs. No token is dropped. Each expert is the model's MLP without biases, ``expert_width``
-wide per projection: ``moe_intermediate_size``, else GPT-NeoX's rule for experts (``intermediate_size``
-itself, unset: 4 x hidden, for swiglu 8/3 x hidden, rounded up to 256). Only top-k routing is built
-(GPT-NeoX's default router, sinkhorn, is refused), on one tensor-parallel rank and without a pipeline.
+each token; with ``moe_router_type: topk`` its softmax's ``moe_top_k`` largest probabilities pick the experts,
+renormalised to sum to 1 with ``moe_norm_topk_prob`` (Mixtral; Qwen3-MoE says in its config; GPT-NeoX's topk
+router does not), and weigh their outputs; GPT-NeoX's ``sinkhorn`` router picks them in training by a
+Sinkhorn-balanced assignment and weighs them by the sigmoid (top 1) or softmax of their logits
+(megatron/model/moe.py). ``moe_jitter_eps`` (topk only) jitters the router's input in training. No token is
+dropped. Each expert is the model's MLP without biases (``use_bias_in_mlp`` is for the layers without
+experts, as in GPT-NeoX), ``expert_width`` wide per projection: ``moe_intermediate_size``, else GPT-NeoX's
+rule for experts (``intermediate_size`` itself, unset: 4 x hidden, for swiglu 8/3 x hidden, rounded up to
+256), on one tensor-parallel rank and without a pipeline.
 The load-balancing loss (``moe_load_balancing_loss``, ``moe_load_balancing_loss_coef``: Hugging Face's
 ``output_router_logits`` and ``router_aux_loss_coef``) shapes how the model trains, not the function its
 weights compute, and refuses no load.
@@ -136,6 +140,8 @@ class Architecture:
     moe_expert_interval: int = 1
     moe_intermediate_size: int | None = None  # each expert's width per projection, as built (``expert_width``)
     moe_norm_topk_prob: bool = False
+    moe_router_type: str = "topk"  # "topk" or GPT-NeoX's "sinkhorn"
+    moe_jitter_eps: float | None = None  # training only: the router's input times uniform noise in [1 -/+ eps]
     moe_load_balancing_loss: bool = False
     moe_load_balancing_loss_coef: float = 0.001
 
@@ -204,8 +210,10 @@ FIELDS_THAT_REFUSE_A_LOAD: dict[str, str] = {
     "moe_expert_interval": "moe_expert_interval",
     "moe_intermediate_size": "moe_intermediate_size, intermediate_size",
     "moe_norm_topk_prob": "moe_norm_topk_prob",
+    "moe_router_type": "moe_router_type",
 }
-_MOE_FIELDS = ("moe_top_k", "moe_expert_interval", "moe_intermediate_size", "moe_norm_topk_prob")
+_MOE_FIELDS = ("moe_top_k", "moe_expert_interval", "moe_intermediate_size", "moe_norm_topk_prob", "moe_router_type")
+ROUTER_TYPES = ("sinkhorn", "topk")
 _UNSET_IS_A_VALUE = ("sliding_window_width", "rope_scaling")  # None means "no window", "plain rotary"
 
 # rope_type -> (its required parameters, its optional ones), as Hugging Face's rope_parameters name them
@@ -281,11 +289,15 @@ def mixture_of_experts_problem(values: Mapping[str, Any]) -> tuple[str, str] | N
     width = values.get("moe_intermediate_size")
     if width is not None and (not isinstance(width, int) or width < 1):
         return "moe_intermediate_size", f"must be a positive integer when set, got {width!r}"
-    if values.get("moe_router_type") != "topk":
-        return "moe_router_type", (f"{values.get('moe_router_type')!r} routing is not built here; set "
-                                   "moe_router_type: topk (softmax, then the moe_top_k most probable experts)")
-    if values.get("use_bias_in_mlp"):
-        return "use_bias_in_mlp", "experts have no biases (as in GPT-NeoX, Mixtral and Qwen3-MoE); set use_bias_in_mlp: false"
+    router = values.get("moe_router_type")
+    if router not in ROUTER_TYPES:
+        return "moe_router_type", f"{router!r} is no router; set one of {', '.join(ROUTER_TYPES)}"
+    jitter = values.get("moe_jitter_eps")
+    if jitter is not None and (not isinstance(jitter, (int, float)) or isinstance(jitter, bool) or not 0 <= jitter < 1):
+        return "moe_jitter_eps", f"must lie in [0, 1) (the router's input times 1 -/+ it), got {jitter!r}"
+    if jitter and router == "sinkhorn":
+        return "moe_jitter_eps", ("only the topk router jitters its input (GPT-NeoX's sinkhorn router ignores "
+                                  "moe_jitter_eps); remove it, or set moe_router_type: topk")
     if (values.get("model_parallel_size") or 1) > 1:
         return "model_parallel_size", ("mixture of experts runs so far on one tensor-parallel rank (experts split "
                                        "over ranks are not built yet); set model_parallel_size: 1")
@@ -382,6 +394,8 @@ def _fields(values: Mapping[str, Any], strict: bool = True) -> dict[str, Any]:
                 hidden, values.get("moe_intermediate_size"), values.get("intermediate_size"), activation),
             "hidden_size", "activation"),
         "moe_norm_topk_prob": derive(bool, "moe_norm_topk_prob"),
+        "moe_router_type": get("moe_router_type"),
+        "moe_jitter_eps": values.get("moe_jitter_eps"),
         "moe_load_balancing_loss": derive(bool, "moe_load_balancing_loss"),
         "moe_load_balancing_loss_coef": derive(float, "moe_load_balancing_loss_coef"),
     }

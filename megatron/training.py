@@ -21,6 +21,7 @@ from megatron.checkpointing import (
 )
 from megatron.diagnostics import StepProfiler, parameter_norms
 from megatron.divergence import NonFiniteWatch, check_weights_finite
+from megatron.expert_load import ExpertLoadWatch
 from megatron.initialize import (
     ModelParallelUnit,
     initialize_distributed,
@@ -192,7 +193,7 @@ def _evaluation_scalars(split: str, loss: float, metrics: dict[str, float], obje
 
 
 def _evaluation_line(loss: float, metrics: dict[str, float], objective) -> str:
-    parts = [f"loss {loss:.4f}", *(f"{name} {value:.4f}" for name, value in metrics.items())]
+    parts = [f"loss {loss:.4f}", *(f"{name} {metrics[name]:.4f}" for name in objective.metric_names)]
     if objective.reports_perplexity:
         parts.append(f"perplexity {_perplexity(loss):.2f}")
     return " | ".join(parts)
@@ -447,7 +448,9 @@ def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals
     objective = objective or objective_for(args, batch_options_for(args),
                                            state.reference.engine if state.reference else None)
     metrics = MetricsWriter(args)
-    progress = ProgressReporter(args, first_iteration=state.iteration, metric_names=objective.metric_names)
+    expert_load = ExpertLoadWatch(args)
+    progress = ProgressReporter(args, first_iteration=state.iteration,
+                                metric_names=objective.metric_names + expert_load.line_names)
     watch = NonFiniteWatch(args)
     last_train_loss = last_valid_loss = None
     start_iteration = state.iteration
@@ -478,10 +481,12 @@ def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals
         scalars = {"train/loss": last_train_loss, **{f"train/{name}": value for name, value in train_metrics.items()},
                    "train/lr": lr, "train/grad_norm": _grad_norm(engine),
                    "train/loss_scale": _loss_scale(engine), "train/skipped_steps": _skipped_steps(engine),
-                   "train/step_seconds": step_seconds}
+                   "train/step_seconds": step_seconds, **expert_load.scalars(train_metrics)}
         metrics.write({**scalars, **norms}, step)
         norms.clear()
         window = progress.step(step, scalars)
+        for line in expert_load.after_step(step, train_metrics):
+            progress.message(line)
         if window is not None:
             metrics.write({"train/tokens_per_second": window["train/tokens_per_second"]}, step)
         watch.after_step(step, last_train_loss, scalars["train/grad_norm"], engine.was_step_applied(),

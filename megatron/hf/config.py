@@ -292,7 +292,7 @@ def unrepresentable(arch: Architecture, family: str) -> list[str]:
     if family in MIXTURES_OF_EXPERTS:
         if not arch.moe:
             problems.append(f"moe_num_experts={arch.moe_num_experts} ({family} is a mixture of experts)")
-        wanted["moe_expert_interval"] = 1
+        wanted.update(moe_expert_interval=1, moe_router_type="topk")  # sinkhorn routes otherwise in training
         if family == "mixtral":
             wanted["moe_norm_topk_prob"] = True
     elif arch.moe:

@@ -27,6 +27,7 @@ from megatron.model.embedding import Embedding
 from megatron.model.init_methods import init_std, initialise_parameters, normal_init
 from megatron.model.kv_cache import KVCache
 from megatron.model.lora import add_adapters, initialise_adapters
+from megatron.model.moe import Routing
 from megatron.model.norms import build_norm
 from megatron.model.parallel_layers import (
     ColumnParallelLinear,
@@ -151,7 +152,7 @@ class GPTModel(torch.nn.Module):
         parallel_output: bool = False,
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
-        router_logits: list[torch.Tensor] | None = None,
+        routing: list[Routing] | None = None,
     ) -> torch.Tensor:
         """input_ids [b, s] -> logits [b, s, padded_vocab_size] in the parameter dtype (a reward model:
         rewards [b, s, 1]).
@@ -163,8 +164,8 @@ class GPTModel(torch.nn.Module):
         ``causal_lm_loss(..., vocab_parallel=True)``, which never gathers the whole vocabulary).
         With ``kv_cache`` (generation) ``input_ids`` are the tokens after those already cached, at the
         positions after theirs; their keys and values are added to it.
-        With ``router_logits`` (a list) each expert layer appends its router's logits, in layer order, for
-        the load-balancing loss (megatron/model/moe.py).
+        With ``routing`` (a list) each expert layer appends its router's logits and choices, in layer order,
+        for the load-balancing loss and the experts' load (megatron/model/moe.py).
         """
         seq_len = input_ids.shape[1]
         past = kv_cache.length if kv_cache is not None else 0
@@ -188,10 +189,10 @@ class GPTModel(torch.nn.Module):
             if recompute:
                 # the recomputation in the backward appends again, to a list whose loss is already taken
                 hidden = torch.utils.checkpoint.checkpoint(layer, hidden, rotary_cos_sin, attention_mask, None,
-                                                           router_logits, use_reentrant=False)
+                                                           routing, use_reentrant=False)
             else:
                 hidden = layer(hidden, rotary_cos_sin, attention_mask,
-                               kv_cache.layers[index] if kv_cache is not None else None, router_logits)
+                               kv_cache.layers[index] if kv_cache is not None else None, routing)
         hidden = self.sequential[str(self.arch.num_layers + 3)](hidden)
         if self.arch.reward_head:
             return self.reward_head(hidden)

@@ -1,4 +1,5 @@
-"""A mixture-of-experts layer in place of the MLP: top-k routing, dropless, as Hugging Face computes it.
+"""A mixture-of-experts layer in place of the MLP: top-k routing as Hugging Face computes it, or GPT-NeoX's
+sinkhorn routing; dropless.
 
 Names and layout are GPT-NeoX's (``ParallelDroplessMoE``): the router ``router.layer`` (hidden ->
 experts, no bias) and the experts' weights stacked along their first dimension, each expert's rows
@@ -8,21 +9,39 @@ transposed. What each token gets (megatron/architecture.py) follows transformers
 step by step, so its numbers are theirs: the router's logits in the model's dtype, their softmax in
 fp32, the ``top_k`` largest probabilities (renormalised with ``norm_topk_prob``) weighing the outputs
 of the chosen experts, which are added up expert by expert in ascending order. No token is dropped.
+In training, ``moe_jitter_eps`` multiplies the router's input (not the experts') by noise drawn uniformly
+from [1 - eps, 1 + eps], as GPT-NeoX's topk router does.
+
+GPT-NeoX's sinkhorn router (``moe_router_type: sinkhorn``, its ``SinkhornRouter``) weighs the chosen experts
+by the sigmoid of their logits (top_k 1) or their softmax (top_k > 1), in the logits' dtype. In training it
+chooses each token's experts by the top_k of ``sinkhorn(logits)``, which balances the experts' load over the
+micro batch; in evaluation and generation by the top_k of those weights, as GPT-NeoX does.
 
 The experts run one after the other on the tokens routed to each (a plain-PyTorch grouped computation
 that runs anywhere): megatron-core's MoE layer needs its CUDA kernels and token dispatchers for the same.
 
 ``load_balancing_loss`` is transformers' ``load_balancing_loss_func`` (Switch Transformer's auxiliary
-loss) over the router logits of every expert layer of one forward pass.
+loss) over the router logits of every expert layer of one forward pass; ``expert_load`` is what share of a
+layer's routed token slots each expert got, from the router's choices.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from megatron.architecture import Architecture
 from megatron.model.mlp import elementwise_activation
+
+
+@dataclass
+class Routing:
+    """What one expert layer's router did for one forward pass."""
+
+    logits: torch.Tensor  # [tokens, experts], in the model's dtype
+    chosen: torch.Tensor  # [tokens, top_k]: the experts each token went to
 
 
 class Router(torch.nn.Module):
@@ -61,21 +80,53 @@ class Experts(torch.nn.Module):
         self.mlp = ExpertWeights(arch)
 
 
+def sinkhorn(logits: torch.Tensor, tolerance: float = 1e-4) -> torch.Tensor:
+    """GPT-NeoX's Sinkhorn-Knopp balancing of exp(logits) [tokens, experts]: each token's row and each expert's
+    column scaled in turn towards sums of 1/tokens and 1/experts, until the experts' scales move by at most
+    ``tolerance`` on average."""
+    cost = torch.exp(logits)
+    tokens, experts = cost.shape
+    token_scale = torch.ones(tokens, device=cost.device, dtype=cost.dtype)
+    expert_scale = torch.ones(experts, device=cost.device, dtype=cost.dtype)
+    guard = 1e-8  # GPT-NeoX's: no division by zero
+    while True:
+        token_scale = 1 / (tokens * ((cost * expert_scale).sum(dim=1) + guard))
+        previous, expert_scale = expert_scale, 1 / (experts * ((cost * token_scale[:, None]).sum(dim=0) + guard))
+        if torch.mean(torch.abs(expert_scale - previous)) <= tolerance:
+            return cost * expert_scale * token_scale[:, None]
+
+
 class MixtureOfExperts(torch.nn.Module):
     def __init__(self, arch: Architecture):
         super().__init__()
         self.top_k, self.norm_topk_prob = arch.moe_top_k, arch.moe_norm_topk_prob
+        self.router_type, self.jitter_eps = arch.moe_router_type, arch.moe_jitter_eps
         self.router = Router(arch)
         self.experts = Experts(arch)
 
-    def forward(self, hidden: torch.Tensor, router_logits: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """The experts' weighted outputs for ``hidden`` [..., hidden]; the router's logits [tokens, experts]
-        are appended to ``router_logits`` when given (for ``load_balancing_loss``)."""
-        tokens = hidden.reshape(-1, hidden.shape[-1])
+    def _route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the router's logits [tokens, experts], each token's experts' weights and indices [tokens, top_k])."""
+        if self.router_type == "sinkhorn":
+            logits = self.router.layer(tokens)
+            scores = (torch.sigmoid(logits) if self.top_k == 1
+                      else torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits))
+            if not self.training:
+                return logits, *torch.topk(scores, self.top_k, dim=-1)
+            with torch.no_grad():
+                chosen = torch.topk(sinkhorn(logits.float()), self.top_k, dim=-1).indices
+            return logits, scores.gather(1, chosen), chosen
+        if self.training and self.jitter_eps:
+            tokens = tokens * torch.empty_like(tokens).uniform_(1 - self.jitter_eps, 1 + self.jitter_eps)
         logits = self.router.layer(tokens)
-        if router_logits is not None:
-            router_logits.append(logits)
-        weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        return logits, *torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+
+    def forward(self, hidden: torch.Tensor, routing: list[Routing] | None = None) -> torch.Tensor:
+        """The experts' weighted outputs for ``hidden`` [..., hidden]; what the router did is appended to
+        ``routing`` when given (for ``load_balancing_loss`` and ``expert_load``)."""
+        tokens = hidden.reshape(-1, hidden.shape[-1])
+        logits, weights, chosen = self._route(tokens)
+        if routing is not None:
+            routing.append(Routing(logits, chosen.detach()))
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(tokens)
@@ -100,3 +151,8 @@ def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top
         probabilities = probabilities + layer_probabilities.float().sum(dim=0)
     rows = sum(logits.shape[0] for logits in router_logits)
     return torch.sum((choices / rows) * (probabilities / rows)) * num_experts
+
+
+def expert_load(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Each expert's share of the routed token slots (tokens x top_k) in ``chosen`` [tokens, top_k]; sums to 1."""
+    return torch.bincount(chosen.reshape(-1), minlength=num_experts).float() / chosen.numel()

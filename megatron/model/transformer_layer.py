@@ -9,7 +9,7 @@ from megatron.architecture import Architecture
 from megatron.model.attention import SelfAttention
 from megatron.model.kv_cache import LayerKeysValues
 from megatron.model.mlp import MLP
-from megatron.model.moe import MixtureOfExperts
+from megatron.model.moe import MixtureOfExperts, Routing
 from megatron.model.norms import build_norm
 
 
@@ -40,15 +40,15 @@ class TransformerLayer(torch.nn.Module):
         rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None = None,
         kv_cache: LayerKeysValues | None = None,
-        router_logits: list[torch.Tensor] | None = None,
+        routing: list[Routing] | None = None,
     ) -> torch.Tensor:
-        """``router_logits``: where an expert layer appends its router's logits (megatron/model/moe.py)."""
+        """``routing``: where an expert layer appends its router's logits and choices (megatron/model/moe.py)."""
         attn_out = self._dropout(self.attention(self.input_layernorm(x), rotary_cos_sin, attention_mask, kv_cache))
         if self.parallel_residual:
-            mlp_out = self._dropout(self._mlp(self.post_attention_layernorm(x), router_logits))
+            mlp_out = self._dropout(self._mlp(self.post_attention_layernorm(x), routing))
             return x + attn_out + mlp_out
         hidden = x + attn_out
-        return hidden + self._dropout(self._mlp(self.post_attention_layernorm(hidden), router_logits))
+        return hidden + self._dropout(self._mlp(self.post_attention_layernorm(hidden), routing))
 
-    def _mlp(self, x: torch.Tensor, router_logits: list[torch.Tensor] | None) -> torch.Tensor:
-        return self.mlp(x, router_logits) if isinstance(self.mlp, MixtureOfExperts) else self.mlp(x)
+    def _mlp(self, x: torch.Tensor, routing: list[Routing] | None) -> torch.Tensor:
+        return self.mlp(x, routing) if isinstance(self.mlp, MixtureOfExperts) else self.mlp(x)

@@ -585,6 +585,11 @@ def _check_mixture_of_experts(v: dict[str, Any], sources: dict[str, str]) -> Non
     if v["zero_stage"] == 3:
         raise _fail(sources, "zero_optimization", "mixture of experts runs so far with ZeRO stages 0-2 (stage 3 "
                                                   "with experts is not tested yet); set stage 2")
+    if not 0 < v["moe_collapse_token_share"] <= 1:
+        raise _fail(sources, "moe_collapse_token_share", f"a share of a layer's tokens: must lie in (0, 1], got "
+                                                         f"{v['moe_collapse_token_share']}")
+    if v["moe_collapse_steps"] < 1:
+        raise _fail(sources, "moe_collapse_steps", f"must be a positive number of steps, got {v['moe_collapse_steps']}")
     if v["moe_load_balancing_loss_coef"] < 0:
         raise _fail(sources, "moe_load_balancing_loss_coef", f"must not be negative, got "
                                                              f"{v['moe_load_balancing_loss_coef']}")

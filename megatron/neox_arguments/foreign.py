@@ -163,7 +163,6 @@ def _not_built(feature: str, instead: str = "") -> str:
 # name -> (is the value the one that switches the feature off?, what to tell the user)
 UNSUPPORTED: dict[str, tuple[OffWhen, str]] = {
     "sparsity_config": (_falsy, _not_built("sparse attention", "remove sparsity_config")),
-    "moe_jitter_eps": (_falsy, _not_built("router jitter (moe_jitter_eps)", "remove moe_jitter_eps")),
     "num_experts": (_at_most_one, _not_built("mixture-of-experts", "use 1 expert")),
     "use_mup": (_falsy, _not_built("muP", "remove use_mup")),
     "coord_check": (_falsy, _not_built("muP's coordinate check")),

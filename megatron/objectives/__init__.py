@@ -9,7 +9,8 @@
 
 An objective is called with the engine and one micro batch of collated samples and returns the
 loss to minimise (a 0-dim tensor, what `engine.backward` takes) and its metrics (0-dim tensors named
-as GPT-NeoX names them, in `metric_names` order). The training loop only averages and reports them:
+as GPT-NeoX names them, in `metric_names` order; those named there go into the iteration and evaluation lines,
+every one to TensorBoard, as each expert's load does). The training loop only averages and reports them:
 it knows no objective by name. Objectives that compare against a frozen reference get it at
 construction, from the load plan.
 """
@@ -24,7 +25,7 @@ from megatron.data import BatchOptions
 
 
 class Objective(Protocol):
-    metric_names: tuple[str, ...]  # what __call__ reports besides the loss, in the iteration line's order
+    metric_names: tuple[str, ...]  # what the lines show besides the loss, in their order
     reports_perplexity: bool  # exp(loss) means something only for a language-model loss
 
     def __call__(self, engine, samples: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

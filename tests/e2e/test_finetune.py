@@ -10,7 +10,14 @@ import torch
 from megatron.checkpointing.ondisk.module_weights import read_module_weights
 from megatron.hf import load_hf_module_weights
 from megatron.hf.config import spec_from_hf_config
-from tests.deepy_runs import TRAIN_LINE, checkpoint_files, run_deepy, train_lines, write_overrides
+from tests.deepy_runs import (
+    TRAIN_LINE,
+    checkpoint_files,
+    run_deepy,
+    tensorboard_scalars,
+    train_lines,
+    write_overrides,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -112,15 +119,26 @@ def test_one_short_finetune_file_takes_the_model_from_a_hugging_face_folder(tmp_
     assert f"model settings taken from {hf_dir / 'config.json'}" in result.stdout
 
 
-def test_a_mixtral_folder_fine_tunes_with_its_load_balancing_loss_in_the_log(tmp_path):
+def tiny_mixtral(top_k: int = 2, output_router_logits: bool = True):
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    hf_dir = tmp_path / "hf"
     config = MixtralConfig(vocab_size=4096, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
-                           max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.02)
-    MixtralForCausalLM(config).save_pretrained(hf_dir)
+                           num_key_value_heads=2, intermediate_size=48, num_local_experts=4, num_experts_per_tok=top_k,
+                           max_position_embeddings=64, output_router_logits=output_router_logits,
+                           router_aux_loss_coef=0.02)
+    return MixtralForCausalLM(config)
+
+
+def expert_loads(scalars: dict, layer: int, step: int) -> list[float]:
+    return [scalars[f"train/expert_load/layer_{layer}/expert_{expert}"][step] for expert in range(4)]
+
+
+def test_a_mixtral_folder_fine_tunes_with_its_load_balancing_loss_and_expert_load_in_the_log(tmp_path):
+    model = tiny_mixtral()
+    hf_dir = tmp_path / "hf"
+    model.save_pretrained(hf_dir)
     finetune = write_overrides(tmp_path, name="finetune.yml", load=str(hf_dir), save=str(tmp_path / "out"),
+                               tensorboard_dir=str(tmp_path / "tb"), moe_collapse_steps=1,
                                **{**SHORT_FINETUNE, "train_iters": 4, "weight_decay": 0.0,
                                   "optimizer": {"type": "Adam", "params": {"lr": 0.003}}})
     result = run_deepy([finetune])
@@ -128,11 +146,20 @@ def test_a_mixtral_folder_fine_tunes_with_its_load_balancing_loss_in_the_log(tmp
     assert "mixture of experts: 4 experts 48 wide in every layer, top 2 renormalised" in result.stdout
     lines = [(int(m[1]), *map(float, m.groups()[1:])) for m in MOE_LINE.finditer(result.stdout)]
     assert [line[0] for line in lines] == [1, 2, 3, 4], result.stdout[-3000:]
-    for _, loss, lm_loss, balance in lines:
+    for _, loss, lm_loss, balance, _ in lines:
         assert balance >= 2 - 1e-4  # top_k at best, when every expert gets its share
         assert loss == pytest.approx(lm_loss + 0.02 * balance, abs=2e-4)
+    # TensorBoard: every expert's share of its layer's routed slots at every step, the line's largest of them
+    scalars = tensorboard_scalars(tmp_path / "tb")
+    for step, *_, max_load in lines:
+        loads = [expert_loads(scalars, layer, step) for layer in (0, 1)]
+        for layer_loads in loads:
+            assert sum(layer_loads) == pytest.approx(1.0, abs=1e-6)
+        assert max_load == pytest.approx(max(max(layer_loads) for layer_loads in loads), abs=1e-4)
+        assert scalars["train/load_balancing_loss"][step] == pytest.approx(lines[step - 1][3], abs=1e-4)
+    assert "router collapse" not in result.stdout  # even with moe_collapse_steps 1: a random router spreads
     # it trains: every expert and router moved from the folder's weights (by its gradient: no weight decay)
-    loaded = load_hf_module_weights(hf_dir, spec_from_hf_config(config.to_dict()).architecture())
+    loaded = load_hf_module_weights(hf_dir, spec_from_hf_config(model.config.to_dict()).architecture())
     trained = read_module_weights(tmp_path / "out" / "global_step4")
     for layer in (2, 3):
         assert not torch.equal(trained[f"sequential.{layer}.mlp.router.layer.weight"],
@@ -143,4 +170,32 @@ def test_a_mixtral_folder_fine_tunes_with_its_load_balancing_loss_in_the_log(tmp
                 assert not torch.equal(before, after), f"{key}: an expert did not train"
 
 
-MOE_LINE = re.compile(r"iteration\s+(\d+)/\d+ \| loss ([\d.]+) \| lm_loss ([\d.]+) \| load_balancing_loss ([\d.]+) \|")
+def test_a_router_sending_every_token_to_one_expert_is_reported_in_one_line(tmp_path):
+    """Layer 0 made to route every token to expert 2: its attention adds nothing, every token's embedding is
+    positive in one coordinate, the norm before the experts keeps only that coordinate, and the router's
+    column for it favours expert 2 by far. Layer 1 routes as initialised."""
+    model = tiny_mixtral(top_k=1, output_router_logits=False)
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        coordinate = 5
+        layer.self_attn.o_proj.weight.zero_()
+        embeddings = model.model.embed_tokens.weight
+        embeddings[:, coordinate] = embeddings[:, coordinate].abs() + 1
+        layer.post_attention_layernorm.weight.zero_()
+        layer.post_attention_layernorm.weight[coordinate] = 1
+        layer.mlp.gate.weight[:, coordinate] = torch.tensor([-5.0, -5.0, 5.0, -5.0])
+    model.save_pretrained(tmp_path / "hf")
+    finetune = write_overrides(tmp_path, name="finetune.yml", load=str(tmp_path / "hf"),
+                               tensorboard_dir=str(tmp_path / "tb"), moe_collapse_steps=3, **SHORT_FINETUNE)
+    result = run_deepy([finetune])
+    collapses = [line for line in result.stdout.splitlines() if "router collapse" in line]
+    assert len(collapses) == 1, result.stdout[-3000:]
+    assert "router collapse: layer 0 sent 100% of its tokens to expert 2 in each of the 3 steps to 3" in collapses[0]
+    scalars = tensorboard_scalars(tmp_path / "tb")
+    for step in (1, 2, 3):
+        assert expert_loads(scalars, 0, step) == [0.0, 0.0, 1.0, 0.0]
+        assert max(expert_loads(scalars, 1, step)) < 0.9
+
+
+MOE_LINE = re.compile(r"iteration\s+(\d+)/\d+ \| loss ([\d.]+) \| lm_loss ([\d.]+) \| load_balancing_loss ([\d.]+) \| "
+                      r"max_expert_load ([\d.]+) \|")

@@ -16,7 +16,14 @@ from megatron.learning_rates import learning_rate_at
 from megatron.neox_arguments import NeoXArgs, padded_vocab_size
 from megatron.tokenizer import build_tokenizer
 from tests.ckpt_engines import stored_client_state
-from tests.deepy_runs import checkpoint_files, foreign_notices, run_deepy, train_lines, write_overrides
+from tests.deepy_runs import (
+    checkpoint_files,
+    foreign_notices,
+    run_deepy,
+    tensorboard_scalars,
+    train_lines,
+    write_overrides,
+)
 from tests.unit.test_neox_config import keys_gpt_neox_refuses
 
 pytestmark = pytest.mark.e2e
@@ -158,3 +165,22 @@ def test_two_ranks_stop_together_at_the_first_nonfinite_step_and_keep_the_last_g
     saved = sorted(int(p.name.removeprefix("global_step")) for p in save.glob("global_step*"))
     assert [tag for tag in saved if tag] == list(range(1, diverged)), f"saved {saved}, diverged at {diverged}"
     assert (save / "latest").read_text().strip() == f"global_step{diverged - 1}"
+
+
+def test_a_scaled_down_gpt_neox_dmoe_trains_with_sinkhorn_routing_and_reports_its_experts_load(tmp_path):
+    """configs/tiny.yml with GPT-NeoX's 125M-dmoe.yml's expert settings (8 experts behind its default router,
+    sinkhorn, with activation recomputation) in every other layer; the layers between keep their biased MLP."""
+    overrides = write_overrides(tmp_path, moe_num_experts=8, moe_expert_interval=2, checkpoint_activations=True,
+                                train_iters=8, eval_interval=1000, log_interval=1, tensorboard_dir=str(tmp_path / "tb"))
+    result = run_deepy(["configs/tiny.yml", overrides])
+    losses = {int(m[1]): float(m[2]) for m in re.finditer(
+        r"iteration\s+(\d+)/8 \| loss ([\d.]+) \| load_balancing_loss [\d.]+ \| max_expert_load [\d.]+ \|", result.stdout)}
+    assert list(losses) == list(range(1, 9)), result.stdout[-3000:]
+    assert losses[8] < losses[1] - 0.5, losses
+    scalars = tensorboard_scalars(tmp_path / "tb")
+    for layer in (0, 2):
+        for step in range(1, 9):
+            loads = [scalars[f"train/expert_load/layer_{layer}/expert_{expert}"][step] for expert in range(8)]
+            assert sum(loads) == pytest.approx(1.0, abs=1e-6)
+    assert not any(tag.startswith("train/expert_load/layer_1/") for tag in scalars)
+    assert "router collapse" not in result.stdout

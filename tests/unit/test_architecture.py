@@ -152,6 +152,7 @@ EXPERT_CHANGES = {
     "moe_expert_interval": ("moe_expert_interval", 2, 1, 2),
     "moe_intermediate_size": ("moe_intermediate_size", 32, 64, 32),
     "moe_norm_topk_prob": ("moe_norm_topk_prob", True, False, True),
+    "moe_router_type": ("moe_router_type", "sinkhorn", "topk", "sinkhorn"),
 }
 
 

@@ -76,6 +76,17 @@ def test_one_step_from_the_folder_has_the_loss_and_gradient_of_transformers_with
     assert any(name.endswith("mlp.router.layer.weight") for name in ours)
     for name, grad in expected_grads.items():
         torch.testing.assert_close(ours[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    # every expert's load: its share of the layer's top-k choices, as transformers' router chose them
+    top_k = model.config.num_experts_per_tok
+    experts = len(expected.router_logits[0][0])
+    expected_loads = {}
+    for layer, logits in enumerate(expected.router_logits):
+        chosen = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1).indices
+        for expert in range(experts):
+            expected_loads[f"expert_load/layer_{layer}/expert_{expert}"] = (chosen == expert).sum().item() / chosen.numel()
+    loads = {name: value.item() for name, value in metrics.items() if name.startswith("expert_load/")}
+    assert loads == pytest.approx(expected_loads, abs=1e-7)  # counts over the same slots: float32 apart
+    assert len(set(expected_loads.values())) > 2  # the routing is uneven: shares that tell experts apart
 
 
 def test_the_load_balancing_loss_is_top_k_for_balanced_routing_and_grows_as_routing_collapses():
