@@ -57,6 +57,7 @@ class TrainState:
     skipped_steps: int = 0
     lineage: Lineage = field(default_factory=Lineage)  # the tags of `save` this run may prune
     reference: ReferenceModel | None = None  # DPO/KTO's frozen reference; its identity goes into every save
+    lora_base: ReferenceIdentity | None = None  # a LoRA run's frozen base: set, its saves are adapter-only
 
     @property
     def lr_step(self) -> int:
@@ -76,7 +77,8 @@ def state_after_load(outcome, args=None) -> TrainState:
         schedule = _resumed_schedule(args, schedule, outcome.client_state.lr_schedule)
     return TrainState(iteration=outcome.iteration, consumed_train_samples=outcome.consumed_train_samples,
                       consumed_valid_samples=outcome.consumed_valid_samples,
-                      lr_schedule_start=outcome.lr_schedule_start, schedule=schedule, lineage=outcome.lineage)
+                      lr_schedule_start=outcome.lr_schedule_start, schedule=schedule, lineage=outcome.lineage,
+                      lora_base=outcome.lora_base)
 
 
 def _resumed_schedule(args, configured: Schedule, saved: dict | None) -> Schedule:
@@ -222,7 +224,8 @@ def _save(args, engine, state: TrainState) -> Path:
     return save_checkpoint(args, engine, state.iteration, state.consumed_train_samples, state.lr_schedule_start,
                            lr_schedule=state.schedule.to_dict(), consumed_valid_samples=state.consumed_valid_samples,
                            lineage=state.lineage,
-                           reference_model=state.reference.identity.to_dict() if state.reference else None)
+                           reference_model=state.reference.identity.to_dict() if state.reference else None,
+                           lora_base=state.lora_base.to_dict() if state.lora_base else None)
 
 
 def _stop_after_signal(args, engine, state: TrainState, signum: int, saved_at: int | None) -> None:

@@ -14,7 +14,9 @@ written by another program, and is read as far as its keys go):
    checkpoints saved before it was recorded), consumed_valid_samples (validation samples the run's
    evaluations read, where the next evaluation continues; absent in GPT-NeoX's checkpoints and in ours
    saved before it was recorded, where megatron.checkpointing.planning.data_position derives it as GPT-NeoX does),
-   reference_model (DPO/KTO runs: source, tag and checksum of the frozen reference, see reference.py).
+   reference_model (DPO/KTO runs: source, tag and checksum of the frozen reference, see reference.py),
+   lora_base (a LoRA run's adapter-only tag: source, tag and checksum of the frozen base the adapters were
+   trained over; the tag holds only the parameters that train, identity.py).
 2. args: intermediate_size has GPT-NeoX's meaning (the width before GPT-NeoX's MLP rule, see
    megatron/architecture.py); in format 1 it was the MLP width per projection as built, and
    ``settings`` reads it in today's meaning.
@@ -41,6 +43,7 @@ LR_SCHEDULE_KEY = "lr_schedule"
 FORWARD_VALIDATION_KEY = "forward_validation"
 CONVERTED_FROM_KEY = "converted_from"
 REFERENCE_MODEL_KEY = "reference_model"
+LORA_BASE_KEY = "lora_base"
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,8 @@ class ClientState:
     lr_schedule: dict[str, Any] | None = None  # megatron.learning_rates.Schedule.to_dict() of the saving run
     forward_validation: dict[str, Any] | None = None  # megatron.checkpointing.ondisk.forward_validation.capture
     converted_from: str | None = None  # the Hugging Face folder the weights came from
-    reference_model: dict[str, Any] | None = None  # megatron.checkpointing.planning.reference.ReferenceIdentity.to_dict()
+    reference_model: dict[str, Any] | None = None  # megatron.checkpointing.ondisk.identity.ReferenceIdentity.to_dict()
+    lora_base: dict[str, Any] | None = None  # the same of a LoRA run's base: set, the tag holds the adapters alone
     format_version: int | None = FORMAT_VERSION  # None: written by another program or before versions
 
     def to_dict(self) -> dict[str, Any]:
@@ -70,7 +74,7 @@ class ClientState:
         }
         optional = {RNG_STATES_KEY: self.rng_states, FORWARD_VALIDATION_KEY: self.forward_validation,
                     CONVERTED_FROM_KEY: self.converted_from, LR_SCHEDULE_KEY: self.lr_schedule,
-                    REFERENCE_MODEL_KEY: self.reference_model}
+                    REFERENCE_MODEL_KEY: self.reference_model, LORA_BASE_KEY: self.lora_base}
         stored.update({key: value for key, value in optional.items() if value is not None})
         return stored
 
@@ -96,6 +100,7 @@ class ClientState:
             forward_validation=stored.get(FORWARD_VALIDATION_KEY),
             converted_from=stored.get(CONVERTED_FROM_KEY),
             reference_model=stored.get(REFERENCE_MODEL_KEY),
+            lora_base=stored.get(LORA_BASE_KEY),
             format_version=integer(FORMAT_VERSION_KEY),
         )
 

@@ -39,7 +39,7 @@ def _logger():
 def save_checkpoint(
     args, engine, iteration: int, consumed_train_samples: int, lr_schedule_start: int = 0,
     lr_schedule: dict | None = None, consumed_valid_samples: int = 0, lineage: Lineage | None = None,
-    reference_model: dict | None = None,
+    reference_model: dict | None = None, lora_base: dict | None = None,
 ) -> Path:
     """Save tag global_step<iteration> under `args.save`; all ranks call it (DeepSpeed's save is collective).
 
@@ -47,6 +47,8 @@ def save_checkpoint(
     `<tag>/configs/` first, then the engine's files; `latest` names the tag once every file is written, then old
     tags are pruned per `keep_last_n_checkpoints`: only tags of `lineage` (the run's own, which this save joins;
     without one, only this tag). `reference_model` is the identity of a DPO/KTO run's reference (reference.py).
+    With `lora_base`, the identity of a LoRA run's frozen base (LoadOutcome.lora_base), the tag is adapter-only:
+    it holds the parameters that train, their optimizer states and the run's state, and names that base.
 
     With `async_save`, inside `saves_waited_for` (the training loop), it returns once the state is copied to
     host memory, and the files, the manifest, `latest` and the pruning follow in the background
@@ -71,6 +73,7 @@ def save_checkpoint(
         lr_schedule_start=int(lr_schedule_start),
         lr_schedule=lr_schedule,
         reference_model=reference_model,
+        lora_base=lora_base,
         forward_validation=(forward_validation.capture(engine, args)
                             if args.checkpoint_validation_with_forward_pass else None),
     )
@@ -91,7 +94,8 @@ def save_checkpoint(
             _prune(args, save_dir, tag, lineage)
 
         failure = save_engine_checkpoint(engine, save_dir, partial, client_state.to_dict(),
-                                         optimizer_states=not args.no_save_optim, snapshot=snapshot)
+                                         optimizer_states=not args.no_save_optim, snapshot=snapshot,
+                                         frozen_weights=lora_base is None)
         if snapshot is None:  # the commit a background save runs later, run now
             barrier()  # every rank's files are on disk before any rank lists them
             failure, records = commit.record_this_ranks_share(save_dir / partial, failure)
