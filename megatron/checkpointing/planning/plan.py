@@ -139,6 +139,8 @@ class LoadPlan:
                               *(f"  note:   {note}" for note in self.notes)])
         source = self.tag_dir if self.tag_dir is not None else self.load_dir
         saved_at = f", saved at iteration {self.saved_iteration}" if self.saved_iteration is not None else ""
+        if self.base is not None:
+            saved_at += f"; LoRA adapters only, over the base {self.base.tag_dir or self.base.load_dir}"
         loaded, fresh = ["LoRA adapters (the tag holds only what trains)" if self.base is not None else
                          "weights" if self.strict else
                          "the weights that match the model (load_module_strict is false; the rest are listed "
