@@ -9,6 +9,7 @@ import torch
 
 from megatron.checkpointing import inventory_checkpoint, load_file_weights_only, read_module_weights
 from tests.deepy_runs import TRAIN_LINE, run_deepy, train_lines, write_overrides
+from tests.e2e.test_hf_conversion import run_tool
 
 pytestmark = pytest.mark.e2e
 
@@ -52,6 +53,11 @@ def test_a_lora_finetune_saves_adapter_only_tags_that_resume_bit_identically(bas
     assert f"LoRA adapters only, over the base {base / 'global_step2'})" in resumed.stdout
     assert [(line.iteration, line.loss) for line in train_lines(resumed.stdout)] == \
         [(line.iteration, line.loss) for line in train_lines(unbroken.stdout) if line.iteration > 2]
+
+    inspected = run_tool("inspect_checkpoint.py", saved)
+    assert inspected.returncode == 0, inspected.stderr
+    assert (f"LoRA adapters only (the parameters that train), over the base {base} tag global_step2 "
+            f"(checksum {lora_base.checksum})") in inspected.stdout
 
     # a new run from the adapters' weights: their optimizer starts fresh, its saves name the same base
     again = tmp_path / "again"
