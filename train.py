@@ -23,5 +23,4 @@ with slow_stage("starting the rank (importing torch, DeepSpeed and megatron-core
     from megatron.training import pretrain
 
 if __name__ == "__main__":
-    sys.exit(run_rank(lambda: pretrain(load_args_on_rank(), stop_signals),
-                      stop_requested=lambda: stop_signals.received is not None))
+    sys.exit(run_rank(lambda: pretrain(load_args_on_rank(), stop_signals)))

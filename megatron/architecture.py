@@ -35,6 +35,11 @@ A load is refused when a field of ``FIELDS_THAT_REFUSE_A_LOAD`` differs between 
 | qk_layernorm            | qk_layernorm (Qwen3)                               | the setting is known    |
 | add_qkv_bias            | add_qkv_bias (Qwen2)                               | the setting is known    |
 | rope_scaling            | rope_scaling (Llama 3.1+, Qwen's yarn)             | pos_emb is rotary       |
+| moe_num_experts         | moe_num_experts (GPT-NeoX; Mixtral, Qwen3-MoE)     | always                  |
+| moe_top_k               | moe_top_k                                          | moe_num_experts > 1     |
+| moe_expert_interval     | moe_expert_interval                                | moe_num_experts > 1     |
+| moe_intermediate_size   | GPT-NeoX's expert width rule (``expert_width``)    | moe_num_experts > 1     |
+| moe_norm_topk_prob      | moe_norm_topk_prob                                 | moe_num_experts > 1     |
 
 Settings saved by another program may lack some keys: a field whose settings are missing is not
 compared (``fields_of_settings``). The other fields (dropout, initialisation, activation
@@ -54,6 +59,18 @@ by ``factor``; ``llama3`` divides the low frequencies by ``factor`` and blends t
 (Llama 3.1+); ``yarn`` blends interpolated and extrapolated frequencies and scales cos and sin by an
 attention factor (Qwen's long context). ``dynamic`` changes the frequencies with each input's length
 at inference, so a trained model would depend on the batch's length; it is refused.
+
+Mixture of experts (``moe_num_experts`` > 1, GPT-NeoX's settings): layer ``i`` (0-based) has experts in place
+of its MLP when ``i % moe_expert_interval == 0``, as in GPT-NeoX. A router (hidden -> experts, no bias) scores
+each token; its softmax's ``moe_top_k`` largest probabilities pick the experts, renormalised to sum to 1
+with ``moe_norm_topk_prob`` (Mixtral; Qwen3-MoE says in its config; GPT-NeoX's topk router does not), and
+weigh their outputs. No token is dropped. Each expert is the model's MLP without biases, ``expert_width``
+wide per projection: ``moe_intermediate_size``, else GPT-NeoX's rule for experts (``intermediate_size``
+itself, unset: 4 x hidden, for swiglu 8/3 x hidden, rounded up to 256). Only top-k routing is built
+(GPT-NeoX's default router, sinkhorn, is refused), on one tensor-parallel rank and without a pipeline.
+The load-balancing loss (``moe_load_balancing_loss``, ``moe_load_balancing_loss_coef``: Hugging Face's
+``output_router_logits`` and ``router_aux_loss_coef``) shapes how the model trains, not the function its
+weights compute, and refuses no load.
 """
 
 from __future__ import annotations
@@ -69,6 +86,7 @@ NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "relu", "silu", "swiglu")
 GATED_ACTIVATIONS = ("swiglu",)
 POSITION_EMBEDDINGS = ("learned", "rotary", "none")
+MOE_DEFAULT_WIDTH_MULTIPLE = 256  # GPT-NeoX rounds its default expert width up to this
 INIT_METHODS = ("normal", "small_init", "wang_init", "scaled_normal")
 # GELU as GPT-NeoX computes it: exact (erf), tanh (bias_gelu_fusion), or erf with 1.41421 for sqrt(2) (onnx_safe)
 GELU_EXACT, GELU_TANH, GELU_ONNX_ERF = "none", "tanh", "onnx_erf"
@@ -113,6 +131,21 @@ class Architecture:
     rope_scaling: dict[str, Any] | None = None  # rope_type and its parameters (see the module docstring)
     # train_impl rm: the output layer is a scalar head (rm_linear, hidden -> 1) instead of final_linear
     reward_head: bool = False
+    moe_num_experts: int = 1  # > 1: mixture of experts (see the module docstring)
+    moe_top_k: int = 1
+    moe_expert_interval: int = 1
+    moe_intermediate_size: int | None = None  # each expert's width per projection, as built (``expert_width``)
+    moe_norm_topk_prob: bool = False
+    moe_load_balancing_loss: bool = False
+    moe_load_balancing_loss_coef: float = 0.001
+
+    @property
+    def moe(self) -> bool:
+        return self.moe_num_experts > 1
+
+    def has_experts(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) has experts in place of its MLP (GPT-NeoX's moe_expert_interval)."""
+        return self.moe and layer % self.moe_expert_interval == 0
 
     @property
     def head_dim(self) -> int:
@@ -166,7 +199,13 @@ FIELDS_THAT_REFUSE_A_LOAD: dict[str, str] = {
     "qk_layernorm": "qk_layernorm",
     "add_qkv_bias": "add_qkv_bias",
     "rope_scaling": "rope_scaling",
+    "moe_num_experts": "moe_num_experts",
+    "moe_top_k": "moe_top_k",
+    "moe_expert_interval": "moe_expert_interval",
+    "moe_intermediate_size": "moe_intermediate_size, intermediate_size",
+    "moe_norm_topk_prob": "moe_norm_topk_prob",
 }
+_MOE_FIELDS = ("moe_top_k", "moe_expert_interval", "moe_intermediate_size", "moe_norm_topk_prob")
 _UNSET_IS_A_VALUE = ("sliding_window_width", "rope_scaling")  # None means "no window", "plain rotary"
 
 # rope_type -> (its required parameters, its optional ones), as Hugging Face's rope_parameters name them
@@ -213,6 +252,44 @@ def built_intermediate_size(hidden_size: int, intermediate_size: int | None, act
             "or raise mlp_multiple_of"
         )
     return linear2_in
+
+
+def expert_width(hidden_size: int, moe_intermediate_size: int | None, intermediate_size: int | None,
+                 activation: str) -> int:
+    """Each expert's width per projection: moe_intermediate_size, else GPT-NeoX's rule for experts
+    (``ParallelGroupedMLP``): intermediate_size itself, unset 4 x hidden (swiglu: int(8/3 x hidden)) rounded up to 256."""
+    if moe_intermediate_size:
+        return moe_intermediate_size
+    if intermediate_size:
+        return intermediate_size
+    default = int(2 * hidden_size * 4 / 3) if activation in GATED_ACTIVATIONS else 4 * hidden_size
+    return _round_up(default, MOE_DEFAULT_WIDTH_MULTIPLE)
+
+
+def mixture_of_experts_problem(values: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(the setting to change, why) when these settings ask for experts the model cannot build; None otherwise."""
+    experts = values.get("moe_num_experts") or 1
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
+        return "moe_num_experts", f"must be a positive integer (1: no experts), got {experts!r}"
+    if experts == 1:
+        return None
+    top_k, interval = values.get("moe_top_k"), values.get("moe_expert_interval")
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        return "moe_top_k", f"{top_k!r} experts per token: must lie between 1 and moe_num_experts ({experts})"
+    if not isinstance(interval, int) or interval < 1:
+        return "moe_expert_interval", f"must be a positive integer (1: experts in every layer), got {interval!r}"
+    width = values.get("moe_intermediate_size")
+    if width is not None and (not isinstance(width, int) or width < 1):
+        return "moe_intermediate_size", f"must be a positive integer when set, got {width!r}"
+    if values.get("moe_router_type") != "topk":
+        return "moe_router_type", (f"{values.get('moe_router_type')!r} routing is not built here; set "
+                                   "moe_router_type: topk (softmax, then the moe_top_k most probable experts)")
+    if values.get("use_bias_in_mlp"):
+        return "use_bias_in_mlp", "experts have no biases (as in GPT-NeoX, Mixtral and Qwen3-MoE); set use_bias_in_mlp: false"
+    if (values.get("model_parallel_size") or 1) > 1:
+        return "model_parallel_size", ("mixture of experts runs so far on one tensor-parallel rank (experts split "
+                                       "over ranks are not built yet); set model_parallel_size: 1")
+    return None
 
 
 def gelu_approximation(activation: str, bias_gelu_fusion: bool, onnx_safe: bool) -> str:
@@ -297,6 +374,16 @@ def _fields(values: Mapping[str, Any], strict: bool = True) -> dict[str, Any]:
         "reward_head": values.get("train_impl") == "rm",
         "rope_scaling": values.get("rope_scaling", _MISSING) if strict
         else _lenient(rope_scaling_of, values.get("rope_scaling", _MISSING)),
+        "moe_num_experts": derive(int, "moe_num_experts"),
+        "moe_top_k": derive(int, "moe_top_k"),
+        "moe_expert_interval": derive(int, "moe_expert_interval"),
+        "moe_intermediate_size": derive(
+            lambda hidden, activation: expert_width(
+                hidden, values.get("moe_intermediate_size"), values.get("intermediate_size"), activation),
+            "hidden_size", "activation"),
+        "moe_norm_topk_prob": derive(bool, "moe_norm_topk_prob"),
+        "moe_load_balancing_loss": derive(bool, "moe_load_balancing_loss"),
+        "moe_load_balancing_loss_coef": derive(float, "moe_load_balancing_loss_coef"),
     }
 
 
@@ -326,6 +413,9 @@ def _relevant(fields: Mapping[str, Any]) -> dict[str, Any]:
         known.pop("gelu_approximation", None)
     if known.get("norm", "layernorm") != "layernorm":
         known.pop("bias_in_norms", None)
+    if known.get("moe_num_experts", 1) <= 1:
+        for name in _MOE_FIELDS:
+            known.pop(name, None)
     return known
 
 
@@ -362,10 +452,13 @@ def gpt_neox_shaped(norm: str, activation: str) -> bool:
 
 
 def implied_family(arch: Architecture) -> str:
-    """The family (as Hugging Face's model_type) ``arch`` implies: gpt_neox unless RMSNorm + SwiGLU; then qwen3
-    for q/k norms, qwen2 for biases on q/k/v alone, mistral for a sliding window, else llama."""
+    """The family (as Hugging Face's model_type) ``arch`` implies: gpt_neox unless RMSNorm + SwiGLU; then with
+    experts qwen3_moe for q/k norms, else mixtral; without, qwen3 for q/k norms, qwen2 for biases on q/k/v alone,
+    mistral for a sliding window, else llama."""
     if gpt_neox_shaped(arch.norm, arch.activation):
         return "gpt_neox"
+    if arch.moe:
+        return "qwen3_moe" if arch.qk_layernorm else "mixtral"
     if arch.qk_layernorm:
         return "qwen3"
     if arch.add_qkv_bias and not arch.bias_in_attn_linear:
@@ -390,6 +483,10 @@ def variants_in_force(arch: Architecture) -> list[str]:
         found.append("per-head query/key norm (qk_layernorm)")
     if arch.add_qkv_bias and not arch.bias_in_attn_linear:
         found.append("biases on q/k/v only (add_qkv_bias)")
+    if arch.moe:
+        layers = "every layer" if arch.moe_expert_interval == 1 else f"every {arch.moe_expert_interval}th layer from 0"
+        found.append(f"mixture of experts: {arch.moe_num_experts} experts {arch.moe_intermediate_size} wide in "
+                     f"{layers}, top {arch.moe_top_k}{' renormalised' if arch.moe_norm_topk_prob else ''}")
     return found
 
 
@@ -527,6 +624,9 @@ def architecture_from_settings(values: Mapping[str, Any]) -> Architecture:
                    "vocabulary is padded to a multiple of make_vocab_size_divisible_by x model_parallel_size")
     if problem:
         raise ModelConfigError(problem)
+    moe_problem = mixture_of_experts_problem(values)
+    if moe_problem:
+        raise ModelConfigError(f"{moe_problem[0]}: {moe_problem[1]}")
     missing = [name for name, value in fields.items() if value is _MISSING and name != "max_position_embeddings"]
     if missing:
         raise ModelConfigError(f"model settings {', '.join(missing)} are not set; the model cannot be built without them")

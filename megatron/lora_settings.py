@@ -16,6 +16,7 @@ from typing import Any
 
 from megatron.architecture import ModelConfigError, gpt_neox_shaped
 
+LORA_SETTINGS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_use_rslora")
 ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer of the blocks (not the output layer)
 
 
@@ -40,6 +41,11 @@ _LLAMA_TARGETS = {
     "up_proj": LoraTarget("mlp.linear1", "up"),
     "down_proj": LoraTarget("mlp.linear2"),
 }
+def target_of(name: str) -> LoraTarget:
+    """Our layer and part of the HF module ``name`` of either family (the names do not overlap)."""
+    return {**_GPT_NEOX_TARGETS, **_LLAMA_TARGETS}[name]
+
+
 # PEFT's own choice when target_modules is not given (peft.utils.constants, for gpt_neox and the Llama family)
 _PEFT_DEFAULT_TARGETS = {True: ("query_key_value",), False: ("q_proj", "v_proj")}
 

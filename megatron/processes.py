@@ -14,3 +14,13 @@ def process_start_time(pid: int) -> int | None:
         return None
     # the command name (field 2) is in parentheses and may hold spaces; start time is field 22
     return int(stat[stat.rindex(")") + 2:].split()[19])
+
+
+def blocks_signal(pid: int, signum: int) -> bool:
+    """Whether process `pid` (its main thread) has `signum` blocked; False when it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    blocked = next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:"))
+    return bool(int(blocked, 16) >> (signum - 1) & 1)

@@ -1,31 +1,35 @@
-"""How a rank ends on an error the user can fix: one line on stderr and exit status 1, no traceback.
+"""How a rank ends on an error the user can fix: one line and exit status 1, no traceback.
 
 Expected errors are our own (megatron.errors.ExpectedError) plus a few from torch that have a known
 cause: out of memory, the rendezvous port taken, a peer rank gone. Anything else is a bug and
 keeps its traceback.
 
-Rank 0 speaks at once. The other ranks usually fail the same way and are stopped by DeepSpeed's
-launcher within a second or two of rank 0's exit, so they stay quiet for a while first (ranks can
-reach the same point many seconds apart on a busy machine): only an error rank 0 did not have (a
-shard only another rank reads) reaches the user from them, late.
+A failing rank ends at once, and DeepSpeed's launcher then ends the others (megatron/stop_signals.py).
+Under deepy.py on one machine the ranks do not print their line: they hand it to deepy.py through the
+file RANK_ERRORS_FILE names, and deepy.py prints the first one as its last line once every rank has
+ended. The first is the cause: a rank hands its line over before it exits, and only its exit makes the
+others fail ("lost the connection"). Several ranks failing the same way give one line, and nothing the
+other ranks print while they end comes after it. Without deepy.py each rank prints its own line.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
-import time
 from collections.abc import Callable
+from pathlib import Path
 
 from megatron.errors import ExpectedError
 from megatron.ranks import global_rank
 from megatron.stop_signals import end_child_processes
 
 EXIT_EXPECTED_ERROR = 1
-# How long a rank other than 0 stays quiet before reporting its error (DeepSpeed's launcher polls
-# its ranks once a second and stops the others when one exits with an error).
-OTHER_RANKS_QUIET_SECONDS = 30.0
+# Set by deepy.py (megatron/supervision.py) for the ranks of this machine: the file they hand their errors to.
+RANK_ERRORS_FILE = "NEOX_RANK_ERRORS_FILE"
 
+# what torch.utils.data puts in the message of an error it re-raises from a data-loader worker
+_WORKER_TRACEBACK = "Original Traceback (most recent call last):"
 _OUT_OF_MEMORY_HINT = ("lower train_micro_batch_size_per_gpu (raise gradient_accumulation_steps to keep the batch), "
                        "use a higher ZeRO stage, a shorter seq_length, or more ranks")
 
@@ -44,12 +48,21 @@ def _first_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+def _message(error: ExpectedError) -> str:
+    """The error's own message, also when torch's DataLoader re-raised it from a worker process: that copy's
+    message is the worker's whole traceback, which ends with the original error's type and message."""
+    text = str(error)
+    if _WORKER_TRACEBACK in text:
+        text = text.rpartition(f"{type(error).__qualname__}: ")[2]
+    return " ".join(text.rstrip("\n").split("\n"))
+
+
 def expected_error_line(error: BaseException) -> str | None:
     """The one line that reports `error`, or None when it is a bug that keeps its traceback."""
     import torch.distributed as dist
 
     if isinstance(error, ExpectedError):
-        return " ".join(str(error).split("\n"))
+        return _message(error)
     if _is_out_of_memory(error):
         return f"out of memory ({_first_line(error)}); {_OUT_OF_MEMORY_HINT}"
     if isinstance(error, dist.DistNetworkError) and "EADDRINUSE" in str(error):
@@ -62,21 +75,44 @@ def expected_error_line(error: BaseException) -> str | None:
     return None
 
 
-def _report(line: str, stop_requested: Callable[[], bool]) -> None:
-    rank = global_rank()
-    if rank != 0:
-        quiet_until = time.monotonic() + OTHER_RANKS_QUIET_SECONDS
-        while not stop_requested() and time.monotonic() < quiet_until:
-            time.sleep(0.1)
-        if stop_requested():
-            return  # the launcher stopped this rank because another one failed, which has said why
-    prefix = "error" if rank == 0 else f"error on rank {rank}"
-    # one write: print() writes the text and its newline apart, and another rank's line can land between them
-    sys.stderr.write(f"{prefix}: {line}\n")
-    sys.stderr.flush()
+def _hand_over(line: str | None) -> bool:
+    """Hand deepy.py this rank's error line (None: a bug, whose traceback the rank prints); False without deepy.py."""
+    path = os.environ.get(RANK_ERRORS_FILE)
+    if not path:
+        return False
+    record = json.dumps({"rank": global_rank(), "line": line}) + "\n"
+    # one write to a file opened for appending: the records of several ranks never interleave
+    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(descriptor, record.encode())
+    finally:
+        os.close(descriptor)
+    return True
 
 
-def run_rank(main: Callable[[], object], stop_requested: Callable[[], bool] = lambda: False) -> int:
+def _as_printed(rank: int, line: str) -> str:
+    return f"{'error' if rank == 0 else f'error on rank {rank}'}: {line}"
+
+
+def first_rank_error(path: Path) -> str | None:
+    """What deepy.py prints last for the records in `path`: the first error, in rank 0's words when rank 0 had
+    it too; None when there is none or the first was a bug (its traceback is the report)."""
+    records = [json.loads(text) for text in path.read_text().splitlines()]
+    if not records or records[0]["line"] is None:
+        return None
+    line = records[0]["line"]
+    rank = min(record["rank"] for record in records if record["line"] == line)
+    return _as_printed(rank, line)
+
+
+def _report(line: str) -> None:
+    if not _hand_over(line):
+        # one write: print() writes the text and its newline apart, and another rank's line can land between them
+        sys.stderr.write(_as_printed(global_rank(), line) + "\n")
+        sys.stderr.flush()
+
+
+def run_rank(main: Callable[[], object]) -> int:
     """Run a rank's `main`: 0 when it returns, EXIT_EXPECTED_ERROR after reporting an expected error."""
     try:
         main()
@@ -84,8 +120,9 @@ def run_rank(main: Callable[[], object], stop_requested: Callable[[], bool] = la
         end_child_processes()  # else the rank's exit waits for them for ever
         line = expected_error_line(error)
         if line is None:
+            _hand_over(None)
             raise
-        _report(line, stop_requested)
+        _report(line)
         return EXIT_EXPECTED_ERROR
     from megatron.initialize import leave_process_group
 

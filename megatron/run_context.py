@@ -42,7 +42,7 @@ def resolve_run_settings(args: NeoXArgs) -> NeoXArgs:
 
 def check_run_files(args: NeoXArgs) -> None:
     """For deepy.py --dry-run: the checks megatron.training.setup makes of the data files a training run names,
-    made by the same functions (check_data_files; precomputed_reference for the precomputed log-probabilities'
+    made by the same functions without building sample indices (check_data_files; precomputed_reference for the precomputed log-probabilities'
     model), so a dry run refuses what the start would. Nothing to check for generate.py / eval.py settings, or
     for the embedded corpus, which this framework writes itself."""
     from megatron.checkpointing import plan_load
@@ -74,13 +74,64 @@ def settings_for_run(paths: list[str], command_line: dict[str, Any] | None = Non
     HF folder's config.json); a setting a file does set is compared with the checkpoint by the load plan.
     `command_line` (deepy.py's --eval_tasks, --iteration, ...) wins over every file.
     """
-    given = {**merge_config_files(paths).values, **(command_line or {})}
+    files = merge_config_files(paths)
+    given = {**files.values, **(command_line or {})}
+    _check_no_tokenizer_beside_the_embedded_corpus(given, files.sources)
     load = given.get("load")
+    adapters = _peft_folder(Path(load).expanduser()) if load else None
+    if adapters is not None:
+        return _settings_over_adapters(paths, command_line, given, adapters)
     if not load or all(given.get(name) is not None for name in MODEL_REQUIRED):
         return NeoXArgs.from_yaml_files(paths, overlay=command_line)
     saved, source = _checkpoint_model_settings(Path(load).expanduser(), given.get("iteration"),
                                                given.get("model_parallel_size") or 1)
     return NeoXArgs.from_yaml_files(paths, underlay=saved, underlay_source=source, overlay=command_line)
+
+
+def _check_no_tokenizer_beside_the_embedded_corpus(given: dict[str, Any], sources: dict[str, str]) -> None:
+    """The embedded corpus is tokenized with its own tokenizer, which replaces any a config file names."""
+    if not given.get("embedded_corpus"):
+        return
+    for name in TOKENIZER_SETTINGS:
+        if given.get(name) is not None:
+            raise ConfigError(
+                f"{sources.get(name, 'the command line')}: {name} is set, but {sources.get('embedded_corpus')}: "
+                "embedded_corpus trains on the embedded corpus, which brings its own tokenizer; remove "
+                f"{name}, or set embedded_corpus: false and data_path to data tokenized with it")
+
+
+def _peft_folder(load: Path):
+    """The PEFT adapter folder `load` names, read and checked; None when it names none."""
+    from megatron.hf.errors import HFConversionError
+    from megatron.hf.peft import is_peft_dir, read_peft_folder
+
+    if not is_peft_dir(load):
+        return None
+    try:
+        return read_peft_folder(load)
+    except HFConversionError as err:
+        raise ConfigError(f"load: {err}") from None
+
+
+def _settings_over_adapters(paths: list[str], command_line: dict[str, Any] | None, given: dict[str, Any],
+                            adapters) -> NeoXArgs:
+    """A run that starts from a PEFT adapter folder: the lora_* settings no file sets come from its
+    adapter_config.json (one that a file sets differently is refused), the model from its base's config.json
+    when no file gives the model's shape."""
+    from megatron.hf.errors import HFConversionError
+    from megatron.hf.peft import check_run_lora
+
+    try:
+        model, model_source = {}, ""
+        if not all(given.get(name) is not None for name in MODEL_REQUIRED):
+            model, model_source = _hf_model_settings(adapters.base_folder(), given.get("model_parallel_size") or 1)
+        args = NeoXArgs.from_yaml_files(paths, underlay=model, underlay_source=model_source, overlay=command_line)
+        unset = {name: value for name, value in adapters.settings.items() if name not in given}
+        args = args.with_values(unset, str(adapters.config_file))
+        check_run_lora(adapters, args.lora(), args.source_of)
+    except HFConversionError as err:
+        raise ConfigError(str(err)) from None
+    return args
 
 
 def _checkpoint_model_settings(load: Path, iteration: int | None, tensor_parallel: int) -> tuple[dict[str, Any], str]:

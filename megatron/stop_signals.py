@@ -7,6 +7,12 @@ within moments: signals within SAME_REQUEST_SECONDS of the first are copies of i
 second request. A rank only notes the signal; the training loop asks `agreed_stop()` once per step
 (and once before the first), which gathers every rank's note, so every rank stops after the same step
 even when the signal reached them during different steps, or reached only one of them.
+
+One sender is not a stop request: DeepSpeed's per-node launcher, the rank's parent, sends SIGTERM to
+every rank when one of them has failed. Started by deepy.py on one machine it keeps the stop signals
+blocked (megatron/launch_entry.py), so it never passes a request on: a SIGTERM from a parent that blocks
+SIGTERM means another rank failed, and the rank ends at once without a word (the failed rank says why;
+waiting for the step to end could mean waiting in a collective for the failed rank, for ever).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import time
 
 from megatron import faults
 from megatron.collective import reported_by_ranks
+from megatron.processes import blocks_signal
 from megatron.ranks import global_rank
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -71,7 +78,11 @@ class StopSignals:
 
     def _take_signals(self) -> None:
         while True:
-            self._handle(signal.sigwait(STOP_SIGNALS))
+            taken = signal.sigwaitinfo(STOP_SIGNALS)
+            if taken.si_pid == os.getppid() and blocks_signal(taken.si_pid, taken.si_signo):
+                _kill_child_processes()
+                _die_by(taken.si_signo)  # another rank failed: see the module's docstring
+            self._handle(taken.si_signo)
 
     def _handle(self, signum: int) -> None:
         if not self.requests.add(signum):
@@ -79,8 +90,7 @@ class StopSignals:
         if self.requests.count > 1:
             # Second request: die by it now, whatever the main thread is doing (stuck in a collective, or
             # saving: `latest` keeps naming the previous checkpoint).
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
-            signal.pthread_kill(threading.get_ident(), signum)
+            _die_by(signum)
             return
         if global_rank() == 0:
             os.write(2, f"{signal.Signals(signum).name} received: stopping after this iteration with a "
@@ -103,6 +113,21 @@ class StopSignals:
         return max(noted) if noted else None
 
 
+def _die_by(signum: int) -> None:
+    """End this process by `signum` (its default action), whatever the main thread is doing."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+    signal.pthread_kill(threading.get_ident(), signum)
+
+
+def _kill_child_processes() -> list:
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for child in children:
+        child.kill()
+    return children
+
+
 def end_child_processes() -> None:
     """Kill the processes this rank started through multiprocessing (data-loader workers) and wait for them.
 
@@ -110,14 +135,9 @@ def end_child_processes() -> None:
     its children when the interpreter exits is never taken, and the exit then waits for them for ever: a rank
     that raised while its data loaders were running never ended, nor did the run.
     """
-    import multiprocessing
-
     # torch's handler would report the killed workers as a data-loader failure, over the rank's own error
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    children = multiprocessing.active_children()
-    for child in children:
-        child.kill()
-    for child in children:
+    for child in _kill_child_processes():
         child.join()
 
 

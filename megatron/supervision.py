@@ -10,6 +10,9 @@ is killed and deepy.py exits 0. When the launcher has exited, whatever is left i
 killed. A small watchdog process kills the group when deepy.py itself dies without cleaning up
 (SIGKILL, a closed terminal). With ranks on other machines, a first request without local ranks
 goes to DeepSpeed's runner, started as it is there, whose own handler stops them.
+
+A rank that fails hands its one line to deepy.py (megatron/rank_errors.py), which prints it last, once
+every process of the run has ended.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
+from megatron.rank_errors import RANK_ERRORS_FILE, first_rank_error
 from megatron.stop_signals import STOP_SIGNALS, StopRequests, signal_name
 
 # The per-node launcher DeepSpeed's runner starts; its children are the ranks.
@@ -35,6 +41,13 @@ if not sys.stdin.buffer.read(1):  # end of file: deepy.py died without saying go
     except ProcessLookupError:
         pass
 """
+
+
+def _signal_that_ended_a_rank(launcher_status: int) -> int | None:
+    """The signal that killed a rank, read from the per-node launcher's exit status: it exits with the first
+    failed rank's return code, which for a rank killed by signal N is -N, an exit status of 256 - N."""
+    number = 256 - launcher_status
+    return number if 0 < launcher_status < 256 and number in set(signal.valid_signals()) else None
 
 
 def _say_stopped_before_any_rank(signum: int) -> None:
@@ -122,9 +135,12 @@ class Supervisor:
         blocked = STOP_SIGNALS if self.one_machine else ()
         signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
         previous = {signum: signal.signal(signum, self._on_signal) for signum in STOP_SIGNALS}
+        rank_errors = tempfile.NamedTemporaryFile(prefix="neox-rank-errors-")
+        # only the ranks of this machine can write to it; those on other machines print their own lines
+        env = {**self.env, RANK_ERRORS_FILE: rank_errors.name} if self.one_machine else self.env
         try:
             try:
-                self.launcher = subprocess.Popen(self.command, env=self.env, start_new_session=True)
+                self.launcher = subprocess.Popen(self.command, env=env, start_new_session=True)
             finally:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
             if self.requests.count:  # arrived while the launcher was starting (see _on_signal)
@@ -137,10 +153,21 @@ class Supervisor:
                 watchdog.stdin.write(b"x")  # goodbye: the group is already cleaned up
                 watchdog.stdin.close()
                 watchdog.wait()
+            status = self._exit_status(returncode)
+            rank_error = first_rank_error(Path(rank_errors.name))
+            if rank_error is not None:
+                print(rank_error, file=sys.stderr, flush=True)
+            killer = None if self.requests.count else _signal_that_ended_a_rank(returncode)
+            if killer is not None:  # the cause: the other ranks' lines (a lost connection) are its consequences
+                why = (": a process outside this run sent it, on Linux most often the out-of-memory killer (`dmesg` "
+                       "names what it killed)" if killer == signal.SIGKILL else "")
+                print(f"deepy.py: a rank was ended by {signal_name(killer)} without a message of its own{why}",
+                      file=sys.stderr, flush=True)
+            return status
         finally:
+            rank_errors.close()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-        return self._exit_status(returncode)
 
     def _wait_and_clean_up(self) -> int:
         pid = self.launcher.pid

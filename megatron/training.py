@@ -11,7 +11,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron.checkpointing import Lineage, ReferenceIdentity, samples_per_evaluation, tag_for_iteration
+from megatron import faults
+from megatron.checkpointing import (
+    Lineage,
+    LoraBase,
+    ReferenceIdentity,
+    samples_per_evaluation,
+    tag_for_iteration,
+)
 from megatron.diagnostics import StepProfiler, parameter_norms
 from megatron.divergence import NonFiniteWatch, check_weights_finite
 from megatron.initialize import (
@@ -57,7 +64,7 @@ class TrainState:
     skipped_steps: int = 0
     lineage: Lineage = field(default_factory=Lineage)  # the tags of `save` this run may prune
     reference: ReferenceModel | None = None  # DPO/KTO's frozen reference; its identity goes into every save
-    lora_base: ReferenceIdentity | None = None  # a LoRA run's frozen base: set, its saves are adapter-only
+    lora_base: LoraBase | None = None  # a LoRA run's frozen base: set, its saves are adapter-only and name it
 
     @property
     def lr_step(self) -> int:
@@ -256,8 +263,7 @@ def setup(args):
         plan_load,
         plan_reference,
     )
-    from megatron.data import build_data_iterators
-    from megatron.data.builders import check_data_files
+    from megatron.data.builders import build_checked_datasets, data_iterators
     from megatron.hf import HF_FOLDER
     from megatron.model import build_model
     from megatron.model.lora import BaseWithoutAdapters
@@ -278,7 +284,8 @@ def setup(args):
     if args.padded_vocab_size is None:
         raise ConfigError("padded_vocab_size is not resolved: start training through deepy.py, which resolves the "
                           "tokenizer and the embedded corpus once (megatron.run_context.resolve_run_settings)")
-    check_data_files(args, build_tokenizer(args).vocab_size, samples_per_split(args))
+    # before the model: a data file that cannot train stops the run before the slow part of the start
+    datasets = build_checked_datasets(args, build_tokenizer(args).vocab_size, samples_per_split(args))
     # the checkpoint files read from here on are checked in a thread while the engine is built and loaded;
     # the block ends with their checks, before any step
     with checks_beside_use():
@@ -326,9 +333,8 @@ def setup(args):
     if not restored_rng:
         # Same weights on every rank came from the shared seed above; dropout differs per rank.
         set_seeds(args.seed + 1 + dp_rank)
-    iterators = build_data_iterators(
-        args, samples_per_split(args), dp_rank, dp_size, state.consumed_train_samples, state.consumed_valid_samples
-    )
+    iterators = data_iterators(args, datasets, dp_rank, dp_size, state.consumed_train_samples,
+                               state.consumed_valid_samples)
     return engine, state, iterators
 
 
@@ -368,7 +374,8 @@ def _log_model(args, model, zero_stage: int, dp_size: int, pipeline_stages: int)
                       f"data-parallel rank(s) x {args.model_parallel_size} tensor-parallel"
                       + (f" x {pipeline_stages} pipeline stages (the count is the first stage's)"
                          if pipeline_stages > 1 else "")
-                      + (f"; {sum(p.numel() for p in model.parameters() if p.requires_grad):,} of them train "
+                      + (f"; {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters() if p.requires_grad):,} "
+                         "of them train "
                          "(LoRA adapters; the rest are frozen)" if args.lora_rank else ""))
 
 
@@ -488,6 +495,7 @@ def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals
         if _should_save(args, step) and step != args.train_iters:
             _save(args, engine, state)
             saved_at = step
+        faults.fail_point(global_rank(), step)
         stop = agreed_stop(step)
         if stop is not None:
             progress.close()

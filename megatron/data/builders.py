@@ -184,12 +184,10 @@ def _data_path_splits(args, data: MMapIndexedDataset, train_valid_test_num_sampl
 
 
 def check_data_files(args, tokenizer_vocab_size: int, train_valid_test_num_samples: tuple[int, int, int]) -> None:
-    """Every check start-up makes of the files the run names, before any sample index is built; DataError.
-
-    megatron.training.setup calls it before building the model and deepy.py --dry-run before launching, so what
-    the dry run passes, the start passes: the vocabulary of the data (check_data_vocabulary), then each data path
-    opened with its label, reward and precomputed files and checked as its dataset checks them (check_gpt_files,
-    check_pairwise_files).
+    """For deepy.py --dry-run: every check start-up makes of the files the run names (build_checked_datasets),
+    without building a sample index; DataError. The vocabulary of the data (check_data_vocabulary), then each data
+    path opened with its label, reward and precomputed files and checked as its dataset's constructor checks them
+    (check_gpt_files, check_pairwise_files), so what the dry run passes, the start passes.
     """
     check_data_vocabulary(args, tokenizer_vocab_size)
     if args.data_path:
@@ -197,7 +195,7 @@ def check_data_files(args, tokenizer_vocab_size: int, train_valid_test_num_sampl
         for name, documents in zip(SPLIT_NAMES, _data_path_splits(args, data, train_valid_test_num_samples),
                                    strict=True):
             if documents is not None:
-                check_gpt_files(name, data, documents, args.seq_length, args.pack_impl)
+                check_gpt_files(name, data, documents, args.seq_length, args.pack_impl, allow_chopped=args.allow_chopped)
         return
     prefix = "pos_" if args.dataset_impl == "pairwise" else ""
     for name, num_samples in zip(SPLIT_NAMES, train_valid_test_num_samples, strict=True):
@@ -205,10 +203,18 @@ def check_data_files(args, tokenizer_vocab_size: int, train_valid_test_num_sampl
             continue
         for files in _split_files(args, name):
             if args.dataset_impl == "pairwise":
-                check_pairwise_files(name, seq_length=args.seq_length, pack_impl=args.pack_impl, **files)
+                check_pairwise_files(name, seq_length=args.seq_length, pack_impl=args.pack_impl,
+                                     allow_chopped=args.allow_chopped, **files)
             else:
                 check_gpt_files(name, documents=np.arange(len(files["data"])), seq_length=args.seq_length,
-                                pack_impl=args.pack_impl, **files)
+                                pack_impl=args.pack_impl, allow_chopped=args.allow_chopped, **files)
+
+
+def build_checked_datasets(args, tokenizer_vocab_size: int, train_valid_test_num_samples: tuple[int, int, int]):
+    """Start-up's datasets (build_train_valid_test_datasets), after the vocabulary of their files is checked: the
+    checks check_data_files makes for the dry run, each made once (the constructors check their files)."""
+    check_data_vocabulary(args, tokenizer_vocab_size)
+    return build_train_valid_test_datasets(args, train_valid_test_num_samples)
 
 
 def _loader(dataset, sampler: DistributedBatchSampler, num_workers: int):
@@ -229,7 +235,13 @@ def build_data_iterators(
 
     The train iterator starts at global sample consumed_train_samples and ends with the dataset; the
     valid iterator starts at consumed_valid_samples, the test iterator at 0, and both cycle forever."""
-    datasets = build_train_valid_test_datasets(args, train_valid_test_num_samples)
+    return data_iterators(args, build_train_valid_test_datasets(args, train_valid_test_num_samples), data_parallel_rank,
+                          data_parallel_size, consumed_train_samples, consumed_valid_samples)
+
+
+def data_iterators(args, datasets, data_parallel_rank: int, data_parallel_size: int, consumed_train_samples: int = 0,
+                   consumed_valid_samples: int = 0):
+    """build_data_iterators over (train, valid, test) datasets built already."""
     micro = args.train_micro_batch_size_per_gpu
     if not micro:
         raise DataError("train_micro_batch_size_per_gpu must be set to build data iterators")

@@ -6,7 +6,9 @@ of both files. The record is believed only while those still match (the fingerpr
 index cache uses), so a record left behind by other data, or by these files before they were
 rewritten or copied, is stale: the largest id is then computed from the .bin once and cached like
 the sample indices (megatron/data/index_cache.py), as for data without a record (made by GPT-NeoX
-or an older version). The vocabulary size is then unknown, so only the ids are checked.
+or an older version). The vocabulary size is then unknown, so only the ids are checked. The smallest id
+is computed with it: a token id is never negative (a label is, where the loss is masked), and a record
+means the ids came from a tokenizer.
 """
 
 from __future__ import annotations
@@ -44,15 +46,16 @@ def read_vocabulary_record(prefix: str | Path) -> dict | None:
         return None
 
 
-def largest_token_id(data: MMapIndexedDataset) -> tuple[int, int | None]:
-    """(largest token id, vocabulary size the data was made with or None when not recorded)."""
+def token_id_range(data: MMapIndexedDataset) -> tuple[int, int, int | None]:
+    """(smallest id, largest id, vocabulary size the data was made with or None when not recorded)."""
     prefix = data.prefix
     record = read_vocabulary_record(prefix)
     if record is not None:
-        return record["max_token_id"], record["vocab_size"]
-    arrays, _ = load_or_build(str(prefix), "max_token_id", {},
-                              lambda: {"max_token_id": np.array([data.largest_token_id()], dtype=np.int64)})
-    return int(arrays["max_token_id"][0]), None
+        return 0, record["max_token_id"], record["vocab_size"]  # a tokenizer's ids: none is negative
+    arrays, _ = load_or_build(str(prefix), "token_id_range", {},
+                              lambda: {"range": np.array(data.id_range(), dtype=np.int64)})
+    smallest, largest = (int(value) for value in arrays["range"])
+    return smallest, largest, None
 
 
 def dataset_prefixes(args) -> list[tuple[str, str]]:
@@ -74,7 +77,7 @@ def _prefixes_of(args, suffix: str) -> list[tuple[str, str]]:
 
 def check_data_vocabulary(args, tokenizer_vocab_size: int) -> None:
     """Raise DataError when a dataset is empty, or a dataset or label file was made with another tokenizer or holds
-    ids the model has no row for. Once per file before training: each file's largest id is recorded or cached."""
+    ids the model has no row for (a negative token id included). Once per file before training: each file's largest id is recorded or cached."""
     tokenizer = f"the tokenizer ({args.tokenizer_type}, vocab_file {args.vocab_file})"
     rebuild = ("the data was made with another tokenizer: train with that one, or rebuild the data with "
                "tools/datasets/preprocess_data.py")
@@ -89,18 +92,25 @@ def check_data_vocabulary(args, tokenizer_vocab_size: int) -> None:
                 f"{setting}: dataset {prefix} holds no tokens ({len(data)} documents in {index_file_path(prefix)}); "
                 "re-run tools/datasets/preprocess_data.py on input with text, or remove it from the run's data"
             )
-        largest, made_with = largest_token_id(data)
+        smallest, largest, made_with = token_id_range(data)
         if made_with is not None and made_with != tokenizer_vocab_size:
             raise DataError(
                 f"{setting}: {kind} {prefix} was made with a tokenizer of {made_with} tokens "
                 f"({record_path(prefix).name}), but {tokenizer} has {tokenizer_vocab_size}; train with the tokenizer "
                 "the data was made with, or rebuild the data with tools/datasets/preprocess_data.py and this one"
             )
-        beyond = data.first_id_at_least(args.padded_vocab_size) if largest >= args.padded_vocab_size else None
-        if beyond is not None:
-            document, position, value = beyond
+        low = 0 if kind == "dataset" else None  # a negative label is a masked one
+        if largest < args.padded_vocab_size and (low is None or smallest >= low):
+            continue
+        document, position, value = data.first_id_outside(low, args.padded_vocab_size)
+        if value < 0:
             raise DataError(
-                f"{setting}: {kind} {prefix} holds {id_name} {value} (document {document}, position {position}), but "
-                f"the model has {args.padded_vocab_size} vocabulary rows ({tokenizer} has {tokenizer_vocab_size} "
-                f"tokens, padded to a multiple of make_vocab_size_divisible_by); {fix}"
+                f"{setting}: {kind} {prefix} holds {id_name} {value} (document {document}, position {position}); a "
+                "token id is a row of the vocabulary, never negative, so the file is damaged or was not written from a "
+                "tokenizer's ids: rebuild it with tools/datasets/preprocess_data.py"
             )
+        raise DataError(
+            f"{setting}: {kind} {prefix} holds {id_name} {value} (document {document}, position {position}), but "
+            f"the model has {args.padded_vocab_size} vocabulary rows ({tokenizer} has {tokenizer_vocab_size} "
+            f"tokens, padded to a multiple of make_vocab_size_divisible_by); {fix}"
+        )

@@ -115,6 +115,26 @@ def usable_documents(
     return usable
 
 
+def usable_in_every_file(sides, documents: np.ndarray, window: int, longest: int | None) -> np.ndarray:
+    """Per document of `documents`: usable (usable_documents) in every file a sample takes it from; `sides` are
+    (sizes, label dataset or None) pairs, one per such file (a pairwise sample takes the chosen and the rejected)."""
+    return np.logical_and.reduce([usable_documents(sizes, documents, labels, window, longest) for sizes, labels in sides])
+
+
+def check_some_document_usable(name: str, prefix: str, sides, documents: np.ndarray, seq_length: int, pack_impl: str,
+                               allow_chopped: bool, chunk: int = 1024) -> None:
+    """Refuse a split of whole-document samples (pack_impl unpacked or pack_until_overflow) none of whose documents
+    is usable; reads labels a chunk of documents at a time, up to the first usable one."""
+    window, longest = label_window(pack_impl, seq_length), None if allow_chopped else seq_length + 1
+    for start in range(0, len(documents), chunk):
+        if usable_in_every_file(sides, documents[start:start + chunk], window, longest).any():
+            return
+    raise DataError(
+        f"the {name} split of {prefix!r} has no document to sample with pack_impl "
+        f"{pack_impl}: every one is " + ("longer than seq_length + 1 or " if not allow_chopped else "")
+        + "without a trained label; use allow_chopped: true, a longer seq_length, or other data")
+
+
 class GPTDataset:
     """Item i: {"text": int64[seq_length + 1]} (and "label", see the module doc); len() >= num_samples."""
 
@@ -138,7 +158,7 @@ class GPTDataset:
         if pack_impl not in PACK_IMPLS:
             raise DataError(f"pack_impl {pack_impl!r} is not one of {PACK_IMPLS}")
         check_gpt_files(name, indexed_dataset, documents, seq_length, pack_impl, label_dataset, reward_dataset,
-                        reference_dataset)
+                        reference_dataset, allow_chopped)
         sizes = indexed_dataset.sizes
         self.name = name
         self.indexed_dataset = indexed_dataset
@@ -173,10 +193,9 @@ class GPTDataset:
     def _build(self, sizes, documents, num_samples, seq_length, seed, pack_impl, allow_chopped):
         if pack_impl == "packed":
             return build_sample_indices(sizes, documents, num_samples, seq_length, seed)
-        usable = usable_documents(sizes, documents, self.label_dataset, label_window(pack_impl, seq_length),
-                                  None if allow_chopped else seq_length + 1)
-        return whole_document_indices(self.name, self.indexed_dataset.prefix, sizes, usable, documents, num_samples,
-                                      seq_length, seed, pack_impl, allow_chopped)
+        usable = usable_in_every_file([(sizes, self.label_dataset)], documents, label_window(pack_impl, seq_length),
+                                      None if allow_chopped else seq_length + 1)
+        return whole_document_indices(sizes, usable, documents, num_samples, seq_length, seed, pack_impl)
 
     def __len__(self) -> int:
         return len(self.shuffle_idx)
@@ -204,10 +223,11 @@ class GPTDataset:
 
 def check_gpt_files(name: str, data: MMapIndexedDataset, documents: np.ndarray, seq_length: int, pack_impl: str,
                     labels: MMapIndexedDataset | None = None, rewards: MMapIndexedDataset | None = None,
-                    reference: MMapIndexedDataset | None = None) -> None:
+                    reference: MMapIndexedDataset | None = None, allow_chopped: bool = True) -> None:
     """What a GPTDataset of split `name` (`documents` of `data`) checks of its files before it indexes them, and
     deepy.py --dry-run with it (megatron.data.builders.check_data_files): labels of the same lengths, one finite
-    reward per document, precomputed log-probabilities that fit, enough tokens for one packed sample."""
+    reward per document, precomputed log-probabilities that fit, enough tokens for one packed sample, a document
+    a whole-document sample can use."""
     if labels is not None and not np.array_equal(labels.sizes, data.sizes):
         raise DataError(
             f"label dataset {labels.prefix!r} does not match {data.prefix!r}: {len(labels)} and {len(data)} "
@@ -224,6 +244,9 @@ def check_gpt_files(name: str, data: MMapIndexedDataset, documents: np.ndarray, 
             f"fewer than one sample of seq_length + 1 = {seq_length + 1}; give it more data (a larger share in "
             "`split`, or more documents) or use a shorter seq_length"
         )
+    if pack_impl != "packed":
+        check_some_document_usable(name, data.prefix, [(data.sizes, labels)], documents, seq_length, pack_impl,
+                                   allow_chopped)
 
 
 def check_rewards(rewards: MMapIndexedDataset, data: MMapIndexedDataset, pack_impl: str) -> None:
@@ -267,15 +290,9 @@ def label_window(pack_impl: str, seq_length: int) -> int:
     return seq_length if pack_impl == "unpacked" else seq_length + 1
 
 
-def whole_document_indices(name, prefix, sizes, usable, documents, num_samples, seq_length, seed, pack_impl,
-                           allow_chopped) -> dict[str, np.ndarray]:
+def whole_document_indices(sizes, usable, documents, num_samples, seq_length, seed, pack_impl) -> dict[str, np.ndarray]:
     """unpacked or pack_until_overflow indices over the usable documents (sizes: what a document takes of a
-    sample)."""
-    if not usable.any():
-        raise DataError(
-            f"the {name} split of {prefix!r} has no document to sample with pack_impl "
-            f"{pack_impl}: every one is " + ("longer than seq_length + 1 or " if not allow_chopped else "")
-            + "without a trained label; use allow_chopped: true, a longer seq_length, or other data")
+    sample); the files were checked to hold one (check_some_document_usable)."""
     if pack_impl == "unpacked":
         return build_unpacked_indices(usable, documents, num_samples, seed)
     return build_overflow_indices(sizes, usable, documents, num_samples, seq_length, seed)

@@ -169,18 +169,22 @@ class MMapIndexedDataset:
         """Every value of the .bin, all sequences one after the other, as one read-only array (memory-mapped)."""
         return np.frombuffer(self._data, dtype=self.dtype)
 
-    def largest_token_id(self, chunk: int = 1 << 26) -> int:
-        """The largest id in the .bin (-1 when empty), read `chunk` tokens at a time."""
+    def id_range(self, chunk: int = 1 << 26) -> tuple[int, int]:
+        """(smallest, largest) id in the .bin ((0, -1) when empty), read `chunk` tokens at a time."""
         tokens = self.values()
-        return max((int(tokens[start:start + chunk].max()) for start in range(0, len(tokens), chunk)), default=-1)
+        chunks = [tokens[start:start + chunk] for start in range(0, len(tokens), chunk)]
+        return (min((int(part.min()) for part in chunks), default=0),
+                max((int(part.max()) for part in chunks), default=-1))
 
-    def first_id_at_least(self, limit: int, chunk: int = 1 << 26) -> tuple[int, int, int] | None:
-        """(sequence, position in it, id) of the first id >= `limit`, or None; read `chunk` tokens at a time."""
-        tokens = np.frombuffer(self._data, dtype=self.dtype)
+    def first_id_outside(self, low: int | None, high: int, chunk: int = 1 << 26) -> tuple[int, int, int] | None:
+        """(sequence, position in it, id) of the first id below `low` (None: no lower bound) or at least `high`,
+        or None; read `chunk` tokens at a time."""
+        tokens = self.values()
         for start in range(0, len(tokens), chunk):
-            beyond = np.flatnonzero(tokens[start:start + chunk] >= limit)
-            if beyond.size:
-                at = start + int(beyond[0])
+            part = tokens[start:start + chunk]
+            outside = np.flatnonzero((part >= high) | (part < low) if low is not None else part >= high)
+            if outside.size:
+                at = start + int(outside[0])
                 starts = self._index.pointers // self.dtype.itemsize
                 sequence = int(np.searchsorted(starts, at, side="right")) - 1
                 return sequence, at - int(starts[sequence]), int(tokens[at])
@@ -233,7 +237,7 @@ class MMapIndexedDatasetBuilder:
         if other.dtype != self.dtype:
             raise DataError(f"cannot merge {str(prefix)!r} ({other.dtype}) into {self._bin_path!r} ({self.dtype})")
         first = len(self._sizes)
-        self.max_token_id = max(self.max_token_id, other.largest_token_id())
+        self.max_token_id = max(self.max_token_id, other.id_range()[1])
         self._sizes.extend(int(s) for s in other.sizes)
         self._doc_idx.extend(first + int(d) for d in other.doc_idx[1:])
         with open(data_file_path(prefix), "rb") as source:

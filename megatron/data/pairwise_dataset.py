@@ -26,10 +26,11 @@ from megatron.data.gpt_dataset import (
     PAD_LABEL,
     PAD_TOKEN,
     check_reference_log_probs,
+    check_some_document_usable,
     fit,
     label_window,
     read_sample,
-    usable_documents,
+    usable_in_every_file,
     whole_document_indices,
 )
 from megatron.data.index_cache import data_fingerprint, load_or_build
@@ -48,10 +49,10 @@ def _check_same_documents(first: MMapIndexedDataset, second: MMapIndexedDataset,
 def check_pairwise_files(name: str, pos: MMapIndexedDataset, neg: MMapIndexedDataset, seq_length: int,
                          pack_impl: str, pos_label: MMapIndexedDataset | None = None,
                          neg_label: MMapIndexedDataset | None = None, pos_ref: MMapIndexedDataset | None = None,
-                         neg_ref: MMapIndexedDataset | None = None) -> None:
+                         neg_ref: MMapIndexedDataset | None = None, allow_chopped: bool = True) -> None:
     """What a PairwiseDataset of split `name` checks of its files before it indexes them, and deepy.py --dry-run
     with it (megatron.data.builders.check_data_files): as many chosen as rejected documents, labels and
-    precomputed log-probabilities on both sides or neither, each fitting its documents."""
+    precomputed log-probabilities on both sides or neither, each fitting its documents, a pair a sample can use."""
     _check_same_documents(pos, neg, f"the {name} pairs")
     if (pos_label is None) != (neg_label is None):
         raise DataError(f"the {name} pairs of {pos.prefix!r}: give label files for both the chosen and the "
@@ -67,6 +68,9 @@ def check_pairwise_files(name: str, pos: MMapIndexedDataset, neg: MMapIndexedDat
     for data, ref in ((pos, pos_ref), (neg, neg_ref)):
         if ref is not None:
             check_reference_log_probs(ref, data, seq_length, pack_impl)
+    if pack_impl != "packed":
+        check_some_document_usable(f"{name} pairs", pos.prefix, [(pos.sizes, pos_label), (neg.sizes, neg_label)],
+                                   np.arange(len(pos)), seq_length, pack_impl, allow_chopped)
 
 
 class PairwiseDataset:
@@ -92,7 +96,8 @@ class PairwiseDataset:
                             "pack_until_overflow (packed cuts a chosen and its rejected document apart)")
         if len(documents) == 0 or np.any(np.diff(documents) != 1):
             raise DataError("PairwiseDataset documents must be a non-empty, contiguous range of document ids")
-        check_pairwise_files(name, pos, neg, seq_length, pack_impl, pos_label, neg_label, pos_ref, neg_ref)
+        check_pairwise_files(name, pos, neg, seq_length, pack_impl, pos_label, neg_label, pos_ref, neg_ref,
+                             allow_chopped)
         self.name = name
         self.seq_length = seq_length
         self.data = {"pos": pos, "neg": neg}
@@ -121,14 +126,10 @@ class PairwiseDataset:
         self.shuffle_idx = arrays["shuffle_idx"]
 
     def _build(self, documents, num_samples, seq_length, seed, pack_impl, allow_chopped):
-        window = label_window(pack_impl, seq_length)
-        longest = None if allow_chopped else seq_length + 1
-        usable = np.ones(len(documents), dtype=bool)
-        for side in SIDES:
-            usable &= usable_documents(self.data[side].sizes, documents, self.labels[side], window, longest)
+        usable = usable_in_every_file([(self.data[side].sizes, self.labels[side]) for side in SIDES], documents,
+                                      label_window(pack_impl, seq_length), None if allow_chopped else seq_length + 1)
         sizes = np.maximum(self.data["pos"].sizes, self.data["neg"].sizes)
-        return whole_document_indices(self.name, self.data["pos"].prefix, sizes, usable, documents, num_samples,
-                                      seq_length, seed, pack_impl, allow_chopped)
+        return whole_document_indices(sizes, usable, documents, num_samples, seq_length, seed, pack_impl)
 
     def __len__(self) -> int:
         return len(self.shuffle_idx)

@@ -4,7 +4,10 @@ Supported: GPTNeoXForCausalLM (``model_type: gpt_neox``, Pythia) and the Llama-l
 options of our one architecture: LlamaForCausalLM (``llama``: every rope_type of
 ``ROPE_SCALING_KEYS``), MistralForCausalLM (``mistral``: its sliding window), Qwen2ForCausalLM
 (``qwen2``: biases on q/k/v only) and Qwen3ForCausalLM (``qwen3``: per-head q/k RMSNorm, a head width
-apart from hidden_size / heads). Anything either side cannot represent exactly is refused, because a
+apart from hidden_size / heads), and the mixtures of experts MixtralForCausalLM (``mixtral``: Mistral's
+attention, experts renormalising their top-k weights) and Qwen3MoeForCausalLM (``qwen3_moe``: Qwen3's
+attention, ``norm_topk_prob`` as the config says), each with experts in every layer. Anything either side
+cannot represent exactly is refused, because a
 conversion that silently changes the architecture produces a model that loads but is wrong.
 
 Transformers' sliding window W lets a query see the keys less than W positions back; GPT-NeoX's
@@ -21,10 +24,14 @@ from megatron.hf.errors import HFConversionError
 from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.neox_arguments.errors import ConfigError
 
-FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2", "qwen3")
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")  # one layout of weights: model.layers.<i>.self_attn.q_proj, ...
+FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")  # model.layers.<i>.self_attn.q_proj, ...
+MIXTURES_OF_EXPERTS = ("mixtral", "qwen3_moe")  # experts in every layer
 HF_CLASS_NAMES = {"gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
+# transformers' defaults for the keys of the mixture-of-experts families an older config.json may lack
+HF_MOE_DEFAULTS = {"output_router_logits": False, "router_aux_loss_coef": 0.001, "norm_topk_prob": False}
 # A reward model (train_impl rm) is written as, and read from, the family's one-label sequence classifier:
 # its `score` is our rm_linear, read by transformers at the last token that is not padding.
 REWARD_MODEL_SUFFIX = "ForSequenceClassification"
@@ -118,15 +125,43 @@ def _require(hf: dict[str, Any], key: str, source: str) -> Any:
 
 def _sliding_window_width(hf: dict[str, Any], family: str, source: str) -> int | None:
     """Our sliding_window_width for Mistral's window (see the module docstring); Qwen's per-layer windows are refused."""
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         window = hf.get("sliding_window")
         return None if window is None else int(window) - 1
     layer_types = hf.get("layer_types") or []
-    if family in ("qwen2", "qwen3") and (hf.get("use_sliding_window") or "sliding_attention" in layer_types):
+    if family in ("qwen2", "qwen3", "qwen3_moe") and (hf.get("use_sliding_window") or "sliding_attention" in layer_types):
         raise HFConversionError(
             f"{source}: use_sliding_window / layer_types give some layers a sliding window and others none; a window "
             "on some layers only is not supported (set use_sliding_window: false to train every layer on the full prefix)")
     return None
+
+
+def _experts(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]:
+    """Our settings for the experts of a mixture-of-experts family; HFConversionError for what we cannot build."""
+    # Qwen3-MoE's hub configs say num_experts; transformers 5 saves it as num_local_experts
+    experts = hf.get("num_local_experts", hf.get("num_experts"))
+    if not isinstance(experts, int) or experts < 2:
+        raise HFConversionError(f"{source}: num_local_experts / num_experts is {experts!r}; a mixture of experts "
+                                "needs at least 2")
+    if family == "mixtral" and hf.get("router_jitter_noise"):
+        raise HFConversionError(f"{source}: router_jitter_noise={hf['router_jitter_noise']} is not supported; set "
+                                "it to 0.0 (router jitter is not built)")
+    if family == "qwen3_moe" and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
+        raise HFConversionError(f"{source}: decoder_sparse_step={hf.get('decoder_sparse_step')} / mlp_only_layers="
+                                f"{hf.get('mlp_only_layers')} keep some layers dense; only experts in every layer are "
+                                "supported (decoder_sparse_step: 1, mlp_only_layers: [])")
+    values = {**HF_MOE_DEFAULTS, **{k: v for k, v in hf.items() if k in HF_MOE_DEFAULTS and v is not None}}
+    return {
+        "moe_num_experts": experts,
+        "moe_top_k": _require(hf, "num_experts_per_tok", source),
+        "moe_expert_interval": 1,
+        "moe_router_type": "topk",
+        "moe_intermediate_size": _require(hf, "intermediate_size" if family == "mixtral" else "moe_intermediate_size",
+                                          source),
+        "moe_norm_topk_prob": family == "mixtral" or bool(values["norm_topk_prob"]),
+        "moe_load_balancing_loss": bool(values["output_router_logits"]),
+        "moe_load_balancing_loss_coef": float(values["router_aux_loss_coef"]),
+    }
 
 
 def _integral_theta(theta: float, source: str) -> int:
@@ -201,13 +236,15 @@ def spec_from_hf_config(hf: dict[str, Any], source: str = "config.json") -> HFMo
             activation="swiglu",
             use_bias_in_norms=False,
             # Qwen2 has biases on q/k/v alone; Mistral none; Llama and Qwen3 say so in attention_bias
-            use_bias_in_attn_linear=family in ("llama", "qwen3") and bool(hf.get("attention_bias", False)),
+            use_bias_in_attn_linear=family in ("llama", "qwen3", "qwen3_moe") and bool(hf.get("attention_bias", False)),
             add_qkv_bias=family == "qwen2",
             use_bias_in_mlp=family == "llama" and bool(hf.get("mlp_bias", False)),
-            qk_layernorm=family == "qwen3",
+            qk_layernorm=family in ("qwen3", "qwen3_moe"),
             sliding_window_width=_sliding_window_width(hf, family, source),
             hidden_dropout=0.0,
         )
+        if family in MIXTURES_OF_EXPERTS:
+            settings.update(_experts(hf, family, source))
     spec = HFModelSpec(family, settings, _require(hf, "vocab_size", source))
     try:
         spec.architecture()
@@ -230,14 +267,14 @@ def unrepresentable(arch: Architecture, family: str) -> list[str]:
             problems.append(f"num_kv_heads={arch.num_kv_heads} (gpt_neox has no grouped-query attention)")
     elif family in LLAMA_LIKE:
         wanted = {"norm": "rmsnorm", "activation": "swiglu", "parallel_residual": False, "rotary_pct": 1.0,
-                  "qk_layernorm": family == "qwen3", "bias_in_norms": False}
-        if family != "mistral":
+                  "qk_layernorm": family in ("qwen3", "qwen3_moe"), "bias_in_norms": False}
+        if family not in ("mistral", "mixtral"):
             wanted["sliding_window_width"] = None
         if family != "llama":
             wanted["bias_in_mlp"] = False
         if family == "qwen2":
             wanted.update(add_qkv_bias=True, bias_in_attn_linear=False)
-        elif family == "mistral":
+        elif family in ("mistral", "mixtral"):
             wanted.update(add_qkv_bias=False, bias_in_attn_linear=False)
         elif arch.add_qkv_bias and not arch.bias_in_attn_linear:
             problems.append(f"add_qkv_bias without use_bias_in_attn_linear ({family} has biases on every attention "
@@ -252,6 +289,14 @@ def unrepresentable(arch: Architecture, family: str) -> list[str]:
             problems.append(f"kv_channels={arch.head_dim} (gpt_neox's head width is hidden_size / heads)")
         if arch.sliding_window_width is not None:
             problems.append(f"sliding_window_width={arch.sliding_window_width} (gpt_neox has no sliding window)")
+    if family in MIXTURES_OF_EXPERTS:
+        if not arch.moe:
+            problems.append(f"moe_num_experts={arch.moe_num_experts} ({family} is a mixture of experts)")
+        wanted["moe_expert_interval"] = 1
+        if family == "mixtral":
+            wanted["moe_norm_topk_prob"] = True
+    elif arch.moe:
+        problems.append(f"moe_num_experts={arch.moe_num_experts} ({family} has no experts; mixtral and qwen3_moe do)")
     problems += [
         f"{field}={getattr(arch, field)!r} ({family} needs {value!r})"
         for field, value in wanted.items()
@@ -304,12 +349,21 @@ def hf_config_from_architecture(arch: Architecture, family: str, dtype: str) -> 
     }
     if family == "llama":
         config["mlp_bias"] = arch.bias_in_mlp
-    if family in ("mistral", "qwen2"):
+    if family in ("mistral", "qwen2", "mixtral"):
         del config["attention_bias"]  # fixed by the family (see spec_from_hf_config)
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         config["sliding_window"] = None if arch.sliding_window_width is None else arch.sliding_window_width + 1
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         config.update(use_sliding_window=False, sliding_window=None)
-    if family == "qwen2" and arch.head_dim * arch.num_attention_heads == arch.hidden_size:
-        del config["head_dim"]  # Qwen2Config has no such key; its attention reads one when present
+    if family in MIXTURES_OF_EXPERTS:
+        config.update(num_experts_per_tok=arch.moe_top_k, output_router_logits=arch.moe_load_balancing_loss,
+                      router_aux_loss_coef=arch.moe_load_balancing_loss_coef)
+    if family == "mixtral":  # its intermediate_size is each expert's width
+        config.update(intermediate_size=arch.moe_intermediate_size, num_local_experts=arch.moe_num_experts,
+                      router_jitter_noise=0.0)
+    if family == "qwen3_moe":
+        config.update(moe_intermediate_size=arch.moe_intermediate_size, num_experts=arch.moe_num_experts,
+                      norm_topk_prob=arch.moe_norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+    if family in ("qwen2", "mixtral", "qwen3_moe") and arch.head_dim * arch.num_attention_heads == arch.hidden_size:
+        del config["head_dim"]  # their configs leave it unset (Qwen2Config has no such key); the attention reads one
     return config

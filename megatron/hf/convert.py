@@ -19,6 +19,7 @@ from megatron.checkpointing import (
     inventory_checkpoint,
     layer_states,
     layout,
+    lora_base_plan,
     read_full_module_weights,
     read_module_weights,
 )
@@ -30,11 +31,14 @@ from megatron.hf.config import (
     unrepresentable,
 )
 from megatron.hf.errors import HFConversionError
-from megatron.hf.io import DEFAULT_MAX_SHARD_BYTES, TOKENIZER_NAME, write_hf_dir
-from megatron.hf.load import read_hf_model
+from megatron.hf.io import DEFAULT_MAX_SHARD_BYTES, TOKENIZER_NAME, is_hf_model_dir, write_hf_dir
+from megatron.hf.load import HF_FOLDER, check_hf_settings, read_hf_model
 from megatron.hf.mapping import convert_tensors, ours_to_hf
 from megatron.hf.output_folder import check_output_folder, staged_output
+from megatron.hf.peft import adapter_config, merge_into, peft_names, write_peft_dir
+from megatron.lora_settings import LORA_SETTINGS, LoraSettings, lora_settings
 from megatron.model.partitioning import partition, partitioning
+from megatron.neox_arguments import SETTINGS, NeoXArgs
 from megatron.neox_arguments.derived import tensor_parallel_split_problem
 from megatron.neox_arguments.yaml_files import merge_config_files
 from megatron.tokenizer import EOD_TOKEN, PAD_TOKEN
@@ -192,12 +196,18 @@ def convert_neox_to_hf(
     save_tokenizer: bool = True,
     pad_token_id: int | None = None,
     overwrite: bool = False,
+    peft: bool = False,
+    base_model: Path | None = None,
 ) -> Path:
     """Write an HF model folder for tag ``tag`` (default: the one in ``latest``) of our checkpoint.
 
     The run's tokenizer (a `tokenizers` JSON vocab_file) is written with it unless ``save_tokenizer`` is
     false; ``pad_token_id`` names the padding token instead of GPT-NeoX's <|padding|> (GPT-NeoX's
-    converter's --pad-token-id). An ``out_dir`` that holds a model or a run is refused unless ``overwrite``."""
+    converter's --pad-token-id). An ``out_dir`` that holds a model or a run is refused unless ``overwrite``.
+
+    A tag with LoRA adapters is written merged (W + scaling B A, computed in fp32, then cast to the export
+    dtype), or with ``peft`` as a PEFT adapter folder over ``base_model`` (default: the Hugging Face folder
+    the run's base came from, when the tag records one)."""
     ckpt_dir = Path(ckpt_dir)
     check_output_folder(Path(out_dir), ckpt_dir, overwrite)
     tag_inventory = inventory_checkpoint(ckpt_dir).chosen_tag(tag=tag, pick_with="--tag {tag}")
@@ -205,8 +215,9 @@ def convert_neox_to_hf(
     tp_size = tag_inventory.saved_layout.tensor_parallel
     first_part = read_module_weights(tag_dir)
     settings = _settings_of_checkpoint(tag_inventory, config_files)
+    adapters_only = tag_inventory.saved_layout.adapters_only
     embedding = first_part.get("sequential.0.word_embeddings.weight")
-    if embedding is None:
+    if embedding is None and not adapters_only:
         raise HFConversionError(f"{tag_dir}: no sequential.0.word_embeddings.weight; not a checkpoint of this model")
     if settings.get("padded_vocab_size") is None:
         settings["padded_vocab_size"] = embedding.shape[0] * tp_size
@@ -222,10 +233,24 @@ def convert_neox_to_hf(
             f"{tag_dir} cannot be written as Hugging Face {family}: " + "; ".join(problems)
             + f". Supported architectures: {', '.join(FAMILIES)}"
         )
-    target = DTYPES[dtype] if dtype else embedding.dtype
+    target = DTYPES[dtype] if dtype else (embedding if embedding is not None else next(iter(first_part.values()))).dtype
     if target not in HF_DTYPE_NAMES:
         raise HFConversionError(f"{tag_dir}: weights in {target}; pass --dtype fp32, bf16 or fp16")
-    tensors = convert_tensors(module.items(), ours_to_hf(family, arch), str(tag_dir), target)
+    lora = _lora_of(settings, arch, tag_dir)
+    adapters = _adapters_of(module, lora, family, arch, tag_dir)
+    if peft:
+        base = _peft_base(tag_inventory, lora, arch, base_model)
+        with staged_output(Path(out_dir)) as staging:
+            write_peft_dir(staging, adapter_config(lora, base),
+                           {name: tensor.to(target) for name, tensor in adapters.items()})
+        return Path(out_dir)
+    if adapters_only:
+        module = {**_base_weights(tag_inventory, settings, arch), **module}
+    tensors = convert_tensors(module.items(), ours_to_hf(family, arch), str(tag_dir))
+    if adapters:
+        merge_into(tensors, adapters, lora.scaling)
+    for name, tensor in tensors.items():
+        tensors[name] = tensor.to(target)
     config = hf_config_from_architecture(arch, family, HF_DTYPE_NAMES[target])
     vocab_file = settings.get("vocab_file")
     tokenizer, special = None, {}
@@ -247,3 +272,62 @@ def convert_neox_to_hf(
         write_hf_dir(staging, config, tensors, tokenizer, max_shard_bytes, progress,
                      {role: token for role, (token, _) in special.items()})
     return Path(out_dir)
+
+
+def _lora_of(settings: dict[str, Any], arch: Architecture, tag_dir: Path) -> LoraSettings | None:
+    """The LoRA of the saved settings (a lora_* setting they predate at its default); None without."""
+    values = {name: settings.get(name, SETTINGS[name].default) for name in LORA_SETTINGS}
+    try:
+        return lora_settings({**values, "norm": arch.norm, "activation": arch.activation})
+    except ModelConfigError as err:
+        raise HFConversionError(f"{tag_dir}: the saved settings' lora_target_modules: {err}") from None
+
+
+def _adapters_of(module: dict[str, torch.Tensor], lora: LoraSettings | None, family: str, arch: Architecture,
+                 tag_dir: Path) -> dict[str, torch.Tensor]:
+    """The adapters of ``lora``, taken out of ``module`` and keyed by their PEFT names; none without LoRA."""
+    if lora is None:
+        return {}
+    names = peft_names(lora, family, arch.num_layers)
+    missing = [ours for ours in names if ours not in module]
+    if missing:
+        raise HFConversionError(f"{tag_dir}: {missing[0]} is missing ({len(missing)} adapter weights missing for the "
+                                f"saved LoRA settings, lora_target_modules {', '.join(lora.target_modules)}); "
+                                "the tag is incomplete: export another tag")
+    return {peft: module.pop(ours) for ours, peft in names.items()}
+
+
+def _peft_base(tag: TagInventory, lora: LoraSettings | None, arch: Architecture, base_model: Path | None) -> str:
+    """PEFT's base_model_name_or_path for the adapters of ``tag``: ``base_model`` (checked to be this model), else
+    the Hugging Face folder the run recorded as its base."""
+    if lora is None:
+        raise HFConversionError(f"{tag.path} holds no LoRA adapters (its run had lora_rank 0); --peft writes "
+                                "adapters only: leave it out to export the model")
+    if arch.reward_head:
+        raise HFConversionError(f"{tag.path} is a reward model, whose new head rm_linear trained whole beside the "
+                                "adapters; leave --peft out to export it merged")
+    if base_model is not None:
+        if not is_hf_model_dir(base_model):
+            raise HFConversionError(f"--base-model {base_model} is no Hugging Face model folder (config.json and "
+                                    "weights); name the folder of the model the adapters were trained on")
+        check_hf_settings(base_model, arch)
+        return str(Path(base_model).resolve())
+    recorded = tag.saved_layout.lora_base
+    if recorded is None or recorded.hf_folder is None:
+        where = "records no base" if recorded is None else f"records its base {recorded.path}"
+        raise HFConversionError(f"{tag.path} {where} as a Hugging Face folder; pass --base-model PATH, the Hugging "
+                                "Face folder of the base model the adapters were trained on")
+    return recorded.hf_folder
+
+
+def _base_weights(tag: TagInventory, settings: dict[str, Any], arch: Architecture) -> dict[str, torch.Tensor]:
+    """The frozen base under the adapters of an adapter-only ``tag``, read from the base it recorded through the
+    load's own checked plan: a base that is gone or changed is refused in one line."""
+    plan = lora_base_plan(NeoXArgs.from_saved(settings, str(tag.path)), tag, 1, HF_FOLDER)
+    if plan.hf_source is not None:
+        weights = plan.hf_source.read_weights(plan.load_dir, arch)
+    else:
+        weights = read_full_module_weights(plan.tag_dir, plan.tag_inventory.saved_layout.tensor_parallel, arch)
+    if arch.reward_head:  # a reward model over a language model: its head trained whole, in the tag
+        weights = {name: value for name, value in weights.items() if not name.endswith("final_linear.weight")}
+    return weights

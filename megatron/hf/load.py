@@ -1,4 +1,5 @@
-"""Loading a Hugging Face model directory straight into our parameter names (``load:`` pointing at one)."""
+"""Loading a Hugging Face model directory straight into our parameter names (``load:`` pointing at one), or a
+PEFT LoRA adapter folder with the model folder it names (megatron/hf/peft.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,14 @@ from megatron.hf.config import HFModelSpec, is_reward_model_config, spec_from_hf
 from megatron.hf.errors import HFConversionError
 from megatron.hf.io import CONFIG_NAME, is_hf_model_dir, iter_hf_tensors, read_hf_config, weight_files
 from megatron.hf.mapping import convert_tensors, hf_to_ours
+from megatron.hf.peft import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    check_run_lora,
+    is_peft_dir,
+    read_adapters,
+    read_peft_folder,
+)
 
 
 def read_hf_model(
@@ -43,23 +52,55 @@ def load_hf_module_weights(hf_dir: Path, arch: Architecture) -> dict[str, torch.
     return read_hf_model(hf_dir, torch.float32)[1]
 
 
+def _base_and_adapter_weights(peft_dir: Path, arch: Architecture) -> dict[str, torch.Tensor]:
+    """The base model's weights and the adapters of ``peft_dir``, our names, fp32, each verified."""
+    folder = read_peft_folder(peft_dir)
+    base = folder.base_folder()
+    check_hf_settings(base, arch)
+    spec = spec_from_hf_config(read_hf_config(base), str(base / CONFIG_NAME))
+    shapes = {}
+
+    def noting_shapes(tensors):
+        for name, tensor in tensors:
+            shapes[name] = tensor.shape
+            yield name, tensor
+
+    weights = convert_tensors(noting_shapes(iter_hf_tensors(base)), hf_to_ours(spec.family, arch), str(base),
+                              torch.float32)
+    adapters = read_adapters(folder, folder.lora(spec.family == "gpt_neox"), spec.family, arch.num_layers, shapes)
+    return {**weights, **adapters}
+
+
 class HFFolder:
-    """A Hugging Face model folder as a checkpoint the load plan can read (checkpointing's WeightsSource)."""
+    """A Hugging Face model folder, or a PEFT adapter folder over one, as a checkpoint the load plan can read
+    (checkpointing's WeightsSource)."""
 
     def detect(self, path: Path) -> bool:
-        return is_hf_model_dir(path)
+        return is_hf_model_dir(path) or is_peft_dir(path)
 
     def files(self, path: Path) -> tuple[Path, ...]:
-        return (Path(path) / CONFIG_NAME, *weight_files(path))
+        base = self.adapter_base(path)
+        if base is None:
+            return (Path(path) / CONFIG_NAME, *weight_files(path))
+        return (Path(path) / ADAPTER_CONFIG_NAME, Path(path) / ADAPTER_WEIGHTS_NAME, *self.files(base))
 
     def check_architecture(self, path: Path, arch: Architecture) -> None:
-        check_hf_settings(path, arch)
+        check_hf_settings(self.adapter_base(path) or path, arch)
 
     def read_weights(self, path: Path, arch: Architecture) -> dict[str, torch.Tensor]:
+        if is_peft_dir(path):
+            return _base_and_adapter_weights(Path(path), arch)
         return load_hf_module_weights(path, arch)
 
     def is_reward_model(self, path: Path) -> bool:
-        return is_reward_model_config(read_hf_config(Path(path)))
+        return is_reward_model_config(read_hf_config(self.adapter_base(path) or Path(path)))
+
+    def adapter_base(self, path: Path) -> Path | None:
+        return read_peft_folder(path).base_folder() if is_peft_dir(path) else None
+
+    def check_adapters(self, path: Path, args) -> None:
+        if is_peft_dir(path):
+            check_run_lora(read_peft_folder(path), args.lora(), args.source_of)
 
 
 HF_FOLDER = HFFolder()

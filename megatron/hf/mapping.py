@@ -5,7 +5,11 @@ pairs a tuple of HF tensors with a tuple of ours and knows how to turn one side 
 Llama's separate q/k/v projections become our fused ``query_key_value`` and its gate/up
 projections our ``mlp.linear1`` (up first, then gate); GPT-NeoX's names differ only in the prefix.
 Mistral, Qwen2 and Qwen3 name their weights as Llama does; Qwen3's ``q_norm``/``k_norm`` are our
-``attention.q_layernorm``/``k_layernorm``. A reward model's ``rm_linear`` is the sequence classifier's ``score``.
+``attention.q_layernorm``/``k_layernorm``. The experts of Mixtral (``block_sparse_moe.experts.<e>.w1`` gate,
+``w3`` up, ``w2`` down) and Qwen3-MoE (``mlp.experts.<e>.gate_proj``, ``up_proj``, ``down_proj``), as
+save_pretrained writes them (transformers 5 fuses them in memory only), are stacked into our
+``mlp.experts.mlp.w1``, ``w3`` and ``w2`` (the down projections transposed); their ``gate`` is our
+``mlp.router.layer``. A reward model's ``rm_linear`` is the sequence classifier's ``score``.
 
 Conversion streams: tensors may arrive in any order, one shard at a time, and a correspondence
 is converted as soon as all of its source tensors have arrived.
@@ -76,6 +80,44 @@ def _split_up_gate(fused: list[torch.Tensor]) -> list[torch.Tensor]:
     return [part.clone() for part in fused[0].chunk(2, dim=0)]
 
 
+def _stack(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.cat(parts, dim=0)]
+
+
+def _unstack(count: int) -> Convert:
+    def unstack(stacked: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [part.clone() for part in stacked[0].chunk(count, dim=0)]
+    return unstack
+
+
+def _stack_transposed(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.cat([part.t() for part in parts], dim=0)]
+
+
+def _unstack_transposed(count: int) -> Convert:
+    def unstack(stacked: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [part.t().contiguous() for part in stacked[0].chunk(count, dim=0)]
+    return unstack
+
+
+def _expert_correspondences(family: str, arch: Architecture, hf: str, ours: str) -> list[Correspondence]:
+    """A mixture-of-experts layer's router and experts (see the module docstring)."""
+    block, (gate, up, down) = ((f"{hf}block_sparse_moe.", ("w1", "w3", "w2")) if family == "mixtral"
+                               else (f"{hf}mlp.", ("gate_proj", "up_proj", "down_proj")))
+    experts = range(arch.moe_num_experts)
+
+    def each(name: str) -> tuple[str, ...]:
+        return tuple(f"{block}experts.{e}.{name}.weight" for e in experts)
+
+    count = arch.moe_num_experts
+    return [
+        Correspondence((f"{block}gate.weight",), (f"{ours}mlp.router.layer.weight",)),
+        Correspondence(each(gate), (f"{ours}mlp.experts.mlp.w1",), _stack, _unstack(count)),
+        Correspondence(each(up), (f"{ours}mlp.experts.mlp.w3",), _stack, _unstack(count)),
+        Correspondence(each(down), (f"{ours}mlp.experts.mlp.w2",), _stack_transposed, _unstack_transposed(count)),
+    ]
+
+
 def _ours(arch: Architecture) -> dict[str, str]:
     return {
         "embedding": "sequential.0.word_embeddings.weight",
@@ -109,7 +151,7 @@ def _gpt_neox_correspondences(arch: Architecture) -> list[Correspondence]:
     return [Correspondence((hf,), (ours,)) for hf, ours in pairs] + _output_correspondence(arch, "embed_out.weight")
 
 
-def _llama_correspondences(arch: Architecture) -> list[Correspondence]:
+def _llama_correspondences(family: str, arch: Architecture) -> list[Correspondence]:
     names = _ours(arch)
     fuse_qkv, split_qkv = _qkv_converters(arch)
     rules = [Correspondence(("model.embed_tokens.weight",), (names["embedding"],))]
@@ -128,19 +170,36 @@ def _llama_correspondences(arch: Architecture) -> list[Correspondence]:
         if arch.qk_layernorm:
             for x in "qk":
                 rules.append(Correspondence((f"{hf}self_attn.{x}_norm.weight",), (f"{ours}attention.{x}_layernorm.scale",)))
-        for p in mlp_params:
-            up_gate = (f"{hf}mlp.up_proj.{p}", f"{hf}mlp.gate_proj.{p}")
-            rules.append(Correspondence(up_gate, (f"{ours}mlp.linear1.{p}",), _cat_up_gate, _split_up_gate))
-            rules.append(Correspondence((f"{hf}mlp.down_proj.{p}",), (f"{ours}mlp.linear2.{p}",)))
+        if arch.has_experts(i):
+            rules += _expert_correspondences(family, arch, hf, ours)
+        else:
+            for p in mlp_params:
+                up_gate = (f"{hf}mlp.up_proj.{p}", f"{hf}mlp.gate_proj.{p}")
+                rules.append(Correspondence(up_gate, (f"{ours}mlp.linear1.{p}",), _cat_up_gate, _split_up_gate))
+                rules.append(Correspondence((f"{hf}mlp.down_proj.{p}",), (f"{ours}mlp.linear2.{p}",)))
     rules.append(Correspondence(("model.norm.weight",), (names["final_norm"] + "scale",)))
     return rules + _output_correspondence(arch, "lm_head.weight")
+
+
+# The HF module of each linear layer a LoRA target names (megatron/lora_settings.py), under its layer
+_LINEAR_MODULES = {
+    **{f"{x}_proj": f"self_attn.{x}_proj" for x in "qkvo"},
+    **{f"{x}_proj": f"mlp.{x}_proj" for x in ("gate", "up", "down")},
+    "query_key_value": "attention.query_key_value", "dense": "attention.dense",
+    "dense_h_to_4h": "mlp.dense_h_to_4h", "dense_4h_to_h": "mlp.dense_4h_to_h",
+}
+
+
+def hf_linear_module(family: str, layer: int, name: str) -> str:
+    """The HF module a LoRA target ``name`` adapts in layer ``layer``, e.g. model.layers.0.self_attn.q_proj."""
+    return f"{'gpt_neox' if family == 'gpt_neox' else 'model'}.layers.{layer}.{_LINEAR_MODULES[name]}"
 
 
 def correspondences(family: str, arch: Architecture) -> list[Correspondence]:
     if family == "gpt_neox":
         return _gpt_neox_correspondences(arch)
     if family in LLAMA_LIKE:
-        return _llama_correspondences(arch)
+        return _llama_correspondences(family, arch)
     raise HFConversionError(f"architecture {family!r} is not supported; use one of {', '.join(FAMILIES)}")
 
 

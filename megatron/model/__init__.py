@@ -4,6 +4,7 @@ from megatron.architecture import ModelConfigError
 from megatron.model.gpt_model import GPTModel, build_model
 from megatron.model.kv_cache import KVCache
 from megatron.model.loss import causal_lm_loss, token_log_probs
+from megatron.model.moe import load_balancing_loss
 from megatron.model.param_groups import no_weight_decay_param_names
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "ModelConfigError",
     "build_model",
     "causal_lm_loss",
+    "load_balancing_loss",
     "no_weight_decay_param_names",
     "token_log_probs",
 ]

@@ -29,11 +29,12 @@ from megatron.model.rotary import rotate, split_qkv
 from megatron.ranks import tensor_parallel_rank, tensor_parallel_size
 
 
-def query_key_value_rows(arch: Architecture) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rows of the whole ``query_key_value`` (tensor-parallel size 1) that hold the queries, the keys and
-    the values, each in the order of the separate projection's rows."""
-    heads, kv_heads, head_dim = arch.num_attention_heads, arch.num_kv_heads, arch.head_dim
-    if kv_heads < heads:
+def query_key_value_rows(arch: Architecture, size: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of ``query_key_value`` that hold the queries, the keys and the values, each in the order of the
+    separate projection's rows: of the whole layer at tensor-parallel size 1, of any one rank's part at a larger
+    ``size`` (every rank's part is laid out alike, over its own heads; SelfAttention splits them)."""
+    heads, kv_heads, head_dim = arch.num_attention_heads // size, max(arch.num_kv_heads // size, 1), arch.head_dim
+    if arch.num_kv_heads < arch.num_attention_heads:
         return tuple(torch.arange((heads + 2 * kv_heads) * head_dim).split(
             [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]))
     per_head = torch.arange(3 * heads * head_dim).reshape(heads, 3, head_dim)

@@ -110,7 +110,7 @@ class GPTModel(torch.nn.Module):
         init_method, output_init_method = _init_methods(arch)
         modules: dict[str, torch.nn.Module] = {"0": Embedding(arch, init_method)}
         for i in range(arch.num_layers):
-            modules[layer_key(i)] = TransformerLayer(arch, init_method, output_init_method)
+            modules[layer_key(i)] = TransformerLayer(arch, init_method, output_init_method, experts=arch.has_experts(i))
         modules[str(arch.num_layers + 3)] = FinalNorm(arch)
         if arch.reward_head:
             if arch.tied_embeddings:
@@ -151,6 +151,7 @@ class GPTModel(torch.nn.Module):
         parallel_output: bool = False,
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        router_logits: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids [b, s] -> logits [b, s, padded_vocab_size] in the parameter dtype (a reward model:
         rewards [b, s, 1]).
@@ -162,6 +163,8 @@ class GPTModel(torch.nn.Module):
         ``causal_lm_loss(..., vocab_parallel=True)``, which never gathers the whole vocabulary).
         With ``kv_cache`` (generation) ``input_ids`` are the tokens after those already cached, at the
         positions after theirs; their keys and values are added to it.
+        With ``router_logits`` (a list) each expert layer appends its router's logits, in layer order, for
+        the load-balancing loss (megatron/model/moe.py).
         """
         seq_len = input_ids.shape[1]
         past = kv_cache.length if kv_cache is not None else 0
@@ -183,12 +186,12 @@ class GPTModel(torch.nn.Module):
         recompute = self.arch.checkpoint_activations and self.training and torch.is_grad_enabled()
         for index, layer in enumerate(self.layers):
             if recompute:
-                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, rotary_cos_sin, attention_mask,
-                                                           use_reentrant=False)
-            elif kv_cache is not None:
-                hidden = layer(hidden, rotary_cos_sin, attention_mask, kv_cache.layers[index])
+                # the recomputation in the backward appends again, to a list whose loss is already taken
+                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, rotary_cos_sin, attention_mask, None,
+                                                           router_logits, use_reentrant=False)
             else:
-                hidden = layer(hidden, rotary_cos_sin, attention_mask)
+                hidden = layer(hidden, rotary_cos_sin, attention_mask,
+                               kv_cache.layers[index] if kv_cache is not None else None, router_logits)
         hidden = self.sequential[str(self.arch.num_layers + 3)](hidden)
         if self.arch.reward_head:
             return self.reward_head(hidden)

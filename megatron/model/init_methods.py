@@ -57,28 +57,30 @@ def initialise_parameters(
         for name, param in model.named_parameters():
             p = partitioning(name, arch)
             if name.endswith(INITIALISED_WEIGHTS):
-                full = torch.empty(_full_shape(_local_shape(param), p, size), dtype=torch.float32)
+                full = torch.empty(full_shape(local_shape(param), p, size), dtype=torch.float32)
                 (output_init_method if name.endswith(OUTPUT_WEIGHTS) else init_method)(full)
-                _set(param, partition(full, p, rank, size))
+                set_value(param, partition(full, p, rank, size))
             elif name.endswith(PARALLEL_BIASES):
-                _set(param, torch.zeros(_local_shape(param)))
+                set_value(param, torch.zeros(local_shape(param)))
             if p.dim is not None and not hasattr(param, "tensor_model_parallel"):
                 set_tensor_model_parallel_attributes(param, True, p.dim, 1)
 
 
-def _local_shape(param: torch.nn.Parameter) -> torch.Size:
+def local_shape(param: torch.nn.Parameter) -> torch.Size:
     """The shape of this tensor-parallel rank's part (whole over the ZeRO-3 partitions)."""
     return param.ds_shape if is_partitioned(param) else param.shape
 
 
-def _set(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+def set_value(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Write this tensor-parallel rank's part ``value`` into ``param`` (its partition of it under ZeRO-3)."""
     if is_partitioned(param):
         write_whole_value(param, value)
     else:
         param.copy_(value)
 
 
-def _full_shape(shape: torch.Size, p: Partitioning, size: int) -> tuple[int, ...]:
+def full_shape(shape: torch.Size, p: Partitioning, size: int) -> tuple[int, ...]:
+    """The shape at tensor-parallel size 1 of a parameter whose part at ``size`` has ``shape``."""
     full = list(shape)
     if p.dim is not None:
         full[p.dim] = p.full_width(full[p.dim], size)

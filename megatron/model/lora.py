@@ -13,6 +13,17 @@ its sequence-classification head).
 
 DPO and KTO compare the policy with the base it started from: in a LoRA run that is the policy itself
 with its adapters switched off (`BaseWithoutAdapters`), so no second model is held in memory.
+
+Under tensor parallelism the adapters are split as the layer they adapt (megatron/model/partitioning.py).
+On a column-parallel layer each rank holds A whole and the rows of B its part of the output has, and A's
+output enters the tensor-parallel region as the layer's input does: its gradient, and so A's and the
+input's, is summed over the ranks. On a row-parallel layer each rank holds A's columns of its part of the
+input, the ranks' A outputs are summed (the layer's own output is already summed when the hook sees it),
+and B, whole on every rank, gets the whole gradient. A key/value head shared by several ranks (fewer heads
+than ranks) has its B gradient summed over them, as ``query_key_value``'s own. The weights are drawn
+whole, as at size 1, and each rank keeps its part, so the adapters are the same at every size. With
+lora_dropout the masks at size 2 are other draws than at size 1 (every tensor-parallel rank draws from the
+same state, as the base's dropout does), so runs are equal across sizes without dropout.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -27,25 +39,39 @@ import torch.nn.functional as F
 from megatron.architecture import Architecture
 from megatron.lora_settings import LoraSettings
 from megatron.model.attention import query_key_value_rows
+from megatron.model.init_methods import full_shape, local_shape, set_value
+from megatron.model.parallel_layers import (
+    RowParallelLinear,
+    copy_to_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    sum_over_ranks_sharing_a_slot,
+)
+from megatron.model.partitioning import partition, partitioning
+from megatron.ranks import tensor_parallel_rank, tensor_parallel_size
 
 
 class LoraAdapter(torch.nn.Module):
-    """One PEFT adapter: B A dropout(x), into ``rows`` of the layer's output (all of it when None)."""
+    """One PEFT adapter: B A dropout(x), into ``rows`` of the layer's output (all of it when None).
 
-    def __init__(self, in_features: int, out_features: int, rank: int, dropout: float, rows: torch.Tensor | None):
+    ``input_is_parallel``: the layer is row-parallel, so x and A are this rank's columns (module docstring).
+    """
+
+    def __init__(self, in_features: int, out_features: int, rank: int, dropout: float, rows: torch.Tensor | None,
+                 input_is_parallel: bool):
         super().__init__()
         self.lora_A = torch.nn.Parameter(torch.empty(rank, in_features))
         self.lora_B = torch.nn.Parameter(torch.zeros(out_features, rank))
         self.dropout = dropout
+        self.input_is_parallel = input_is_parallel
         self.register_buffer("rows", rows, persistent=False)
 
-    def reset_parameters(self) -> None:
-        """PEFT's initialisation (LoraLayer.reset_lora_parameters with init_lora_weights True)."""
-        torch.nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-        torch.nn.init.zeros_(self.lora_B)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(F.dropout(x, self.dropout, self.training), self.lora_A), self.lora_B)
+        low_rank = F.linear(F.dropout(x, self.dropout, self.training), self.lora_A)
+        if self.input_is_parallel:
+            low_rank = reduce_from_tensor_parallel_region(low_rank)
+        else:
+            low_rank = copy_to_tensor_parallel_region(low_rank)
+        return F.linear(low_rank, self.lora_B)
 
 
 class LinearAdapters(torch.nn.ModuleDict):
@@ -101,29 +127,37 @@ class BaseWithoutAdapters:
             module.train(was_training)
 
 
-def _rows_of_parts(arch: Architecture) -> dict[str, torch.Tensor]:
-    """The output rows of each part of a fused layer (megatron/model/attention.py and mlp.py lay them out)."""
-    query, key, value = query_key_value_rows(arch)
-    up = torch.arange(arch.intermediate_size)
-    return {"query": query, "key": key, "value": value, "up": up, "gate": up + arch.intermediate_size}
+def _rows_of_parts(arch: Architecture, size: int) -> dict[str, torch.Tensor]:
+    """The output rows of each part of a fused layer on a rank of tensor-parallel ``size`` (megatron/model/attention.py
+    and mlp.py lay them out)."""
+    query, key, value = query_key_value_rows(arch, size)
+    up = torch.arange(arch.intermediate_size // size)
+    return {"query": query, "key": key, "value": value, "up": up, "gate": up + len(up)}
 
 
 def add_adapters(model: torch.nn.Module, lora: LoraSettings) -> None:
     """Give each transformer layer of ``model`` (a GPTModel) the adapters ``lora`` targets and freeze the rest."""
     model.requires_grad_(False)
-    rows_of_part = _rows_of_parts(model.arch)
+    arch, size = model.arch, tensor_parallel_size()
+    rows_of_part = _rows_of_parts(arch, size)
     by_linear: dict[str, dict[str, str | None]] = defaultdict(dict)
     for name, target in lora.targets().items():
         by_linear[target.linear][name] = target.part
     for layer in model.layers:
         for linear_name, parts in by_linear.items():
             linear = layer.get_submodule(linear_name)
-            out_features, in_features = linear.weight.shape
+            out_features, in_features = local_shape(linear.weight)
             adapters = {}
             for name, part in parts.items():
                 rows = None if part is None else rows_of_part[part]
                 width = out_features if rows is None else len(rows)
-                adapters[name] = LoraAdapter(in_features, width, lora.rank, lora.dropout, rows)
+                adapter = LoraAdapter(in_features, width, lora.rank, lora.dropout, rows,
+                                      isinstance(linear, RowParallelLinear))
+                if part in ("key", "value") and arch.num_kv_heads < size:
+                    shared_head = tensor_parallel_rank() * arch.num_kv_heads // size
+                    adapter.lora_B.register_hook(partial(sum_over_ranks_sharing_a_slot, slot=shared_head,
+                                                         slots=arch.num_kv_heads))
+                adapters[name] = adapter
             linear.lora = LinearAdapters(adapters, lora.scaling)
             linear.register_forward_hook(_add_adapter_output)
     if model.arch.reward_head:
@@ -131,8 +165,16 @@ def add_adapters(model: torch.nn.Module, lora: LoraSettings) -> None:
 
 
 def initialise_adapters(model: torch.nn.Module) -> None:
-    """Draw every adapter's weights, in registration order, from the current RNG state."""
+    """Draw every adapter's weights as PEFT does (LoraLayer.reset_lora_parameters with init_lora_weights True:
+    A kaiming-uniform, B zero), in registration order from the current RNG state, each whole as at
+    tensor-parallel size 1; this rank keeps its part."""
+    rank, size = tensor_parallel_rank(), tensor_parallel_size()
     with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, LoraAdapter):
-                module.reset_parameters()
+        for name, param in model.named_parameters():
+            if name.endswith(".lora_A"):
+                p = partitioning(name, model.arch)
+                whole = torch.empty(full_shape(local_shape(param), p, size), dtype=torch.float32)
+                torch.nn.init.kaiming_uniform_(whole, a=math.sqrt(5))
+                set_value(param, partition(whole, p, rank, size))
+            elif name.endswith(".lora_B"):
+                set_value(param, torch.zeros(local_shape(param)))

@@ -56,14 +56,18 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     return _SwiGLU.apply(x)
 
 
+def elementwise_activation(arch: Architecture):
+    """The activation applied element by element: the model's, or for swiglu the gate's (silu)."""
+    if arch.activation == "gelu":
+        return _GELUS[arch.gelu_approximation]
+    return F.silu if arch.gated else _ACTIVATIONS[arch.activation]
+
+
 class MLP(torch.nn.Module):
     def __init__(self, arch: Architecture, init_method, output_init_method):
         super().__init__()
         config = model_parallel_config()
-        if arch.activation == "gelu":
-            self.activation = _GELUS[arch.gelu_approximation]
-        else:
-            self.activation = swiglu if arch.gated else _ACTIVATIONS[arch.activation]
+        self.activation = swiglu if arch.gated else elementwise_activation(arch)
         self.linear1 = ColumnParallelLinear(
             arch.hidden_size,
             arch.linear1_width,

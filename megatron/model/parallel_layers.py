@@ -92,6 +92,11 @@ def copy_to_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
     return x if tensor_parallel_size() == 1 else tensor_parallel.copy_to_tensor_model_parallel_region(x)
 
 
+def reduce_from_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """The sum of ``x`` over the tensor-parallel group; the gradient passes to each rank as it is."""
+    return x if tensor_parallel_size() == 1 else tensor_parallel.reduce_from_tensor_model_parallel_region(x)
+
+
 class _WithoutExtraState:
     get_extra_state = torch.nn.Module.get_extra_state
 

@@ -13,6 +13,10 @@ every block (GPT-NeoX's per-partition layouts):
   joining or re-splitting reads each head from the first part that holds it;
 - ``mlp.linear1`` for swiglu: [up, gate], so rank r holds [its up rows, its gate rows].
 
+LoRA's adapters (megatron/model/lora.py) split to match the layer they adapt: on a column-parallel
+layer A is whole and B split as the rows of the layer's output it adds into (a fused layer's part as
+that part's rows are split); on a row-parallel layer A is split by input columns and B is whole.
+
 With one key/value head per query head, ``query_key_value`` is per head [q, k, v] and a plain
 split gives each rank whole heads. The full tensor is the one a tensor-parallel size of 1 holds.
 """
@@ -26,6 +30,7 @@ from fractions import Fraction
 import torch
 
 from megatron.architecture import Architecture
+from megatron.lora_settings import target_of
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,7 @@ class Partitioning:
 REPLICATED = Partitioning(None)
 
 # Weights drawn from the output-layer init method (the others from the plain one).
-OUTPUT_WEIGHTS = ("attention.dense.weight", "mlp.linear2.weight")
+OUTPUT_WEIGHTS = ("attention.dense.weight", "mlp.linear2.weight", "mlp.experts.mlp.w2")
 # Weights drawn at initialisation; every other parameter starts as its module made it.
 INITIALISED_WEIGHTS = (
     "word_embeddings.weight",
@@ -70,6 +75,9 @@ INITIALISED_WEIGHTS = (
     "mlp.linear1.weight",
     "final_linear.weight",
     "rm_linear.weight",
+    "mlp.router.layer.weight",
+    "mlp.experts.mlp.w1",
+    "mlp.experts.mlp.w3",
     *OUTPUT_WEIGHTS,
 )
 # Biases of split layers, set to zero at initialisation.
@@ -78,6 +86,8 @@ PARALLEL_BIASES = ("attention.query_key_value.bias", "mlp.linear1.bias", "attent
 
 def partitioning(name: str, arch: Architecture) -> Partitioning:
     """How parameter ``name`` (as in ``GPTModel.state_dict()``) is split across tensor-parallel ranks."""
+    if ".lora." in name:
+        return _adapter_partitioning(name, arch)
     if name.endswith(("word_embeddings.weight", "final_linear.weight")):
         return Partitioning(0)
     if name.endswith(("attention.query_key_value.weight", "attention.query_key_value.bias")):
@@ -89,6 +99,24 @@ def partitioning(name: str, arch: Architecture) -> Partitioning:
     if name.endswith(("attention.dense.weight", "mlp.linear2.weight", "rm_linear.weight")):
         return Partitioning(1)
     return REPLICATED
+
+
+def _adapter_partitioning(name: str, arch: Architecture) -> Partitioning:
+    """A LoRA adapter's A or B (module docstring); ``name`` is ``<linear>.lora.<HF module>.lora_<A or B>``."""
+    linear, _, adapter = name.rpartition(".lora.")
+    module, side = adapter.split(".")
+    layer = partitioning(f"{linear}.weight", arch)
+    column_parallel = layer.dim == 0
+    if side == "lora_A":
+        return REPLICATED if column_parallel else layer
+    if not column_parallel:
+        return REPLICATED
+    part = target_of(module).part
+    if part is None:
+        return layer
+    if part in ("key", "value"):  # whole heads; fewer than ranks: replicated as query_key_value's are
+        return Partitioning(0, (arch.num_kv_heads,), heads=True)
+    return Partitioning(0)
 
 
 def _ranges(p: Partitioning, full_width: int, rank: int, size: int) -> list[tuple[int, int]]:

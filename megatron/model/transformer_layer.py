@@ -9,6 +9,7 @@ from megatron.architecture import Architecture
 from megatron.model.attention import SelfAttention
 from megatron.model.kv_cache import LayerKeysValues
 from megatron.model.mlp import MLP
+from megatron.model.moe import MixtureOfExperts
 from megatron.model.norms import build_norm
 
 
@@ -16,9 +17,10 @@ class TransformerLayer(torch.nn.Module):
     """sequential: h = x + attn(ln1(x)); out = h + mlp(ln2(h)).
     parallel (gpt_j_residual): out = x + attn(ln1(x)) + mlp(ln2(x)).
     Dropout (hidden_dropout) applies to each branch output before it is added.
+    With ``experts`` the MLP is a mixture of experts (megatron/model/moe.py).
     """
 
-    def __init__(self, arch: Architecture, init_method, output_init_method):
+    def __init__(self, arch: Architecture, init_method, output_init_method, experts: bool = False):
         super().__init__()
         self.parallel_residual = arch.parallel_residual
         self.hidden_dropout = arch.hidden_dropout
@@ -27,7 +29,7 @@ class TransformerLayer(torch.nn.Module):
         self.post_attention_layernorm = build_norm(
             arch.norm, arch.hidden_size, arch.norm_epsilon, arch.bias_in_norms
         )
-        self.mlp = MLP(arch, init_method, output_init_method)
+        self.mlp = MixtureOfExperts(arch) if experts else MLP(arch, init_method, output_init_method)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, p=self.hidden_dropout, training=self.training)
@@ -38,10 +40,15 @@ class TransformerLayer(torch.nn.Module):
         rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None = None,
         kv_cache: LayerKeysValues | None = None,
+        router_logits: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """``router_logits``: where an expert layer appends its router's logits (megatron/model/moe.py)."""
         attn_out = self._dropout(self.attention(self.input_layernorm(x), rotary_cos_sin, attention_mask, kv_cache))
         if self.parallel_residual:
-            mlp_out = self._dropout(self.mlp(self.post_attention_layernorm(x)))
+            mlp_out = self._dropout(self._mlp(self.post_attention_layernorm(x), router_logits))
             return x + attn_out + mlp_out
         hidden = x + attn_out
-        return hidden + self._dropout(self.mlp(self.post_attention_layernorm(hidden)))
+        return hidden + self._dropout(self._mlp(self.post_attention_layernorm(hidden), router_logits))
+
+    def _mlp(self, x: torch.Tensor, router_logits: list[torch.Tensor] | None) -> torch.Tensor:
+        return self.mlp(x, router_logits) if isinstance(self.mlp, MixtureOfExperts) else self.mlp(x)

@@ -16,6 +16,7 @@ from megatron.architecture import (
     built_intermediate_size,
     gelu_approximation,
     gpt_neox_shaped,
+    mixture_of_experts_problem,
     rope_scaling_of,
     tensor_parallel_split_problem,
 )
@@ -78,6 +79,7 @@ def derive_all(v: dict[str, Any], sources: dict[str, str], require_run_settings:
     _check_profiling(v, sources)
     _check_train_impl(v, sources)
     _check_pipeline(v, sources)
+    _check_mixture_of_experts(v, sources)
     _check_lora(v, sources)
     if require_run_settings:
         _check_data(v, sources)
@@ -540,12 +542,12 @@ def _check_lora(v: dict[str, Any], sources: dict[str, str]) -> None:
         target_modules_of(v["lora_target_modules"], gpt_neox_shaped(v["norm"], v["activation"]))
     except ModelConfigError as err:
         raise _fail(sources, "lora_target_modules", str(err)) from None
-    not_yet = {"model_parallel_size": v["model_parallel_size"] > 1, "zero_optimization": v["zero_stage"] == 3,
-               "pipe_parallel_size": (v["pipe_parallel_size"] or 0) > 1}
+    not_yet = {"pipe_parallel_size": (v["pipe_parallel_size"] or 0) > 1,
+               "moe_num_experts": (v["moe_num_experts"] or 1) > 1}
     for name, unsupported in not_yet.items():
         if unsupported:
-            raise _fail(sources, name, "LoRA (lora_rank > 0) runs so far with tensor parallelism 1, ZeRO stages 0-2 "
-                                       "and no pipeline; change this or set lora_rank: 0")
+            raise _fail(sources, name, "LoRA (lora_rank > 0) runs so far without a pipeline and without experts; "
+                                       "change this or set lora_rank: 0")
 
 
 def _check_reward_model(v: dict[str, Any], sources: dict[str, str]) -> None:
@@ -568,6 +570,27 @@ def _check_reward_model(v: dict[str, Any], sources: dict[str, str]) -> None:
             raise _fail(sources, f"pos_{split}_data_paths", f"train_impl rm reads each reward at the position its "
                         f"labels train; set pos_/neg_{split}_label_data_paths (preprocess_data_with_chat_template.py "
                         "--for-rm writes them)")
+
+
+def _check_mixture_of_experts(v: dict[str, Any], sources: dict[str, str]) -> None:
+    """What experts (moe_num_experts > 1) cannot do yet, refused before any rank starts (megatron/architecture.py)."""
+    problem = mixture_of_experts_problem(v)
+    if problem:
+        raise _fail(sources, *problem)
+    if (v["moe_num_experts"] or 1) <= 1:
+        return
+    if (v["pipe_parallel_size"] or 0) > 1:
+        raise _fail(sources, "pipe_parallel_size", "mixture of experts runs so far without a pipeline; set "
+                                                   "pipe_parallel_size to 0 or 1")
+    if v["zero_stage"] == 3:
+        raise _fail(sources, "zero_optimization", "mixture of experts runs so far with ZeRO stages 0-2 (stage 3 "
+                                                  "with experts is not tested yet); set stage 2")
+    if v["moe_load_balancing_loss_coef"] < 0:
+        raise _fail(sources, "moe_load_balancing_loss_coef", f"must not be negative, got "
+                                                             f"{v['moe_load_balancing_loss_coef']}")
+    if v["moe_load_balancing_loss"] and v["train_impl"] != "normal":
+        raise _fail(sources, "moe_load_balancing_loss", f"the load-balancing loss is added to train_impl normal's "
+                                                        f"loss only, not {v['train_impl']}'s; set it to false")
 
 
 def _check_pipeline(v: dict[str, Any], sources: dict[str, str]) -> None:

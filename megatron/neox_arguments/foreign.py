@@ -113,6 +113,8 @@ INERT: dict[str, str] = {
     "online_dataserver_ips": _only_with("dataset_impl: online"),
     "online_dataserver_ports": _only_with("dataset_impl: online"),
     "lazy_mpu_init": "only matters when GPT-NeoX is embedded in another program",
+    "moe_lbl_in_fp32": "GPT-NeoX computes no load-balancing loss; moe_load_balancing_loss adds Hugging Face's, "
+                       "whose sums are in fp32",
 }
 INERT.update(dict.fromkeys(
     ("return_logits",),
@@ -161,7 +163,7 @@ def _not_built(feature: str, instead: str = "") -> str:
 # name -> (is the value the one that switches the feature off?, what to tell the user)
 UNSUPPORTED: dict[str, tuple[OffWhen, str]] = {
     "sparsity_config": (_falsy, _not_built("sparse attention", "remove sparsity_config")),
-    "moe_num_experts": (_at_most_one, _not_built("mixture-of-experts", "use moe_num_experts: 1")),
+    "moe_jitter_eps": (_falsy, _not_built("router jitter (moe_jitter_eps)", "remove moe_jitter_eps")),
     "num_experts": (_at_most_one, _not_built("mixture-of-experts", "use 1 expert")),
     "use_mup": (_falsy, _not_built("muP", "remove use_mup")),
     "coord_check": (_falsy, _not_built("muP's coordinate check")),
@@ -272,8 +274,6 @@ def gpt_neox_only_value(name: str, value: Any) -> str | None:
 ATTENTION_TYPES_WITH_GLOBAL_MATH = ("global", "flash")
 # the notice for an attention_config of global (or flash) attention only
 GLOBAL_ATTENTION = "standard global attention is what the model always computes"
-# the notice for every other moe_* setting
-OTHER_MOE_SETTINGS = "only matters with moe_num_experts > 1, which is not supported"
 
 
 def attention_config_problem(value: Any) -> str | None:
@@ -332,8 +332,6 @@ def take_foreign_settings(values: dict[str, Any], sources: dict[str, str], *, re
             reason = GLOBAL_ATTENTION
         elif name in INERT:
             reason = INERT[name]
-        elif name.startswith("moe_") and name not in UNSUPPORTED:
-            reason = OTHER_MOE_SETTINGS
         elif name in UNSUPPORTED:
             is_off, message = UNSUPPORTED[name]
             if not is_off(value):

@@ -46,4 +46,4 @@ def objective_for(args, batch_options: BatchOptions, reference=None) -> Objectiv
                                            args.kto_undesirable_weight, reference)
     if args.train_impl == "rm":
         return RewardModelLoss(batch_options, args.z_loss)
-    return LanguageModelLoss(batch_options)
+    return LanguageModelLoss(batch_options, args.architecture())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -13,11 +14,13 @@ import time
 import numpy as np
 import pytest
 
+from megatron import faults
 from megatron.data.indexed_dataset import data_file_path
 from megatron.neox_arguments import NeoXArgs
 from megatron.rank_errors import EXIT_EXPECTED_ERROR
 from tests.deepy_runs import REPO_ROOT, run_deepy, write_overrides
 from tests.e2e.test_bad_input import assert_one_line
+from tests.e2e.test_signals import DeepyRun
 from tests.unit.test_data_vocabulary import MODEL, write_dataset
 
 pytestmark = pytest.mark.e2e
@@ -25,6 +28,10 @@ pytestmark = pytest.mark.e2e
 # From the moment the data turns bad to the end of deepy.py: a few more steps, the error, the exits. Without
 # the fix the failed rank waited for its data-loader workers for ever.
 ENDS_WITHIN_SECONDS = 60
+# From the step after which one rank fails to the end of deepy.py: the failed rank's exit, DeepSpeed's launcher
+# noticing it (it polls once a second) and ending the other ranks. Without the fix a rank other than 0 kept quiet
+# for 30 s before it exited.
+ONE_RANK_FAILS_ENDS_WITHIN_SECONDS = 25
 
 
 def _tokenizer(tmp_path) -> dict:
@@ -102,6 +109,44 @@ def test_a_rank_that_raises_in_the_loop_with_workers_ends_the_run_with_its_error
     assert (save / tag / "manifest.json").is_file()
 
 
+@pytest.mark.parametrize(("ranks", "workers", "held"), [
+    (1, 0, False),
+    pytest.param(2, 2, False, marks=pytest.mark.slow, id="2 ranks, workers"),
+    pytest.param(2, 0, True, marks=pytest.mark.slow, id="2 ranks, rank 0 busy"),
+])
+def test_when_one_rank_fails_the_run_ends_within_seconds_with_its_line_last(tmp_path, ranks, workers, held):
+    """The last rank alone fails after step 3, as on a file only it reads; the others are in the next step or
+    waiting for it in a collective, or (held) busy outside one, as in a long step or a save. Before, rank 1 kept
+    quiet for 30 s, rank 0's lines ("lost the connection") came after its line, and a busy rank 0 took DeepSpeed's
+    launcher's SIGTERM for a stop request ("stopping after this iteration with a checkpoint")."""
+    failing = ranks - 1
+    config = write_overrides(tmp_path, num_gpus=ranks, num_workers=workers, train_iters=500, eval_interval=1000)
+    run = subprocess.Popen([sys.executable, "deepy.py", "train.py", "configs/tiny.yml", str(config)], cwd=REPO_ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                **faults.switched_on(fail_after_iteration=f"{failing}@3",
+                                                     **({"hold_after_iteration": 3} if held else {}))})
+    stdout, stderr = _Lines(run.stdout), _Lines(run.stderr)
+    try:
+        assert stdout.wait_for(r"iteration\s+3/", 600), "\n".join(stdout.lines[-20:] + stderr.lines[-40:])
+        failed_at = time.monotonic()
+        returncode = run.wait(timeout=ONE_RANK_FAILS_ENDS_WITHIN_SECONDS)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running {ONE_RANK_FAILS_ENDS_WITHIN_SECONDS} s after rank {failing} failed:\n"
+                    + "\n".join(stderr.lines[-30:]))
+    finally:
+        run.kill()
+        run.wait()
+    print(f"ranks {ranks}, workers {workers}, held {held}: ended {time.monotonic() - failed_at:.1f} s after step 3")
+    time.sleep(0.5)  # the readers reach the end of both streams
+    assert returncode == EXIT_EXPECTED_ERROR
+    line = f"fault point fail_after_iteration: rank {failing} failed after iteration 3"
+    printed = [text for text in stderr.lines if text.strip()]
+    assert printed[-1] == (f"error on rank {failing}: " if failing else "error: ") + line, "\n".join(printed[-30:])
+    assert [text for text in printed if text.startswith("error")] == printed[-1:], "\n".join(printed[-30:])
+    assert not any("stopping after this iteration" in text for text in printed)
+
+
 def test_label_ids_past_the_vocabulary_are_refused_before_the_first_step_in_one_line(tmp_path):
     """The issue's run: before, it trained until the batch holding the label, then raised IndexError and hung."""
     tokenizer = _tokenizer(tmp_path)
@@ -139,3 +184,45 @@ def test_a_rank_ends_on_its_error_while_its_data_loader_workers_run(error, last_
                             cwd=REPO_ROOT)
     assert result.returncode == 1
     assert result.stderr.rstrip().splitlines()[-1] == last_line, result.stderr[-3000:]
+
+
+def test_an_expected_error_in_a_data_loader_worker_is_the_same_one_line_as_without_workers():
+    """torch re-raises a worker's error in the rank with the worker's whole traceback as its message; the rank still
+    reports the error's own line, spread over two lines as the error gave it (it was a traceback in one line)."""
+    script = (
+        "import sys\n"
+        "from megatron.stop_signals import StopSignals\n"
+        "StopSignals().install()\n"
+        "from torch.utils.data import DataLoader, Dataset\n"
+        "from megatron.data.errors import DataError\n"
+        "from megatron.rank_errors import run_rank\n"
+        "class Records(Dataset):\n"
+        "    def __len__(self):\n"
+        "        return 100\n"
+        "    def __getitem__(self, index):\n"
+        "        if index == 7:\n"
+        "            raise DataError('train_data_paths[0]: record 7 is bad\\nfix it')\n"
+        "        return index\n"
+        "def main():\n"
+        "    for _ in DataLoader(Records(), batch_size=2, num_workers=int(sys.argv[1])):\n"
+        "        pass\n"
+        "sys.exit(run_rank(main))\n")
+    for workers in (0, 2):
+        result = subprocess.run([sys.executable, "-c", script, str(workers)], capture_output=True, text=True,
+                                timeout=ENDS_WITHIN_SECONDS, cwd=REPO_ROOT)
+        assert result.returncode == EXIT_EXPECTED_ERROR
+        assert result.stderr.splitlines() == ["error: train_data_paths[0]: record 7 is bad fix it"], result.stderr
+
+
+@pytest.mark.slow
+def test_a_rank_killed_outright_is_named_as_the_cause_in_deepys_last_line(tmp_path):
+    """A rank the out-of-memory killer ends says nothing; the other rank only says it lost the connection. The
+    launcher's exit status still tells which signal ended a rank, and deepy.py says so last."""
+    config = write_overrides(tmp_path, num_gpus=2, train_iters=500, eval_interval=1000)
+    run = DeepyRun(["configs/tiny.yml", config])
+    run.wait_for(r"iteration\s+3/")
+    os.kill(run.ranks()[1], signal.SIGKILL)
+    assert run.finish(timeout=60) == 256 - signal.SIGKILL  # DeepSpeed's launcher exits with the rank's -9
+    printed = [line.strip() for line in run.lines if line.strip()]
+    assert printed[-1].startswith("deepy.py: a rank was ended by SIGKILL without a message of its own: a process "
+                                  "outside this run sent it"), "\n".join(printed[-10:])

@@ -134,6 +134,12 @@ def test_preference_step_bench_prints_its_ratios(objective):
                            f"{objective}/sft peak_rss", f"{objective}_precomputed/{objective} peak_rss"})
 
 
+def test_lora_step_bench_prints_its_ratios():
+    ratios = run_bench("bench_lora_step.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
+                       "--seq", "8", "--lora-rank", "2", "--steps", "1", "--repeats", "1")
+    assert_ratios(ratios, {"lora/full step_seconds", "lora/full peak_rss"})
+
+
 LEAVING = r"""
 import sys
 sys.path.insert(0, sys.argv[1])

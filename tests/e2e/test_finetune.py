@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+import re
 
+import pytest
+import torch
+
+from megatron.checkpointing.ondisk.module_weights import read_module_weights
+from megatron.hf import load_hf_module_weights
+from megatron.hf.config import spec_from_hf_config
 from tests.deepy_runs import TRAIN_LINE, checkpoint_files, run_deepy, train_lines, write_overrides
 
 pytestmark = pytest.mark.e2e
@@ -104,3 +110,37 @@ def test_one_short_finetune_file_takes_the_model_from_a_hugging_face_folder(tmp_
     result = run_deepy([finetune])
     assert [line.iteration for line in train_lines(result.stdout)] == [1, 2, 3]
     assert f"model settings taken from {hf_dir / 'config.json'}" in result.stdout
+
+
+def test_a_mixtral_folder_fine_tunes_with_its_load_balancing_loss_in_the_log(tmp_path):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    hf_dir = tmp_path / "hf"
+    config = MixtralConfig(vocab_size=4096, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.02)
+    MixtralForCausalLM(config).save_pretrained(hf_dir)
+    finetune = write_overrides(tmp_path, name="finetune.yml", load=str(hf_dir), save=str(tmp_path / "out"),
+                               **{**SHORT_FINETUNE, "train_iters": 4, "weight_decay": 0.0,
+                                  "optimizer": {"type": "Adam", "params": {"lr": 0.003}}})
+    result = run_deepy([finetune])
+    assert f"model settings taken from {hf_dir / 'config.json'}" in result.stdout
+    assert "mixture of experts: 4 experts 48 wide in every layer, top 2 renormalised" in result.stdout
+    lines = [(int(m[1]), *map(float, m.groups()[1:])) for m in MOE_LINE.finditer(result.stdout)]
+    assert [line[0] for line in lines] == [1, 2, 3, 4], result.stdout[-3000:]
+    for _, loss, lm_loss, balance in lines:
+        assert balance >= 2 - 1e-4  # top_k at best, when every expert gets its share
+        assert loss == pytest.approx(lm_loss + 0.02 * balance, abs=2e-4)
+    # it trains: every expert and router moved from the folder's weights (by its gradient: no weight decay)
+    loaded = load_hf_module_weights(hf_dir, spec_from_hf_config(config.to_dict()).architecture())
+    trained = read_module_weights(tmp_path / "out" / "global_step4")
+    for layer in (2, 3):
+        assert not torch.equal(trained[f"sequential.{layer}.mlp.router.layer.weight"],
+                               loaded[f"sequential.{layer}.mlp.router.layer.weight"])
+        for name in ("w1", "w3", "w2"):
+            key = f"sequential.{layer}.mlp.experts.mlp.{name}"
+            for before, after in zip(loaded[key].chunk(4), trained[key].chunk(4), strict=True):
+                assert not torch.equal(before, after), f"{key}: an expert did not train"
+
+
+MOE_LINE = re.compile(r"iteration\s+(\d+)/\d+ \| loss ([\d.]+) \| lm_loss ([\d.]+) \| load_balancing_loss ([\d.]+) \|")

@@ -59,7 +59,17 @@ FAMILIES = {
         rope_type="yarn", rope_theta=1000000.0, factor=4.0, original_max_position_embeddings=8))),
     # Qwen3: per-head q/k RMSNorm and heads 32 wide (not 64 / 4)
     "qwen3": ("qwen3", dict(num_key_value_heads=2, head_dim=32)),
+    # mixtures of experts (tests/unit/test_hf_moe.py checks their gradients against transformers): 4 experts,
+    # 2 per token; Mixtral's experts 96 wide, Qwen3-MoE's 32 beside a dense width its layers do not use
+    "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                output_router_logits=True, router_aux_loss_coef=0.02)),
+    "qwen3_moe": ("qwen3_moe", dict(num_key_value_heads=2, head_dim=32, moe_intermediate_size=32, num_experts=4,
+                                    num_experts_per_tok=2, norm_topk_prob=True, output_router_logits=True,
+                                    router_aux_loss_coef=0.02)),
+    "qwen3_moe_unnormalised": ("qwen3_moe", dict(num_key_value_heads=2, moe_intermediate_size=32, num_experts=4,
+                                                 num_experts_per_tok=2, norm_topk_prob=False)),
 }
+MOE_KINDS = ("mixtral", "qwen3_moe", "qwen3_moe_unnormalised")
 
 
 def make_hf_model(kind: str, seed: int = 0):
@@ -73,7 +83,8 @@ def make_hf_model(kind: str, seed: int = 0):
     if family == "gpt_neox":
         model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(intermediate_size=256, **common, **options))
     else:
-        name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+        name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
+                "qwen3_moe": "Qwen3Moe"}[family]
         config = getattr(transformers, f"{name}Config")(intermediate_size=96, **common, **options)
         model = getattr(transformers, f"{name}ForCausalLM")(config)
     with torch.no_grad():
@@ -111,13 +122,15 @@ def save_hf(model, path: Path, fmt: str = "safetensors", tokenizer: bool = False
 
 
 def hf_reference(model) -> dict[str, torch.Tensor]:
-    """The tensors a checkpoint of `model` holds (a tied output layer is not stored; embed_out is its file name)."""
+    """The tensors a checkpoint of `model` holds, named as save_pretrained names them (transformers' own
+    renaming: GPTNeoX's output layer is embed_out, experts fused in memory are stored one by one); a tied output
+    layer is not stored."""
+    from transformers.core_model_loading import revert_weight_conversion
+
     state = model.state_dict()
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")
-    elif model.config.model_type == "gpt_neox":
-        state["embed_out.weight"] = state.pop("lm_head.weight")
-    return state
+    return revert_weight_conversion(model, state)
 
 
 def our_args(hf_dir: Path, **overrides) -> NeoXArgs:
@@ -307,7 +320,7 @@ def test_weights_that_do_not_fit_the_config_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["neox_parallel", "llama_gqa", "llama_tied_biases", "llama31", "mistral",
-                                  "mistral_no_window", "qwen2", "qwen3"])
+                                  "mistral_no_window", "qwen2", "qwen3", *MOE_KINDS])
 def test_hf_to_ours_to_hf_folders_are_bit_exact_and_load_in_transformers(kind, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -324,7 +337,9 @@ def test_hf_to_ours_to_hf_folders_are_bit_exact_and_load_in_transformers(kind, t
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert reloaded.config.eos_token_id == tokenizer.eos_token_id == 0
     assert type(reloaded) is type(model)
-    for key in ("model_type", "rope_parameters", "head_dim", "sliding_window", "attention_bias", "num_key_value_heads"):
+    for key in ("model_type", "rope_parameters", "head_dim", "sliding_window", "attention_bias", "num_key_value_heads",
+                "intermediate_size", "moe_intermediate_size", "num_local_experts", "num_experts_per_tok",
+                "norm_topk_prob", "output_router_logits", "router_aux_loss_coef"):
         assert getattr(reloaded.config, key, None) == getattr(model.config, key, None), key
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens()).logits, model(tokens()).logits, rtol=0, atol=0)

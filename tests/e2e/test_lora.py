@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 from megatron.checkpointing import inventory_checkpoint, load_file_weights_only, read_module_weights
 from tests.deepy_runs import TRAIN_LINE, run_deepy, train_lines, write_overrides
 from tests.e2e.test_hf_conversion import run_tool
+from tests.e2e.test_lora_peft import export, hf_logits, our_logits, tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -67,6 +70,22 @@ def test_a_lora_finetune_saves_adapter_only_tags_that_resume_bit_identically(bas
     assert "loaded: LoRA adapters" in finetuned.stdout and "fresh:  optimizer states" in finetuned.stdout
     assert inventory_checkpoint(again).tags["global_step1"].saved_layout.lora_base == lora_base
 
+    # its base was trained here, so no Hugging Face folder holds it: a PEFT export (the adapters alone) asks for
+    # one, checked; the merged export reads the base where the tag recorded it
+    refused = export(saved, tmp_path / "adapter", "--peft")
+    assert refused.returncode == 1 and "pass --base-model PATH" in refused.stderr
+    assert export(base, tmp_path / "hf_base").returncode == 0
+    written = export(saved, tmp_path / "adapter", "--peft", "--base-model", str(tmp_path / "hf_base"))
+    assert written.returncode == 0, written.stderr
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path / "hf_base")
+    merged = export(saved, tmp_path / "merged", "--dtype", "fp32")
+    assert merged.returncode == 0, merged.stderr
+    from transformers import AutoModelForCausalLM
+
+    torch.testing.assert_close(hf_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged"), tokens()),
+                               our_logits(saved / "global_step2", tokens()), atol=1e-5, rtol=0)
+
     # an adapter file that lacks an adapter (written by another program: no manifest) is refused, naming it
     state = load_file_weights_only(saved / "global_step2" / "mp_rank_00_model_states.pt", mmap=False)
     state["module"] = {name: value for name, value in state["module"].items() if not name.endswith("lora_A")}
@@ -115,3 +134,47 @@ def test_an_adapter_only_tag_of_two_ranks_resumes_bit_identically_and_at_another
     lines = train_lines(reshaped.stdout)
     assert [line.iteration for line in lines] == [3, 4]
     assert [line.loss for line in lines] == pytest.approx([loss for _, loss in after_step_2], abs=2e-3)
+
+
+@pytest.mark.distributed
+@pytest.mark.usefixtures("single_rank_world")
+def test_a_tp2_zero3_lora_finetune_of_a_hugging_face_llama_resumes_with_the_same_losses(tmp_path):
+    """2 ranks at model_parallel_size 2 under ZeRO-3 (adapters and base partitioned, none kept whole) fine-tune a Llama folder with
+    grouped-query attention; the tag at step 2 holds each rank's adapter slices whole, and resumed from it the run
+    takes the unbroken run's steps 3 and 4, and its PEFT export gives our logits in PeftModel."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_dir = tmp_path / "hf"
+    LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                 tie_word_embeddings=False)).save_pretrained(hf_dir)  # 4096: the embedded corpus's
+    run = dict(embedded_corpus=True, seq_length=64, num_gpus=2, model_parallel_size=2, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0},
+               optimizer={"type": "Adam", "params": {"lr": 0.01}}, train_iters=4, checkpoint_factor=2, **LORA)
+    save = tmp_path / "lora"
+    first = run_deepy([write_overrides(tmp_path, load=str(hf_dir), save=str(save), finetune=True, **run)]).stdout
+    assert "ZeRO stage 3, 1 data-parallel rank(s) x 2 tensor-parallel" in first
+    trained = re.search(r"; ([\d,]+) of them train \(LoRA adapters", first)
+    # per rank and layer, times rank 4: A whole on q, k, v, gate and up (64 inputs each), split on o and down (64 / 2
+    # and 96 / 2); B split on q, k, v, gate and up (64 / 2, 32 / 2, 32 / 2, 96 / 2 rows), whole on o and down (64)
+    per_layer = 4 * (5 * 64 + 32 + 48 + 32 + 16 + 16 + 48 + 48 + 2 * 64)
+    assert trained and int(trained[1].replace(",", "")) == 2 * per_layer
+    unbroken = train_lines(first)
+    tag = save / "global_step2"
+    for mp in (0, 1):
+        adapters = {name: value for name, value in read_module_weights(tag, mp).items() if ".lora." in name}
+        assert adapters and all(value.numel() for value in adapters.values()), f"mp_rank {mp}: empty adapters"
+        assert any(value.any() for name, value in adapters.items() if name.endswith("lora_B")), "no adapter trained"
+
+    resumed = run_deepy([write_overrides(tmp_path, name="resume.yml", load=str(save), iteration=2,
+                                         save=str(tmp_path / "resumed"), **run)])
+    assert [(line.iteration, line.loss) for line in train_lines(resumed.stdout)] == \
+        [(line.iteration, line.loss) for line in unbroken[2:]]
+
+    # its PEFT export: PeftModel over the folder the run started from computes our logits
+    from peft import PeftModel
+
+    assert export(save, tmp_path / "adapter", "--tag", "global_step2", "--peft").returncode == 0
+    loaded = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(hf_dir), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        theirs = loaded(input_ids=tokens()).logits
+    torch.testing.assert_close(theirs, our_logits(tag, tokens()), atol=1e-5, rtol=0)

@@ -143,8 +143,20 @@ LEARNED = dict(OURS, pos_emb="learned")
 NATIVE_ONLY = {"max_position_embeddings": ("max_position_embeddings", 64, 32, 64)}
 
 
+# The same model with experts in every layer (as wide as intermediate_size: GPT-NeoX's rule for experts), and
+# the fields compared only with experts
+EXPERTS = dict(OURS, use_bias_in_mlp=False, moe_num_experts=4, moe_top_k=2, moe_router_type="topk")
+EXPERT_CHANGES = {
+    "moe_num_experts": ("moe_num_experts", 8, 4, 8),
+    "moe_top_k": ("moe_top_k", 1, 2, 1),
+    "moe_expert_interval": ("moe_expert_interval", 2, 1, 2),
+    "moe_intermediate_size": ("moe_intermediate_size", 32, 64, 32),
+    "moe_norm_topk_prob": ("moe_norm_topk_prob", True, False, True),
+}
+
+
 def test_every_field_of_the_list_is_checked_here():
-    assert set(CHANGES) | set(NATIVE_ONLY) == set(FIELDS_THAT_REFUSE_A_LOAD)
+    assert set(CHANGES) | set(NATIVE_ONLY) | set(EXPERT_CHANGES) == set(FIELDS_THAT_REFUSE_A_LOAD)
 
 
 def _save_native(root, settings):
@@ -166,7 +178,7 @@ def sources(single_rank_world, tmp_path_factory):
     base = tmp_path_factory.mktemp("sources")
     GPTNeoXForCausalLM(GPTNeoXConfig(**HF_CONFIG)).save_pretrained(base / "hf")
     return {"native": _save_native(base / "native", OURS), "learned": _save_native(base / "learned", LEARNED),
-            "hf": base / "hf"}
+            "hf": base / "hf", "experts": _save_native(base / "experts", EXPERTS)}
 
 
 def _plan(load, settings):
@@ -187,6 +199,23 @@ def test_each_differing_field_refuses_the_load_naming_it_and_both_values(sources
         _plan(sources[source], {**OURS, setting: value})
     message = str(refusal.value)
     assert f"{field}: " in message and repr(theirs) in message and repr(ours) in message, message
+
+
+@pytest.mark.parametrize("field", sorted(EXPERT_CHANGES))
+def test_each_differing_expert_field_refuses_the_load_naming_it_and_both_values(sources, field):
+    setting, value, theirs, ours = EXPERT_CHANGES[field]
+    with pytest.raises(CheckpointError) as refusal:
+        _plan(sources["experts"], {**EXPERTS, setting: value})
+    message = str(refusal.value)
+    assert f"{field}: " in message and repr(theirs) in message and repr(ours) in message, message
+
+
+def test_experts_refuse_a_dense_checkpoint_and_the_load_balancing_loss_refuses_nothing(sources):
+    for dense in ("native", "hf"):
+        with pytest.raises(CheckpointError, match="moe_num_experts: (saved|config.json says) 1, (now|the settings say) 4"):
+            _plan(sources[dense], EXPERTS)
+    balanced = dict(EXPERTS, moe_load_balancing_loss=True, moe_load_balancing_loss_coef=0.02)
+    assert _plan(sources["experts"], balanced).module_only
 
 
 def test_max_positions_refuse_only_where_weights_depend_on_them(sources):

@@ -222,6 +222,31 @@ def test_dry_run_refuses_precomputed_log_probabilities_of_another_length(tmp_pat
     assert f"precomputed log-probabilities '{chosen}_ref' hold 6 float32 documents of [16] values" in line
 
 
+MASKED = [np.full(10, -100, np.int32)] * 6  # labels that train nothing
+
+
+@pytest.mark.parametrize("case", ["every label masked", "every document too long", "every rejected label masked"])
+def test_dry_run_refuses_a_split_without_a_document_a_sample_can_use(tmp_path, capsys, case):
+    """Found before only while the sample index was built, at start-up; the dry run reads the sizes and, up to the
+    first usable document, the labels."""
+    data = write_documents(tmp_path / "text", DOCUMENTS)
+    if case == "every label masked":
+        config = _own_data_run(tmp_path, train_data_paths=[data],
+                               train_label_data_paths=[write_documents(tmp_path / "label", MASKED, np.int32)])
+    elif case == "every document too long":
+        config = _own_data_run(tmp_path, train_data_paths=[data], allow_chopped=False, seq_length=8)
+    else:
+        rejected = write_documents(tmp_path / "rejected", DOCUMENTS)
+        config = _own_data_run(tmp_path, train_impl="dpo", dataset_impl="pairwise", dpo_reference_free=True,
+                               pos_train_data_paths=[data], neg_train_data_paths=[rejected],
+                               pos_train_label_data_paths=[data],
+                               neg_train_label_data_paths=[write_documents(tmp_path / "label", MASKED, np.int32)])
+    line = _dry_run_error(config, capsys)
+    assert f"of '{data}' has no document to sample with pack_impl unpacked: every one is " in line
+    assert ("longer than seq_length + 1 or without a trained label" if case == "every document too long"
+            else "without a trained label") in line
+
+
 def test_dry_run_refuses_a_data_path_that_is_not_there_and_passes_what_the_start_passes(tmp_path, capsys):
     missing = str(tmp_path / "nowhere_text_document")
     assert f"{missing}.bin' does not exist" in _dry_run_error(_own_data_run(tmp_path, data_path=missing), capsys)

@@ -156,3 +156,18 @@ def test_every_file_and_folder_a_save_writes_has_the_umasks_permissions(single_r
                 for name in modes}
     wrong = {name: oct(mode) for name, mode in modes.items() if mode != expected[name]}
     assert not wrong, f"plain file {oct(file_mode)}, folder {oct(dir_mode)}; differ: {wrong}"
+
+
+def test_a_manifest_rewritten_in_place_after_a_read_is_read_again(single_rank_world, tmp_path):
+    """The manifest is parsed once per state of its file (every check of a tag's files asks for it): an edit
+    to the same file, even one of the same size, is what the next read returns, and damage is refused."""
+    _, tag_dir = saved_tag(tmp_path)
+    before = manifest.read_manifest(tag_dir)[MODEL_FILE]
+    flipped = "0" if before.digest[0] != "0" else "1"
+    rewrite_manifest(tag_dir, lambda files: files[MODEL_FILE].update(
+        {before.checksum: flipped + before.digest[1:]}))
+    assert manifest.read_manifest(tag_dir)[MODEL_FILE].digest == flipped + before.digest[1:]
+    assert manifest.check_file(tag_dir / MODEL_FILE, manifest.read_manifest(tag_dir), tag_dir)
+    (tag_dir / "manifest.json").write_text("{")
+    with pytest.raises(CheckpointError, match="is damaged"):
+        manifest.read_manifest(tag_dir)

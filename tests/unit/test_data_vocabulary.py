@@ -57,10 +57,10 @@ def test_ids_beyond_the_padded_vocabulary_are_refused_before_training(tmp_path):
     with pytest.raises(DataError, match=rf"^data_path: dataset {prefix} holds token id 400 \(document 1, position 1\), "
                                         r"but the model has 384 vocabulary rows \(the tokenizer .* has 293 tokens"):
         check_data_vocabulary(args_for(384, data_path=prefix), tokenizer_vocab_size=293)
-    cached = list(tmp_path.glob("d_max_token_id_*"))
+    cached = list(tmp_path.glob("d_token_id_range_*"))
     assert cached, "the largest id was not cached next to the data"
     check_data_vocabulary(args_for(512, data_path=prefix), tokenizer_vocab_size=500)
-    assert sorted(tmp_path.glob("d_max_token_id_*")) == sorted(cached)  # read back, not rebuilt
+    assert sorted(tmp_path.glob("d_token_id_range_*")) == sorted(cached)  # read back, not rebuilt
 
 
 @pytest.mark.parametrize("setting", ["train_label_data_paths", "valid_label_data_paths", "pos_train_label_data_paths",
@@ -81,16 +81,35 @@ def test_label_ids_past_the_vocabulary_are_refused_naming_the_file_document_and_
     assert "negative where the loss is masked" in message and "\n" not in message
 
 
+@pytest.mark.parametrize("setting", ["data_path", "train_data_paths", "neg_valid_data_paths"])
+def test_a_negative_token_id_in_a_signed_token_file_is_refused_naming_the_file_document_and_position(tmp_path,
+                                                                                                       setting):
+    """A label may be negative (masked); a token id may not: the embedding would read a row from the end."""
+    prefix = write_dataset(tmp_path / "d", [[1, 2, 3], [4, -7, 6, -1]], dtype=np.int32)
+    value = prefix if setting == "data_path" else [prefix]
+    with pytest.raises(DataError) as error:
+        check_data_vocabulary(args_for(384, **{setting: value}), 293)
+    where = setting if setting == "data_path" else f"{setting}[0]"
+    message = str(error.value)
+    assert message.startswith(f"{where}: dataset {prefix} holds token id -7 (document 1, position 1); ")
+    assert "never negative" in message and "preprocess_data.py" in message and "\n" not in message
+    cached = sorted(tmp_path.glob("d_token_id_range_*"))
+    assert cached  # the scan is kept: once per file
+    with pytest.raises(DataError):
+        check_data_vocabulary(args_for(384, **{setting: value}), 293)
+    assert sorted(tmp_path.glob("d_token_id_range_*")) == cached
+
+
 def test_the_largest_id_is_read_once_per_file_not_per_check(tmp_path):
     """The scan of the .bin is cached next to the data: a second check (the next run, another rank) reads the cache."""
     tokens = write_dataset(tmp_path / "d", [[1, 2, 3]], vocab_size=293)
     labels = write_dataset(tmp_path / "l", [[-100, 2, 3]], dtype=np.int32)
     args = args_for(384, train_data_paths=[tokens], train_label_data_paths=[labels])
     check_data_vocabulary(args, 293)
-    cached = sorted(tmp_path.glob("l_max_token_id_*"))
+    cached = sorted(tmp_path.glob("l_token_id_range_*"))
     assert cached
     check_data_vocabulary(args, 293)
-    assert sorted(tmp_path.glob("l_max_token_id_*")) == cached
+    assert sorted(tmp_path.glob("l_token_id_range_*")) == cached
 
 
 def test_every_dataset_of_every_split_is_checked(tmp_path):
@@ -156,3 +175,29 @@ def test_a_training_run_stops_at_setup_not_mid_run_with_an_index_error(single_ra
     with pytest.raises(DataError, match=rf"^data_path: dataset {prefix} holds token id 385 \(document 0, position 55\), "
                                         r"but the model has 384 vocabulary rows"):
         setup(args)
+
+
+def test_start_up_checks_each_data_file_once(single_rank_world, tmp_path, monkeypatch):
+    """check_data_files (the dry run's) and the datasets' constructors make the same checks; start-up makes them
+    once, as it builds the datasets, not once more before."""
+    from megatron.data import builders, gpt_dataset
+    from megatron.run_context import resolve_run_settings
+    from megatron.tokenizer import train_bpe_tokenizer
+    from megatron.training import setup
+
+    checked, check = [], gpt_dataset.check_gpt_files
+
+    def counted(name, data, *rest, **settings):
+        checked.append((name, data.prefix))
+        return check(name, data, *rest, **settings)
+
+    monkeypatch.setattr(gpt_dataset, "check_gpt_files", counted)
+    monkeypatch.setattr(builders, "check_gpt_files", counted)
+    vocab_file = train_bpe_tokenizer(["def f(x):\n    return x * x\n"] * 50, tmp_path / "tok.json", vocab_size=300)
+    prefix = write_dataset(tmp_path / "d", [list(range(1, 40))] * 8)
+    args = resolve_run_settings(NeoXArgs.from_dict(
+        {**MODEL, "train_iters": 2, "lr": 1e-3, "train_micro_batch_size_per_gpu": 1, "train_data_paths": [prefix],
+         "valid_data_paths": [prefix], "eval_iters": 1, "tokenizer_type": "HFTokenizer",
+         "vocab_file": str(vocab_file)}, require_run_settings=True))
+    setup(args)
+    assert checked == [("train", prefix), ("valid", prefix)]

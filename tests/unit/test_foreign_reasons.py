@@ -19,7 +19,6 @@ from megatron.neox_arguments.foreign import (
     GLOBAL_ATTENTION,
     GPT_NEOX_ONLY_VALUES,
     INERT,
-    OTHER_MOE_SETTINGS,
     TENSOR_PARALLEL_ONLY,
     UNSUPPORTED,
 )
@@ -63,7 +62,7 @@ TINY_MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq
 def _reasons() -> list[tuple[str, str]]:
     """(where, text) of every reason foreign.py gives for a GPT-NeoX key or value."""
     reasons = [(f"INERT[{name}]", reason) for name, reason in INERT.items()]
-    reasons += [("moe_*", OTHER_MOE_SETTINGS), ("attention_config", GLOBAL_ATTENTION)]
+    reasons += [("attention_config", GLOBAL_ATTENTION)]
     reasons += [(f"UNSUPPORTED[{name}]", message) for name, (_, message) in UNSUPPORTED.items()]
     for name, rule in TENSOR_PARALLEL_ONLY.items():
         reasons += [(f"TENSOR_PARALLEL_ONLY[{name}]", text) for text in (rule.built, rule.other, rule.instead)]

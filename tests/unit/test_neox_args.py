@@ -163,8 +163,8 @@ def test_saved_settings_of_other_programs_restore_what_this_schema_knows():
     args = NeoXArgs.from_saved(saved, "ckpt/global_step5")
     assert (args.num_layers, args.padded_vocab_size, args.train_batch_size) == (2, 64, None)
     assert args.source_of("num_layers") == "ckpt/global_step5"
-    with pytest.raises(ConfigError, match="mixture-of-experts"):
-        NeoXArgs.from_saved({**saved, "moe_num_experts": 8}, "ckpt")
+    with pytest.raises(ConfigError, match="'sinkhorn' routing is not built here; set moe_router_type: topk"):
+        NeoXArgs.from_saved({**saved, "moe_num_experts": 8}, "ckpt")  # GPT-NeoX's default router
 
 
 # --- validation errors name the file and the key ----------------------------------------------
@@ -242,7 +242,18 @@ def test_saved_settings_of_other_programs_restore_what_this_schema_knows():
         ({"deepspeed_extra_args": {"scheduler": {"type": "WarmupLR"}}}, r"deepspeed_extra_args: scheduler"),
         ({"attention_config": [[["sparse_fixed"], 2]]}, r"run.yml: attention_config: attention types \['sparse_fixed'\]"),
         ({"sparsity_config": {"block": 16}}, r"run.yml: sparsity_config: .*sparse attention is a GPT-NeoX feature"),
-        ({"moe_num_experts": 8}, r"run.yml: moe_num_experts: 8: mixture-of-experts is a GPT-NeoX feature not built"),
+        ({"moe_num_experts": 8}, r"moe_router_type \(default\): 'sinkhorn' routing is not built here; set moe_router_type: topk"),
+        ({"moe_num_experts": 8, "moe_router_type": "topk", "use_bias_in_mlp": False, "moe_top_k": 9}, r"run.yml: moe_top_k: 9 experts per token"),
+        ({"moe_num_experts": 8, "moe_router_type": "topk", "use_bias_in_mlp": False, "model_parallel_size": 2, "num_gpus": 2},
+         r"run.yml: model_parallel_size: mixture of experts runs so far on one tensor-parallel rank"),
+        ({"moe_num_experts": 8, "moe_router_type": "topk", "use_bias_in_mlp": False, "pipe_parallel_size": 2, "num_gpus": 2},
+         r"run.yml: pipe_parallel_size: mixture of experts runs so far without a pipeline"),
+        ({"moe_num_experts": 8, "moe_router_type": "topk", "use_bias_in_mlp": False, "lora_rank": 4},
+         r"run.yml: moe_num_experts: LoRA .* without experts"),
+        ({"moe_num_experts": 8, "moe_intermediate_size": 0}, r"run.yml: moe_intermediate_size: must be a positive"),
+        ({"moe_jitter_eps": 0.01}, r"run.yml: moe_jitter_eps: 0.01: router jitter .* not built"),
+        ({"moe_num_experts": 8, "moe_router_type": "topk", "use_bias_in_mlp": False,
+          "zero_optimization": {"stage": 3}}, r"run.yml: zero_optimization: mixture of experts runs so far with ZeRO"),
         ({"mlp_type": "llama"}, r"run.yml: mlp_type: 'llama': .*activation: swiglu"),
         ({"num_gpus": 2, "include": "localhost:0"}, r"include/exclude cannot be combined with num_gpus"),
         ({"hostfile": "/nonexistent/hostfile", "num_nodes": 2}, r"hostfile: '/nonexistent/hostfile' does not exist"),
@@ -282,7 +293,7 @@ def test_inert_gpt_neox_settings_are_accepted_with_one_notice_each(tmp_path):
         "attention_config": [[["global"], 2]],
         "output_layer_parallelism": "column",
         "distributed_backend": "nccl",
-        "moe_num_experts": 1,
+        "moe_lbl_in_fp32": True,
         "sparsity_config": {},
     }
     args = run_args(tmp_path, **inert)

@@ -97,3 +97,27 @@ def test_a_pipelined_checkpoint_gives_its_model_but_not_its_stages(tmp_path, sin
     args = settings_for_run(finetune_yml(tmp_path, load=str(root)))
     assert args.num_layers == saved.num_layers and args.source_of("num_layers") == f"{root / 'global_step1'} (saved settings)"
     assert (args.pipe_parallel_size, args.pipe_partition_method) == (0, "type:transformer|mlp")
+
+
+def embedded_corpus_yml(tmp_path, **settings):
+    """finetune_yml on the embedded corpus, no data_path or tokenizer of its own."""
+    path = tmp_path / "finetune.yml"
+    run = {name: value for name, value in RUN.items() if name not in ("data_path", "tokenizer_type")}
+    path.write_text(yaml.safe_dump({**run, "embedded_corpus": True, **settings}))
+    return [str(path)]
+
+
+@pytest.mark.parametrize("setting", [{"vocab_file": "tokenizer.json"}, {"tokenizer_type": "HFTokenizer"},
+                                     {"merge_file": "merges.txt"}])
+def test_a_tokenizer_named_beside_the_embedded_corpus_is_refused_not_replaced(tmp_path, setting):
+    """The embedded corpus is tokenized with its own tokenizer, which would silently replace the one named."""
+    name = next(iter(setting))
+    with pytest.raises(ConfigError, match=rf"finetune.yml: {name} is set, but \S*finetune.yml: embedded_corpus trains "
+                                          "on the embedded corpus, which brings its own tokenizer; remove"):
+        settings_for_run(embedded_corpus_yml(tmp_path, **setting))
+
+
+def test_the_embedded_corpus_with_a_checkpoints_tokenizer_is_accepted(checkpoint, tmp_path):
+    """A fine-tune from a checkpoint takes the tokenizer its run saved: no config file named it."""
+    args = settings_for_run(embedded_corpus_yml(tmp_path, load=str(checkpoint)))
+    assert args.embedded_corpus and args.source_of("tokenizer_type").endswith("(saved settings)")

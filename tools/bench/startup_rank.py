@@ -31,7 +31,7 @@ PHASES = (
     ("megatron.model", "build_model", "model"),
     ("deepspeed", "initialize", "engine"),
     ("megatron.checkpointing", "load_checkpoint", "load"),
-    ("megatron.data", "build_data_iterators", "data"),
+    ("megatron.data.builders", "build_checked_datasets", "data"),
 )
 
 
@@ -96,8 +96,7 @@ def train() -> int:
         return result
 
     training.train_step = first_step
-    return run_rank(lambda: training.pretrain(load_args_on_rank(), stop_signals),
-                    stop_requested=lambda: stop_signals.received is not None)
+    return run_rank(lambda: training.pretrain(load_args_on_rank(), stop_signals))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python tools/ckpts/convert_neox_to_hf.py --input CKPT_DIR [--tag TAG] --output HF_DIR
                                              [--architecture gpt_neox|llama|mistral|qwen2|qwen3] [--config FILE.yml ...]
                                              [--dtype fp32|bf16|fp16] [--max-shard-size 5GB] [--overwrite]
+                                             [--peft [--base-model HF_DIR]]
 
 GPT-NeoX's command line for this tool works too, flag for flag:
 
@@ -15,6 +16,10 @@ The architecture comes from the settings saved in the checkpoint, or from --conf
 files (for checkpoints without saved settings, e.g. GPT-NeoX pipeline checkpoints). Unset, the family
 is the one the model came from (hf_model_type), else the one its architecture implies. An output folder
 that already holds a model or a run is refused unless --overwrite replaces it.
+
+A LoRA run's tag is written merged (W + scaling B A in fp32, then cast to --dtype), or with --peft as a PEFT
+adapter folder (adapter_config.json, adapter_model.safetensors) that PeftModel.from_pretrained loads over the
+base model: the Hugging Face folder the run's base came from, or --base-model.
 """
 
 from __future__ import annotations
@@ -66,9 +71,16 @@ def parse_command_line(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vocab-is-hf-tokenizer", action="store_true",
                         help="GPT-NeoX's flag; the tokenizer is written from vocab_file (a tokenizers JSON) either way")
     parser.add_argument("--pad-token-id", type=int, help="the padding token's id (default: <|padding|>'s)")
+    parser.add_argument("--peft", action="store_true",
+                        help="write a LoRA run's adapters as a PEFT adapter folder instead of the merged model")
+    parser.add_argument("--base-model", type=Path,
+                        help="with --peft: the Hugging Face folder of the base model (default: the one the run "
+                             "recorded as its base)")
     options = parser.parse_args(argv)
     if options.tag and options.input_dir:
         parser.error("--tag goes with --input; --input_dir names the tag folder itself")
+    if options.base_model and not options.peft:
+        parser.error("--base-model goes with --peft (the merged model needs no base)")
     return options
 
 
@@ -91,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             ckpt_dir, options.output or options.output_dir, tag,
             GPT_NEOX_ARCHITECTURES.get(options.architecture, options.architecture), config_files, dtype,
             parse_size(options.max_shard_size), progress=True, save_tokenizer=not options.no_save_tokenizer,
-            pad_token_id=options.pad_token_id, overwrite=options.overwrite,
+            pad_token_id=options.pad_token_id, overwrite=options.overwrite, peft=options.peft,
+            base_model=options.base_model,
         )
     except (CheckpointError, ConfigError) as err:  # HFConversionError is a CheckpointError
         print(f"error: {err}", file=sys.stderr)

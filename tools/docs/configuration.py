@@ -21,7 +21,6 @@ from megatron.neox_arguments.foreign import (  # noqa: E402
     GLOBAL_ATTENTION,
     GPT_NEOX_ONLY_VALUES,
     INERT,
-    OTHER_MOE_SETTINGS,
     TENSOR_PARALLEL_ONLY,
     UNSUPPORTED,
     VALUE_ALIASES,
@@ -105,8 +104,7 @@ def foreign_tables() -> list[str]:
     lines += [f"| `{name}` | {cell(rule.built)} | {cell(rule.is_built.values)} | {cell(rule.other)} |"
               for name, rule in TENSOR_PARALLEL_ONLY.items()]
     lines += ["", "### Accepted with a one-line notice (no effect here)", "", "| key | why it has no effect |",
-              "|---|---|", f"| `attention_config` of global or flash attention | {cell(GLOBAL_ATTENTION)} |",
-              f"| `moe_*` (other than those below) | {cell(OTHER_MOE_SETTINGS)} |"]
+              "|---|---|", f"| `attention_config` of global or flash attention | {cell(GLOBAL_ATTENTION)} |"]
     lines += [f"| `{name}` | {cell(reason)} |" for name, reason in sorted(INERT.items())]
     lines += ["", "### Errors when switched on", "",
               "A GPT-NeoX feature not built here: a value that leaves it off is accepted with a notice, any other "

@@ -31,3 +31,11 @@ class WeightsSource(Protocol):
 
     def is_reward_model(self, path: Path) -> bool:
         """Whether the folder holds a reward model (a scalar head in place of the output layer)."""
+
+    def adapter_base(self, path: Path) -> Path | None:
+        """For a folder of LoRA adapters, the model folder they sit on (whose weights read_weights includes);
+        None for a model folder."""
+
+    def check_adapters(self, path: Path, args) -> None:
+        """Raise a CheckpointError naming the setting and the folder's key where the run's LoRA settings differ
+        from the folder's adapters (a model folder: none to differ from)."""

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.ondisk.client_state import ClientState
-from megatron.checkpointing.ondisk.identity import ReferenceIdentity
+from megatron.checkpointing.ondisk.identity import LoraBase
 from megatron.checkpointing.ondisk.rng import restore_rng_states
 from megatron.checkpointing.ondisk.verified_files import checkpoint_file_problem, checks_beside_use
 from megatron.checkpointing.planning.lineage import Lineage
@@ -47,7 +47,7 @@ class LoadOutcome:
     lineage: Lineage = field(default_factory=Lineage, repr=False, compare=False)
     # what a module-only load copied and skipped (None when DeepSpeed resumed the whole engine)
     module_report: ModuleLoadReport | None = field(default=None, repr=False)
-    lora_base: ReferenceIdentity | None = None  # the frozen base a LoRA run's saves name (plan.lora_base)
+    lora_base: LoraBase | None = None  # the frozen base a LoRA run's saves name (plan.lora_base)
 
 
 def _logger():

@@ -17,7 +17,7 @@ from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.formats.weights_source import WeightsSource
 from megatron.checkpointing.ondisk import layout, manifest
 from megatron.checkpointing.ondisk.client_state import ClientState
-from megatron.checkpointing.ondisk.identity import ReferenceIdentity
+from megatron.checkpointing.ondisk.identity import LoraBase
 from megatron.optimizer_layout import precision_of, zero_stage_of
 
 FORMAT_DEEPSPEED = "deepspeed"  # mp_rank_XX_model_states.pt holds the module
@@ -103,7 +103,7 @@ class SavedLayout:
     data_parallel: int
     zero_stage: int | None  # None without a model-states file to read it from
     precision: str | None
-    lora_base: ReferenceIdentity | None = None  # set: LoRA adapters only, over this base
+    lora_base: LoraBase | None = None  # set: LoRA adapters only, over this base
 
     @property
     def adapters_only(self) -> bool:
@@ -204,7 +204,7 @@ class TagInventory:
             data_parallel=int(recorded_dp or (max(self.optimizer_dp_ranks) + 1 if self.optimizer_files else 1)),
             zero_stage=self.metadata.zero_stage if self.metadata else None,
             precision=self.metadata.precision if self.metadata else None,
-            lora_base=ReferenceIdentity.from_dict(self.metadata.client_state.lora_base) if self.metadata else None,
+            lora_base=LoraBase.from_dict(self.metadata.client_state.lora_base) if self.metadata else None,
         )
 
     @property

@@ -113,8 +113,7 @@ def read_manifest(tag_dir: Path) -> dict[str, FileRecord] | None:
     if not path.is_file():
         return None
     try:
-        stored = json.loads(path.read_text())
-        records = {name: _record(name, entry) for name, entry in stored["files"].items()}
+        records = _parsed_manifest(path)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointError(
             f"{path} is damaged ({type(err).__name__}: {err}), so the files of {Path(tag_dir).name} cannot be "
@@ -131,6 +130,22 @@ def read_manifest(tag_dir: Path) -> dict[str, FileRecord] | None:
             f"added after the save cannot be checked. Remove the file if it does not belong to the tag. {_WAY_OUT}"
         )
     return records
+
+
+_parsed: dict[str, tuple[tuple, dict[str, FileRecord]]] = {}  # by path: (the file's state when read, its records)
+
+
+def _parsed_manifest(path: Path) -> dict[str, FileRecord]:
+    """The records `path` holds, parsed once per state of the file: the plan, the resume's checks and the
+    check of each file it reads (verified_files) all ask; a rewritten, replaced or touched manifest is read again."""
+    found = os.stat(path)
+    state = (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns, found.st_ctime_ns)
+    known = _parsed.get(str(path))
+    if known is None or known[0] != state:
+        stored = json.loads(path.read_text())
+        known = state, {name: _record(name, entry) for name, entry in stored["files"].items()}
+        _parsed[str(path)] = known
+    return dict(known[1])
 
 
 def _record(name: str, entry: dict) -> FileRecord:

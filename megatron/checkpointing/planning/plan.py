@@ -21,14 +21,17 @@ and a full resume of a language model's checkpoint into a reward model is refuse
 
 A LoRA run (lora_rank > 0) starts its adapters fresh over the weights of a source without adapters (a
 checkpoint saved without lora_rank, a Hugging Face folder) in a weights-only load (`fresh_adapters`, said in
-the plan); a full resume of such a checkpoint into a LoRA run is refused. A LoRA run's own tags load strictly.
+the plan); a full resume of such a checkpoint into a LoRA run is refused. A LoRA run's own tags load strictly,
+and so does a PEFT adapter folder: its adapters with the base model it names (megatron/hf/peft.py).
 
 A LoRA run over a base it loaded (a fine-tune of a tag or folder without adapters, or a load of one of its
 own tags) saves adapter-only tags: the parameters that train, their optimizer states and the run's state,
-and the base's identity (`lora_base`: source, tag, checksum; `SavedLayout.lora_base` is where a reader learns
-that a tag is one). Loading such a tag plans the base's module-only load from the recorded source (`base`),
-refused in one line when the base is gone or its files changed, and then the tag as any tag of its mode; a
-tag without some adapter the model has is refused, never loaded with fresh ones. A LoRA run from scratch
+and the base's identity (`lora_base`: source, tag, checksum and the Hugging Face folder holding it, the table
+in LoadPlan.lora_base; `SavedLayout.lora_base` is where a reader learns that a tag is one). A PEFT adapter
+folder's base is the model folder it names, and its saves are adapter-only too. Loading such a tag plans the
+base's module-only load from the recorded source (`base`), refused in one line when the base is gone or its
+files changed, and then the tag as any tag of its mode; a tag without some adapter the model has is refused,
+never loaded with fresh ones. A LoRA run from scratch
 (no `load`) has no base to name, and saves full tags.
 
 The plan is the whole contract of a load: `load.load_checkpoint(engine, plan)` reads no settings.
@@ -46,7 +49,7 @@ from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.formats.weights_source import WeightsSource
 from megatron.checkpointing.ondisk import layout
 from megatron.checkpointing.ondisk.client_state import ClientState
-from megatron.checkpointing.ondisk.identity import ReferenceIdentity, files_checksum
+from megatron.checkpointing.ondisk.identity import LoraBase, ReferenceIdentity, files_checksum
 from megatron.checkpointing.ondisk.inventory import (
     FORMAT_HF,
     FORMAT_INCOMPLETE,
@@ -116,13 +119,27 @@ class LoadPlan:
         return not self.nothing_to_load and not self.load_optimizer
 
     @property
-    def lora_base(self) -> ReferenceIdentity | None:
-        """The frozen base a LoRA run's saves name after this load (computes a checksum): the base recorded by
-        the adapter-only tag loaded, else the source fresh adapters start over; None when there is none."""
+    def lora_base(self) -> LoraBase | None:
+        """The frozen base a LoRA run's saves name after this load (computes a checksum); None when there is none.
+
+        | the load                                        | its base                          | its hf_folder                  |
+        | an adapter-only tag (resume or fine-tune)       | the base the tag recorded         | the one the tag recorded       |
+        | fresh adapters over a Hugging Face folder       | that folder                       | that folder                    |
+        | fresh adapters over a tag without adapters      | that tag                          | its `converted_from` (a run's  |
+        |                                                 |                                   | tags have none: they trained)  |
+        | a PEFT adapter folder                           | the model folder it names (the    | that model folder              |
+        |                                                 | checksum: of that folder's files) |                                |
+        | a LoRA run's full tag, or no LoRA               | none                              |                                |
+        """
         if self.base is not None:
             return self.tag_inventory.saved_layout.lora_base
         if self.fresh_adapters:
-            return ReferenceIdentity(str(self.load_dir), self.tag, weights_checksum(self))
+            hf_folder = str(self.load_dir) if self.source_format == FORMAT_HF else self.client_state.converted_from
+            return LoraBase(str(self.load_dir), self.tag, weights_checksum(self), hf_folder)
+        adapter_base = self.hf_source.adapter_base(self.load_dir) if self.source_format == FORMAT_HF else None
+        if adapter_base is not None:
+            folder = str(adapter_base)
+            return LoraBase(folder, None, files_checksum(self.hf_source.files(adapter_base), adapter_base, None), folder)
         return None
 
     @property
@@ -215,7 +232,7 @@ def recorded_weights_plan(args, recorded: ReferenceIdentity, where: str, way_out
     return plan
 
 
-def _base_plan(args, tag: TagInventory, data_parallel_size: int, hf_source: WeightsSource | None) -> LoadPlan | None:
+def lora_base_plan(args, tag: TagInventory, data_parallel_size: int, hf_source: WeightsSource | None) -> LoadPlan | None:
     """The module-only plan of the base under an adapter-only tag (the module docstring); None for a full tag."""
     recorded = tag.saved_layout.lora_base
     if recorded is None:
@@ -316,13 +333,18 @@ def _hf_plan(args, inventory: CheckpointInventory, mode: LoadMode) -> LoadPlan:
             f"`load: {root}` is a Hugging Face model folder: it holds weights only, no optimizer states, "
             "iteration or RNG states. Set `finetune: true` (and leave `iteration` unset) to start from its weights."
         )
-    inventory.hf_source.check_architecture(root, args.architecture())
+    source = inventory.hf_source
+    source.check_architecture(root, args.architecture())
+    source.check_adapters(root, args)
+    adapter_base = source.adapter_base(root)
     unchecked = f"no {layout.MANIFEST_FILE} in a Hugging Face folder: its files are not checksummed"
+    adapters = [] if adapter_base is None else [f"LoRA adapters of PEFT's folder {root} over their base model "
+                                                f"{adapter_base}, both loaded"]
     return LoadPlan(mode=mode, load_dir=root, source_format=FORMAT_HF, **_contract(args),
-                    files=inventory.hf_files, hf_source=inventory.hf_source, model=_model(args),
-                    notes=(*_model_from_checkpoint_note(args, root), unchecked),
-                    fresh_reward_head=args.train_impl == "rm" and not inventory.hf_source.is_reward_model(root),
-                    fresh_adapters=args.lora_rank > 0)
+                    files=inventory.hf_files, hf_source=source, model=_model(args),
+                    notes=(*_model_from_checkpoint_note(args, root), *adapters, unchecked),
+                    fresh_reward_head=args.train_impl == "rm" and not source.is_reward_model(root),
+                    fresh_adapters=args.lora_rank > 0 and adapter_base is None)
 
 
 def _model(args) -> str | None:
@@ -466,7 +488,7 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         model=_model(args),
         fresh_reward_head=_fresh_reward_head(args, client, tag, load_optimizer),
         fresh_adapters=_fresh_adapters(args, client, tag, load_optimizer),
-        base=_base_plan(args, tag, data_parallel_size, hf_source),
+        base=lora_base_plan(args, tag, data_parallel_size, hf_source),
     )
     _check_iterations_left(plan, args)
     preflight.check_plan(files, load_optimizer, tag, args, change)

@@ -1,0 +1,133 @@
+"""A LoRA fine-tune step against a full fine-tune step of the same model: step time and memory, ratios in one run.
+
+    python tools/bench/bench_lora_step.py [--layers 4] [--hidden 512] [--heads 8] [--seq 256] [--vocab 8192]
+        [--precision bf16|fp32] [--zero-stage 1] [--lora-rank 16] [--micro-batch 2] [--steps 4] [--repeats 3]
+        [--threads N] [--json PATH]
+
+Each measurement is a fresh process (so one variant's freed memory cannot hide the other's), the two variants
+alternating every repeat. A process builds a Llama-family GPTModel in a DeepSpeed engine with Adam, takes one
+warm-up step and times `--steps` optimizer steps (forward, loss, backward, step) on the same batch:
+
+| row    | the model                                                                                  |
+| `full` | every weight trains                                                                        |
+| `lora` | `lora_rank` adapters on every linear layer (`all-linear`, alpha = 2 x rank), the base frozen |
+
+Memory: the process's peak RSS (VmHWM) above its RSS before the model was built, so weights, gradients, fp32
+masters and optimizer state all count. For scale the output also gives the base's weights at the run's
+precision and the adapters' share of the parameters. Ratios: `lora/full step_seconds`, `lora/full peak_rss`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import Ratios, bench_parser, in_turn, repeat_ratios, table, write_json  # noqa: E402
+
+VARIANTS = ("full", "lora")
+
+
+def measure_variant(options: argparse.Namespace) -> dict:
+    """In this process: build `options.variant`'s engine, time its steps, read its peak memory."""
+    import bench_world as world
+    import torch
+    from procmem import status_kib
+
+    from megatron.model import build_model
+    from megatron.neox_arguments import NeoXArgs
+    from megatron.optimizers import build_param_groups
+
+    world.measuring_process(options.threads)
+    world.init_world()
+    lora = {"lora_rank": options.lora_rank, "lora_alpha": 2 * options.lora_rank, "lora_target_modules": "all-linear"}
+    args = NeoXArgs.from_dict(world.model_settings(
+        options, **world.LLAMA, num_kv_heads=max(options.heads // 2, 1), mlp_multiple_of=32,
+        train_micro_batch_size_per_gpu=options.micro_batch, train_iters=10,
+        **(lora if options.variant == "lora" else {})))
+    before_kib = status_kib("VmRSS")
+    model = build_model(args.architecture(), args.seed, lora=args.lora())
+    config = world.deepspeed_config(options.micro_batch, options.zero_stage, options.precision)
+    engine = world.build_engine(model, config, model_parameters=build_param_groups(model, 0.0))
+    tokens = torch.randint(0, options.vocab, (options.micro_batch, options.seq + 1),
+                           generator=torch.Generator().manual_seed(0))
+    world.train_step(engine, tokens)  # warm-up: kernels, optimizer state
+    seconds = []
+    for _ in range(options.steps):
+        started = time.perf_counter()
+        world.train_step(engine, tokens)
+        seconds.append(time.perf_counter() - started)
+    parameters = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"step_seconds": median(seconds), "peak_mib": (status_kib("VmHWM") - before_kib) / 1024,
+            "parameters": parameters, "trained": trained,
+            "base_mib": (parameters - trained if options.variant == "lora" else parameters)
+            * (2 if options.precision == "bf16" else 4) / 2**20}
+
+
+def run_variant(options: argparse.Namespace, variant: str) -> dict:
+    command = [sys.executable, __file__, "--variant", variant, *_shared_flags(options)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"bench_lora_step.py: the {variant} process failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _shared_flags(options: argparse.Namespace) -> list[str]:
+    return ["--layers", str(options.layers), "--hidden", str(options.hidden), "--heads", str(options.heads),
+            "--seq", str(options.seq), "--vocab", str(options.vocab), "--precision", options.precision,
+            "--zero-stage", str(options.zero_stage), "--lora-rank", str(options.lora_rank),
+            "--micro-batch", str(options.micro_batch), "--steps", str(options.steps), "--threads", str(options.threads)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = bench_parser(__doc__, layers=4, hidden=512, heads=8, vocab=8192, seq=256, precision="bf16",
+                          zero_stage=1, zero_stages=(0, 1, 2), repeats=3)
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per process (their median is its time)")
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # one measuring process
+    options = parser.parse_args(argv)
+    if options.variant:
+        print(json.dumps(measure_variant(options)))
+        return 0
+
+    load_before = os.getloadavg()[0]
+    results: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
+    for repeat in range(options.repeats):
+        for variant in in_turn(VARIANTS, repeat):
+            results[variant].append(run_variant(options, variant))
+    load_average = (load_before, os.getloadavg()[0])
+    times = {variant: [r["step_seconds"] for r in runs] for variant, runs in results.items()}
+    peaks = {variant: [r["peak_mib"] for r in runs] for variant, runs in results.items()}
+    full, lora = results["full"][0], results["lora"][0]
+    print(f"shapes: Llama family, {full['parameters'] / 1e6:.1f}M parameters ({options.layers} layers, hidden "
+          f"{options.hidden}, vocab {options.vocab}), {options.precision}, ZeRO stage {options.zero_stage}, Adam; "
+          f"micro batch {options.micro_batch} x {options.seq} tokens; LoRA rank {options.lora_rank} on all-linear: "
+          f"{lora['trained']:,} trained parameters ({100 * lora['trained'] / lora['parameters']:.2f}%); base weights "
+          f"at {options.precision}: {lora['base_mib']:.1f} MiB; repeats {options.repeats}; load average "
+          f"{load_average[1]:.2f}")
+    print(table(["step", "median ms", "min ms", "max ms", "peak RSS above start (MiB)"],
+                [[variant, 1e3 * median(times[variant]), 1e3 * min(times[variant]), 1e3 * max(times[variant]),
+                  median(peaks[variant])] for variant in VARIANTS]))
+    report = Ratios()
+    report.add("lora/full step_seconds", median(times["lora"]), median(times["full"]),
+               "a LoRA step against a full fine-tune step of the same model", repeat_ratios(times["lora"],
+                                                                                          times["full"]))
+    report.add("lora/full peak_rss", median(peaks["lora"]), median(peaks["full"]),
+               "peak memory of the LoRA run against the full fine-tune", repeat_ratios(peaks["lora"], peaks["full"]))
+    write_json(options, __doc__, report, load_average, step_seconds=times, peak_mib=peaks,
+               base_mib=lora["base_mib"], trained_parameters=lora["trained"], parameters=lora["parameters"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
