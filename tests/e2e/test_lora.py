@@ -34,6 +34,7 @@ def _tag_bytes(tag_dir) -> int:
     return sum(path.stat().st_size for path in tag_dir.rglob("*.pt"))
 
 
+@pytest.mark.usefixtures("single_rank_world")  # our_logits builds the model in-process
 def test_a_lora_finetune_saves_adapter_only_tags_that_resume_bit_identically(base, tmp_path):
     out = tmp_path / "lora"
     unbroken = run_deepy(["configs/tiny.yml", write_overrides(tmp_path, load=str(base), save=str(out), finetune=True,

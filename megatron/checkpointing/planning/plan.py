@@ -31,8 +31,7 @@ in LoadPlan.lora_base; `SavedLayout.lora_base` is where a reader learns that a t
 folder's base is the model folder it names, and its saves are adapter-only too. Loading such a tag plans the
 base's module-only load from the recorded source (`base`), refused in one line when the base is gone or its
 files changed, and then the tag as any tag of its mode; a tag without some adapter the model has is refused,
-never loaded with fresh ones. A LoRA run from scratch
-(no `load`) has no base to name, and saves full tags.
+never loaded with fresh ones. A LoRA run from scratch (no `load`) has no base to name, and saves full tags.
 
 The plan is the whole contract of a load: `load.load_checkpoint(engine, plan)` reads no settings.
 """
