@@ -65,7 +65,7 @@ class TrainState:
     skipped_steps: int = 0
     lineage: Lineage = field(default_factory=Lineage)  # the tags of `save` this run may prune
     reference: ReferenceModel | None = None  # DPO/KTO's frozen reference; its identity goes into every save
-    lora_base: LoraBase | None = None  # a LoRA run's frozen base; every save records it
+    lora_base: LoraBase | None = None  # a LoRA run's frozen base: set, its saves are adapter-only and name it
 
     @property
     def lr_step(self) -> int:
@@ -85,7 +85,8 @@ def state_after_load(outcome, args=None) -> TrainState:
         schedule = _resumed_schedule(args, schedule, outcome.client_state.lr_schedule)
     return TrainState(iteration=outcome.iteration, consumed_train_samples=outcome.consumed_train_samples,
                       consumed_valid_samples=outcome.consumed_valid_samples,
-                      lr_schedule_start=outcome.lr_schedule_start, schedule=schedule, lineage=outcome.lineage)
+                      lr_schedule_start=outcome.lr_schedule_start, schedule=schedule, lineage=outcome.lineage,
+                      lora_base=outcome.lora_base)
 
 
 def _resumed_schedule(args, configured: Schedule, saved: dict | None) -> Schedule:
@@ -259,7 +260,6 @@ def setup(args):
         checks_beside_use,
         describe_reference,
         load_checkpoint,
-        lora_base,
         needs_reference,
         plan_load,
         plan_reference,
@@ -325,7 +325,6 @@ def setup(args):
             if outcome is not None:
                 state = state_after_load(outcome, args)
                 restored_rng = outcome.restored_rng
-        state.lora_base = lora_base(args, plan)
         if reference_plan is not None and args.lora_rank:
             state.reference = ReferenceModel(BaseWithoutAdapters(engine), identity)
         elif reference_plan is not None:

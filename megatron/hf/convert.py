@@ -15,11 +15,11 @@ from megatron.architecture import Architecture, ModelConfigError, implied_family
 from megatron.checkpointing import (
     CheckpointError,
     ClientState,
-    LoraBase,
     TagInventory,
     inventory_checkpoint,
     layer_states,
     layout,
+    lora_base_plan,
     read_full_module_weights,
     read_module_weights,
 )
@@ -32,13 +32,13 @@ from megatron.hf.config import (
 )
 from megatron.hf.errors import HFConversionError
 from megatron.hf.io import DEFAULT_MAX_SHARD_BYTES, TOKENIZER_NAME, is_hf_model_dir, write_hf_dir
-from megatron.hf.load import check_hf_settings, read_hf_model
+from megatron.hf.load import HF_FOLDER, check_hf_settings, read_hf_model
 from megatron.hf.mapping import convert_tensors, ours_to_hf
 from megatron.hf.output_folder import check_output_folder, staged_output
 from megatron.hf.peft import adapter_config, merge_into, peft_names, write_peft_dir
 from megatron.lora_settings import LORA_SETTINGS, LoraSettings, lora_settings
 from megatron.model.partitioning import partition, partitioning
-from megatron.neox_arguments import SETTINGS
+from megatron.neox_arguments import SETTINGS, NeoXArgs
 from megatron.neox_arguments.derived import tensor_parallel_split_problem
 from megatron.neox_arguments.yaml_files import merge_config_files
 from megatron.tokenizer import EOD_TOKEN, PAD_TOKEN
@@ -215,8 +215,9 @@ def convert_neox_to_hf(
     tp_size = tag_inventory.saved_layout.tensor_parallel
     first_part = read_module_weights(tag_dir)
     settings = _settings_of_checkpoint(tag_inventory, config_files)
+    adapters_only = tag_inventory.saved_layout.adapters_only
     embedding = first_part.get("sequential.0.word_embeddings.weight")
-    if embedding is None:
+    if embedding is None and not adapters_only:
         raise HFConversionError(f"{tag_dir}: no sequential.0.word_embeddings.weight; not a checkpoint of this model")
     if settings.get("padded_vocab_size") is None:
         settings["padded_vocab_size"] = embedding.shape[0] * tp_size
@@ -232,7 +233,7 @@ def convert_neox_to_hf(
             f"{tag_dir} cannot be written as Hugging Face {family}: " + "; ".join(problems)
             + f". Supported architectures: {', '.join(FAMILIES)}"
         )
-    target = DTYPES[dtype] if dtype else embedding.dtype
+    target = DTYPES[dtype] if dtype else (embedding if embedding is not None else next(iter(first_part.values()))).dtype
     if target not in HF_DTYPE_NAMES:
         raise HFConversionError(f"{tag_dir}: weights in {target}; pass --dtype fp32, bf16 or fp16")
     lora = _lora_of(settings, arch, tag_dir)
@@ -243,6 +244,8 @@ def convert_neox_to_hf(
             write_peft_dir(staging, adapter_config(lora, base),
                            {name: tensor.to(target) for name, tensor in adapters.items()})
         return Path(out_dir)
+    if adapters_only:
+        module = {**_base_weights(tag_inventory, settings, arch), **module}
     tensors = convert_tensors(module.items(), ours_to_hf(family, arch), str(tag_dir))
     if adapters:
         merge_into(tensors, adapters, lora.scaling)
@@ -309,10 +312,22 @@ def _peft_base(tag: TagInventory, lora: LoraSettings | None, arch: Architecture,
                                     "weights); name the folder of the model the adapters were trained on")
         check_hf_settings(base_model, arch)
         return str(Path(base_model).resolve())
-    client = tag.metadata.client_state if tag.metadata is not None else None
-    recorded = LoraBase.from_dict(client.lora_base if client is not None else None)
+    recorded = tag.saved_layout.lora_base
     if recorded is None or recorded.hf_folder is None:
-        where = "records no base" if recorded is None else f"records its base {recorded.source} ({recorded.tag})"
+        where = "records no base" if recorded is None else f"records its base {recorded.path}"
         raise HFConversionError(f"{tag.path} {where} as a Hugging Face folder; pass --base-model PATH, the Hugging "
                                 "Face folder of the base model the adapters were trained on")
     return recorded.hf_folder
+
+
+def _base_weights(tag: TagInventory, settings: dict[str, Any], arch: Architecture) -> dict[str, torch.Tensor]:
+    """The frozen base under the adapters of an adapter-only ``tag``, read from the base it recorded through the
+    load's own checked plan: a base that is gone or changed is refused in one line."""
+    plan = lora_base_plan(NeoXArgs.from_saved(settings, str(tag.path)), tag, 1, HF_FOLDER)
+    if plan.hf_source is not None:
+        weights = plan.hf_source.read_weights(plan.load_dir, arch)
+    else:
+        weights = read_full_module_weights(plan.tag_dir, plan.tag_inventory.saved_layout.tensor_parallel, arch)
+    if arch.reward_head:  # a reward model over a language model: its head trained whole, in the tag
+        weights = {name: value for name, value in weights.items() if not name.endswith("final_linear.weight")}
+    return weights

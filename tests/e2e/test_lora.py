@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
 
-from megatron.checkpointing import read_module_weights
+from megatron.checkpointing import inventory_checkpoint, load_file_weights_only, read_module_weights
 from tests.deepy_runs import TRAIN_LINE, run_deepy, train_lines, write_overrides
-from tests.e2e.test_lora_peft import export, our_logits, tokens
+from tests.e2e.test_hf_conversion import run_tool
+from tests.e2e.test_lora_peft import export, hf_logits, our_logits, tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -28,32 +30,76 @@ def base(tmp_path_factory):
     return save
 
 
-def test_a_lora_finetune_trains_the_adapters_alone_and_its_tag_resumes(base, tmp_path):
-    out = tmp_path / "lora"
-    result = run_deepy(["configs/tiny.yml", write_overrides(tmp_path, load=str(base), save=str(out), finetune=True,
-                                                            train_iters=3, checkpoint_factor=3, **LORA)])
-    assert "LoRA adapters (A drawn from the seed, B zero" in result.stdout  # the load plan says they start fresh
-    base_weights = read_module_weights(base / "global_step2")
-    tuned = read_module_weights(out / "global_step3")
-    adapters = {name for name in tuned if ".lora." in name}
-    assert adapters and set(tuned) - adapters == set(base_weights)
-    for name, value in base_weights.items():
-        assert torch.equal(tuned[name], value), f"{name}: a frozen base weight changed"
-    assert all(tuned[name].any() for name in adapters if name.endswith("lora_B")), "an adapter did not train"
+def _tag_bytes(tag_dir) -> int:
+    return sum(path.stat().st_size for path in tag_dir.rglob("*.pt"))
 
-    # its base was trained here, so no Hugging Face folder holds it: a PEFT export asks for one, checked
-    refused = export(out, tmp_path / "adapter", "--peft")
+
+@pytest.mark.usefixtures("single_rank_world")  # our_logits builds the model in-process
+def test_a_lora_finetune_saves_adapter_only_tags_that_resume_bit_identically(base, tmp_path):
+    out = tmp_path / "lora"
+    unbroken = run_deepy(["configs/tiny.yml", write_overrides(tmp_path, load=str(base), save=str(out), finetune=True,
+                                                              train_iters=4, checkpoint_factor=2, **LORA)])
+    assert "LoRA adapters (A drawn from the seed, B zero" in unbroken.stdout  # the load plan says they start fresh
+    tag = out / "global_step2"
+    tuned = read_module_weights(tag)
+    assert tuned and all(".lora." in name for name in tuned), "the tag holds more than the adapters"
+    assert all(tuned[name].any() for name in tuned if name.endswith("lora_B")), "an adapter did not train"
+    lora_base = inventory_checkpoint(out).tags["global_step2"].saved_layout.lora_base
+    assert lora_base.path == base / "global_step2"
+    assert _tag_bytes(tag) * 10 < _tag_bytes(base / "global_step2")  # no frozen weights in it
+
+    saved = tmp_path / "copy"  # the step-2 tag alone, as someone copies it to resume
+    shutil.copytree(tag, saved / "global_step2")
+    (saved / "latest").write_text("global_step2")
+    resumed = run_deepy(["configs/tiny.yml", write_overrides(tmp_path, name="resume.yml", load=str(saved),
+                                                             save=str(tmp_path / "resumed"), train_iters=4,
+                                                             checkpoint_factor=4, **LORA)])
+    assert f"LoRA adapters only, over the base {base / 'global_step2'})" in resumed.stdout
+    assert [(line.iteration, line.loss) for line in train_lines(resumed.stdout)] == \
+        [(line.iteration, line.loss) for line in train_lines(unbroken.stdout) if line.iteration > 2]
+
+    inspected = run_tool("inspect_checkpoint.py", saved)
+    assert inspected.returncode == 0, inspected.stderr
+    assert (f"LoRA adapters only (the parameters that train), over the base {base} tag global_step2 "
+            f"(checksum {lora_base.checksum})") in inspected.stdout
+
+    # a new run from the adapters' weights: their optimizer starts fresh, its saves name the same base
+    again = tmp_path / "again"
+    finetuned = run_deepy(["configs/tiny.yml", write_overrides(tmp_path, name="again.yml", load=str(saved),
+                                                               save=str(again), finetune=True, train_iters=1,
+                                                               checkpoint_factor=1, **LORA)])
+    assert "loaded: LoRA adapters" in finetuned.stdout and "fresh:  optimizer states" in finetuned.stdout
+    assert inventory_checkpoint(again).tags["global_step1"].saved_layout.lora_base == lora_base
+
+    # its base was trained here, so no Hugging Face folder holds it: a PEFT export (the adapters alone) asks for
+    # one, checked; the merged export reads the base where the tag recorded it
+    refused = export(saved, tmp_path / "adapter", "--peft")
     assert refused.returncode == 1 and "pass --base-model PATH" in refused.stderr
     assert export(base, tmp_path / "hf_base").returncode == 0
-    written = export(out, tmp_path / "adapter", "--peft", "--base-model", str(tmp_path / "hf_base"))
+    written = export(saved, tmp_path / "adapter", "--peft", "--base-model", str(tmp_path / "hf_base"))
     assert written.returncode == 0, written.stderr
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(tmp_path / "hf_base")
+    merged = export(saved, tmp_path / "merged", "--dtype", "fp32")
+    assert merged.returncode == 0, merged.stderr
+    from transformers import AutoModelForCausalLM
 
-    resumed = run_deepy(["configs/tiny.yml", write_overrides(tmp_path, name="resume.yml", load=str(out),
-                                                             save=str(out), train_iters=4, checkpoint_factor=4,
-                                                             **LORA)])
-    assert [line.iteration for line in train_lines(resumed.stdout)] == [4]
+    torch.testing.assert_close(hf_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged"), tokens()),
+                               our_logits(saved / "global_step2", tokens()), atol=1e-5, rtol=0)
+
+    # an adapter file that lacks an adapter (written by another program: no manifest) is refused, naming it
+    state = load_file_weights_only(saved / "global_step2" / "mp_rank_00_model_states.pt", mmap=False)
+    state["module"] = {name: value for name, value in state["module"].items() if not name.endswith("lora_A")}
+    torch.save(state, saved / "global_step2" / "mp_rank_00_model_states.pt")
+    (saved / "global_step2" / "manifest.json").unlink()
+    refused = run_deepy(["configs/tiny.yml", write_overrides(tmp_path, name="damaged.yml", load=str(saved),
+                                                             save=str(tmp_path / "resumed2"), train_iters=4,
+                                                             **LORA)],
+                        expect_success=False)
+    output = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and TRAIN_LINE.search(output) is None
+    assert f"{saved / 'global_step2' / 'mp_rank_00_model_states.pt'}, an adapter-only tag over the base" in output
+    assert "lacks 16 of the model's trainable parameters" in output and "Traceback" not in output
 
 
 def test_a_full_resume_of_a_checkpoint_without_adapters_into_a_lora_run_is_refused(base, tmp_path):
@@ -66,6 +112,31 @@ def test_a_full_resume_of_a_checkpoint_without_adapters_into_a_lora_run_is_refus
 
 
 @pytest.mark.slow
+def test_an_adapter_only_tag_of_two_ranks_resumes_bit_identically_and_at_another_shape(base, tmp_path):
+    two_ranks = {**LORA, "num_gpus": 2, "train_micro_batch_size_per_gpu": 2}
+    out = tmp_path / "lora"
+    unbroken = run_deepy(["configs/tiny.yml", write_overrides(tmp_path, load=str(base), save=str(out), finetune=True,
+                                                              train_iters=4, checkpoint_factor=2, **two_ranks)])
+    saved = tmp_path / "copy"
+    shutil.copytree(out / "global_step2", saved / "global_step2")
+    (saved / "latest").write_text("global_step2")
+    after_step_2 = [(line.iteration, line.loss) for line in train_lines(unbroken.stdout) if line.iteration > 2]
+    resumed = run_deepy(["configs/tiny.yml", write_overrides(tmp_path, name="resume.yml", load=str(saved),
+                                                             save=str(tmp_path / "resumed"), train_iters=4,
+                                                             checkpoint_factor=4, **two_ranks)])
+    assert [(line.iteration, line.loss) for line in train_lines(resumed.stdout)] == after_step_2
+
+    # one rank at ZeRO-2 (the same global batch): the existing reshard carries the adapters' optimizer over
+    one_rank = {**two_ranks, "num_gpus": 1, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2}}
+    reshaped = run_deepy(["configs/tiny.yml", write_overrides(tmp_path, name="reshaped.yml", load=str(saved),
+                                                              save=str(tmp_path / "reshaped"), train_iters=4,
+                                                              checkpoint_factor=4, **one_rank)])
+    assert "LoRA adapters only, over the base" in reshaped.stdout and "note:   full resume at another" in reshaped.stdout
+    lines = train_lines(reshaped.stdout)
+    assert [line.iteration for line in lines] == [3, 4]
+    assert [line.loss for line in lines] == pytest.approx([loss for _, loss in after_step_2], abs=2e-3)
+
+
 @pytest.mark.distributed
 @pytest.mark.usefixtures("single_rank_world")
 def test_a_tp2_zero3_lora_finetune_of_a_hugging_face_llama_resumes_with_the_same_losses(tmp_path):

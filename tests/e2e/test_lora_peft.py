@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron.checkpointing import read_full_module_weights, read_module_weights
+from megatron.checkpointing import inventory_checkpoint, read_full_module_weights, read_module_weights
+from megatron.hf import HF_FOLDER
 from megatron.hf.config import architecture_of
 from megatron.hf.convert import convert_hf_to_neox
 from megatron.hf.peft import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
@@ -65,11 +66,21 @@ def export(source: Path, output: Path, *options: str) -> subprocess.CompletedPro
 
 
 def our_logits(tag_dir: Path, batch: torch.Tensor) -> torch.Tensor:
-    """Our model with the tag's weights and adapters, its tensor-parallel parts joined, in one process (fp32)."""
-    saved = stored_client_state(tag_dir)["args"]
+    """Our model with the tag's weights and adapters (over the base an adapter-only tag records), its
+    tensor-parallel parts joined, in one process (fp32)."""
+    state = stored_client_state(tag_dir)
+    saved = state["args"]
     arch = architecture_of({**saved, "model_parallel_size": 1})
     model = build_model(arch, seed=1, lora=lora_settings(saved))
-    model.load_state_dict(read_full_module_weights(tag_dir, saved["model_parallel_size"], arch))
+    weights = read_full_module_weights(tag_dir, saved["model_parallel_size"], arch)
+    base = state.get("lora_base")
+    if base and base["tag"] is None:  # a Hugging Face folder
+        weights = {**HF_FOLDER.read_weights(Path(base["source"]), arch), **weights}
+    elif base:
+        base_tag = Path(base["source"]) / base["tag"]
+        base_size = stored_client_state(base_tag)["args"]["model_parallel_size"]
+        weights = {**read_full_module_weights(base_tag, base_size, arch), **weights}
+    model.load_state_dict(weights)
     with torch.no_grad():
         return model.eval()(batch)
 
@@ -130,6 +141,32 @@ def test_the_merged_export_gives_our_logits_and_rounds_the_fp32_merge_once(lora_
     assert not torch.equal(in_bf16, bf16[name])
 
 
+def test_the_merged_export_reads_the_recorded_base_checked_and_the_peft_export_needs_only_the_adapters(lora_run,
+                                                                                                      tmp_path):
+    hf_dir, tag_dir = lora_run
+    assert inventory_checkpoint(tag_dir.parent).tags[tag_dir.name].saved_layout.adapters_only
+    config, moved = hf_dir / "config.json", hf_dir.with_name("moved")
+    original = config.read_text()
+    try:
+        config.write_text(original + " ")  # the same model, but not the bytes the run recorded
+        changed = export(tag_dir.parent, tmp_path / "changed")
+        config.write_text(original)
+        hf_dir.rename(moved)
+        gone = export(tag_dir.parent, tmp_path / "gone")
+        adapters_alone = export(tag_dir.parent, tmp_path / "adapter", "--peft")
+    finally:
+        if moved.exists():
+            moved.rename(hf_dir)
+        config.write_text(original)
+    where = f"error: the base model of the LoRA adapters in {tag_dir}, {hf_dir}"
+    assert changed.returncode == 1 and changed.stderr.startswith(f"{where}, changed since the run started")
+    assert gone.returncode == 1 and gone.stderr.startswith(f"{where}, is gone. The adapters were trained over")
+    assert changed.stderr.count("\n") == gone.stderr.count("\n") == 1  # one line each
+    assert not (tmp_path / "changed").exists() and not (tmp_path / "gone").exists()
+    assert adapters_alone.returncode == 0, adapters_alone.stderr
+    assert json.loads((tmp_path / "adapter" / ADAPTER_CONFIG_NAME).read_text())["base_model_name_or_path"] == str(hf_dir)
+
+
 def test_peft_export_of_a_tag_without_adapters_is_refused_in_one_line(lora_run, tmp_path):
     hf_dir, _ = lora_run
     convert_hf_to_neox(hf_dir, tmp_path / "ckpt")
@@ -150,4 +187,7 @@ def test_a_run_starts_from_the_peft_folder_over_its_base_and_records_it(lora_run
     assert [line.iteration for line in train_lines(result.stdout)] == [1]
     saved = stored_client_state(tmp_path / "next" / "global_step1")
     assert {name: saved["args"][name] for name in ("lora_rank", "lora_alpha")} == {"lora_rank": 4, "lora_alpha": 12.0}
-    assert saved["lora_base"] == {"source": str(hf_dir), "tag": None, "hf_folder": str(hf_dir)}
+    # adapter-only over the base folder the adapters name, which a PEFT export of this run names again
+    assert inventory_checkpoint(tmp_path / "next").tags["global_step1"].saved_layout.adapters_only
+    assert {key: saved["lora_base"][key] for key in ("source", "tag", "hf_folder")} == \
+        {"source": str(hf_dir), "tag": None, "hf_folder": str(hf_dir)}

@@ -6,6 +6,7 @@ import pytest
 
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.ondisk.client_state import ClientState
+from megatron.checkpointing.ondisk.identity import LoraBase
 from megatron.checkpointing.ondisk.rng import collect_rng_states
 
 
@@ -13,11 +14,19 @@ def test_what_is_written_reads_back():
     state = ClientState(iteration=7, consumed_train_samples=56, settings={"hidden_size": 8},
                         rng_states=[collect_rng_states()], lr_schedule_start=3,
                         forward_validation={"precision": "fp32"},
-                        lora_base={"source": "/models/llama", "tag": None, "hf_folder": "/models/llama"})
+                        lora_base={"source": "/models/llama", "tag": None, "checksum": "0123456789abcdef",
+                                   "hf_folder": "/models/llama"})
     written = state.to_dict()
     assert written["checkpoint_format_version"] == 2 and written["lr_schedule_start_iteration"] == 3
     assert "converted_from" not in written  # unset optional fields are not written
     assert ClientState.from_dict(written) == state
+
+
+def test_a_lora_base_reads_back_and_one_recorded_without_its_hugging_face_folder_reads():
+    base = LoraBase("/runs/base", "global_step2", "0123456789abcdef", "/models/llama")
+    assert LoraBase.from_dict(base.to_dict()) == base and set(base.to_dict()) == {"source", "tag", "checksum", "hf_folder"}
+    without = LoraBase.from_dict({"source": "/runs/base", "tag": "global_step2", "checksum": "0123456789abcdef"})
+    assert without.hf_folder is None and without.path.as_posix() == "/runs/base/global_step2"
 
 
 def test_format_1_checkpoint_without_schedule_start_reads():

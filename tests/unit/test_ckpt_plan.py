@@ -527,3 +527,48 @@ def test_a_resume_asking_for_another_number_of_samples_says_unpacked_samples_com
     assert "order of the samples" not in plan_for(root, stage=0, pack_impl="unpacked", train_iters=12).describe()
     saved_checkpoint(tmp_path / "packed", make_args(stage=0, train_iters=12))
     assert "order of the samples" not in plan_for(tmp_path / "packed", stage=0, train_iters=20).describe()
+
+
+# --- LoRA adapter-only tags: the base comes from the source the tag records ----------------
+
+def _adapter_tag(root, base_root):
+    """A tag recording that it holds a LoRA run's adapters over `base_root`'s global_step2."""
+    from megatron.checkpointing.planning.plan import weights_checksum
+
+    base = {"source": str(base_root), "tag": "global_step2",
+            "checksum": weights_checksum(plan_for(base_root, finetune=True, iteration=2))}
+    return saved_checkpoint(root, make_args(stage=1, lora_rank=4), iterations=(1,),
+                            client_state={**with_rng(), "lora_base": base})
+
+
+@pytest.mark.parametrize("mode", [{}, {"finetune": True}])
+def test_an_adapter_only_tag_plans_its_base_from_the_recorded_source(zero1_copy, tmp_path, mode):
+    adapters = _adapter_tag(tmp_path / "adapters", zero1_copy)
+    tag = inventory_checkpoint(adapters).tags["global_step1"]
+    assert tag.saved_layout.adapters_only and tag.saved_layout.lora_base.path == zero1_copy / "global_step2"
+    assert f"LoRA adapters only, over base {zero1_copy / 'global_step2'}" in tag.saved_layout.describe()
+    plan = plan_for(adapters, lora_rank=4, **mode)
+    assert plan.base.tag_dir == zero1_copy / "global_step2" and plan.base.module_only
+    assert plan.load_optimizer == (not mode) and plan.lora_base == tag.saved_layout.lora_base  # its saves name it
+    first, *lines = plan.describe().splitlines()
+    assert first.endswith(f"LoRA adapters only, over the base {zero1_copy / 'global_step2'})")
+    assert any(line.startswith(f"  base:   frozen weights from {zero1_copy / 'global_step2'}") for line in lines)
+    assert "loaded: LoRA adapters" in plan.describe()
+
+
+def test_an_adapter_only_tag_over_a_changed_or_missing_base_is_refused_naming_it(zero1_copy, tmp_path):
+    adapters = _adapter_tag(tmp_path / "adapters", zero1_copy)
+    base = zero1_copy / "global_step2"
+    shutil.copy(zero1_copy / "global_step1" / "mp_rank_00_model_states.pt", base / "mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError, match=f"base model of the LoRA adapters in {adapters / 'global_step1'}, "
+                                              f"{base}, changed since the run started.*restore them at that path"):
+        plan_for(adapters, lora_rank=4)
+    shutil.rmtree(base)
+    with pytest.raises(CheckpointError, match=f"{base}, is gone"):
+        plan_for(adapters, lora_rank=4, finetune=True)
+
+
+def test_an_adapter_only_tag_into_a_run_without_lora_is_refused(zero1_copy, tmp_path):
+    adapters = _adapter_tag(tmp_path / "adapters", zero1_copy)
+    with pytest.raises(CheckpointError, match="holds LoRA adapters only .*lora_rank 0.*lora_rank 4"):
+        plan_for(adapters, finetune=True)

@@ -20,7 +20,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from megatron.checkpointing import LoadMode, LoraBase, load_checkpoint, lora_base, plan_load, plan_reference
+from megatron.checkpointing import LoraBase, load_checkpoint, plan_load, plan_reference
 from megatron.hf import HF_FOLDER, HFConversionError
 from megatron.hf.convert import convert_hf_to_neox
 from megatron.hf.peft import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, peft_names
@@ -220,24 +220,30 @@ def test_a_folder_peft_loads_needs_no_more_than_safetensors_and_json(llama_adapt
 
 
 @pytest.mark.usefixtures("single_rank_world")
-def test_a_lora_run_records_the_hugging_face_folder_of_its_base_and_a_resume_carries_it(tmp_path):
+def test_a_lora_runs_base_names_the_hugging_face_folder_that_holds_it(tmp_path):
     hf_dir = tiny_hf_model(tmp_path / "hf")
-    lora = {"lora_rank": 4, "finetune": True}
-    from_hf = NeoXArgs.from_dict({**hf_settings(hf_dir), **lora, "load": str(hf_dir)})
-    assert lora_base(from_hf, plan_load(from_hf, 1, hf_source=HF_FOLDER)) == LoraBase(str(hf_dir), None, str(hf_dir))
+    from_hf = NeoXArgs.from_dict({**hf_settings(hf_dir), "lora_rank": 4, "finetune": True, "load": str(hf_dir)})
+    base = plan_load(from_hf, 1, hf_source=HF_FOLDER).lora_base
+    assert (base.source, base.tag, base.hf_folder) == (str(hf_dir), None, str(hf_dir)) and base.checksum
     convert_hf_to_neox(hf_dir, tmp_path / "converted")  # a tag holding exactly the folder's weights
-    from_tag = from_hf.with_values({"load": str(tmp_path / "converted")}, "test")
-    assert lora_base(from_tag, plan_load(from_tag, 1)) == LoraBase(str(tmp_path / "converted"), "global_step0",
-                                                                   str(hf_dir))
-    assert lora_base(from_hf.with_values({"lora_rank": 0}, "test"), plan_load(from_hf, 1, hf_source=HF_FOLDER)) is None
+    base = plan_load(from_hf.with_values({"load": str(tmp_path / "converted")}, "test"), 1).lora_base
+    assert (base.source, base.tag, base.hf_folder) == (str(tmp_path / "converted"), "global_step0", str(hf_dir))
+    assert plan_load(from_hf.with_values({"lora_rank": 0}, "test"), 1, hf_source=HF_FOLDER).lora_base is None
 
-    recorded = LoraBase("/models/llama", None, "/models/llama")
-    run = make_args(lora_rank=4, save=str(tmp_path / "run"))
-    saved_checkpoint(tmp_path / "run", run, client_state={"lora_base": recorded.to_dict()})
-    resume = run.with_values({"load": str(tmp_path / "run")}, "test")
-    plan = plan_load(resume, 1)
-    assert plan.mode is LoadMode.RESUME and lora_base(resume, plan) == recorded
-    unchanged_weights = make_args(save=str(tmp_path / "plain"))
-    saved_checkpoint(tmp_path / "plain", unchanged_weights)  # trained by a run of ours: no HF folder holds them
-    finetune = run.with_values({"load": str(tmp_path / "plain"), "finetune": True}, "test")
-    assert lora_base(finetune, plan_load(finetune, 1)) == LoraBase(str(tmp_path / "plain"), "global_step1", None)
+    saved_checkpoint(tmp_path / "plain", make_args(save=str(tmp_path / "plain")))  # trained here: no HF folder
+    finetune = make_args(lora_rank=4).with_values({"load": str(tmp_path / "plain"), "finetune": True}, "test")
+    base = plan_load(finetune, 1).lora_base
+    assert (base.source, base.tag, base.hf_folder) == (str(tmp_path / "plain"), "global_step1", None)
+    scratch = make_args(lora_rank=4, save=str(tmp_path / "scratch"))  # a LoRA run from scratch: full tags, no base
+    saved_checkpoint(tmp_path / "scratch", scratch)
+    assert plan_load(scratch.with_values({"load": str(tmp_path / "scratch")}, "test"), 1).lora_base is None
+
+
+def test_a_run_from_a_peft_folder_names_the_base_it_names_checksummed_as_that_folder_alone(llama_adapter, tmp_path):
+    """The saves of a run started from a PEFT folder are adapter-only over the model folder the adapters sit on:
+    the checksum a resume checks that folder against is the one of a load of that folder itself."""
+    args = run_settings(tmp_path, load=str(llama_adapter))
+    base = HF_FOLDER.adapter_base(llama_adapter)
+    recorded = plan_load(args, 1, hf_source=HF_FOLDER).lora_base
+    over_base = plan_load(args.with_values({"load": str(base)}, "test"), 1, hf_source=HF_FOLDER).lora_base
+    assert recorded == over_base == LoraBase(str(base), None, over_base.checksum, str(base))

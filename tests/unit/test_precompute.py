@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from megatron.checkpointing.planning.reference import ReferenceIdentity
+from megatron.checkpointing import ReferenceIdentity
 from megatron.data import (
     BatchOptions,
     DataError,

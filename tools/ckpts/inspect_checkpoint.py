@@ -109,7 +109,8 @@ def load_modes(
     result = {}
     for mode, flags in MODE_FLAGS.items():
         try:
-            plan = build_load_plan(NeoXArgs.from_saved({**values, **flags}, str(inventory.root), require_model=False), inventory, dp_size)
+            plan = build_load_plan(NeoXArgs.from_saved({**values, **flags}, str(inventory.root), require_model=False),
+                                   inventory, dp_size, HF_FOLDER)
         except (CheckpointError, ConfigError) as refusal:
             result[mode.value] = {"possible": False, "reason": str(refusal)}
         else:
@@ -139,7 +140,8 @@ def full_resume_shapes(inventory: CheckpointInventory, tag: TagInventory | None,
                   "zero_optimization": {"stage": stage}, "fp16": {"enabled": precision == "fp16"},
                   "bf16": {"enabled": precision == "bf16"}}
         try:
-            build_load_plan(NeoXArgs.from_saved(values, str(inventory.root), require_model=False), inventory, dp)
+            build_load_plan(NeoXArgs.from_saved(values, str(inventory.root), require_model=False), inventory, dp,
+                            HF_FOLDER)
         except (CheckpointError, ConfigError):
             return False
         return True
@@ -181,6 +183,7 @@ def describe(root: Path, tag_name: str | None) -> dict[str, Any]:
             dp_world_size=tag.saved_layout.data_parallel,
             tensor_parallel_size=tag.saved_layout.tensor_parallel,
             pipeline_stages=tag.saved_pp_size,
+            lora_base=tag.saved_layout.lora_base.to_dict() if tag.saved_layout.adapters_only else None,
             optimizer_states={
                 "in_model_states_file": bool(metadata and metadata.has_optimizer_in_file),
                 "zero_shard_dp_ranks": list(tag.optimizer_dp_ranks),
@@ -227,6 +230,10 @@ def print_report(report: dict[str, Any]) -> None:
               f"ZeRO stage {report['zero_stage']}, precision {report['precision']}, "
               f"saved by {report['dp_world_size']} data-parallel rank(s) x {report['tensor_parallel_size']} "
               f"tensor-parallel x {report['pipeline_stages']} pipeline stage(s)")
+        if report["lora_base"]:
+            base = report["lora_base"]
+            print(f"  LoRA adapters only (the parameters that train), over the base {base['source']}"
+                  f"{' tag ' + base['tag'] if base['tag'] else ''} (checksum {base['checksum']}): loads read it there")
         optim = report["optimizer_states"]
         print(f"  optimizer states: in model-states file {optim['in_model_states_file']}, "
               f"ZeRO shards for DP ranks {optim['zero_shard_dp_ranks'] or 'none'}, universal {optim['universal']}")

@@ -8,6 +8,10 @@ A full resume goes through DeepSpeed's own engine.load_checkpoint (files checked
 first, unpickled weights-only); a fresh optimizer takes the module-only path (module_weights.py,
 module_load.py, master_weights.py). The outcome says where training continues and starts the run's
 pruning lineage (lineage.py).
+
+An adapter-only tag (plan.base) loads its base's weights and its own as one module: on a full resume the
+frozen base and the adapters go in through the module-only path first, then DeepSpeed restores the adapters
+and their optimizer states from the tag (which holds nothing else of the module).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.ondisk.client_state import ClientState
+from megatron.checkpointing.ondisk.identity import LoraBase
 from megatron.checkpointing.ondisk.rng import restore_rng_states
 from megatron.checkpointing.ondisk.verified_files import checkpoint_file_problem, checks_beside_use
 from megatron.checkpointing.planning.lineage import Lineage
@@ -42,6 +47,7 @@ class LoadOutcome:
     lineage: Lineage = field(default_factory=Lineage, repr=False, compare=False)
     # what a module-only load copied and skipped (None when DeepSpeed resumed the whole engine)
     module_report: ModuleLoadReport | None = field(default=None, repr=False)
+    lora_base: LoraBase | None = None  # the frozen base a LoRA run's saves name (plan.lora_base)
 
 
 def _logger():
@@ -54,8 +60,15 @@ def _module_weights(plan: LoadPlan, engine):
     """This rank's weights, named as the engine's module names them: a pipeline stage takes its own layers."""
     from deepspeed.pipe import PipelineModule
 
-    from megatron.checkpointing.ondisk.module_weights import read_this_ranks_module_weights, this_ranks_part
     from megatron.model.pipeline import stage_weights
+
+    weights = _weights_read(plan, engine)
+    return stage_weights(engine.module, weights) if isinstance(engine.module, PipelineModule) else weights
+
+
+def _weights_read(plan: LoadPlan, engine) -> dict:
+    """This rank's part of the weights `plan` loads; an adapter-only tag's over its base's."""
+    from megatron.checkpointing.ondisk.module_weights import read_this_ranks_module_weights, this_ranks_part
     from megatron.model.weight_values import untrainable_weight
 
     if plan.hf_source is not None:
@@ -66,7 +79,26 @@ def _module_weights(plan: LoadPlan, engine):
         problem = next(filter(None, (untrainable_weight(name, value) for name, value in weights.items())), None)
         if problem:
             raise CheckpointError(f"{plan.tag_dir}: {problem}")
-    return stage_weights(engine.module, weights) if isinstance(engine.module, PipelineModule) else weights
+    if plan.fresh_reward_head:
+        weights = {name: value for name, value in weights.items() if not name.endswith(LM_HEAD)}
+    if plan.base is None:
+        return weights
+    _check_adapters(plan, engine, weights)
+    return {**_weights_read(plan.base, engine), **weights}
+
+
+def _check_adapters(plan: LoadPlan, engine, weights: dict) -> None:
+    """An adapter-only tag holds every parameter of the model that trains and none that is frozen."""
+    trains = {name for name, param in engine.module.named_parameters() if param.requires_grad}
+    missing = sorted(trains - set(weights))
+    frozen = sorted(set(weights) & {name for name, param in engine.module.named_parameters() if not param.requires_grad})
+    if missing or frozen:
+        files = ", ".join(str(path) for path in plan.tag_inventory.model_states_files.values())
+        problem = (f"lacks {len(missing)} of the model's trainable parameters ({', '.join(missing[:3])}, ...): an "
+                   "incomplete save or other lora_* settings than the run that saved it" if missing else
+                   f"holds frozen base weights ({', '.join(frozen[:3])}, ...) beside the adapters")
+        raise CheckpointError(f"{files}, an adapter-only tag over the base {plan.base.tag_dir or plan.base.load_dir}, "
+                              f"{problem}. Load another tag with `iteration: N`, or check the lora_* settings.")
 
 
 def _check_names_for_resume(plan: LoadPlan, engine) -> None:
@@ -117,7 +149,7 @@ def _resume(engine, plan: LoadPlan) -> ClientState:
         load_path, stored = engine.load_checkpoint(
             str(plan.load_dir),
             tag=plan.tag,
-            load_module_strict=plan.strict,
+            load_module_strict=plan.strict and plan.base is None,  # an adapter-only tag's: checked beforehand
             load_optimizer_states=True,
             load_lr_scheduler_states=False,  # the LR is a function of the iteration
         )
@@ -171,14 +203,17 @@ def load_checkpoint(engine, plan: LoadPlan) -> LoadOutcome | None:
                                                 _module_weights(plan, engine))
         client_state = plan.client_state
     elif plan.load_optimizer:
+        if plan.base is not None:
+            from megatron.checkpointing.loading.module_load import load_module_only
+
+            with checks_beside_use():
+                module_report = load_module_only(engine, _module_weights(plan, engine))
         client_state = _resume(engine, plan)
     else:
         from megatron.checkpointing.loading.module_load import load_module_only
 
         with checks_beside_use():
             weights = _module_weights(plan, engine)
-            if plan.fresh_reward_head:
-                weights = {name: value for name, value in weights.items() if not name.endswith(LM_HEAD)}
             keep_initialised = (REWARD_HEAD if plan.fresh_reward_head else ()) + (ADAPTERS if plan.fresh_adapters else ())
             module_report = load_module_only(engine, weights, strict=plan.strict, allow_random=plan.allow_random,
                                              keep_initialised=keep_initialised)
@@ -197,4 +232,5 @@ def load_checkpoint(engine, plan: LoadPlan) -> LoadOutcome | None:
     return LoadOutcome(iteration=iteration, consumed_train_samples=train_samples,
                        consumed_valid_samples=valid_samples, loaded_optimizer=plan.load_optimizer,
                        restored_rng=plan.restore_rng, tag=plan.tag, client_state=client_state,
-                       lr_schedule_start=plan.lr_schedule_start, lineage=lineage, module_report=module_report)
+                       lr_schedule_start=plan.lr_schedule_start, lineage=lineage, module_report=module_report,
+                       lora_base=plan.lora_base)

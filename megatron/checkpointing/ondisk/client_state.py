@@ -15,8 +15,9 @@ written by another program, and is read as far as its keys go):
    evaluations read, where the next evaluation continues; absent in GPT-NeoX's checkpoints and in ours
    saved before it was recorded, where megatron.checkpointing.planning.data_position derives it as GPT-NeoX does),
    reference_model (DPO/KTO runs: source, tag and checksum of the frozen reference, see reference.py),
-   lora_base (LoRA runs: the source and tag of the frozen base and the Hugging Face folder it is, when
-   known; see lora_base.py).
+   lora_base (a LoRA run's adapter-only tag: source, tag and checksum of the frozen base the adapters were
+   trained over and the Hugging Face folder holding it, when one does; the tag holds only the parameters that
+   train, identity.LoraBase).
 2. args: intermediate_size has GPT-NeoX's meaning (the width before GPT-NeoX's MLP rule, see
    megatron/architecture.py); in format 1 it was the MLP width per projection as built, and
    ``settings`` reads it in today's meaning.
@@ -58,8 +59,8 @@ class ClientState:
     lr_schedule: dict[str, Any] | None = None  # megatron.learning_rates.Schedule.to_dict() of the saving run
     forward_validation: dict[str, Any] | None = None  # megatron.checkpointing.ondisk.forward_validation.capture
     converted_from: str | None = None  # the Hugging Face folder the weights came from
-    reference_model: dict[str, Any] | None = None  # megatron.checkpointing.planning.reference.ReferenceIdentity.to_dict()
-    lora_base: dict[str, Any] | None = None  # megatron.checkpointing.planning.lora_base.LoraBase.to_dict()
+    reference_model: dict[str, Any] | None = None  # megatron.checkpointing.ondisk.identity.ReferenceIdentity.to_dict()
+    lora_base: dict[str, Any] | None = None  # identity.LoraBase.to_dict(): set, the tag holds the adapters alone
     format_version: int | None = FORMAT_VERSION  # None: written by another program or before versions
 
     def to_dict(self) -> dict[str, Any]:

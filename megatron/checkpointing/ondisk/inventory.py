@@ -17,6 +17,7 @@ from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.formats.weights_source import WeightsSource
 from megatron.checkpointing.ondisk import layout, manifest
 from megatron.checkpointing.ondisk.client_state import ClientState
+from megatron.checkpointing.ondisk.identity import LoraBase
 from megatron.optimizer_layout import precision_of, zero_stage_of
 
 FORMAT_DEEPSPEED = "deepspeed"  # mp_rank_XX_model_states.pt holds the module
@@ -91,6 +92,9 @@ class SavedLayout:
     tag that lost a rank's file is read as the size it was saved at (and the missing file is named), never
     as a smaller model. The data-parallel size is DeepSpeed's recorded ``dp_world_size``, else the highest
     data-parallel rank of the optimizer shards plus one (a missing shard in the middle still counts).
+
+    ``lora_base`` is set for a LoRA run's adapter-only tag: it holds the parameters that train (the adapters,
+    a reward model's head) and their optimizer states, and the frozen base is the one named there.
     """
 
     source_format: str
@@ -99,10 +103,17 @@ class SavedLayout:
     data_parallel: int
     zero_stage: int | None  # None without a model-states file to read it from
     precision: str | None
+    lora_base: LoraBase | None = None  # set: LoRA adapters only, over this base
+
+    @property
+    def adapters_only(self) -> bool:
+        return self.lora_base is not None
 
     def describe(self) -> str:
+        over_base = (f"; LoRA adapters only, over base {self.lora_base.path} (checksum {self.lora_base.checksum})"
+                     if self.adapters_only else "")
         return (f"{self.source_format}: DP {self.data_parallel} x TP {self.tensor_parallel} x PP {self.pipeline_stages}, "
-                f"ZeRO-{self.zero_stage}, {self.precision}")
+                f"ZeRO-{self.zero_stage}, {self.precision}{over_base}")
 
 
 @dataclass(frozen=True)
@@ -193,6 +204,7 @@ class TagInventory:
             data_parallel=int(recorded_dp or (max(self.optimizer_dp_ranks) + 1 if self.optimizer_files else 1)),
             zero_stage=self.metadata.zero_stage if self.metadata else None,
             precision=self.metadata.precision if self.metadata else None,
+            lora_base=LoraBase.from_dict(self.metadata.client_state.lora_base) if self.metadata else None,
         )
 
     @property

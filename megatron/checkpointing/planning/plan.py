@@ -24,6 +24,15 @@ checkpoint saved without lora_rank, a Hugging Face folder) in a weights-only loa
 the plan); a full resume of such a checkpoint into a LoRA run is refused. A LoRA run's own tags load strictly,
 and so does a PEFT adapter folder: its adapters with the base model it names (megatron/hf/peft.py).
 
+A LoRA run over a base it loaded (a fine-tune of a tag or folder without adapters, or a load of one of its
+own tags) saves adapter-only tags: the parameters that train, their optimizer states and the run's state,
+and the base's identity (`lora_base`: source, tag, checksum and the Hugging Face folder holding it, the table
+in LoadPlan.lora_base; `SavedLayout.lora_base` is where a reader learns that a tag is one). A PEFT adapter
+folder's base is the model folder it names, and its saves are adapter-only too. Loading such a tag plans the
+base's module-only load from the recorded source (`base`), refused in one line when the base is gone or its
+files changed, and then the tag as any tag of its mode; a tag without some adapter the model has is refused,
+never loaded with fresh ones. A LoRA run from scratch (no `load`) has no base to name, and saves full tags.
+
 The plan is the whole contract of a load: `load.load_checkpoint(engine, plan)` reads no settings.
 """
 
@@ -39,6 +48,7 @@ from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.formats.weights_source import WeightsSource
 from megatron.checkpointing.ondisk import layout
 from megatron.checkpointing.ondisk.client_state import ClientState
+from megatron.checkpointing.ondisk.identity import LoraBase, ReferenceIdentity, files_checksum
 from megatron.checkpointing.ondisk.inventory import (
     FORMAT_HF,
     FORMAT_INCOMPLETE,
@@ -93,6 +103,7 @@ class LoadPlan:
     hf_source: WeightsSource | None = field(default=None, repr=False, compare=False)  # reads a FORMAT_HF folder
     fresh_reward_head: bool = False  # a reward model from a language model: its head as initialised, see above
     fresh_adapters: bool = False  # LoRA over a source without adapters: the adapters as initialised, see above
+    base: LoadPlan | None = None  # the module-only load of the base under an adapter-only tag, see above
 
     @property
     def architecture(self) -> Architecture:
@@ -105,6 +116,30 @@ class LoadPlan:
     @property
     def module_only(self) -> bool:
         return not self.nothing_to_load and not self.load_optimizer
+
+    @property
+    def lora_base(self) -> LoraBase | None:
+        """The frozen base a LoRA run's saves name after this load (computes a checksum); None when there is none.
+
+        | the load                                        | its base                          | its hf_folder                  |
+        | an adapter-only tag (resume or fine-tune)       | the base the tag recorded         | the one the tag recorded       |
+        | fresh adapters over a Hugging Face folder       | that folder                       | that folder                    |
+        | fresh adapters over a tag without adapters      | that tag                          | its `converted_from` (a run's  |
+        |                                                 |                                   | tags have none: they trained)  |
+        | a PEFT adapter folder                           | the model folder it names (the    | that model folder              |
+        |                                                 | checksum: of that folder's files) |                                |
+        | a LoRA run's full tag, or no LoRA               | none                              |                                |
+        """
+        if self.base is not None:
+            return self.tag_inventory.saved_layout.lora_base
+        if self.fresh_adapters:
+            hf_folder = str(self.load_dir) if self.source_format == FORMAT_HF else self.client_state.converted_from
+            return LoraBase(str(self.load_dir), self.tag, weights_checksum(self), hf_folder)
+        adapter_base = self.hf_source.adapter_base(self.load_dir) if self.source_format == FORMAT_HF else None
+        if adapter_base is not None:
+            folder = str(adapter_base)
+            return LoraBase(folder, None, files_checksum(self.hf_source.files(adapter_base), adapter_base, None), folder)
+        return None
 
     @property
     def client_state(self) -> ClientState:
@@ -120,7 +155,10 @@ class LoadPlan:
                               *(f"  note:   {note}" for note in self.notes)])
         source = self.tag_dir if self.tag_dir is not None else self.load_dir
         saved_at = f", saved at iteration {self.saved_iteration}" if self.saved_iteration is not None else ""
-        loaded, fresh = ["weights" if self.strict else
+        if self.base is not None:
+            saved_at += f"; LoRA adapters only, over the base {self.base.tag_dir or self.base.load_dir}"
+        loaded, fresh = ["LoRA adapters (the tag holds only what trains)" if self.base is not None else
+                         "weights" if self.strict else
                          "the weights that match the model (load_module_strict is false; the rest are listed "
                          "when they are loaded)"], []
         if self.load_optimizer:
@@ -148,6 +186,11 @@ class LoadPlan:
             f"  fresh:  {', '.join(fresh) or 'nothing'}",
             f"  reads:  {files}",
         ]
+        if self.base is not None:
+            base = self.base.tag_dir or self.base.load_dir
+            lines.insert(1, f"  base:   frozen weights from {base} (format {self.base.source_format}), recorded by the "
+                            f"adapter-only tag, checksum {self.tag_inventory.saved_layout.lora_base.checksum} checked; "
+                            f"reads {', '.join(_relative(p, base) for p in self.base.files)}")
         if self.model:
             lines.insert(1, f"  model:  {self.model}")
         lines += [f"  note:   {note}" for note in self.notes]
@@ -159,6 +202,48 @@ def _relative(path: Path, root: Path) -> str:
         return str(path.relative_to(root))
     except ValueError:
         return str(path)
+
+
+def weights_checksum(plan: LoadPlan) -> str:
+    """A digest of the checksum of each file a module-only `plan` reads (identity.py)."""
+    root = plan.tag_dir if plan.tag_dir is not None else plan.load_dir
+    return files_checksum(plan.files, root, plan.tag_inventory.manifest if plan.tag_inventory is not None else None)
+
+
+def recorded_weights_plan(args, recorded: ReferenceIdentity, where: str, way_out: str, data_parallel_size: int,
+                          hf_source: WeightsSource | None) -> LoadPlan:
+    """The module-only plan of weights a save recorded (`recorded`: a DPO/KTO reference, a LoRA run's base);
+    CheckpointError in one line, `where` naming them, when they are gone, unloadable or changed."""
+    if not recorded.path.exists():
+        raise CheckpointError(f"{where}, is gone. {way_out}")
+    iteration = layout.iteration_of_tag(recorded.tag) if recorded.tag else None
+    settings = args.with_values({"load": recorded.source, "finetune": True, "no_load_optim": False,
+                                 "iteration": iteration}, where)
+    try:
+        plan = build_load_plan(settings, inventory_checkpoint(recorded.source, hf_source), data_parallel_size,
+                               hf_source)
+    except CheckpointError as err:
+        raise CheckpointError(f"{where} cannot be loaded: {err}") from None
+    checksum = weights_checksum(plan)
+    if checksum != recorded.checksum:
+        raise CheckpointError(f"{where}, changed since the run started: its files' checksum is {checksum}, the run "
+                              f"recorded {recorded.checksum}. {way_out}")
+    return plan
+
+
+def lora_base_plan(args, tag: TagInventory, data_parallel_size: int, hf_source: WeightsSource | None) -> LoadPlan | None:
+    """The module-only plan of the base under an adapter-only tag (the module docstring); None for a full tag."""
+    recorded = tag.saved_layout.lora_base
+    if recorded is None:
+        return None
+    if not args.lora_rank:
+        saved = (tag.metadata.saved_args or {}).get("lora_rank")
+        raise CheckpointError(
+            f"{tag.path} holds LoRA adapters only (over the base {recorded.path}), but this run has no adapters "
+            f"(lora_rank 0). Set the lora_* settings of the run that saved it (lora_rank {saved}).")
+    return recorded_weights_plan(
+        args, recorded, f"the base model of the LoRA adapters in {tag.path}, {recorded.path}", "The adapters were "
+        "trained over exactly those weights: restore them at that path.", data_parallel_size, hf_source)
 
 
 def schedule_start(mode: LoadMode, saved_iteration: int | None, client: ClientState) -> int:
@@ -298,8 +383,10 @@ def _skipped_notes(inventory: CheckpointInventory) -> list[str]:
     return [f"skipped {', '.join(inventory.partial_tags)}: interrupted save(s), never loaded; the next save removes them"]
 
 
-def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: int) -> LoadPlan:
-    """Decide what to load from `inventory` for these settings; CheckpointError when it cannot be done."""
+def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: int,
+                    hf_source: WeightsSource | None = None) -> LoadPlan:
+    """Decide what to load from `inventory` for these settings; CheckpointError when it cannot be done.
+    `hf_source` reads the base of an adapter-only tag when that is a Hugging Face folder."""
     mode = requested_mode(args)
     root = inventory.root
     if inventory.is_hf:
@@ -400,6 +487,7 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         model=_model(args),
         fresh_reward_head=_fresh_reward_head(args, client, tag, load_optimizer),
         fresh_adapters=_fresh_adapters(args, client, tag, load_optimizer),
+        base=lora_base_plan(args, tag, data_parallel_size, hf_source),
     )
     _check_iterations_left(plan, args)
     preflight.check_plan(files, load_optimizer, tag, args, change)
@@ -438,7 +526,7 @@ def plan_load(args, data_parallel_size: int, hf_source: WeightsSource | None = N
     """
     if not args.load:
         return None
-    plan = build_load_plan(args, inventory_checkpoint(args.load, hf_source), data_parallel_size)
+    plan = build_load_plan(args, inventory_checkpoint(args.load, hf_source), data_parallel_size, hf_source)
     from megatron.logging import get_logger
 
     get_logger().info(plan.describe())

@@ -22,11 +22,13 @@ from megatron.zero3_partition import is_partitioned
 
 
 def save_engine_checkpoint(engine, save_dir: str | Path, tag: str, client_state: dict,
-                           optimizer_states: bool = True, snapshot: SnapshotCheckpointEngine | None = None
-                           ) -> WriteFailure | None:
+                           optimizer_states: bool = True, snapshot: SnapshotCheckpointEngine | None = None,
+                           frozen_weights: bool = True) -> WriteFailure | None:
     """Save tag ``tag`` under ``save_dir`` on every rank (collective); return this rank's failed write, if any.
 
     Without ``optimizer_states`` (``no_save_optim``) the tag holds the model-states files alone (below).
+    Without ``frozen_weights`` (a LoRA run's adapter-only tag) every module in it holds only the parameters
+    that train (DeepSpeed's ``exclude_frozen_parameters``) and the module's buffers.
     With a ``snapshot`` (async_save.py) the state files are not written but copied into it, to be
     written by the save's background thread.
 
@@ -55,9 +57,10 @@ def save_engine_checkpoint(engine, save_dir: str | Path, tag: str, client_state:
     failures: list[WriteFailure] = []
     with (snapshot_engine(engine, snapshot), _writes_recording_failures(engine, failures, snapshot),
           _optimizer_left_out(engine, not optimizer_states)):
-        engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
+        engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False,
+                               exclude_frozen_parameters=not frozen_weights)
     if engine.zero_optimization_partition_weights():
-        _write_full_module_file(engine, save_dir / tag, failures, snapshot)
+        _write_full_module_file(engine, save_dir / tag, failures, snapshot, frozen_weights)
     return failures[0] if failures else None
 
 
@@ -119,14 +122,14 @@ def _writes_recording_failures(engine, failures: list[WriteFailure],
 
 
 def _write_full_module_file(engine, tag_dir: Path, failures: list[WriteFailure],
-                            snapshot: SnapshotCheckpointEngine | None) -> None:
+                            snapshot: SnapshotCheckpointEngine | None, frozen_weights: bool) -> None:
     dp_group = getattr(engine.optimizer, "dp_process_group", None)
     mp_rank = _model_parallel_rank(engine)
     writer = dist.get_rank(group=dp_group) == 0
     scratch = _Scratch(tag_dir / layout.gathered_module_scratch_name(mp_rank)) if writer and not failures else None
     path = tag_dir / layout.model_states_name(mp_rank)
     try:
-        module = _gather_full_module(engine.module, scratch)
+        module = _gather_full_module(engine.module, scratch, frozen_weights)
         if module is not None:
             dp_rank0_file = tag_dir / layout.zero3_model_states_name(0, mp_rank)
             if snapshot is not None:  # the module's tensors are the scratch file's, no copy needed
@@ -154,15 +157,20 @@ def _model_parallel_rank(engine) -> int:
     return 0 if engine.mpu is None else engine.mpu.get_model_parallel_rank()
 
 
-def _gather_full_module(module: torch.nn.Module, scratch: _Scratch | None) -> dict[str, torch.Tensor] | None:
-    """The module's state dict with whole ZeRO-3 parameters, gathered one at a time into ``scratch``.
+def _gather_full_module(module: torch.nn.Module, scratch: _Scratch | None,
+                        frozen_weights: bool = True) -> dict[str, torch.Tensor] | None:
+    """The module's state dict with whole ZeRO-3 parameters, gathered one at a time into ``scratch``
+    (without ``frozen_weights``: less the parameters that do not train, as DeepSpeed's own module leaves them).
 
     Every rank of the parameters' partition group must call it; the rank with a ``scratch`` gets the
     state dict, its tensors mapped from the scratch file, so the whole module is never in its memory.
     """
     index: dict[int, int] = {}
     names = {}
+    frozen = set() if frozen_weights else {name for name, param in module.named_parameters() if not param.requires_grad}
     for name, tensor in module.state_dict(keep_vars=True).items():
+        if name in frozen:
+            continue
         if id(tensor) not in index:
             value = _gather_param(tensor) if is_partitioned(tensor) else tensor.detach()
             index[id(tensor)] = scratch.add(value) if scratch is not None else -1

@@ -46,8 +46,9 @@ def save_checkpoint(
     The run's YAML files and all its settings as one GPT-NeoX config (neox_config.py) go into
     `<tag>/configs/` first, then the engine's files; `latest` names the tag once every file is written, then old
     tags are pruned per `keep_last_n_checkpoints`: only tags of `lineage` (the run's own, which this save joins;
-    without one, only this tag). `reference_model` is the identity of a DPO/KTO run's reference (reference.py),
-    `lora_base` a LoRA run's base (lora_base.py).
+    without one, only this tag). `reference_model` is the identity of a DPO/KTO run's reference (reference.py).
+    With `lora_base`, the identity of a LoRA run's frozen base (LoadOutcome.lora_base), the tag is adapter-only:
+    it holds the parameters that train, their optimizer states and the run's state, and names that base.
 
     With `async_save`, inside `saves_waited_for` (the training loop), it returns once the state is copied to
     host memory, and the files, the manifest, `latest` and the pruning follow in the background
@@ -93,7 +94,8 @@ def save_checkpoint(
             _prune(args, save_dir, tag, lineage)
 
         failure = save_engine_checkpoint(engine, save_dir, partial, client_state.to_dict(),
-                                         optimizer_states=not args.no_save_optim, snapshot=snapshot)
+                                         optimizer_states=not args.no_save_optim, snapshot=snapshot,
+                                         frozen_weights=lora_base is None)
         if snapshot is None:  # the commit a background save runs later, run now
             barrier()  # every rank's files are on disk before any rank lists them
             failure, records = commit.record_this_ranks_share(save_dir / partial, failure)

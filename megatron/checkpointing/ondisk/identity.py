@@ -1,0 +1,69 @@
+"""Which weights a run was made from, as its saves record them: the DPO/KTO reference model
+(ReferenceIdentity), the frozen base under a LoRA run's adapters (LoraBase). A source folder, a tag in it, and
+a checksum of the files a module-only load of them reads, so a later load can tell that they are still the
+same weights; a LoRA base also names the Hugging Face folder holding exactly those weights, when one does
+(PEFT's base_model_name_or_path in an export of the adapters).
+
+The checksum is a digest of the checksum of every such file (the manifest's where the tag has one;
+otherwise a CRC-32 computed here, as runs recorded before saves moved to XXH3, so their identities still
+match); it does not depend on the tensor-parallel layout that reads them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron.checkpointing.ondisk import manifest
+
+_UNLISTED_FILE_CHECKSUM = "crc32"  # fixed: identities recorded by earlier runs must keep matching
+
+
+@dataclass(frozen=True)
+class ReferenceIdentity:
+    source: str  # the checkpoint directory or Hugging Face folder
+    tag: str | None  # the checkpoint's tag; None for a Hugging Face folder
+    checksum: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "tag": self.tag, "checksum": self.checksum}
+
+    @classmethod
+    def from_dict(cls, stored: dict[str, Any] | None) -> ReferenceIdentity | None:
+        if not stored:
+            return None
+        return cls(str(stored["source"]), stored.get("tag"), str(stored["checksum"]))
+
+    @property
+    def path(self) -> Path:
+        return Path(self.source) / self.tag if self.tag else Path(self.source)
+
+
+@dataclass(frozen=True)
+class LoraBase(ReferenceIdentity):
+    hf_folder: str | None = None  # the Hugging Face folder holding exactly these weights; None when none does
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "hf_folder": self.hf_folder}
+
+    @classmethod
+    def from_dict(cls, stored: dict[str, Any] | None) -> LoraBase | None:
+        if not stored:
+            return None
+        return cls(str(stored["source"]), stored.get("tag"), str(stored["checksum"]), stored.get("hf_folder"))
+
+
+def files_checksum(files: Iterable[Path], root: Path, records: Mapping[str, manifest.FileRecord] | None) -> str:
+    """A digest of the checksum of each of `files` (under `root`), taken from `records` (a manifest) where listed."""
+    lines = []
+    for path in sorted(files):
+        # a PEFT adapter folder's plan also reads its base model's files, which lie outside the folder
+        name = Path(path).relative_to(root).as_posix() if Path(path).is_relative_to(root) else Path(path).as_posix()
+        record = (records or {}).get(name)
+        digest = (f"{record.checksum}:{record.digest}" if record is not None else
+                  f"{_UNLISTED_FILE_CHECKSUM}:{manifest.file_checksum(path, _UNLISTED_FILE_CHECKSUM)}")
+        lines.append(f"{name} {digest}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
