@@ -30,10 +30,13 @@ DATA_DOCUMENTS, DATA_DOCUMENT_LENGTH = 200, 2100  # a split of one document hold
 
 def write_data_named_by(configs: list[Path], root: Path) -> None:
     """Small datasets at every data path `configs` name, relative paths under `root` (the directory the dry run
-    starts in): the dry run opens them, as the start does. Every token and label file holds the same documents,
+    starts in): the dry run opens them, as the start does. Every token and label file holds the same documents
+    (each usable: as long as a sample where the settings do not chop documents),
     every reward file one reward per document, every precomputed file seq_length log-probabilities a document."""
     args = NeoXArgs.from_yaml_files(configs)
-    tokens = [np.arange(1, DATA_DOCUMENT_LENGTH + 1) % 200 + 1] * DATA_DOCUMENTS
+    # unpacked without allow_chopped, a document longer than a sample is one no sample can hold
+    length = args.seq_length + 1 if args.pack_impl == "unpacked" and not args.allow_chopped else DATA_DOCUMENT_LENGTH
+    tokens = [np.arange(1, length + 1) % 200 + 1] * DATA_DOCUMENTS
     for name in [name for name in SETTINGS if name == "data_path" or name.endswith("_data_paths")]:
         value = getattr(args, name)
         for prefix in [value] if isinstance(value, str) else value or []:
