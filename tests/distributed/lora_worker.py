@@ -11,7 +11,6 @@ non-zero exit fails the test.
 
 from __future__ import annotations
 
-import logging
 import sys
 from pathlib import Path
 
@@ -20,14 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 from megatron.checkpointing import load_checkpoint, plan_load, read_module_weights, save_checkpoint  # noqa: E402
 from megatron.initialize import (  # noqa: E402
     ModelParallelUnit,
-    init_deepspeed_distributed,
-    leave_process_group,
     zero3_construction,
 )
 from megatron.model import build_model, causal_lm_loss  # noqa: E402
@@ -36,7 +32,14 @@ from megatron.model.partitioning import REPLICATED, partition, partitioning, rep
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 from megatron.optimizers import build_param_groups  # noqa: E402
 from megatron.zero3_partition import is_partitioned  # noqa: E402
-from tests.distributed.tensor_parallel_worker import BASE, FAMILIES, batch, check, set_tensor_parallel_size  # noqa: E402
+from tests.distributed.tensor_parallel_worker import (  # noqa: E402
+    BASE,
+    FAMILIES,
+    batch,
+    check,
+    run_named_check,
+    set_tensor_parallel_size,
+)
 from tests.worker_report import report  # noqa: E402
 
 LORA = dict(lora_rank=4, lora_alpha=12, lora_target_modules="all-linear")  # alpha != rank: the scaling shows
@@ -228,17 +231,5 @@ CHECKS = {"tp2": tensor_parallel_2_steps_as_1, "zero3": zero3_steps_and_saves_as
           "reshard": tensor_parallel_2_tag_resumes_at_1_under_zero3}
 
 
-def main() -> None:
-    name = sys.argv[1]
-    deepspeed_logger.setLevel(logging.ERROR)
-    init_deepspeed_distributed(dist_backend="gloo")
-    check(dist.get_world_size() == 2, f"{name} expects 2 ranks")
-    CHECKS[name](Path(sys.argv[2]))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        report(check=name, ok=True)
-
-
 if __name__ == "__main__":
-    main()
-    leave_process_group()
+    run_named_check(CHECKS, {})

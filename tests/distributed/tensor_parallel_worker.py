@@ -289,17 +289,19 @@ CHECKS = {"equivalence": same_model_same_loss_and_gradients, "deepspeed": deepsp
 RANKS = {"resplit4": 4}
 
 
-def main() -> None:
+def run_named_check(checks: dict, ranks: dict[str, int]) -> None:
+    """Run the check named by argv[1] on the work dir argv[2] at its rank count (2 unless `ranks` says), and
+    record that it passed; the process group is left after it."""
     name = sys.argv[1]
     deepspeed_logger.setLevel(logging.ERROR)
     init_deepspeed_distributed(dist_backend="gloo")
-    check(dist.get_world_size() == RANKS.get(name, 2), f"{name} expects {RANKS.get(name, 2)} ranks")
-    CHECKS[name](Path(sys.argv[2]))
+    check(dist.get_world_size() == ranks.get(name, 2), f"{name} expects {ranks.get(name, 2)} ranks")
+    checks[name](Path(sys.argv[2]))
     dist.barrier()
     if dist.get_rank() == 0:
         report(check=name, ok=True)
+    leave_process_group()
 
 
 if __name__ == "__main__":
-    main()
-    leave_process_group()
+    run_named_check(CHECKS, RANKS)

@@ -65,14 +65,20 @@ def test_logits_equal_transformers_at_every_position_and_not_with_the_variant_of
         assert difference.max() > 1e-2, f"{kind} with {off}: the variant changes nothing"
 
 
-@pytest.mark.parametrize("kind", list(SWITCHED_OFF))
-def test_one_step_from_the_folder_has_the_gradient_of_transformers(kind, tmp_path):
-    model = make_hf_model(kind)
+def engine_from_folder(model, tmp_path):
+    """(settings, a fp32 ZeRO-0 engine) of a fine-tune loaded from `model` saved as a Hugging Face folder."""
     hf_dir = save_hf(model, tmp_path / "hf")
     args = engine_args(model, load=str(hf_dir), finetune=True, zero_optimization={"stage": 0})
     plan = plan_load(args, data_parallel_size=1, hf_source=HF_FOLDER)
     engine = build_engine(args)
     load_checkpoint(engine, plan)
+    return args, engine
+
+
+@pytest.mark.parametrize("kind", list(SWITCHED_OFF))
+def test_one_step_from_the_folder_has_the_gradient_of_transformers(kind, tmp_path):
+    model = make_hf_model(kind)
+    args, engine = engine_from_folder(model, tmp_path)
     batch = long_tokens(seed=1)
     loss = engine_loss(engine, batch)
     engine.backward(loss)

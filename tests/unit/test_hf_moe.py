@@ -13,16 +13,14 @@ import pytest
 import torch
 from transformers.core_model_loading import revert_weight_conversion
 
-from megatron.checkpointing import load_checkpoint, plan_load
 from megatron.data import BatchOptions
-from megatron.hf import HF_FOLDER, HFConversionError, load_hf_module_weights
+from megatron.hf import HFConversionError, load_hf_module_weights
 from megatron.hf.config import spec_from_hf_config, unrepresentable
 from megatron.hf.mapping import convert_tensors, hf_to_ours
 from megatron.model import build_model, load_balancing_loss
 from megatron.objectives import objective_for
 from tests.e2e.test_hf_conversion import MOE_KINDS, logits_of, make_hf_model, our_args, save_hf
-from tests.unit.test_hf_engine import build_engine, engine_args
-from tests.unit.test_hf_families import long_tokens
+from tests.unit.test_hf_families import engine_from_folder, long_tokens
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
 
@@ -51,11 +49,7 @@ def test_logits_equal_transformers_and_not_with_the_other_renormalisation(kind, 
 def test_one_step_from_the_folder_has_the_loss_and_gradient_of_transformers_with_load_balancing(kind, tmp_path):
     model = make_hf_model(kind)
     assert model.config.output_router_logits and model.config.router_aux_loss_coef == 0.02
-    hf_dir = save_hf(model, tmp_path / "hf")
-    args = engine_args(model, load=str(hf_dir), finetune=True, zero_optimization={"stage": 0})
-    plan = plan_load(args, data_parallel_size=1, hf_source=HF_FOLDER)
-    engine = build_engine(args)
-    load_checkpoint(engine, plan)
+    args, engine = engine_from_folder(model, tmp_path)
     batch = long_tokens(seed=1)
     loss, metrics = objective_for(args, BatchOptions())(engine, {"text": batch})
     engine.backward(loss)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_world as world  # noqa: E402
 import torch  # noqa: E402
-from harness import Ratios, bench_parser, in_turn, repeat_ratios, table, write_json  # noqa: E402
+from harness import Ratios, bench_parser, in_turn, repeat_ratios, step_table, write_json  # noqa: E402
 from procmem import measure_memory, status_kib  # noqa: E402
 
 from megatron.data import BatchOptions  # noqa: E402
@@ -140,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
           f"SFT {rows} rows; repeats {options.repeats}; torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads; load average {load_average[1]:.2f}; "
           f"reference model resident: {reference_mib:.1f} MiB")
-    print(table(["step", "median ms", "min ms", "max ms", "peak RSS above start (MiB)"],
-                [[name, 1e3 * median(times[name]), 1e3 * min(times[name]), 1e3 * max(times[name]),
-                  median(peak_mib[name])] for name in order]))
+    print(step_table(times, peak_mib, order))
     report = Ratios()
     title = options.objective.upper()
 

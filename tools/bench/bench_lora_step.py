@@ -31,7 +31,7 @@ from statistics import median
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Ratios, bench_parser, in_turn, repeat_ratios, table, write_json  # noqa: E402
+from harness import Ratios, bench_parser, in_turn, repeat_ratios, step_table, write_json  # noqa: E402
 
 VARIANTS = ("full", "lora")
 
@@ -115,9 +115,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{lora['trained']:,} trained parameters ({100 * lora['trained'] / lora['parameters']:.2f}%); base weights "
           f"at {options.precision}: {lora['base_mib']:.1f} MiB; repeats {options.repeats}; load average "
           f"{load_average[1]:.2f}")
-    print(table(["step", "median ms", "min ms", "max ms", "peak RSS above start (MiB)"],
-                [[variant, 1e3 * median(times[variant]), 1e3 * min(times[variant]), 1e3 * max(times[variant]),
-                  median(peaks[variant])] for variant in VARIANTS]))
+    print(step_table(times, peaks, VARIANTS))
     report = Ratios()
     report.add("lora/full step_seconds", median(times["lora"]), median(times["full"]),
                "a LoRA step against a full fine-tune step of the same model", repeat_ratios(times["lora"],

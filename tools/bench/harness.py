@@ -110,6 +110,14 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join(lines)
 
 
+def step_table(seconds: dict[str, list[float]], peak_mib: dict[str, list[float]], names: Sequence[str]) -> str:
+    """The table of a bench that times steps and their peak memory: per name, the median, min and max step
+    in ms and the median peak RSS above the bench's start."""
+    return table(["step", "median ms", "min ms", "max ms", "peak RSS above start (MiB)"],
+                 [[name, 1e3 * statistics.median(seconds[name]), 1e3 * min(seconds[name]), 1e3 * max(seconds[name]),
+                   statistics.median(peak_mib[name])] for name in names])
+
+
 def cpu_model() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
