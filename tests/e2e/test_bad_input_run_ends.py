@@ -72,6 +72,30 @@ class _Lines:
             return self._changed.wait_for(lambda: any(re.search(pattern, line) for line in self.lines), seconds)
 
 
+def _ended_after_step_3(config, bound: float, what: str, extra_env: dict[str, str] | None = None,
+                        at_step_3=lambda: None) -> tuple[int, _Lines]:
+    """Run deepy.py train.py on configs/tiny.yml and `config`; once it printed iteration 3, call `at_step_3` and
+    give the run `bound` seconds to end (a test failure naming `what` when it does not). Returns its exit status
+    and its stderr lines, read to the end."""
+    run = subprocess.Popen([sys.executable, "deepy.py", "train.py", "configs/tiny.yml", str(config)], cwd=REPO_ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})})
+    stdout, stderr = _Lines(run.stdout), _Lines(run.stderr)
+    try:
+        assert stdout.wait_for(r"iteration\s+3/", 600), "\n".join(stdout.lines[-20:] + stderr.lines[-40:])
+        at_step_3()
+        started = time.monotonic()
+        returncode = run.wait(timeout=bound)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running {bound} s after {what}:\n" + "\n".join(stderr.lines[-30:]))
+    finally:
+        run.kill()  # deepy.py's watchdog then kills the launcher's process group
+        run.wait()
+    print(f"ended {time.monotonic() - started:.1f} s after {what}")
+    time.sleep(0.5)  # the readers reach the end of both streams
+    return returncode, stderr
+
+
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_rank_that_raises_in_the_loop_with_workers_ends_the_run_with_its_error_last(tmp_path, ranks):
     """The label file is rewritten under the running run (ids past the vocabulary: the check at open passed the
@@ -82,25 +106,14 @@ def test_a_rank_that_raises_in_the_loop_with_workers_ends_the_run_with_its_error
     save = tmp_path / "ckpt"
     config = write_overrides(tmp_path, **tokenizer, train_data_paths=[tokens], train_label_data_paths=[labels],
                              num_workers=2, num_gpus=ranks, train_iters=500, eval_interval=1000, save=str(save), checkpoint_factor=2)
-    run = subprocess.Popen([sys.executable, "deepy.py", "train.py", "configs/tiny.yml", str(config)], cwd=REPO_ROOT,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    stdout, stderr = _Lines(run.stdout), _Lines(run.stderr)
-    try:
-        assert stdout.wait_for(r"iteration\s+3/", 600), "\n".join(stdout.lines[-20:] + stderr.lines[-40:])
+
+    def corrupt_labels() -> None:
         label_bin = np.memmap(data_file_path(labels), dtype=np.int32, mode="r+")
         label_bin[:] = 99999
         label_bin.flush()
-        broken_at = time.monotonic()
-        returncode = run.wait(timeout=ENDS_WITHIN_SECONDS)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"still running {ENDS_WITHIN_SECONDS} s after the label file turned bad:\n"
-                    + "\n".join(stderr.lines[-30:]))
-    finally:
-        run.kill()  # deepy.py's watchdog then kills the launcher's process group
-        run.wait()
-    print(f"ended {time.monotonic() - broken_at:.1f} s after the label file turned bad")
-    time.sleep(0.5)  # the readers reach the end of both streams
+
+    returncode, stderr = _ended_after_step_3(config, ENDS_WITHIN_SECONDS, "the label file turned bad",
+                                             at_step_3=corrupt_labels)
     assert returncode != 0
     last = [line for line in stderr.lines if line.strip()][-1]
     assert last.endswith("IndexError: Target 99999 is out of bounds."), "\n".join(stderr.lines[-30:])
@@ -121,24 +134,9 @@ def test_when_one_rank_fails_the_run_ends_within_seconds_with_its_line_last(tmp_
     launcher's SIGTERM for a stop request ("stopping after this iteration with a checkpoint")."""
     failing = ranks - 1
     config = write_overrides(tmp_path, num_gpus=ranks, num_workers=workers, train_iters=500, eval_interval=1000)
-    run = subprocess.Popen([sys.executable, "deepy.py", "train.py", "configs/tiny.yml", str(config)], cwd=REPO_ROOT,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                **faults.switched_on(fail_after_iteration=f"{failing}@3",
-                                                     **({"hold_after_iteration": 3} if held else {}))})
-    stdout, stderr = _Lines(run.stdout), _Lines(run.stderr)
-    try:
-        assert stdout.wait_for(r"iteration\s+3/", 600), "\n".join(stdout.lines[-20:] + stderr.lines[-40:])
-        failed_at = time.monotonic()
-        returncode = run.wait(timeout=ONE_RANK_FAILS_ENDS_WITHIN_SECONDS)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"still running {ONE_RANK_FAILS_ENDS_WITHIN_SECONDS} s after rank {failing} failed:\n"
-                    + "\n".join(stderr.lines[-30:]))
-    finally:
-        run.kill()
-        run.wait()
-    print(f"ranks {ranks}, workers {workers}, held {held}: ended {time.monotonic() - failed_at:.1f} s after step 3")
-    time.sleep(0.5)  # the readers reach the end of both streams
+    faults_on = faults.switched_on(fail_after_iteration=f"{failing}@3", **({"hold_after_iteration": 3} if held else {}))
+    returncode, stderr = _ended_after_step_3(config, ONE_RANK_FAILS_ENDS_WITHIN_SECONDS, f"rank {failing} failed",
+                                             extra_env=faults_on)
     assert returncode == EXIT_EXPECTED_ERROR
     line = f"fault point fail_after_iteration: rank {failing} failed after iteration 3"
     printed = [text for text in stderr.lines if text.strip()]
