@@ -533,10 +533,8 @@ def test_a_resume_asking_for_another_number_of_samples_says_unpacked_samples_com
 
 def _adapter_tag(root, base_root):
     """A tag recording that it holds a LoRA run's adapters over `base_root`'s global_step2."""
-    from megatron.checkpointing.planning.plan import weights_checksum
-
     base = {"source": str(base_root), "tag": "global_step2",
-            "checksum": weights_checksum(plan_for(base_root, finetune=True, iteration=2))}
+            "checksum": plan_for(base_root, finetune=True, iteration=2).weights_checksum}
     return saved_checkpoint(root, make_args(stage=1, lora_rank=4), iterations=(1,),
                             client_state={**with_rng(), "lora_base": base})
 

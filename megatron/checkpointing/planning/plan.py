@@ -39,6 +39,7 @@ The plan is the whole contract of a load: `load.load_checkpoint(engine, plan)` r
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +118,13 @@ class LoadPlan:
     def module_only(self) -> bool:
         return not self.nothing_to_load and not self.load_optimizer
 
+    @functools.cached_property
+    def weights_checksum(self) -> str:
+        """A digest of the checksum of each file this module-only plan reads (identity.py); computed once per
+        plan: a DPO/KTO reference and a LoRA run's base over the same source both name it."""
+        root = self.tag_dir if self.tag_dir is not None else self.load_dir
+        return files_checksum(self.files, root, self.tag_inventory.manifest if self.tag_inventory is not None else None)
+
     @property
     def lora_base(self) -> LoraBase | None:
         """The frozen base a LoRA run's saves name after this load (computes a checksum); None when there is none.
@@ -134,7 +142,7 @@ class LoadPlan:
             return self.tag_inventory.saved_layout.lora_base
         if self.fresh_adapters:
             hf_folder = str(self.load_dir) if self.source_format == FORMAT_HF else self.client_state.converted_from
-            return LoraBase(str(self.load_dir), self.tag, weights_checksum(self), hf_folder)
+            return LoraBase(str(self.load_dir), self.tag, self.weights_checksum, hf_folder)
         adapter_base = self.hf_source.adapter_base(self.load_dir) if self.source_format == FORMAT_HF else None
         if adapter_base is not None:
             folder = str(adapter_base)
@@ -204,12 +212,6 @@ def _relative(path: Path, root: Path) -> str:
         return str(path)
 
 
-def weights_checksum(plan: LoadPlan) -> str:
-    """A digest of the checksum of each file a module-only `plan` reads (identity.py)."""
-    root = plan.tag_dir if plan.tag_dir is not None else plan.load_dir
-    return files_checksum(plan.files, root, plan.tag_inventory.manifest if plan.tag_inventory is not None else None)
-
-
 def recorded_weights_plan(args, recorded: ReferenceIdentity, where: str, way_out: str, data_parallel_size: int,
                           hf_source: WeightsSource | None) -> LoadPlan:
     """The module-only plan of weights a save recorded (`recorded`: a DPO/KTO reference, a LoRA run's base);
@@ -224,7 +226,7 @@ def recorded_weights_plan(args, recorded: ReferenceIdentity, where: str, way_out
                                hf_source)
     except CheckpointError as err:
         raise CheckpointError(f"{where} cannot be loaded: {err}") from None
-    checksum = weights_checksum(plan)
+    checksum = plan.weights_checksum
     if checksum != recorded.checksum:
         raise CheckpointError(f"{where}, changed since the run started: its files' checksum is {checksum}, the run "
                               f"recorded {recorded.checksum}. {way_out}")

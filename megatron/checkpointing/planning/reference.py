@@ -17,7 +17,7 @@ from __future__ import annotations
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.formats.weights_source import WeightsSource
 from megatron.checkpointing.ondisk.identity import ReferenceIdentity
-from megatron.checkpointing.planning.plan import LoadMode, LoadPlan, recorded_weights_plan, weights_checksum
+from megatron.checkpointing.planning.plan import LoadMode, LoadPlan, recorded_weights_plan
 
 TRAIN_IMPLS_WITH_REFERENCE = ("dpo", "kto")
 
@@ -41,7 +41,7 @@ def plan_reference(args, policy_plan: LoadPlan | None, data_parallel_size: int,
             + (", or set `dpo_reference_free: true`." if args.train_impl == "dpo" else "."))
     if policy_plan.mode is LoadMode.FINETUNE:
         return policy_plan, ReferenceIdentity(str(policy_plan.load_dir), policy_plan.tag,
-                                              weights_checksum(policy_plan))
+                                              policy_plan.weights_checksum)
     recorded = ReferenceIdentity.from_dict(policy_plan.client_state.reference_model)
     if recorded is None:
         raise CheckpointError(
