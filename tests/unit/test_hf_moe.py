@@ -18,6 +18,7 @@ from megatron.hf import HFConversionError, load_hf_module_weights
 from megatron.hf.config import spec_from_hf_config, unrepresentable
 from megatron.hf.mapping import convert_tensors, hf_to_ours
 from megatron.model import build_model, load_balancing_loss
+from megatron.model.partitioning import REPLICATED, partitioning
 from megatron.objectives import objective_for
 from tests.e2e.test_hf_conversion import MOE_KINDS, logits_of, make_hf_model, our_args, save_hf
 from tests.unit.test_hf_families import engine_from_folder, long_tokens
@@ -140,3 +141,17 @@ def test_a_model_with_experts_is_written_only_as_a_family_with_experts():
     assert "moe_expert_interval=2 (mixtral needs 1)" in unrepresentable(qwen2_moe, "mixtral")
     assert "qk_layernorm_across_heads=True (qwen3_moe needs False)" in unrepresentable(olmoe, "qwen3_moe")
     assert "moe_shared_expert_intermediate_size=0 (qwen2_moe has a shared expert)" in unrepresentable(olmoe, "qwen2_moe")
+
+
+def test_the_shared_expert_is_drawn_and_split_as_a_dense_mlp_and_its_gate_starts_closed_halfway():
+    """Qwen2-MoE's layer 0 has experts and a shared expert, its layer 1 a dense MLP: the shared expert's weights
+    split over tensor-parallel ranks as the dense MLP's do and are drawn at initialisation; its gate is replicated
+    and starts at zero (sigmoid 1/2) whatever the tensor-parallel size."""
+    arch = spec_from_hf_config(make_hf_model("qwen2_moe").config.to_dict()).architecture()
+    params = dict(build_model(arch, seed=0).named_parameters())
+    for linear in ("linear1", "linear2"):
+        shared, dense = f"sequential.2.mlp.shared_expert.mlp.{linear}.weight", f"sequential.3.mlp.{linear}.weight"
+        assert partitioning(shared, arch) == partitioning(dense, arch) != REPLICATED
+        assert 0.5 < params[shared].std().item() / params[dense].std().item() < 2
+    gate = "sequential.2.mlp.shared_expert_gate.weight"
+    assert partitioning(gate, arch) == REPLICATED and not params[gate].any()
