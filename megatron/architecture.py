@@ -33,6 +33,7 @@ A load is refused when a field of ``FIELDS_THAT_REFUSE_A_LOAD`` differs between 
 | sliding_window_width    | sliding_window_width (unset: no window; Mistral)   | the setting is known    |
 | kv_channels             | kv_channels (unset: hidden_size / heads; Qwen3)    | always                  |
 | qk_layernorm            | qk_layernorm (Qwen3)                               | the setting is known    |
+| qk_layernorm_across_heads | qk_layernorm_across_heads (OLMoE)                | the setting is known    |
 | add_qkv_bias            | add_qkv_bias (Qwen2)                               | the setting is known    |
 | rope_scaling            | rope_scaling (Llama 3.1+, Qwen's yarn)             | pos_emb is rotary       |
 | moe_num_experts         | moe_num_experts (GPT-NeoX; Mixtral, Qwen3-MoE)     | always                  |
@@ -41,6 +42,7 @@ A load is refused when a field of ``FIELDS_THAT_REFUSE_A_LOAD`` differs between 
 | moe_intermediate_size   | GPT-NeoX's expert width rule (``expert_width``)    | moe_num_experts > 1     |
 | moe_norm_topk_prob      | moe_norm_topk_prob                                 | moe_num_experts > 1     |
 | moe_router_type         | moe_router_type                                    | moe_num_experts > 1     |
+| moe_shared_expert_intermediate_size | moe_shared_expert_intermediate_size (unset: 0; Qwen2-MoE) | moe_num_experts > 1 |
 
 Settings saved by another program may lack some keys: a field whose settings are missing is not
 compared (``fields_of_settings``). The other fields (dropout, initialisation, activation
@@ -71,7 +73,9 @@ Sinkhorn-balanced assignment and weighs them by the sigmoid (top 1) or softmax o
 dropped. Each expert is the model's MLP without biases (``use_bias_in_mlp`` is for the layers without
 experts, as in GPT-NeoX), ``expert_width`` wide per projection: ``moe_intermediate_size``, else GPT-NeoX's
 rule for experts (``intermediate_size`` itself, unset: 4 x hidden, for swiglu 8/3 x hidden, rounded up to
-256), on one tensor-parallel rank and without a pipeline.
+256), on one tensor-parallel rank and without a pipeline. With ``moe_shared_expert_intermediate_size`` (Qwen2-MoE's
+shared expert) every token also goes through the model's dense MLP of that width (no biases), whose output,
+weighed by the sigmoid of a linear of the token (``shared_expert_gate``, hidden -> 1), is added to the experts'.
 The load-balancing loss (``moe_load_balancing_loss``, ``moe_load_balancing_loss_coef``: Hugging Face's
 ``output_router_logits`` and ``router_aux_loss_coef``) shapes how the model trains, not the function its
 weights compute, and refuses no load.
@@ -131,6 +135,7 @@ class Architecture:
     sliding_window_width: int | None = None  # Mistral: keys at most this many positions back, and the query's own
     kv_channels: int | None = None  # each head's width (Hugging Face's head_dim); None: hidden_size / heads
     qk_layernorm: bool = False  # a norm over each head's query and key, weights per projection (Qwen3)
+    qk_layernorm_across_heads: bool = False  # instead: one norm over all heads' queries, one over the keys (OLMoE)
     add_qkv_bias: bool = False  # biases on the query/key/value projection alone (Qwen2)
     rope_scaling: dict[str, Any] | None = None  # rope_type and its parameters (see the module docstring)
     # train_impl rm: the output layer is a scalar head (rm_linear, hidden -> 1) instead of final_linear
@@ -141,6 +146,7 @@ class Architecture:
     moe_intermediate_size: int | None = None  # each expert's width per projection, as built (``expert_width``)
     moe_norm_topk_prob: bool = False
     moe_router_type: str = "topk"  # "topk" or GPT-NeoX's "sinkhorn"
+    moe_shared_expert_intermediate_size: int = 0  # > 0: a gated shared expert this wide beside the experts
     moe_jitter_eps: float | None = None  # training only: the router's input times uniform noise in [1 -/+ eps]
     moe_load_balancing_loss: bool = False
     moe_load_balancing_loss_coef: float = 0.001
@@ -203,6 +209,7 @@ FIELDS_THAT_REFUSE_A_LOAD: dict[str, str] = {
     "sliding_window_width": "sliding_window_width",
     "kv_channels": "kv_channels",
     "qk_layernorm": "qk_layernorm",
+    "qk_layernorm_across_heads": "qk_layernorm_across_heads",
     "add_qkv_bias": "add_qkv_bias",
     "rope_scaling": "rope_scaling",
     "moe_num_experts": "moe_num_experts",
@@ -211,8 +218,10 @@ FIELDS_THAT_REFUSE_A_LOAD: dict[str, str] = {
     "moe_intermediate_size": "moe_intermediate_size, intermediate_size",
     "moe_norm_topk_prob": "moe_norm_topk_prob",
     "moe_router_type": "moe_router_type",
+    "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
 }
-_MOE_FIELDS = ("moe_top_k", "moe_expert_interval", "moe_intermediate_size", "moe_norm_topk_prob", "moe_router_type")
+_MOE_FIELDS = ("moe_top_k", "moe_expert_interval", "moe_intermediate_size", "moe_norm_topk_prob", "moe_router_type",
+               "moe_shared_expert_intermediate_size")
 ROUTER_TYPES = ("sinkhorn", "topk")
 _UNSET_IS_A_VALUE = ("sliding_window_width", "rope_scaling")  # None means "no window", "plain rotary"
 
@@ -274,6 +283,20 @@ def expert_width(hidden_size: int, moe_intermediate_size: int | None, intermedia
     return _round_up(default, MOE_DEFAULT_WIDTH_MULTIPLE)
 
 
+def query_key_norm_problem(values: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(the setting to change, why) when the query/key norm settings cannot be built together; None otherwise."""
+    if not values.get("qk_layernorm_across_heads"):
+        return None
+    if values.get("qk_layernorm"):
+        return "qk_layernorm_across_heads", ("qk_layernorm is set too; a query/key norm is either per head "
+                                             "(qk_layernorm, Qwen3) or across heads (OLMoE): set one")
+    tp = values.get("model_parallel_size") or 1
+    if tp > 1:
+        return "model_parallel_size", (f"{tp}: qk_layernorm_across_heads normalises over every head at once, which "
+                                       "runs on one tensor-parallel rank only; set model_parallel_size: 1")
+    return None
+
+
 def mixture_of_experts_problem(values: Mapping[str, Any]) -> tuple[str, str] | None:
     """(the setting to change, why) when these settings ask for experts the model cannot build; None otherwise."""
     experts = values.get("moe_num_experts") or 1
@@ -286,9 +309,11 @@ def mixture_of_experts_problem(values: Mapping[str, Any]) -> tuple[str, str] | N
         return "moe_top_k", f"{top_k!r} experts per token: must lie between 1 and moe_num_experts ({experts})"
     if not isinstance(interval, int) or interval < 1:
         return "moe_expert_interval", f"must be a positive integer (1: experts in every layer), got {interval!r}"
-    width = values.get("moe_intermediate_size")
-    if width is not None and (not isinstance(width, int) or width < 1):
-        return "moe_intermediate_size", f"must be a positive integer when set, got {width!r}"
+    for name in ("moe_intermediate_size", "moe_shared_expert_intermediate_size"):
+        width = values.get(name)
+        if width is not None and (not isinstance(width, int) or isinstance(width, bool) or width < 0
+                                  or (width == 0 and name == "moe_intermediate_size")):
+            return name, f"must be a positive integer when set, got {width!r}"
     router = values.get("moe_router_type")
     if router not in ROUTER_TYPES:
         return "moe_router_type", f"{router!r} is no router; set one of {', '.join(ROUTER_TYPES)}"
@@ -382,6 +407,7 @@ def _fields(values: Mapping[str, Any], strict: bool = True) -> dict[str, Any]:
         "kv_channels": derive(lambda hidden, heads: hidden // heads, "hidden_size", "num_attention_heads")
         if get("kv_channels") is _MISSING else get("kv_channels"),
         "qk_layernorm": derive(bool, "qk_layernorm"),
+        "qk_layernorm_across_heads": derive(bool, "qk_layernorm_across_heads"),
         "add_qkv_bias": derive(bool, "add_qkv_bias"),
         "reward_head": values.get("train_impl") == "rm",
         "rope_scaling": values.get("rope_scaling", _MISSING) if strict
@@ -395,6 +421,8 @@ def _fields(values: Mapping[str, Any], strict: bool = True) -> dict[str, Any]:
             "hidden_size", "activation"),
         "moe_norm_topk_prob": derive(bool, "moe_norm_topk_prob"),
         "moe_router_type": get("moe_router_type"),
+        # unset is none: settings saved before it existed, or by GPT-NeoX, had no shared expert
+        "moe_shared_expert_intermediate_size": values.get("moe_shared_expert_intermediate_size") or 0,
         "moe_jitter_eps": values.get("moe_jitter_eps"),
         "moe_load_balancing_loss": derive(bool, "moe_load_balancing_loss"),
         "moe_load_balancing_loss_coef": derive(float, "moe_load_balancing_loss_coef"),
@@ -467,11 +495,15 @@ def gpt_neox_shaped(norm: str, activation: str) -> bool:
 
 def implied_family(arch: Architecture) -> str:
     """The family (as Hugging Face's model_type) ``arch`` implies: gpt_neox unless RMSNorm + SwiGLU; then with
-    experts qwen3_moe for q/k norms, else mixtral; without, qwen3 for q/k norms, qwen2 for biases on q/k/v alone,
+    experts olmoe for q/k norms across heads, qwen2_moe for a shared expert, qwen3_moe for q/k norms, else mixtral; without, qwen3 for q/k norms, qwen2 for biases on q/k/v alone,
     mistral for a sliding window, else llama."""
     if gpt_neox_shaped(arch.norm, arch.activation):
         return "gpt_neox"
     if arch.moe:
+        if arch.qk_layernorm_across_heads:
+            return "olmoe"
+        if arch.moe_shared_expert_intermediate_size:
+            return "qwen2_moe"
         return "qwen3_moe" if arch.qk_layernorm else "mixtral"
     if arch.qk_layernorm:
         return "qwen3"
@@ -495,12 +527,16 @@ def variants_in_force(arch: Architecture) -> list[str]:
         found.append(f"sliding window: {arch.sliding_window_width} keys back")
     if arch.qk_layernorm:
         found.append("per-head query/key norm (qk_layernorm)")
+    if arch.qk_layernorm_across_heads:
+        found.append("query/key norm across heads (qk_layernorm_across_heads)")
     if arch.add_qkv_bias and not arch.bias_in_attn_linear:
         found.append("biases on q/k/v only (add_qkv_bias)")
     if arch.moe:
         layers = "every layer" if arch.moe_expert_interval == 1 else f"every {arch.moe_expert_interval}th layer from 0"
         found.append(f"mixture of experts: {arch.moe_num_experts} experts {arch.moe_intermediate_size} wide in "
-                     f"{layers}, top {arch.moe_top_k}{' renormalised' if arch.moe_norm_topk_prob else ''}")
+                     f"{layers}, top {arch.moe_top_k}{' renormalised' if arch.moe_norm_topk_prob else ''}"
+                     + (f", a gated shared expert {arch.moe_shared_expert_intermediate_size} wide"
+                        if arch.moe_shared_expert_intermediate_size else ""))
     return found
 
 
@@ -638,9 +674,10 @@ def architecture_from_settings(values: Mapping[str, Any]) -> Architecture:
                    "vocabulary is padded to a multiple of make_vocab_size_divisible_by x model_parallel_size")
     if problem:
         raise ModelConfigError(problem)
-    moe_problem = mixture_of_experts_problem(values)
-    if moe_problem:
-        raise ModelConfigError(f"{moe_problem[0]}: {moe_problem[1]}")
+    for problem_of in (query_key_norm_problem, mixture_of_experts_problem):
+        setting_problem = problem_of(values)
+        if setting_problem:
+            raise ModelConfigError(f"{setting_problem[0]}: {setting_problem[1]}")
     missing = [name for name, value in fields.items() if value is _MISSING and name != "max_position_embeddings"]
     if missing:
         raise ModelConfigError(f"model settings {', '.join(missing)} are not set; the model cannot be built without them")

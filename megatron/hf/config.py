@@ -5,9 +5,13 @@ options of our one architecture: LlamaForCausalLM (``llama``: every rope_type of
 ``ROPE_SCALING_KEYS``), MistralForCausalLM (``mistral``: its sliding window), Qwen2ForCausalLM
 (``qwen2``: biases on q/k/v only) and Qwen3ForCausalLM (``qwen3``: per-head q/k RMSNorm, a head width
 apart from hidden_size / heads), and the mixtures of experts MixtralForCausalLM (``mixtral``: Mistral's
-attention, experts renormalising their top-k weights) and Qwen3MoeForCausalLM (``qwen3_moe``: Qwen3's
-attention, ``norm_topk_prob`` as the config says), each with experts in every layer. Anything either side
-cannot represent exactly is refused, because a
+attention, experts renormalising their top-k weights), Qwen2MoeForCausalLM (``qwen2_moe``: biases on q/k/v as
+its ``qkv_bias`` says, a gated shared expert beside the routed ones), Qwen3MoeForCausalLM (``qwen3_moe``:
+Qwen3's attention) and OlmoeForCausalLM (``olmoe``: q/k RMSNorm across all heads, biases on every attention
+projection or none), ``norm_topk_prob`` as the config says. Mixtral and OLMoE have experts in every layer; the
+Qwen families where ``decoder_sparse_step`` and ``mlp_only_layers`` leave experts (layer i when (i + 1) %
+decoder_sparse_step == 0 and i is not in mlp_only_layers), which must be GPT-NeoX's layers i % moe_expert_interval
+== 0 for some interval. Anything either side cannot represent exactly is refused, because a
 conversion that silently changes the architecture produces a model that loads but is wrong.
 
 Transformers' sliding window W lets a query see the keys less than W positions back; GPT-NeoX's
@@ -24,14 +28,17 @@ from megatron.hf.errors import HFConversionError
 from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.neox_arguments.errors import ConfigError
 
-FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")  # model.layers.<i>.self_attn.q_proj, ...
-MIXTURES_OF_EXPERTS = ("mixtral", "qwen3_moe")  # experts in every layer
+FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+LLAMA_LIKE = FAMILIES[1:]  # model.layers.<i>.self_attn.q_proj, ...
+MIXTURES_OF_EXPERTS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+SOME_LAYERS_DENSE = ("qwen2_moe", "qwen3_moe")  # decoder_sparse_step, mlp_only_layers; the others: every layer
+PER_HEAD_QK_NORM = ("qwen3", "qwen3_moe")
 HF_CLASS_NAMES = {"gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 # transformers' defaults for the keys of the mixture-of-experts families an older config.json may lack
 HF_MOE_DEFAULTS = {"output_router_logits": False, "router_aux_loss_coef": 0.001, "norm_topk_prob": False}
+HF_FAMILY_MOE_DEFAULTS = {"olmoe": {"router_aux_loss_coef": 0.01}}
 # A reward model (train_impl rm) is written as, and read from, the family's one-label sequence classifier:
 # its `score` is our rm_linear, read by transformers at the last token that is not padding.
 REWARD_MODEL_SUFFIX = "ForSequenceClassification"
@@ -129,7 +136,7 @@ def _sliding_window_width(hf: dict[str, Any], family: str, source: str) -> int |
         window = hf.get("sliding_window")
         return None if window is None else int(window) - 1
     layer_types = hf.get("layer_types") or []
-    if family in ("qwen2", "qwen3", "qwen3_moe") and (hf.get("use_sliding_window") or "sliding_attention" in layer_types):
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and (hf.get("use_sliding_window") or "sliding_attention" in layer_types):
         raise HFConversionError(
             f"{source}: use_sliding_window / layer_types give some layers a sliding window and others none; a window "
             "on some layers only is not supported (set use_sliding_window: false to train every layer on the full prefix)")
@@ -146,22 +153,39 @@ def _experts(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]:
     if family == "mixtral" and hf.get("router_jitter_noise"):
         raise HFConversionError(f"{source}: router_jitter_noise={hf['router_jitter_noise']} is not supported; set "
                                 "it to 0.0 (router jitter is not built)")
-    if family == "qwen3_moe" and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
-        raise HFConversionError(f"{source}: decoder_sparse_step={hf.get('decoder_sparse_step')} / mlp_only_layers="
-                                f"{hf.get('mlp_only_layers')} keep some layers dense; only experts in every layer are "
-                                "supported (decoder_sparse_step: 1, mlp_only_layers: [])")
-    values = {**HF_MOE_DEFAULTS, **{k: v for k, v in hf.items() if k in HF_MOE_DEFAULTS and v is not None}}
-    return {
+    values = {**HF_MOE_DEFAULTS, **HF_FAMILY_MOE_DEFAULTS.get(family, {}),
+              **{k: v for k, v in hf.items() if k in HF_MOE_DEFAULTS and v is not None}}
+    settings = {
         "moe_num_experts": experts,
         "moe_top_k": _require(hf, "num_experts_per_tok", source),
-        "moe_expert_interval": 1,
+        "moe_expert_interval": _expert_interval(hf, source) if family in SOME_LAYERS_DENSE else 1,
         "moe_router_type": "topk",
-        "moe_intermediate_size": _require(hf, "intermediate_size" if family == "mixtral" else "moe_intermediate_size",
-                                          source),
+        "moe_intermediate_size": _require(hf, "moe_intermediate_size" if family in SOME_LAYERS_DENSE
+                                          else "intermediate_size", source),
         "moe_norm_topk_prob": family == "mixtral" or bool(values["norm_topk_prob"]),
         "moe_load_balancing_loss": bool(values["output_router_logits"]),
         "moe_load_balancing_loss_coef": float(values["router_aux_loss_coef"]),
     }
+    if family == "qwen2_moe":
+        shared = _require(hf, "shared_expert_intermediate_size", source)
+        if not isinstance(shared, int) or shared < 1:
+            raise HFConversionError(f"{source}: shared_expert_intermediate_size={shared!r}; Qwen2-MoE's shared expert "
+                                    "needs a positive width")
+        settings["moe_shared_expert_intermediate_size"] = shared
+    return settings
+
+
+def _expert_interval(hf: dict[str, Any], source: str) -> int:
+    """GPT-NeoX's moe_expert_interval for the layers a Qwen-MoE config gives experts (see the module docstring)."""
+    layers, step, dense = hf["num_hidden_layers"], hf.get("decoder_sparse_step") or 1, hf.get("mlp_only_layers") or []
+    with_experts = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    for interval in range(1, layers + 1):
+        if with_experts == [i for i in range(layers) if i % interval == 0]:
+            return interval
+    raise HFConversionError(
+        f"{source}: decoder_sparse_step={step} and mlp_only_layers={dense} give experts to layers {with_experts}; "
+        "only layers 0, k, 2k, ... for some k can have them here (GPT-NeoX's moe_expert_interval), so this model "
+        "cannot be built")
 
 
 def _integral_theta(theta: float, source: str) -> int:
@@ -236,15 +260,20 @@ def spec_from_hf_config(hf: dict[str, Any], source: str = "config.json") -> HFMo
             activation="swiglu",
             use_bias_in_norms=False,
             # Qwen2 has biases on q/k/v alone; Mistral none; Llama and Qwen3 say so in attention_bias
-            use_bias_in_attn_linear=family in ("llama", "qwen3", "qwen3_moe") and bool(hf.get("attention_bias", False)),
-            add_qkv_bias=family == "qwen2",
+            use_bias_in_attn_linear=family in ("llama", "qwen3", "qwen3_moe", "olmoe")
+            and bool(hf.get("attention_bias", False)),
+            add_qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
             use_bias_in_mlp=family == "llama" and bool(hf.get("mlp_bias", False)),
-            qk_layernorm=family in ("qwen3", "qwen3_moe"),
+            qk_layernorm=family in PER_HEAD_QK_NORM,
+            qk_layernorm_across_heads=family == "olmoe",
             sliding_window_width=_sliding_window_width(hf, family, source),
             hidden_dropout=0.0,
         )
         if family in MIXTURES_OF_EXPERTS:
             settings.update(_experts(hf, family, source))
+        if family == "olmoe" and hf.get("clip_qkv") is not None:
+            raise HFConversionError(f"{source}: clip_qkv={hf['clip_qkv']} clamps the queries, keys and values, which "
+                                    "is not built; only clip_qkv: null is supported")
     spec = HFModelSpec(family, settings, _require(hf, "vocab_size", source))
     try:
         spec.architecture()
@@ -267,7 +296,8 @@ def unrepresentable(arch: Architecture, family: str) -> list[str]:
             problems.append(f"num_kv_heads={arch.num_kv_heads} (gpt_neox has no grouped-query attention)")
     elif family in LLAMA_LIKE:
         wanted = {"norm": "rmsnorm", "activation": "swiglu", "parallel_residual": False, "rotary_pct": 1.0,
-                  "qk_layernorm": family in ("qwen3", "qwen3_moe"), "bias_in_norms": False}
+                  "qk_layernorm": family in PER_HEAD_QK_NORM, "qk_layernorm_across_heads": family == "olmoe",
+                  "bias_in_norms": False}
         if family not in ("mistral", "mixtral"):
             wanted["sliding_window_width"] = None
         if family != "llama":
@@ -276,6 +306,8 @@ def unrepresentable(arch: Architecture, family: str) -> list[str]:
             wanted.update(add_qkv_bias=True, bias_in_attn_linear=False)
         elif family in ("mistral", "mixtral"):
             wanted.update(add_qkv_bias=False, bias_in_attn_linear=False)
+        elif family == "qwen2_moe":  # q/k/v biases as qkv_bias says, none on the output projection
+            wanted.update(bias_in_attn_linear=False)
         elif arch.add_qkv_bias and not arch.bias_in_attn_linear:
             problems.append(f"add_qkv_bias without use_bias_in_attn_linear ({family} has biases on every attention "
                             "projection or none; qwen2 has them on q/k/v alone)")
@@ -287,16 +319,26 @@ def unrepresentable(arch: Architecture, family: str) -> list[str]:
                 problems.append(f"{field}=True (gpt_neox has no such option)")
         if arch.head_dim * arch.num_attention_heads != arch.hidden_size:
             problems.append(f"kv_channels={arch.head_dim} (gpt_neox's head width is hidden_size / heads)")
+    if family == "olmoe" and arch.head_dim * arch.num_attention_heads != arch.hidden_size:
+        problems.append(f"kv_channels={arch.head_dim} (olmoe's query norm is hidden_size wide: heads of "
+                        "hidden_size / heads)")
         if arch.sliding_window_width is not None:
             problems.append(f"sliding_window_width={arch.sliding_window_width} (gpt_neox has no sliding window)")
     if family in MIXTURES_OF_EXPERTS:
         if not arch.moe:
             problems.append(f"moe_num_experts={arch.moe_num_experts} ({family} is a mixture of experts)")
-        wanted.update(moe_expert_interval=1, moe_router_type="topk")  # sinkhorn routes otherwise in training
+        wanted["moe_router_type"] = "topk"  # sinkhorn routes otherwise in training
+        if family not in SOME_LAYERS_DENSE:
+            wanted["moe_expert_interval"] = 1
         if family == "mixtral":
             wanted["moe_norm_topk_prob"] = True
+        if family != "qwen2_moe":
+            wanted["moe_shared_expert_intermediate_size"] = 0
+        elif not arch.moe_shared_expert_intermediate_size:
+            problems.append("moe_shared_expert_intermediate_size=0 (qwen2_moe has a shared expert)")
     elif arch.moe:
-        problems.append(f"moe_num_experts={arch.moe_num_experts} ({family} has no experts; mixtral and qwen3_moe do)")
+        problems.append(f"moe_num_experts={arch.moe_num_experts} ({family} has no experts; "
+                        f"{', '.join(MIXTURES_OF_EXPERTS)} do)")
     problems += [
         f"{field}={getattr(arch, field)!r} ({family} needs {value!r})"
         for field, value in wanted.items()
@@ -349,11 +391,11 @@ def hf_config_from_architecture(arch: Architecture, family: str, dtype: str) -> 
     }
     if family == "llama":
         config["mlp_bias"] = arch.bias_in_mlp
-    if family in ("mistral", "qwen2", "mixtral"):
+    if family in ("mistral", "qwen2", "mixtral", "qwen2_moe"):
         del config["attention_bias"]  # fixed by the family (see spec_from_hf_config)
     if family in ("mistral", "mixtral"):
         config["sliding_window"] = None if arch.sliding_window_width is None else arch.sliding_window_width + 1
-    if family in ("qwen2", "qwen3", "qwen3_moe"):
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         config.update(use_sliding_window=False, sliding_window=None)
     if family in MIXTURES_OF_EXPERTS:
         config.update(num_experts_per_tok=arch.moe_top_k, output_router_logits=arch.moe_load_balancing_loss,
@@ -361,9 +403,17 @@ def hf_config_from_architecture(arch: Architecture, family: str, dtype: str) -> 
     if family == "mixtral":  # its intermediate_size is each expert's width
         config.update(intermediate_size=arch.moe_intermediate_size, num_local_experts=arch.moe_num_experts,
                       router_jitter_noise=0.0)
-    if family == "qwen3_moe":
+    if family in SOME_LAYERS_DENSE:
         config.update(moe_intermediate_size=arch.moe_intermediate_size, num_experts=arch.moe_num_experts,
-                      norm_topk_prob=arch.moe_norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
-    if family in ("qwen2", "mixtral", "qwen3_moe") and arch.head_dim * arch.num_attention_heads == arch.hidden_size:
+                      norm_topk_prob=arch.moe_norm_topk_prob, decoder_sparse_step=1,
+                      mlp_only_layers=[i for i in range(arch.num_layers) if not arch.has_experts(i)])
+    if family == "qwen2_moe":
+        config.update(shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
+                      qkv_bias=arch.add_qkv_bias)
+    if family == "olmoe":  # its intermediate_size is each expert's width
+        config.update(intermediate_size=arch.moe_intermediate_size, num_experts=arch.moe_num_experts,
+                      norm_topk_prob=arch.moe_norm_topk_prob, clip_qkv=None)
+    if family in ("qwen2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe") \
+            and arch.head_dim * arch.num_attention_heads == arch.hidden_size:
         del config["head_dim"]  # their configs leave it unset (Qwen2Config has no such key); the attention reads one
     return config

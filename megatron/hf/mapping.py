@@ -6,10 +6,11 @@ Llama's separate q/k/v projections become our fused ``query_key_value`` and its 
 projections our ``mlp.linear1`` (up first, then gate); GPT-NeoX's names differ only in the prefix.
 Mistral, Qwen2 and Qwen3 name their weights as Llama does; Qwen3's ``q_norm``/``k_norm`` are our
 ``attention.q_layernorm``/``k_layernorm``. The experts of Mixtral (``block_sparse_moe.experts.<e>.w1`` gate,
-``w3`` up, ``w2`` down) and Qwen3-MoE (``mlp.experts.<e>.gate_proj``, ``up_proj``, ``down_proj``), as
+``w3`` up, ``w2`` down) and Qwen2-MoE, Qwen3-MoE and OLMoE (``mlp.experts.<e>.gate_proj``, ``up_proj``, ``down_proj``), as
 save_pretrained writes them (transformers 5 fuses them in memory only), are stacked into our
 ``mlp.experts.mlp.w1``, ``w3`` and ``w2`` (the down projections transposed); their ``gate`` is our
-``mlp.router.layer``. A reward model's ``rm_linear`` is the sequence classifier's ``score``.
+``mlp.router.layer``. Qwen2-MoE's ``mlp.shared_expert`` (a dense MLP) is our ``mlp.shared_expert.mlp`` and its
+``mlp.shared_expert_gate`` ours. OLMoE's ``q_norm``/``k_norm`` span all heads; they map as Qwen3's. A reward model's ``rm_linear`` is the sequence classifier's ``score``.
 
 Conversion streams: tensors may arrive in any order, one shard at a time, and a correspondence
 is converted as soon as all of its source tensors have arrived.
@@ -110,12 +111,26 @@ def _expert_correspondences(family: str, arch: Architecture, hf: str, ours: str)
         return tuple(f"{block}experts.{e}.{name}.weight" for e in experts)
 
     count = arch.moe_num_experts
-    return [
+    rules = [
         Correspondence((f"{block}gate.weight",), (f"{ours}mlp.router.layer.weight",)),
         Correspondence(each(gate), (f"{ours}mlp.experts.mlp.w1",), _stack, _unstack(count)),
         Correspondence(each(up), (f"{ours}mlp.experts.mlp.w3",), _stack, _unstack(count)),
         Correspondence(each(down), (f"{ours}mlp.experts.mlp.w2",), _stack_transposed, _unstack_transposed(count)),
     ]
+    if arch.moe_shared_expert_intermediate_size:
+        rules += [*_dense_mlp_correspondences(f"{hf}mlp.shared_expert.", f"{ours}mlp.shared_expert.mlp.", ("weight",)),
+                  Correspondence((f"{hf}mlp.shared_expert_gate.weight",), (f"{ours}mlp.shared_expert_gate.weight",))]
+    return rules
+
+
+def _dense_mlp_correspondences(hf: str, ours: str, params: tuple[str, ...]) -> list[Correspondence]:
+    """A Llama MLP's gate/up/down projections under ``hf`` and our linear1 (up, then gate) and linear2 under ``ours``."""
+    rules = []
+    for p in params:
+        up_gate = (f"{hf}up_proj.{p}", f"{hf}gate_proj.{p}")
+        rules.append(Correspondence(up_gate, (f"{ours}linear1.{p}",), _cat_up_gate, _split_up_gate))
+        rules.append(Correspondence((f"{hf}down_proj.{p}",), (f"{ours}linear2.{p}",)))
+    return rules
 
 
 def _ours(arch: Architecture) -> dict[str, str]:
@@ -167,16 +182,13 @@ def _llama_correspondences(family: str, arch: Architecture) -> list[Corresponden
             rules.append(Correspondence(qkv, (f"{ours}attention.query_key_value.{p}",), fuse_qkv, split_qkv))
         for p in dense_params:
             rules.append(Correspondence((f"{hf}self_attn.o_proj.{p}",), (f"{ours}attention.dense.{p}",)))
-        if arch.qk_layernorm:
+        if arch.qk_layernorm or arch.qk_layernorm_across_heads:
             for x in "qk":
                 rules.append(Correspondence((f"{hf}self_attn.{x}_norm.weight",), (f"{ours}attention.{x}_layernorm.scale",)))
         if arch.has_experts(i):
             rules += _expert_correspondences(family, arch, hf, ours)
         else:
-            for p in mlp_params:
-                up_gate = (f"{hf}mlp.up_proj.{p}", f"{hf}mlp.gate_proj.{p}")
-                rules.append(Correspondence(up_gate, (f"{ours}mlp.linear1.{p}",), _cat_up_gate, _split_up_gate))
-                rules.append(Correspondence((f"{hf}mlp.down_proj.{p}",), (f"{ours}mlp.linear2.{p}",)))
+            rules += _dense_mlp_correspondences(f"{hf}mlp.", f"{ours}mlp.", mlp_params)
     rules.append(Correspondence(("model.norm.weight",), (names["final_norm"] + "scale",)))
     return rules + _output_correspondence(arch, "lm_head.weight")
 

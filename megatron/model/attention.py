@@ -8,6 +8,8 @@ Layout of ``query_key_value``'s output (per tensor-parallel partition):
 With ``qk_layernorm`` each head's query and key are normalised (one weight for queries, one for
 keys, over the head's width) before they are rotated. A tensor-parallel rank normalises only its own
 heads with these replicated weights, so their gradients are summed over the tensor-parallel group.
+With ``qk_layernorm_across_heads`` (OLMoE) instead all heads' queries are normalised together, as one vector as
+wide as the query projection, and all heads' keys likewise, on one tensor-parallel rank.
 """
 
 from __future__ import annotations
@@ -55,6 +57,12 @@ def sliding_window_mask(seq_len: int, width: int | None, device: torch.device | 
     return allowed if width is None else allowed & (distance <= width)
 
 
+def _across_heads(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm`` over all heads of x [b, heads, s, d] together, as one vector of the projection's order per token."""
+    b, heads, s, d = x.shape
+    return norm(x.transpose(1, 2).reshape(b, s, heads * d)).reshape(b, s, heads, d).transpose(1, 2)
+
+
 class SelfAttention(torch.nn.Module):
     def __init__(self, arch: Architecture, init_method, output_init_method):
         super().__init__()
@@ -86,6 +94,11 @@ class SelfAttention(torch.nn.Module):
             skip_bias_add=False,
         )
         self.q_layernorm = self.k_layernorm = None
+        self.qk_norm_across_heads = arch.qk_layernorm_across_heads
+        if arch.qk_layernorm_across_heads:
+            self.q_layernorm = build_norm(arch.norm, self.heads * arch.head_dim, arch.norm_epsilon, arch.bias_in_norms)
+            self.k_layernorm = build_norm(arch.norm, self.kv_heads * arch.head_dim, arch.norm_epsilon,
+                                          arch.bias_in_norms)
         if arch.qk_layernorm:
             self.q_layernorm = build_norm(arch.norm, arch.head_dim, arch.norm_epsilon, arch.bias_in_norms)
             self.k_layernorm = build_norm(arch.norm, arch.head_dim, arch.norm_epsilon, arch.bias_in_norms)
@@ -125,7 +138,10 @@ class SelfAttention(torch.nn.Module):
             q, k, v = split_qkv(fused, self.heads, self.kv_heads, self.head_dim, self.grouped_layout, rotary_cos_sin)
         else:
             q, k, v = split_qkv(fused, self.heads, self.kv_heads, self.head_dim, self.grouped_layout, None)
-            q, k = self.q_layernorm(q), self.k_layernorm(k)
+            if self.qk_norm_across_heads:
+                q, k = _across_heads(self.q_layernorm, q), _across_heads(self.k_layernorm, k)
+            else:
+                q, k = self.q_layernorm(q), self.k_layernorm(k)
             if rotary_cos_sin is not None:
                 q, k = rotate(q, *rotary_cos_sin), rotate(k, *rotary_cos_sin)
         past = 0

@@ -5,7 +5,7 @@ Names and layout are GPT-NeoX's (``ParallelDroplessMoE``): the router ``router.l
 experts, no bias) and the experts' weights stacked along their first dimension, each expert's rows
 together: ``experts.mlp.w1`` [experts x width, hidden] (for swiglu the gate), ``experts.mlp.w3`` (swiglu
 only: the up projection) and ``experts.mlp.w2`` [experts x width, hidden], the down projection
-transposed. What each token gets (megatron/architecture.py) follows transformers' Mixtral and Qwen3-MoE
+transposed. What each token gets (megatron/architecture.py) follows transformers' Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE
 step by step, so its numbers are theirs: the router's logits in the model's dtype, their softmax in
 fp32, the ``top_k`` largest probabilities (renormalised with ``norm_topk_prob``) weighing the outputs
 of the chosen experts, which are added up expert by expert in ascending order. No token is dropped.
@@ -20,6 +20,10 @@ micro batch; in evaluation and generation by the top_k of those weights, as GPT-
 The experts run one after the other on the tokens routed to each (a plain-PyTorch grouped computation
 that runs anywhere): megatron-core's MoE layer needs its CUDA kernels and token dispatchers for the same.
 
+With ``moe_shared_expert_intermediate_size`` the layer has Qwen2-MoE's shared expert beside the routed ones
+(``SharedExpert``): every token's output from the experts gets the shared expert's output added, times the
+sigmoid of ``shared_expert_gate`` (hidden -> 1, replicated over tensor-parallel ranks) of the token.
+
 ``load_balancing_loss`` is transformers' ``load_balancing_loss_func`` (Switch Transformer's auxiliary
 loss) over the router logits of every expert layer of one forward pass; ``expert_load`` is what share of a
 layer's routed token slots each expert got, from the router's choices.
@@ -27,13 +31,14 @@ layer's routed token slots each expert got, from the router's choices.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from megatron.architecture import Architecture
-from megatron.model.mlp import elementwise_activation
+from megatron.model.mlp import MLP, elementwise_activation
 
 
 @dataclass
@@ -80,6 +85,17 @@ class Experts(torch.nn.Module):
         self.mlp = ExpertWeights(arch)
 
 
+class SharedExpert(torch.nn.Module):
+    """Qwen2-MoE's shared expert: the model's dense MLP, ``moe_shared_expert_intermediate_size`` wide and without
+    biases. Under ``mlp`` so that its weights end as a dense layer's (mlp.linear1.weight, ...) and are drawn and
+    split over tensor-parallel ranks as those are."""
+
+    def __init__(self, arch: Architecture, init_method, output_init_method):
+        super().__init__()
+        shape = dataclasses.replace(arch, intermediate_size=arch.moe_shared_expert_intermediate_size, bias_in_mlp=False)
+        self.mlp = MLP(shape, init_method, output_init_method)
+
+
 def sinkhorn(logits: torch.Tensor, tolerance: float = 1e-4) -> torch.Tensor:
     """GPT-NeoX's Sinkhorn-Knopp balancing of exp(logits) [tokens, experts]: each token's row and each expert's
     column scaled in turn towards sums of 1/tokens and 1/experts, until the experts' scales move by at most
@@ -97,12 +113,19 @@ def sinkhorn(logits: torch.Tensor, tolerance: float = 1e-4) -> torch.Tensor:
 
 
 class MixtureOfExperts(torch.nn.Module):
-    def __init__(self, arch: Architecture):
+    def __init__(self, arch: Architecture, init_method, output_init_method):
         super().__init__()
         self.top_k, self.norm_topk_prob = arch.moe_top_k, arch.moe_norm_topk_prob
         self.router_type, self.jitter_eps = arch.moe_router_type, arch.moe_jitter_eps
         self.router = Router(arch)
         self.experts = Experts(arch)
+        self.shared_expert = self.shared_expert_gate = None
+        if arch.moe_shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(arch, init_method, output_init_method)
+            self.shared_expert_gate = torch.nn.Linear(arch.hidden_size, 1, bias=False)
+            # no weight draw reaches it (megatron/model/partitioning.py lists the drawn ones): zeros, the same
+            # for every tensor-parallel size, open each token's shared expert halfway (sigmoid(0))
+            torch.nn.init.zeros_(self.shared_expert_gate.weight)
 
     def _route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the router's logits [tokens, experts], each token's experts' weights and indices [tokens, top_k])."""
@@ -136,6 +159,8 @@ class MixtureOfExperts(torch.nn.Module):
             if token.numel():
                 expert_out = self.experts.mlp(expert, tokens[token]) * weights_by_choice[choice, token, None]
                 out.index_add_(0, token, expert_out.to(out.dtype))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert.mlp(tokens)
         return out.reshape(hidden.shape)
 
 

@@ -29,7 +29,8 @@ class TransformerLayer(torch.nn.Module):
         self.post_attention_layernorm = build_norm(
             arch.norm, arch.hidden_size, arch.norm_epsilon, arch.bias_in_norms
         )
-        self.mlp = MixtureOfExperts(arch) if experts else MLP(arch, init_method, output_init_method)
+        self.mlp = (MixtureOfExperts(arch, init_method, output_init_method) if experts
+                    else MLP(arch, init_method, output_init_method))
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, p=self.hidden_dropout, training=self.training)

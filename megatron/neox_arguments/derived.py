@@ -17,6 +17,7 @@ from megatron.architecture import (
     gelu_approximation,
     gpt_neox_shaped,
     mixture_of_experts_problem,
+    query_key_norm_problem,
     rope_scaling_of,
     tensor_parallel_split_problem,
 )
@@ -437,6 +438,9 @@ def _derive_model_shape(v: dict[str, Any], sources: dict[str, str]) -> None:
     problem = tensor_parallel_split_problem(v["model_parallel_size"], heads, v["num_kv_heads"], width)
     if problem:
         raise _fail(sources, "model_parallel_size", problem)
+    setting_problem = query_key_norm_problem(v)
+    if setting_problem:
+        raise _fail(sources, *setting_problem)
     v["max_position_embeddings"] = v["max_position_embeddings"] or v["seq_length"]
     if v["max_position_embeddings"] < v["seq_length"]:
         raise ConfigError(

@@ -68,8 +68,17 @@ FAMILIES = {
                                     router_aux_loss_coef=0.02)),
     "qwen3_moe_unnormalised": ("qwen3_moe", dict(num_key_value_heads=2, moe_intermediate_size=32, num_experts=4,
                                                  num_experts_per_tok=2, norm_topk_prob=False)),
+    # Qwen2-MoE: a gated shared expert 48 wide beside experts 32 wide, q/k/v biases, layer 1 dense (mlp_only_layers:
+    # experts every 2nd layer from 0), top-k weights not renormalised (its default)
+    "qwen2_moe": ("qwen2_moe", dict(num_key_value_heads=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                    num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+                                    output_router_logits=True, router_aux_loss_coef=0.02)),
+    # OLMoE: q/k RMSNorm across all heads (keys: 2 heads' width), experts 96 wide, biases on every attention
+    # projection; no padding token (as the others: transformers never trains a pad_token_id's embedding row)
+    "olmoe": ("olmoe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, attention_bias=True,
+                            output_router_logits=True, router_aux_loss_coef=0.02, pad_token_id=None)),
 }
-MOE_KINDS = ("mixtral", "qwen3_moe", "qwen3_moe_unnormalised")
+MOE_KINDS = ("mixtral", "qwen3_moe", "qwen3_moe_unnormalised", "qwen2_moe", "olmoe")
 
 
 def make_hf_model(kind: str, seed: int = 0):
@@ -84,7 +93,7 @@ def make_hf_model(kind: str, seed: int = 0):
         model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(intermediate_size=256, **common, **options))
     else:
         name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
-                "qwen3_moe": "Qwen3Moe"}[family]
+                "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe"}[family]
         config = getattr(transformers, f"{name}Config")(intermediate_size=96, **common, **options)
         model = getattr(transformers, f"{name}ForCausalLM")(config)
     with torch.no_grad():
@@ -339,7 +348,8 @@ def test_hf_to_ours_to_hf_folders_are_bit_exact_and_load_in_transformers(kind, t
     assert type(reloaded) is type(model)
     for key in ("model_type", "rope_parameters", "head_dim", "sliding_window", "attention_bias", "num_key_value_heads",
                 "intermediate_size", "moe_intermediate_size", "num_local_experts", "num_experts_per_tok",
-                "norm_topk_prob", "output_router_logits", "router_aux_loss_coef"):
+                "norm_topk_prob", "output_router_logits", "router_aux_loss_coef", "num_experts",
+                "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "qkv_bias", "clip_qkv"):
         assert getattr(reloaded.config, key, None) == getattr(model.config, key, None), key
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens()).logits, model(tokens()).logits, rtol=0, atol=0)

@@ -135,6 +135,7 @@ CHANGES = {
     "sliding_window_width": ("sliding_window_width", 16, None, 16),
     "kv_channels": ("kv_channels", 16, 8, 16),
     "qk_layernorm": ("qk_layernorm", True, False, True),
+    "qk_layernorm_across_heads": ("qk_layernorm_across_heads", True, False, True),
     "add_qkv_bias": ("add_qkv_bias", True, False, True),
     "rope_scaling": ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, None, {"rope_type": "linear", "factor": 2.0}),
 }
@@ -153,6 +154,7 @@ EXPERT_CHANGES = {
     "moe_intermediate_size": ("moe_intermediate_size", 32, 64, 32),
     "moe_norm_topk_prob": ("moe_norm_topk_prob", True, False, True),
     "moe_router_type": ("moe_router_type", "sinkhorn", "topk", "sinkhorn"),
+    "moe_shared_expert_intermediate_size": ("moe_shared_expert_intermediate_size", 32, 0, 32),
 }
 
 

@@ -1,4 +1,4 @@
-"""Mixtures of experts from Hugging Face folders against transformers itself: Mixtral and Qwen3-MoE.
+"""Mixtures of experts from Hugging Face folders against transformers itself: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE.
 
 Each tiny model is built with transformers' own classes and saved by save_pretrained (the kinds of
 tests/e2e/test_hf_conversion.py, which also checks their logits and round trips). Here: the routing's
@@ -18,6 +18,7 @@ from megatron.hf import HFConversionError, load_hf_module_weights
 from megatron.hf.config import spec_from_hf_config, unrepresentable
 from megatron.hf.mapping import convert_tensors, hf_to_ours
 from megatron.model import build_model, load_balancing_loss
+from megatron.model.partitioning import REPLICATED, partitioning
 from megatron.objectives import objective_for
 from tests.e2e.test_hf_conversion import MOE_KINDS, logits_of, make_hf_model, our_args, save_hf
 from tests.unit.test_hf_families import engine_from_folder, long_tokens
@@ -45,7 +46,7 @@ def test_logits_equal_transformers_and_not_with_the_other_renormalisation(kind, 
             assert difference > 1e-2, f"{kind}: renormalising or not changes nothing"
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe"])
 def test_one_step_from_the_folder_has_the_loss_and_gradient_of_transformers_with_load_balancing(kind, tmp_path):
     model = make_hf_model(kind)
     assert model.config.output_router_logits and model.config.router_aux_loss_coef == 0.02
@@ -114,8 +115,10 @@ def test_recomputed_layers_give_the_same_loss_and_gradient_with_the_load_balanci
 
 
 @pytest.mark.parametrize(("kind", "change", "expected"), [
-    ("qwen3_moe", dict(decoder_sparse_step=2), "keep some layers dense"),
-    ("qwen3_moe", dict(mlp_only_layers=[0]), "keep some layers dense"),
+    ("qwen3_moe", dict(decoder_sparse_step=2), r"decoder_sparse_step=2 .* give experts to layers \[1\]; only layers 0, k"),
+    ("qwen2_moe", dict(mlp_only_layers=[0]), r"mlp_only_layers=\[0\] give experts to layers \[1\]; only layers 0, k"),
+    ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared expert needs a positive width"),
+    ("olmoe", dict(clip_qkv=8.0), "clip_qkv=8.0 clamps .* not built"),
     ("mixtral", dict(router_jitter_noise=0.1), "router jitter is not built"),
 ])
 def test_experts_we_cannot_build_are_refused_in_one_line(kind, change, expected):
@@ -130,3 +133,25 @@ def test_a_model_with_experts_is_written_only_as_a_family_with_experts():
     assert any("mistral has no experts" in problem for problem in unrepresentable(arch, "mistral"))
     assert "moe_norm_topk_prob=False (mixtral needs True)" in unrepresentable(
         spec_from_hf_config(make_hf_model("qwen3_moe_unnormalised").config.to_dict()).architecture(), "mixtral")
+    qwen2_moe, olmoe = (spec_from_hf_config(make_hf_model(kind).config.to_dict()).architecture()
+                        for kind in ("qwen2_moe", "olmoe"))
+    assert qwen2_moe.moe_expert_interval == 2  # mlp_only_layers [1] of 2 layers
+    assert unrepresentable(qwen2_moe, "qwen2_moe") == unrepresentable(olmoe, "olmoe") == []
+    assert "moe_shared_expert_intermediate_size=48 (qwen3_moe needs 0)" in unrepresentable(qwen2_moe, "qwen3_moe")
+    assert "moe_expert_interval=2 (mixtral needs 1)" in unrepresentable(qwen2_moe, "mixtral")
+    assert "qk_layernorm_across_heads=True (qwen3_moe needs False)" in unrepresentable(olmoe, "qwen3_moe")
+    assert "moe_shared_expert_intermediate_size=0 (qwen2_moe has a shared expert)" in unrepresentable(olmoe, "qwen2_moe")
+
+
+def test_the_shared_expert_is_drawn_and_split_as_a_dense_mlp_and_its_gate_starts_closed_halfway():
+    """Qwen2-MoE's layer 0 has experts and a shared expert, its layer 1 a dense MLP: the shared expert's weights
+    split over tensor-parallel ranks as the dense MLP's do and are drawn at initialisation; its gate is replicated
+    and starts at zero (sigmoid 1/2) whatever the tensor-parallel size."""
+    arch = spec_from_hf_config(make_hf_model("qwen2_moe").config.to_dict()).architecture()
+    params = dict(build_model(arch, seed=0).named_parameters())
+    for linear in ("linear1", "linear2"):
+        shared, dense = f"sequential.2.mlp.shared_expert.mlp.{linear}.weight", f"sequential.3.mlp.{linear}.weight"
+        assert partitioning(shared, arch) == partitioning(dense, arch) != REPLICATED
+        assert 0.5 < params[shared].std().item() / params[dense].std().item() < 2
+    gate = "sequential.2.mlp.shared_expert_gate.weight"
+    assert partitioning(gate, arch) == REPLICATED and not params[gate].any()

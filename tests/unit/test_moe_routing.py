@@ -18,7 +18,7 @@ EXPERTS, HIDDEN = 8, 8
 
 def experts_layer(**settings) -> MixtureOfExperts:
     values = dict(ARCHITECTURE, hidden_size=HIDDEN, moe_num_experts=EXPERTS, moe_intermediate_size=16)
-    layer = MixtureOfExperts(NeoXArgs.from_dict({**values, **settings}).architecture())
+    layer = MixtureOfExperts(NeoXArgs.from_dict({**values, **settings}).architecture(), None, None)  # no draws
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for parameter in layer.parameters():
