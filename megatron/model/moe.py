@@ -166,9 +166,11 @@ class MixtureOfExperts(torch.nn.Module):
             routing.append(Routing(logits, chosen.detach()))
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        expert_input, weights = copy_to_tensor_parallel_region(tokens), copy_to_tensor_parallel_region(weights)
+        # [top_k, tokens]: transformers' order. The copy region's input is made contiguous so that the gradient
+        # reaching it is too: megatron-core's all-reduce of a non-contiguous gradient sums a copy and drops it
+        weights_by_choice = copy_to_tensor_parallel_region(weights.t().contiguous())
+        chosen_by_choice, expert_input = chosen.t(), copy_to_tensor_parallel_region(tokens)
         out = torch.zeros_like(tokens)
-        weights_by_choice, chosen_by_choice = weights.t(), chosen.t()  # [top_k, tokens]: transformers' order
         # an expert without tokens still computes (on none): the copy regions' backward, a collective, then
         # runs on every rank, also where no local expert got a token
         for expert in self.experts.mlp.local:

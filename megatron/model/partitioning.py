@@ -127,14 +127,18 @@ def missing_experts(name: str, part: torch.Tensor, arch: Architecture, rank: int
     holds the rows of all of them (or ``name`` holds no experts)."""
     if not partitioning(name, arch).experts:
         return None
-    share, width = experts_per_rank(arch.moe_num_experts, size), arch.moe_intermediate_size
-    held = part.shape[0] // width
-    if part.shape[0] == share * width:
+    held, width = local_experts(arch, rank, size), arch.moe_intermediate_size
+    rows = part.shape[0]
+    if rows == len(held) * width:
         return None
-    first = rank * share
-    lost = f"experts {first + held}..{first + share - 1}" if held < share else "rows of other experts"
-    return (f"{name} holds {part.shape[0]} rows, the rows of {share} experts ({first}..{first + share - 1}, "
-            f"{width} each) expected at tensor-parallel size {size}: {lost} missing")
+    lost = (experts_named(range(held.start + rows // width, held.stop)) if rows < len(held) * width
+            else "rows of other experts")
+    return (f"{name} holds {rows} rows, the rows of {experts_named(held)} ({width} each) expected at "
+            f"tensor-parallel size {size}: {lost} missing")
+
+
+def experts_named(experts: range) -> str:
+    return f"expert {experts.start}" if len(experts) == 1 else f"experts {experts.start}..{experts.stop - 1}"
 
 
 def _adapter_partitioning(name: str, arch: Architecture) -> Partitioning:

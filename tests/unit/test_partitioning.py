@@ -106,6 +106,7 @@ def test_a_part_without_all_of_its_experts_says_which_are_missing():
     part = partition(labelled(16), partitioning(EXPERT_W1, arch), 1, 2)
     assert missing_experts(EXPERT_W1, part, arch, 1, 2) is None
     assert missing_experts(EXPERT_W1, part[:4], arch, 1, 2) == (
-        f"{EXPERT_W1} holds 4 rows, the rows of 4 experts (4..7, 2 each) expected at tensor-parallel size 2: "
+        f"{EXPERT_W1} holds 4 rows, the rows of experts 4..7 (2 each) expected at tensor-parallel size 2: "
         "experts 6..7 missing")
+    assert missing_experts(EXPERT_W1, part[:6], arch, 1, 2).endswith(": expert 7 missing")
     assert missing_experts("sequential.2.mlp.router.layer.weight", part[:4], arch, 1, 2) is None

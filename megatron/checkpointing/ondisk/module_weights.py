@@ -123,16 +123,16 @@ def read_this_ranks_module_weights(tag_dir: str | Path, saved_tensor_parallel_si
 def _rank_part(tag_dir: str | Path, mp_rank: int, saved_tensor_parallel_size: int, arch) -> dict[str, torch.Tensor]:
     """Tensor-parallel rank ``mp_rank``'s module weights of a tag saved by ``saved_tensor_parallel_size`` ranks,
     refused in one line where they lack experts that rank held (a lost rank file, a cut expert weight)."""
-    from megatron.model.partitioning import local_experts, missing_experts
+    from megatron.model.partitioning import experts_named, local_experts, missing_experts
 
     try:
         weights = read_module_weights(tag_dir, mp_rank)
     except CheckpointError as err:
         if not arch.moe:
             raise
-        held = local_experts(arch, mp_rank, saved_tensor_parallel_size)
-        raise CheckpointError(f"experts {held.start}..{held.stop - 1} of every expert layer are missing "
-                              f"(tensor-parallel rank {mp_rank} of {saved_tensor_parallel_size} held them): {err}") from None
+        held = experts_named(local_experts(arch, mp_rank, saved_tensor_parallel_size))
+        raise CheckpointError(f"{held} of every expert layer missing (tensor-parallel rank {mp_rank} of "
+                              f"{saved_tensor_parallel_size} held them): {err}") from None
     for name, value in weights.items():
         problem = missing_experts(name, value, arch, mp_rank, saved_tensor_parallel_size)
         if problem:

@@ -503,8 +503,8 @@ def _experts_moved(saved: SavedLayout, args) -> list[str]:
     wanted_tp = args.model_parallel_size or 1
     if saved.experts <= 1 or saved.tensor_parallel == wanted_tp or saved.experts != args.moe_num_experts:
         return []  # another expert count: the architecture check refuses the load
-    return [f"experts {saved.experts_per_rank} per rank -> {experts_per_rank(saved.experts, wanted_tp)} "
-            f"(each rank's whole experts of every expert layer, from {saved.tensor_parallel} rank file(s))"]
+    return [f"experts {saved.experts_per_rank} per rank -> {experts_per_rank(saved.experts, wanted_tp)}: whole "
+            f"experts from the {saved.tensor_parallel} rank file(s) to this run's {wanted_tp} tensor-parallel rank(s)"]
 
 
 def _fresh_reward_head(args, client: ClientState, tag: TagInventory, load_optimizer: bool) -> bool:
