@@ -304,8 +304,8 @@ def experts_per_rank(num_experts: int, tensor_parallel_size: int) -> int:
     (GPT-NeoX's ParallelDroplessMLP, whose expert-parallel group is the model-parallel group)."""
     count, rest = divmod(num_experts, tensor_parallel_size)
     if rest:
-        raise ModelConfigError(f"{num_experts} experts cannot be split evenly over {tensor_parallel_size} "
-                               "tensor-parallel ranks (each rank holds whole experts)")
+        raise ModelConfigError(f"{num_experts} experts (moe_num_experts) cannot be split evenly over "
+                               f"{tensor_parallel_size} tensor-parallel ranks: each rank holds whole experts")
     return count
 
 
@@ -335,11 +335,10 @@ def mixture_of_experts_problem(values: Mapping[str, Any]) -> tuple[str, str] | N
     if jitter and router == "sinkhorn":
         return "moe_jitter_eps", ("only the topk router jitters its input (GPT-NeoX's sinkhorn router ignores "
                                   "moe_jitter_eps); remove it, or set moe_router_type: topk")
-    tensor_parallel = values.get("model_parallel_size") or 1
-    if experts % tensor_parallel:
-        return "model_parallel_size", (f"{experts} experts (moe_num_experts) cannot be split evenly over {tensor_parallel} "
-                                       "tensor-parallel ranks (each rank holds whole experts, as in GPT-NeoX); set a "
-                                       "model_parallel_size that divides moe_num_experts")
+    try:
+        experts_per_rank(experts, values.get("model_parallel_size") or 1)
+    except ModelConfigError as err:
+        return "model_parallel_size", f"{err}, as in GPT-NeoX; set a model_parallel_size that divides moe_num_experts"
     return None
 
 

@@ -97,7 +97,7 @@ def test_experts_move_between_sizes_exactly(saved, size):
 
 
 def test_experts_that_do_not_divide_over_the_ranks_are_refused_not_cut():
-    with pytest.raises(ModelConfigError, match="^8 experts cannot be split evenly over 3 tensor-parallel ranks"):
+    with pytest.raises(ModelConfigError, match=r"^8 experts \(moe_num_experts\) cannot be split evenly over 3 tensor-parallel ranks"):
         partition(labelled(16), partitioning(EXPERT_W1, expert_arch()), 0, 3)
 
 
