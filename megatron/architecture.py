@@ -73,7 +73,9 @@ Sinkhorn-balanced assignment and weighs them by the sigmoid (top 1) or softmax o
 dropped. Each expert is the model's MLP without biases (``use_bias_in_mlp`` is for the layers without
 experts, as in GPT-NeoX), ``expert_width`` wide per projection: ``moe_intermediate_size``, else GPT-NeoX's
 rule for experts (``intermediate_size`` itself, unset: 4 x hidden, for swiglu 8/3 x hidden, rounded up to
-256), on one tensor-parallel rank and without a pipeline. With ``moe_shared_expert_intermediate_size`` (Qwen2-MoE's
+256). The experts are split over the tensor-parallel ranks as GPT-NeoX splits them (``experts_per_rank``):
+``moe_num_experts`` a multiple of ``model_parallel_size``, rank r holding the r-th run of whole experts; so
+far without a pipeline. With ``moe_shared_expert_intermediate_size`` (Qwen2-MoE's
 shared expert) every token also goes through the model's dense MLP of that width (no biases), whose output,
 weighed by the sigmoid of a linear of the token (``shared_expert_gate``, hidden -> 1), is added to the experts'.
 The load-balancing loss (``moe_load_balancing_loss``, ``moe_load_balancing_loss_coef``: Hugging Face's
@@ -297,6 +299,16 @@ def query_key_norm_problem(values: Mapping[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+def experts_per_rank(num_experts: int, tensor_parallel_size: int) -> int:
+    """How many whole experts each tensor-parallel rank holds: rank r holds experts r x that .. (r + 1) x that - 1
+    (GPT-NeoX's ParallelDroplessMLP, whose expert-parallel group is the model-parallel group)."""
+    count, rest = divmod(num_experts, tensor_parallel_size)
+    if rest:
+        raise ModelConfigError(f"{num_experts} experts (moe_num_experts) cannot be split evenly over "
+                               f"{tensor_parallel_size} tensor-parallel ranks: each rank holds whole experts")
+    return count
+
+
 def mixture_of_experts_problem(values: Mapping[str, Any]) -> tuple[str, str] | None:
     """(the setting to change, why) when these settings ask for experts the model cannot build; None otherwise."""
     experts = values.get("moe_num_experts") or 1
@@ -323,9 +335,10 @@ def mixture_of_experts_problem(values: Mapping[str, Any]) -> tuple[str, str] | N
     if jitter and router == "sinkhorn":
         return "moe_jitter_eps", ("only the topk router jitters its input (GPT-NeoX's sinkhorn router ignores "
                                   "moe_jitter_eps); remove it, or set moe_router_type: topk")
-    if (values.get("model_parallel_size") or 1) > 1:
-        return "model_parallel_size", ("mixture of experts runs so far on one tensor-parallel rank (experts split "
-                                       "over ranks are not built yet); set model_parallel_size: 1")
+    try:
+        experts_per_rank(experts, values.get("model_parallel_size") or 1)
+    except ModelConfigError as err:
+        return "model_parallel_size", f"{err}, as in GPT-NeoX; set a model_parallel_size that divides moe_num_experts"
     return None
 
 

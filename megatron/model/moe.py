@@ -24,6 +24,15 @@ With ``moe_shared_expert_intermediate_size`` the layer has Qwen2-MoE's shared ex
 (``SharedExpert``): every token's output from the experts gets the shared expert's output added, times the
 sigmoid of ``shared_expert_gate`` (hidden -> 1, replicated over tensor-parallel ranks) of the token.
 
+Under tensor parallelism the experts are split over the ranks as GPT-NeoX's ``ParallelDroplessMLP`` splits
+them (megatron/model/partitioning.py: rank r holds a run of whole experts, their rows of every expert
+weight), and the tokens are on every rank. Each rank routes all tokens (the router is replicated, its
+logits and load-balancing loss the same on every rank), runs its own experts and the ranks sum their
+outputs (megatron-core's reduce region). The experts' input and the routing weights enter through the copy
+region, whose backward sums their gradients over the ranks, so the router and the layer's input get every
+expert's contribution; the load-balancing loss's path bypasses it, being whole on every rank already.
+A shared expert is split as the dense MLP, which sums its own parts: it is added after the experts' sum.
+
 ``load_balancing_loss`` is transformers' ``load_balancing_loss_func`` (Switch Transformer's auxiliary
 loss) over the router logits of every expert layer of one forward pass; ``expert_load`` is what share of a
 layer's routed token slots each expert got, from the router's choices.
@@ -39,6 +48,9 @@ import torch.nn.functional as F
 
 from megatron.architecture import Architecture
 from megatron.model.mlp import MLP, elementwise_activation
+from megatron.model.parallel_layers import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
+from megatron.model.partitioning import local_experts
+from megatron.ranks import tensor_parallel_rank, tensor_parallel_size
 
 
 @dataclass
@@ -56,23 +68,25 @@ class Router(torch.nn.Module):
 
 
 class ExpertWeights(torch.nn.Module):
-    """Every expert's MLP weights, stacked (GPT-NeoX's ParallelGroupedMLP / ParallelGroupedLLaMAMLP)."""
+    """This tensor-parallel rank's experts' MLP weights, stacked (GPT-NeoX's ParallelGroupedMLP /
+    ParallelGroupedLLaMAMLP)."""
 
     def __init__(self, arch: Architecture):
         super().__init__()
-        self.num_experts, self.width, self.gated = arch.moe_num_experts, arch.moe_intermediate_size, arch.gated
+        self.local = local_experts(arch, tensor_parallel_rank(), tensor_parallel_size())
+        self.width, self.gated = arch.moe_intermediate_size, arch.gated
         self.activation = elementwise_activation(arch)
-        shape = (arch.moe_num_experts * arch.moe_intermediate_size, arch.hidden_size)
+        shape = (len(self.local) * arch.moe_intermediate_size, arch.hidden_size)
         self.w1 = torch.nn.Parameter(torch.empty(shape))
         if arch.gated:
             self.w3 = torch.nn.Parameter(torch.empty(shape))
         self.w2 = torch.nn.Parameter(torch.empty(shape))
 
     def rows(self, weight: torch.Tensor, expert: int) -> torch.Tensor:
-        return weight.narrow(0, expert * self.width, self.width)
+        return weight.narrow(0, (expert - self.local.start) * self.width, self.width)
 
     def forward(self, expert: int, tokens: torch.Tensor) -> torch.Tensor:
-        """Expert ``expert``'s output for ``tokens`` [n, hidden]."""
+        """Expert ``expert``'s output (one of ``self.local``) for ``tokens`` [n, hidden]."""
         inner = self.activation(F.linear(tokens, self.rows(self.w1, expert)))
         if self.gated:
             inner = inner * F.linear(tokens, self.rows(self.w3, expert))
@@ -152,14 +166,19 @@ class MixtureOfExperts(torch.nn.Module):
             routing.append(Routing(logits, chosen.detach()))
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        # [top_k, tokens]: transformers' order. The copy region's input is made contiguous so that the gradient
+        # reaching it is too: megatron-core's all-reduce of a non-contiguous gradient sums a copy and drops it
+        weights_by_choice = copy_to_tensor_parallel_region(weights.t().contiguous())
+        chosen_by_choice, expert_input = chosen.t(), copy_to_tensor_parallel_region(tokens)
         out = torch.zeros_like(tokens)
-        weights_by_choice, chosen_by_choice = weights.t(), chosen.t()  # [top_k, tokens]: transformers' order
-        for expert in range(self.experts.mlp.num_experts):
+        # an expert without tokens still computes (on none): the copy regions' backward, a collective, then
+        # runs on every rank, also where no local expert got a token
+        for expert in self.experts.mlp.local:
             choice, token = torch.where(chosen_by_choice == expert)
-            if token.numel():
-                expert_out = self.experts.mlp(expert, tokens[token]) * weights_by_choice[choice, token, None]
-                out.index_add_(0, token, expert_out.to(out.dtype))
-        if self.shared_expert is not None:
+            expert_out = self.experts.mlp(expert, expert_input[token]) * weights_by_choice[choice, token, None]
+            out.index_add_(0, token, expert_out.to(out.dtype))
+        out = reduce_from_tensor_parallel_region(out)
+        if self.shared_expert is not None:  # split over the ranks as the dense MLP, which sums its own parts
             out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert.mlp(tokens)
         return out.reshape(hidden.shape)
 

@@ -11,7 +11,12 @@ every block (GPT-NeoX's per-partition layouts):
   ranks that share it. GPT-NeoX refuses this case; a save writes each rank's parameter as that rank
   holds it, so every rank file has the same shape and a replicated head is stored once per rank;
   joining or re-splitting reads each head from the first part that holds it;
-- ``mlp.linear1`` for swiglu: [up, gate], so rank r holds [its up rows, its gate rows].
+- ``mlp.linear1`` for swiglu: [up, gate], so rank r holds [its up rows, its gate rows];
+- the experts' stacked weights ``mlp.experts.mlp.w1`` / ``w3`` / ``w2`` (megatron/model/moe.py): one block of
+  ``moe_num_experts`` experts, never split, so rank r holds the rows of experts
+  r x per_rank .. (r + 1) x per_rank - 1 (``experts_per_rank``), as GPT-NeoX's rank files hold them. A
+  part with the rows of fewer experts than its share is a checkpoint that lost experts
+  (``missing_experts``).
 
 LoRA's adapters (megatron/model/lora.py) split to match the layer they adapt: on a column-parallel
 layer A is whole and B split as the rows of the layer's output it adds into (a fused layer's part as
@@ -29,7 +34,7 @@ from fractions import Fraction
 
 import torch
 
-from megatron.architecture import Architecture
+from megatron.architecture import Architecture, experts_per_rank
 from megatron.lora_settings import target_of
 
 
@@ -38,6 +43,7 @@ class Partitioning:
     dim: int | None  # None: replicated
     blocks: tuple[int, ...] = (1,)  # relative widths of the blocks along `dim`, each split on its own
     heads: bool = False  # blocks count attention heads: a block with fewer heads than ranks is replicated
+    experts: bool = False  # blocks count experts: each rank holds whole experts, an even share of each block
 
     def unit_width(self, full_width: int) -> int:
         unit, rest = divmod(full_width, sum(self.blocks))
@@ -53,10 +59,15 @@ class Partitioning:
             raise ValueError(f"{block} heads cannot be shared evenly by {size} tensor-parallel ranks")
         return True
 
+    def units_per_rank(self, block: int, size: int) -> Fraction:
+        """How many units of a block ``block`` units wide each rank of ``size`` holds."""
+        if self.replicated_block(block, size):
+            return Fraction(1)
+        return Fraction(experts_per_rank(block, size) if self.experts else Fraction(block, size))
+
     def full_width(self, part_width: int, size: int) -> int:
         """Width along ``dim`` of the full tensor whose parts at size ``size`` are ``part_width`` wide."""
-        units_per_rank = sum(Fraction(1) if self.replicated_block(block, size) else Fraction(block, size)
-                             for block in self.blocks)
+        units_per_rank = sum(self.units_per_rank(block, size) for block in self.blocks)
         unit = Fraction(part_width) / units_per_rank
         if unit.denominator != 1:
             raise ValueError(f"a part {part_width} wide is not one of {size} parts of blocks {self.blocks}")
@@ -64,6 +75,8 @@ class Partitioning:
 
 
 REPLICATED = Partitioning(None)
+
+EXPERT_WEIGHTS = ("mlp.experts.mlp.w1", "mlp.experts.mlp.w3", "mlp.experts.mlp.w2")
 
 # Weights drawn from the output-layer init method (the others from the plain one).
 OUTPUT_WEIGHTS = ("attention.dense.weight", "mlp.linear2.weight", "mlp.experts.mlp.w2")
@@ -98,7 +111,34 @@ def partitioning(name: str, arch: Architecture) -> Partitioning:
         return Partitioning(0, (1, 1) if arch.activation == "swiglu" else (1,))
     if name.endswith(("attention.dense.weight", "mlp.linear2.weight", "rm_linear.weight")):
         return Partitioning(1)
+    if name.endswith(EXPERT_WEIGHTS):
+        return Partitioning(0, (arch.moe_num_experts,), experts=True)
     return REPLICATED
+
+
+def local_experts(arch: Architecture, rank: int, size: int) -> range:
+    """The experts rank ``rank`` of ``size`` holds: those whose rows its part of an expert weight holds."""
+    (start, length), = _ranges(partitioning(EXPERT_WEIGHTS[0], arch), arch.moe_num_experts, rank, size)
+    return range(start, start + length)
+
+
+def missing_experts(name: str, part: torch.Tensor, arch: Architecture, rank: int, size: int) -> str | None:
+    """What rank ``rank`` of ``size``'s part of parameter ``name`` lacks of its experts (a phrase), None when the part
+    holds the rows of all of them (or ``name`` holds no experts)."""
+    if not partitioning(name, arch).experts:
+        return None
+    held, width = local_experts(arch, rank, size), arch.moe_intermediate_size
+    rows = part.shape[0]
+    if rows == len(held) * width:
+        return None
+    lost = (experts_named(range(held.start + rows // width, held.stop)) if rows < len(held) * width
+            else "rows of other experts")
+    return (f"{name} holds {rows} rows, the rows of {experts_named(held)} ({width} each) expected at "
+            f"tensor-parallel size {size}: {lost} missing")
+
+
+def experts_named(experts: range) -> str:
+    return f"expert {experts.start}" if len(experts) == 1 else f"experts {experts.start}..{experts.stop - 1}"
 
 
 def _adapter_partitioning(name: str, arch: Architecture) -> Partitioning:
@@ -127,7 +167,7 @@ def _ranges(p: Partitioning, full_width: int, rank: int, size: int) -> list[tupl
         if p.replicated_block(block, size):
             ranges.append((start + rank * block // size * unit, unit))
         else:
-            share = block * unit // size
+            share = int(p.units_per_rank(block, size) * unit)
             ranges.append((start + rank * share, share))
         start += block * unit
     return ranges

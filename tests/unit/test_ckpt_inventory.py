@@ -211,3 +211,46 @@ def test_saved_layout_without_a_recorded_data_parallel_size_counts_up_to_the_hig
     # the settings say 2 tensor-parallel ranks, though only mp_rank_00 is there: read as 2, the missing file named later
     assert layout == SavedLayout(source_format=FORMAT_DEEPSPEED, tensor_parallel=2, pipeline_stages=1,
                                  data_parallel=4, zero_stage=1, precision="bf16")
+
+
+def gpt_neox_expert_tag(tmp_path, rows_per_rank: dict[int, int], recorded_tp: int | None = 2):
+    """A GPT-NeoX-style tag of 8 experts (2 rows each) saved at TP 2 (its settings say so unless `recorded_tp` is
+    None), mp rank -> the rows its file holds of the first layer's w1; (the tag folder, the run's architecture)."""
+    from tests.unit.test_partitioning import expert_arch
+
+    tag_dir = tmp_path / "global_step1"
+    tag_dir.mkdir()
+    settings = {"moe_num_experts": 8, **({"model_parallel_size": recorded_tp} if recorded_tp else {})}
+    for mp, rows in rows_per_rank.items():
+        torch.save({"module": {"sequential.2.mlp.experts.mlp.w1": torch.ones(rows, 8)}, "iteration": 1,
+                    "args": settings}, tag_dir / f"mp_rank_{mp:02d}_model_states.pt")
+    return tag_dir, expert_arch(8)
+
+
+def test_the_saved_layout_records_the_experts_and_their_split(tmp_path):
+    tag_dir, _ = gpt_neox_expert_tag(tmp_path, {0: 8, 1: 8})
+    layout = inventory_checkpoint(tmp_path).tags["global_step1"].saved_layout
+    assert (layout.experts, layout.experts_per_rank) == (8, 4)
+    assert layout.describe().endswith(", 8 experts (4 per rank)")
+
+
+@pytest.mark.parametrize(("rows_per_rank", "recorded_tp", "expected"), [
+    ({0: 8, 1: 6}, 2, "mp_rank_01_model_states.pt: sequential.2.mlp.experts.mlp.w1 holds 6 rows, the rows of "
+                      "experts 4..7 (2 each) expected at tensor-parallel size 2: expert 7 missing. The checkpoint lost"),
+    ({0: 8}, 2, "experts 4..7 of every expert layer missing (tensor-parallel rank 1 of 2 held them): no module "
+                "weights in "),
+    # nothing records the size: the one rank file present reads as a TP 1 tag holding half the experts
+    ({0: 8}, None, "mp_rank_00_model_states.pt: sequential.2.mlp.experts.mlp.w1 holds 8 rows, the rows of experts "
+                   "0..7 (2 each) expected at tensor-parallel size 1: experts 4..7 missing."),
+])
+def test_a_checkpoint_that_lost_experts_is_refused_naming_them_and_the_file(tmp_path, rows_per_rank, recorded_tp,
+                                                                            expected):
+    """A rank file whose expert weight was cut, and a GPT-NeoX tag missing a rank file: read at TP 1, one line
+    names the experts and the file, before anything is re-split or loaded."""
+    from megatron.checkpointing.ondisk.module_weights import read_this_ranks_module_weights
+
+    tag_dir, arch = gpt_neox_expert_tag(tmp_path, rows_per_rank, recorded_tp)
+    saved_tp = inventory_checkpoint(tmp_path).tags["global_step1"].saved_layout.tensor_parallel
+    with pytest.raises(CheckpointError) as refused:
+        read_this_ranks_module_weights(tag_dir, saved_tp, arch)
+    assert expected in str(refused.value) and "\n" not in str(refused.value)

@@ -13,6 +13,7 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
+from megatron.architecture import experts_per_rank
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.formats.weights_source import WeightsSource
 from megatron.checkpointing.ondisk import layout, manifest
@@ -93,6 +94,9 @@ class SavedLayout:
     as a smaller model. The data-parallel size is DeepSpeed's recorded ``dp_world_size``, else the highest
     data-parallel rank of the optimizer shards plus one (a missing shard in the middle still counts).
 
+    ``experts`` is the saved settings' moe_num_experts (1: no experts, or none recorded); each tensor-parallel
+    rank's file holds ``experts_per_rank`` of them, whole (megatron/model/partitioning.py).
+
     ``lora_base`` is set for a LoRA run's adapter-only tag: it holds the parameters that train (the adapters,
     a reward model's head) and their optimizer states, and the frozen base is the one named there.
     """
@@ -104,16 +108,22 @@ class SavedLayout:
     zero_stage: int | None  # None without a model-states file to read it from
     precision: str | None
     lora_base: LoraBase | None = None  # set: LoRA adapters only, over this base
+    experts: int = 1
 
     @property
     def adapters_only(self) -> bool:
         return self.lora_base is not None
 
+    @property
+    def experts_per_rank(self) -> int:
+        return experts_per_rank(self.experts, self.tensor_parallel)
+
     def describe(self) -> str:
         over_base = (f"; LoRA adapters only, over base {self.lora_base.path} (checksum {self.lora_base.checksum})"
                      if self.adapters_only else "")
+        experts = f", {self.experts} experts ({self.experts_per_rank} per rank)" if self.experts > 1 else ""
         return (f"{self.source_format}: DP {self.data_parallel} x TP {self.tensor_parallel} x PP {self.pipeline_stages}, "
-                f"ZeRO-{self.zero_stage}, {self.precision}{over_base}")
+                f"ZeRO-{self.zero_stage}, {self.precision}{experts}{over_base}")
 
 
 @dataclass(frozen=True)
@@ -205,6 +215,7 @@ class TagInventory:
             zero_stage=self.metadata.zero_stage if self.metadata else None,
             precision=self.metadata.precision if self.metadata else None,
             lora_base=LoraBase.from_dict(self.metadata.client_state.lora_base) if self.metadata else None,
+            experts=int(settings.get("moe_num_experts") or 1),
         )
 
     @property

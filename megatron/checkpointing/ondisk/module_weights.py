@@ -95,7 +95,7 @@ def read_full_module_weights(tag_dir: str | Path, tensor_parallel_size: int, arc
     along their split dimensions (``arch``, a megatron.model Architecture, says which)."""
     from megatron.model.partitioning import repartition_state_dict
 
-    parts = [read_module_weights(tag_dir, mp) for mp in range(tensor_parallel_size)]
+    parts = [_rank_part(tag_dir, mp, tensor_parallel_size, arch) for mp in range(tensor_parallel_size)]
     return parts[0] if tensor_parallel_size == 1 else repartition_state_dict(parts, arch, 0, 1)
 
 
@@ -115,8 +115,32 @@ def read_this_ranks_module_weights(tag_dir: str | Path, saved_tensor_parallel_si
     """This tensor-parallel rank's module weights from a tag saved by ``saved_tensor_parallel_size`` ranks:
     its own rank file at the same size, re-split from every rank file at another."""
     if saved_tensor_parallel_size == tensor_parallel_size():
-        return read_module_weights(tag_dir, tensor_parallel_rank())
-    return this_ranks_part([read_module_weights(tag_dir, mp) for mp in range(saved_tensor_parallel_size)], arch)
+        return _rank_part(tag_dir, tensor_parallel_rank(), saved_tensor_parallel_size, arch)
+    return this_ranks_part([_rank_part(tag_dir, mp, saved_tensor_parallel_size, arch)
+                            for mp in range(saved_tensor_parallel_size)], arch)
+
+
+def _rank_part(tag_dir: str | Path, mp_rank: int, saved_tensor_parallel_size: int, arch) -> dict[str, torch.Tensor]:
+    """Tensor-parallel rank ``mp_rank``'s module weights of a tag saved by ``saved_tensor_parallel_size`` ranks,
+    refused in one line where they lack experts that rank held (a lost rank file, a cut expert weight)."""
+    from megatron.model.partitioning import experts_named, local_experts, missing_experts
+
+    try:
+        weights = read_module_weights(tag_dir, mp_rank)
+    except CheckpointError as err:
+        if not arch.moe:
+            raise
+        held = experts_named(local_experts(arch, mp_rank, saved_tensor_parallel_size))
+        raise CheckpointError(f"{held} of every expert layer missing (tensor-parallel rank {mp_rank} of "
+                              f"{saved_tensor_parallel_size} held them): {err}") from None
+    for name, value in weights.items():
+        problem = missing_experts(name, value, arch, mp_rank, saved_tensor_parallel_size)
+        if problem:
+            model_states = Path(tag_dir) / layout.model_states_name(mp_rank)
+            source = model_states if model_states.is_file() else f"{tag_dir} (tensor-parallel rank {mp_rank})"
+            raise CheckpointError(f"{source}: {problem}. The checkpoint lost experts (or was saved at another "
+                                  "tensor-parallel size than it records); restore its files or load another tag.")
+    return weights
 
 
 def _module_from_model_states_file(path: Path) -> dict[str, torch.Tensor] | None:

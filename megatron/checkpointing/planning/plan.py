@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron.architecture import Architecture, ModelConfigError, describe_model
+from megatron.architecture import Architecture, ModelConfigError, describe_model, experts_per_rank
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.formats.weights_source import WeightsSource
 from megatron.checkpointing.ondisk import layout
@@ -56,6 +56,7 @@ from megatron.checkpointing.ondisk.inventory import (
     FORMAT_PIPELINE,
     FORMAT_ZERO3,
     CheckpointInventory,
+    SavedLayout,
     TagInventory,
     inventory_checkpoint,
 )
@@ -464,6 +465,7 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
     if saved_tp != wanted_tp and not load_optimizer:
         notes.append(f"weights re-split from tensor-parallel size {saved_tp} to {wanted_tp} while loading "
                      "(each rank reads only its slices)")
+    notes += _experts_moved(tag.saved_layout, args)
     notes.append(f"files checked against {layout.MANIFEST_FILE} (it lists every file of the tag) before they are read"
                  if has_manifest else
                  f"no {layout.MANIFEST_FILE} (saved by another program or an older version): files are not checksummed")
@@ -494,6 +496,15 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
     _check_iterations_left(plan, args)
     preflight.check_plan(files, load_optimizer, tag, args, change)
     return plan
+
+
+def _experts_moved(saved: SavedLayout, args) -> list[str]:
+    """Where the experts go when the tensor-parallel size changes (each rank holds whole experts)."""
+    wanted_tp = args.model_parallel_size or 1
+    if saved.experts <= 1 or saved.tensor_parallel == wanted_tp or saved.experts != args.moe_num_experts:
+        return []  # another expert count: the architecture check refuses the load
+    return [f"experts {saved.experts_per_rank} per rank -> {experts_per_rank(saved.experts, wanted_tp)}: whole "
+            f"experts from the {saved.tensor_parallel} rank file(s) to this run's {wanted_tp} tensor-parallel rank(s)"]
 
 
 def _fresh_reward_head(args, client: ClientState, tag: TagInventory, load_optimizer: bool) -> bool:
