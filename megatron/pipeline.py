@@ -59,7 +59,7 @@ def pipeline_batches(iterator: Iterator[dict], batch_options) -> Iterator[tuple[
 def train_step(engine, train_iterator, objective, before_optimizer_step=None) -> tuple[float, dict[str, float]]:
     """``training.train_step`` through the pipe engine."""
     loss = engine.train_batch(pipeline_batches(train_iterator, objective.batch_options))
-    return float(loss), _expert_metrics(engine, objective)
+    return float(loss), _averaged(_micro_batch_metrics(engine, objective))
 
 
 @torch.no_grad()
@@ -72,10 +72,6 @@ def evaluate(engine, iterator, eval_iters: int, objective) -> tuple[float, dict[
         losses.append(float(engine.eval_batch(batches)))
         results += _micro_batch_metrics(engine, objective)
     return sum(losses) / eval_iters, _averaged(results)
-
-
-def _expert_metrics(engine, objective) -> dict[str, float]:
-    return _averaged(_micro_batch_metrics(engine, objective))
 
 
 def _averaged(results: list[tuple[torch.Tensor, dict]]) -> dict[str, float]:
@@ -100,8 +96,7 @@ def _micro_batch_metrics(engine, objective) -> list[tuple[torch.Tensor, dict]]:
     if engine.is_last_stage():
         loss_fn = engine.module.loss_fn
         for row, (lm_loss, statistics, tokens) in enumerate(loss_fn.kept):
-            kept[row] = torch.cat([lm_loss.float().reshape(1), lm_loss.new_tensor([tokens]).float(),
-                                   statistics.reshape(-1)])
+            kept[row, 0], kept[row, 1], kept[row, 2:] = lm_loss, tokens, statistics.reshape(-1)
         loss_fn.kept.clear()
     dist.broadcast(kept, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                    group=parallel_state.get_pipeline_model_parallel_group())
