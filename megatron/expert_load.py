@@ -17,8 +17,6 @@ from __future__ import annotations
 import torch
 
 from megatron.architecture import Architecture
-from megatron.model import expert_load
-from megatron.model.moe import Routing
 
 
 def expert_load_name(layer: int, expert: int) -> str:
@@ -29,11 +27,10 @@ def expert_layers(arch: Architecture) -> list[int]:
     return [layer for layer in range(arch.num_layers) if arch.has_experts(layer)]
 
 
-def expert_load_metrics(arch: Architecture, routing: list[Routing]) -> dict[str, torch.Tensor]:
-    """Every expert's share of its layer's routed token slots, from one forward pass's ``routing``."""
+def expert_load_metrics(arch: Architecture, loads: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every expert's share of its layer's routed token slots, from each expert layer's ``moe.expert_load``."""
     metrics = {}
-    for layer, record in zip(expert_layers(arch), routing, strict=True):
-        shares = expert_load(record.chosen, arch.moe_num_experts)
+    for layer, shares in zip(expert_layers(arch), loads, strict=True):
         metrics.update({expert_load_name(layer, expert): share for expert, share in enumerate(shares)})
     return metrics
 

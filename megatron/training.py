@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron import faults
 from megatron.checkpointing import (
@@ -131,24 +130,14 @@ def batch_options_for(args):
     return BatchOptions.from_args(args, build_tokenizer(args).eod if needs_eod else None)
 
 
-def _mean_over_micro_batches_and_ranks(results: list[tuple[torch.Tensor, dict]]) -> tuple[float, dict[str, float]]:
-    """The loss and each metric averaged over the micro batches, then over the ranks (one all-reduce)."""
-    names = list(results[0][1])
-    values = torch.stack([torch.stack([loss.detach().float(), *(metrics[n].detach().float() for n in names)])
-                          for loss, metrics in results]).mean(dim=0)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values)
-        values /= dist.get_world_size()
-    loss, *metric_values = values.tolist()
-    return loss, dict(zip(names, metric_values, strict=True))
-
-
 def train_step(engine, train_iterator, objective, before_optimizer_step=None) -> tuple[float, dict[str, float]]:
     """One optimizer step: ``gradient_accumulation_steps`` micro batches, then DeepSpeed steps.
 
     Returns the loss and the objective's metrics, averaged. `before_optimizer_step` runs after the last
     backward, when the step's gradients are complete.
     """
+    from megatron.objectives import mean_over_micro_batches_and_ranks
+
     results = []
     micro_batches = engine.gradient_accumulation_steps()
     for micro_batch in range(micro_batches):
@@ -158,17 +147,19 @@ def train_step(engine, train_iterator, objective, before_optimizer_step=None) ->
             before_optimizer_step()
         engine.step()
         results.append((loss, metrics))
-    return _mean_over_micro_batches_and_ranks(results)
+    return mean_over_micro_batches_and_ranks(results)
 
 
 @torch.no_grad()
 def evaluate(engine, iterator, eval_iters: int, objective) -> tuple[float, dict[str, float]]:
     """The loss and metrics over `eval_iters` batches; a batch is gradient_accumulation_steps micro batches, as
     in GPT-NeoX (and DeepSpeed's pipeline engine), so an evaluation reads eval_iters x train_batch_size samples."""
+    from megatron.objectives import mean_over_micro_batches_and_ranks
+
     engine.eval()
     results = [objective(engine, next(iterator)) for _ in range(eval_iters * engine.gradient_accumulation_steps())]
     engine.train()
-    return _mean_over_micro_batches_and_ranks(results)
+    return mean_over_micro_batches_and_ranks(results)
 
 
 def missing_evaluation_notes(args, valid_iterator, test_iterator) -> list[str]:

@@ -64,7 +64,9 @@ class Routing:
 class Router(torch.nn.Module):
     def __init__(self, arch: Architecture):
         super().__init__()
-        self.layer = torch.nn.Linear(arch.hidden_size, arch.moe_num_experts, bias=False)
+        # drawn with the other weights (init_methods.initialise_parameters), not here: building a model draws
+        # nothing, so a pipeline stage that builds another stage's layers keeps build_model's stream of draws
+        self.layer = torch.nn.utils.skip_init(torch.nn.Linear, arch.hidden_size, arch.moe_num_experts, bias=False)
 
 
 class ExpertWeights(torch.nn.Module):
@@ -183,18 +185,29 @@ class MixtureOfExperts(torch.nn.Module):
         return out.reshape(hidden.shape)
 
 
+def load_balancing_sums(logits: torch.Tensor, num_experts: int, top_k: int) -> torch.Tensor:
+    """One expert layer's part of ``load_balancing_loss``, [2, experts] in fp32: how many of its tokens' top-k
+    choices of the router's softmax went to each expert, and each expert's router probability summed over them."""
+    probabilities = torch.softmax(logits, dim=-1)  # in the logits' dtype, as transformers takes it
+    _, chosen = torch.topk(probabilities, top_k, dim=-1)
+    return torch.stack([torch.bincount(chosen.reshape(-1), minlength=num_experts).float(),
+                        probabilities.float().sum(dim=0)])
+
+
+def load_balancing_loss_of_sums(sums: torch.Tensor, rows: int, num_experts: int) -> torch.Tensor:
+    """``load_balancing_loss`` from the ``load_balancing_sums`` of every expert layer added up, over ``rows``
+    (tokens x expert layers)."""
+    choices, probabilities = sums
+    return torch.sum((choices / rows) * (probabilities / rows)) * num_experts
+
+
 def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
     """Transformers' auxiliary loss: num_experts x sum over experts of (share of the top-k choices that went to
     the expert) x (its mean router probability), both taken over every token of every expert layer together."""
-    choices = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
-    probabilities = torch.zeros_like(choices)
+    sums = torch.zeros(2, num_experts, dtype=torch.float32, device=router_logits[0].device)
     for logits in router_logits:
-        layer_probabilities = torch.softmax(logits, dim=-1)  # in the logits' dtype, as transformers takes it
-        _, chosen = torch.topk(layer_probabilities, top_k, dim=-1)
-        choices = choices + torch.bincount(chosen.reshape(-1), minlength=num_experts).float()
-        probabilities = probabilities + layer_probabilities.float().sum(dim=0)
-    rows = sum(logits.shape[0] for logits in router_logits)
-    return torch.sum((choices / rows) * (probabilities / rows)) * num_experts
+        sums = sums + load_balancing_sums(logits, num_experts, top_k)
+    return load_balancing_loss_of_sums(sums, sum(logits.shape[0] for logits in router_logits), num_experts)
 
 
 def expert_load(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -11,8 +11,13 @@ those of ``GPTModel``'s ``sequential.<II>`` without that prefix:
     L + 3             FinalNorm
     L + 4             OutputLayer, or the tied embedding's weight as the output projection
 
-Between stages travels (hidden, position_ids[, attention_mask]); the last stage's loss takes
-(labels, loss_mask). Each stage draws the weights of exactly the layers it holds from the same
+Between stages travels (hidden, position_ids[, attention_mask][, router statistics]), after the layers
+(hidden[, router statistics]); the last stage's loss takes (labels, loss_mask). With experts the router
+statistics ([2 + expert layers, experts], fp32) carry what the routers of the layers so far did: rows 0-1 their
+``load_balancing_sums`` added up, row 2 + j the router's choices counted for the j-th expert layer. So the last
+stage computes the load-balancing loss over every expert layer, as one module does (its gradient goes back to
+every stage's routers with the statistics'), and the expert load of every layer, whichever stage holds it.
+Each stage draws the weights of exactly the layers it holds from the same
 stream of random numbers as ``build_model`` (the layers before its own are drawn and dropped), so
 the model is the same function at every pipeline size.
 """
@@ -28,6 +33,7 @@ from megatron.model.embedding import Embedding
 from megatron.model.gpt_model import FinalNorm, OutputLayer, _init_methods
 from megatron.model.init_methods import initialise_parameters
 from megatron.model.loss import causal_lm_loss
+from megatron.model.moe import Routing, load_balancing_loss_of_sums, load_balancing_sums
 from megatron.model.parallel_layers import copy_to_tensor_parallel_region
 from megatron.model.rotary import RotaryEmbedding
 from megatron.model.transformer_layer import TransformerLayer
@@ -36,32 +42,75 @@ from megatron.ranks import tensor_parallel_rank, tensor_parallel_size
 TIED_EMBEDDING_KEY = "embed"  # GPT-NeoX's key of the tied embedding
 
 
+def statistics_rows(arch: Architecture) -> int:
+    """Rows of the router statistics: the two load-balancing sums and one count per expert layer."""
+    return 2 + sum(arch.has_experts(layer) for layer in range(arch.num_layers))
+
+
+def _unpack(inputs: tuple[torch.Tensor, ...], experts: bool):
+    """(hidden, position_ids, the attention mask or None, the router statistics or None) of what travels."""
+    hidden, position_ids, *rest = inputs
+    statistics = rest.pop() if experts else None
+    return hidden, position_ids, rest[0] if rest else None, statistics
+
+
+def _pack(hidden, position_ids, attention_mask, statistics) -> tuple[torch.Tensor, ...]:
+    return tuple(t for t in (hidden, position_ids, attention_mask, statistics) if t is not None)
+
+
 class EmbeddingPipe(Embedding):
+    def __init__(self, arch: Architecture, init_method):
+        super().__init__(arch, init_method)
+        self.statistics_shape = (statistics_rows(arch), arch.moe_num_experts) if arch.moe else None
+
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         tokens, position_ids, *mask = inputs
-        return (super().forward(tokens, position_ids), position_ids, *mask)
+        hidden = super().forward(tokens, position_ids)
+        statistics = None
+        if self.statistics_shape is not None:
+            # requires a gradient even where this stage holds no expert layer: DeepSpeed's pipe engine runs the
+            # backward of every floating-point tensor a stage sends
+            statistics = torch.zeros(self.statistics_shape, dtype=torch.float32, device=hidden.device,
+                                     requires_grad=torch.is_grad_enabled())
+        return _pack(hidden, position_ids, mask[0] if mask else None, statistics)
 
 
 class TransformerLayerPipe(TransformerLayer):
-    """A transformer layer taking and returning the tuple that travels between stages."""
+    """A transformer layer (layer ``layer`` from 0) taking and returning the tuple that travels between stages."""
 
-    def __init__(self, arch: Architecture, init_method, output_init_method):
-        super().__init__(arch, init_method, output_init_method)
+    def __init__(self, arch: Architecture, init_method, output_init_method, layer: int):
+        super().__init__(arch, init_method, output_init_method, experts=arch.has_experts(layer))
         self.recompute = arch.checkpoint_activations
         # no parameters and no persistent buffers: the layer's checkpoint names are TransformerLayer's
         self.rotary = (RotaryEmbedding(arch.rotary_ndims, arch.rotary_emb_base, arch.rope_scaling)
                        if arch.pos_emb == "rotary" else None)
+        self.carries_statistics = arch.moe
+        self.num_experts, self.top_k = arch.moe_num_experts, arch.moe_top_k
+        # this layer's count row in the router statistics, when it has experts
+        self.statistics_row = 2 + sum(arch.has_experts(i) for i in range(layer)) if arch.has_experts(layer) else None
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        hidden, position_ids, *mask = inputs
+        hidden, position_ids, attention_mask, statistics = _unpack(inputs, self.carries_statistics)
         cos_sin = self.rotary.cos_sin(position_ids, hidden.dtype) if self.rotary is not None else None
-        attention_mask = mask[0] if mask else None
         if self.recompute and self.training and torch.is_grad_enabled():
-            hidden = torch.utils.checkpoint.checkpoint(super().forward, hidden, cos_sin, attention_mask,
-                                                       use_reentrant=False)
+            hidden, statistics = torch.utils.checkpoint.checkpoint(self._layer, hidden, cos_sin, attention_mask,
+                                                                   statistics, use_reentrant=False)
         else:
-            hidden = super().forward(hidden, cos_sin, attention_mask)
-        return (hidden, position_ids, *mask)
+            hidden, statistics = self._layer(hidden, cos_sin, attention_mask, statistics)
+        return _pack(hidden, position_ids, attention_mask, statistics)
+
+    def _layer(self, hidden, cos_sin, attention_mask, statistics):
+        routing: list[Routing] = []
+        hidden = super().forward(hidden, cos_sin, attention_mask, routing=routing)
+        if self.statistics_row is None:
+            return hidden, statistics
+        record, = routing
+        counts = torch.bincount(record.chosen.reshape(-1), minlength=self.num_experts).float()
+        before, after = self.statistics_row - 2, statistics.shape[0] - self.statistics_row - 1
+        update = torch.cat([load_balancing_sums(record.logits, self.num_experts, self.top_k),
+                            counts.new_zeros(before, self.num_experts), counts[None],
+                            counts.new_zeros(after, self.num_experts)])
+        return hidden, statistics + update
 
 
 def _into_layers(inputs):
@@ -69,17 +118,64 @@ def _into_layers(inputs):
 
 
 def _hidden_states_only(inputs):
-    return inputs[0]
+    return (inputs[0],)  # a tuple: the layers after take and return (hidden[, router statistics])
 
 
-def _tied_output(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+def _hidden_states_and_statistics(inputs):
+    return (inputs[0], inputs[-1])
+
+
+class FinalNormPipe(FinalNorm):
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, *statistics = inputs
+        return (super().forward(hidden), *statistics)
+
+
+class OutputLayerPipe(OutputLayer):
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, *statistics = inputs
+        return (super().forward(hidden), *statistics)
+
+
+def _tied_output(embedding: EmbeddingPipe, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """This rank's vocabulary slice of the logits, through the tied word embedding."""
-    return F.linear(copy_to_tensor_parallel_region(hidden), embedding.word_embeddings.weight)
+    hidden, *statistics = inputs
+    return (F.linear(copy_to_tensor_parallel_region(hidden), embedding.word_embeddings.weight), *statistics)
 
 
-def _loss(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    targets, loss_mask = labels
-    return causal_lm_loss(logits, targets, loss_mask, vocab_parallel=True)
+class PipelineLoss:
+    """The last stage's loss of a micro batch: the language-model loss, with experts plus
+    moe_load_balancing_loss_coef x the load-balancing loss over every expert layer (as
+    objectives/language_model.py adds it). With experts it keeps each micro batch's (language-model loss, router
+    statistics, tokens) in ``kept`` for the step's metrics (megatron/pipeline.py takes them)."""
+
+    def __init__(self, arch: Architecture):
+        self.arch = arch
+        self.kept: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+
+    def __call__(self, outputs: tuple[torch.Tensor, ...], labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        logits, *statistics = outputs
+        targets, loss_mask = labels
+        lm_loss = causal_lm_loss(logits, targets, loss_mask, vocab_parallel=True)
+        if not statistics:
+            return lm_loss
+        tokens = targets.numel()
+        self.kept.append((lm_loss.detach(), statistics[0].detach(), tokens))
+        balance = pipeline_load_balancing_loss(statistics[0], tokens, self.arch)
+        # Added with coefficient 0 when the loss leaves it out, so that the statistics get their gradient:
+        # DeepSpeed's pipe engine sends one back for every floating-point tensor a stage received.
+        coef = self.arch.moe_load_balancing_loss_coef if self.arch.moe_load_balancing_loss else 0.0
+        return lm_loss + coef * balance
+
+
+def pipeline_load_balancing_loss(statistics: torch.Tensor, tokens: int, arch: Architecture) -> torch.Tensor:
+    """``moe.load_balancing_loss`` of a micro batch of ``tokens`` tokens from its router statistics."""
+    return load_balancing_loss_of_sums(statistics[:2], tokens * (statistics.shape[0] - 2), arch.moe_num_experts)
+
+
+def pipeline_expert_loads(statistics: torch.Tensor, tokens: int, arch: Architecture) -> list[torch.Tensor]:
+    """``moe.expert_load`` of each expert layer, in layer order, from a micro batch's router statistics."""
+    return [counts / (tokens * arch.moe_top_k) for counts in statistics[2:]]
 
 
 def layer_specs(arch: Architecture) -> list:
@@ -94,9 +190,11 @@ def layer_specs(arch: Architecture) -> list:
                                tied_weight_attr="word_embeddings.weight")
     else:
         embedding = LayerSpec(EmbeddingPipe, arch, init_method)
-        output = LayerSpec(OutputLayer, arch, init_method)
-    layers = [LayerSpec(TransformerLayerPipe, arch, init_method, output_init_method) for _ in range(arch.num_layers)]
-    return [embedding, _into_layers, *layers, _hidden_states_only, LayerSpec(FinalNorm, arch), output]
+        output = LayerSpec(OutputLayerPipe, arch, init_method)
+    layers = [LayerSpec(TransformerLayerPipe, arch, init_method, output_init_method, layer)
+              for layer in range(arch.num_layers)]
+    after_layers = _hidden_states_and_statistics if arch.moe else _hidden_states_only
+    return [embedding, _into_layers, *layers, after_layers, LayerSpec(FinalNormPipe, arch), output]
 
 
 def pipeline_topology(pipe_parallel_size: int):
@@ -125,7 +223,7 @@ def build_pipeline_model(arch: Architecture, seed: int, pipe_parallel_size: int,
     from deepspeed.pipe import PipelineModule
 
     specs = layer_specs(arch)
-    module = PipelineModule(layers=specs, loss_fn=_loss, topology=pipeline_topology(pipe_parallel_size),
+    module = PipelineModule(layers=specs, loss_fn=PipelineLoss(arch), topology=pipeline_topology(pipe_parallel_size),
                             partition_method=partition_method, activation_checkpoint_interval=0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

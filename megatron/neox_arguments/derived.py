@@ -583,9 +583,6 @@ def _check_mixture_of_experts(v: dict[str, Any], sources: dict[str, str]) -> Non
         raise _fail(sources, *problem)
     if (v["moe_num_experts"] or 1) <= 1:
         return
-    if (v["pipe_parallel_size"] or 0) > 1:
-        raise _fail(sources, "pipe_parallel_size", "mixture of experts runs so far without a pipeline; set "
-                                                   "pipe_parallel_size to 0 or 1")
     if v["zero_stage"] == 3:
         raise _fail(sources, "zero_optimization", "mixture of experts runs so far with ZeRO stages 0-2 (stage 3 "
                                                   "with experts is not tested yet); set stage 2")

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from megatron.data import BatchOptions
 
@@ -30,6 +31,19 @@ class Objective(Protocol):
 
     def __call__(self, engine, samples: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ...
+
+
+def mean_over_micro_batches_and_ranks(results: list[tuple[torch.Tensor, dict]]) -> tuple[float, dict[str, float]]:
+    """The loss and each metric of an objective's micro batches (``results``) averaged over the micro batches,
+    then over the ranks (one all-reduce): what the training loop reports."""
+    names = list(results[0][1])
+    values = torch.stack([torch.stack([loss.detach().float(), *(metrics[n].detach().float() for n in names)])
+                          for loss, metrics in results]).mean(dim=0)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values)
+        values /= dist.get_world_size()
+    loss, *metric_values = values.tolist()
+    return loss, dict(zip(names, metric_values, strict=True))
 
 
 def objective_for(args, batch_options: BatchOptions, reference=None) -> Objective:

@@ -14,7 +14,7 @@ from megatron.architecture import Architecture
 from megatron.data import BatchOptions, get_batch
 from megatron.expert_load import expert_load_metrics
 from megatron.initialize import current_device
-from megatron.model import causal_lm_loss, load_balancing_loss
+from megatron.model import causal_lm_loss, expert_load, load_balancing_loss
 from megatron.model.moe import Routing
 
 
@@ -44,7 +44,14 @@ class LanguageModelLoss:
         lm_loss = forward_loss(engine, samples, self.batch_options, routing)
         balance = load_balancing_loss([record.logits for record in routing], self.experts.moe_num_experts,
                                       self.experts.moe_top_k)
-        metrics = {"load_balancing_loss": balance.detach(), **expert_load_metrics(self.experts, routing)}
+        return self.with_experts(lm_loss, balance,
+                                 [expert_load(record.chosen, self.experts.moe_num_experts) for record in routing])
+
+    def with_experts(self, lm_loss: torch.Tensor, balance: torch.Tensor,
+                     loads: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss and metrics of a micro batch from its language-model loss, load-balancing loss and every
+        expert layer's load (also of a pipeline's, megatron/pipeline.py)."""
+        metrics = {"load_balancing_loss": balance.detach(), **expert_load_metrics(self.experts, loads)}
         if not self.balanced:
             return lm_loss, metrics
         return lm_loss + self.experts.moe_load_balancing_loss_coef * balance, {"lm_loss": lm_loss.detach(), **metrics}

@@ -26,7 +26,9 @@ from megatron.initialize import init_deepspeed_distributed, leave_process_group 
 from megatron.model import build_model, causal_lm_loss  # noqa: E402
 from megatron.model.pipeline import build_pipeline_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
-from megatron.pipeline import pipeline_batches  # noqa: E402
+from megatron.objectives import mean_over_micro_batches_and_ranks  # noqa: E402
+from megatron.objectives.language_model import LanguageModelLoss  # noqa: E402
+from megatron.pipeline import pipeline_batches, train_step  # noqa: E402
 from tests.distributed.tensor_parallel_worker import BASE, FAMILIES, SEQ, VOCAB, check, full  # noqa: E402
 from tests.worker_report import report  # noqa: E402
 
@@ -69,12 +71,12 @@ def one_module(args) -> tuple[float, dict, dict]:
     return float(sum(losses)), weights, {n: p.grad for n, p in model.named_parameters()}
 
 
-def two_stages(args, tensor: int = 1) -> tuple[float, dict, dict, list[str]]:
-    """Weights and gradients whole (joined over the tensor-parallel group), named as GPTModel names them."""
+def two_stages_engine(args, tensor: int = 1):
+    """The pipe engine of 2 stages, and the gradients its step will see (whole, joined over the tensor-parallel
+    group, named as GPTModel names them)."""
     set_groups(2, tensor)
     module = build_pipeline_model(args.architecture(), args.seed, 2, args.pipe_partition_method)
     arch = args.architecture()
-    weights = full({ours(n): p.detach().clone() for n, p in module.named_parameters()}, arch)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.0)
     grads = {}
     optimizer.register_step_pre_hook(lambda *_: grads.update(
@@ -82,6 +84,14 @@ def two_stages(args, tensor: int = 1) -> tuple[float, dict, dict, list[str]]:
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": MICRO_BATCHES,
               "steps_per_print": 10**9, "gradient_clipping": 0.0}
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+    return engine, grads
+
+
+def two_stages(args, tensor: int = 1) -> tuple[float, dict, dict, list[str]]:
+    """Weights and gradients whole (joined over the tensor-parallel group), named as GPTModel names them."""
+    engine, grads = two_stages_engine(args, tensor)
+    module = engine.module
+    weights = full({ours(n): p.detach().clone() for n, p in module.named_parameters()}, args.architecture())
     loss = engine.train_batch(pipeline_batches(iter(micro_batches()), BatchOptions()))
     files = sorted({name.split(".")[0] if not name.startswith("tied_modules") else "0" for name, _ in
                     module.named_parameters()}, key=int)
@@ -124,7 +134,56 @@ def tensor_parallel(_work_dir: Path) -> None:
         compare(family, 2, checkpoint_activations=False)
 
 
-CHECKS = {"equivalence": equivalence, "tensor_parallel": tensor_parallel}
+# 4 experts in layers 0 and 2 of 4, so each stage holds one expert layer
+EXPERTS = {"sinkhorn": dict(moe_num_experts=4, moe_expert_interval=2),
+           "topk, balanced": dict(moe_num_experts=4, moe_expert_interval=2, moe_router_type="topk", moe_top_k=2,
+                                  moe_load_balancing_loss=True, moe_load_balancing_loss_coef=0.5,
+                                  checkpoint_activations=True)}
+
+
+def compare_experts(router: str) -> None:
+    """The language-model objective's step on one module and through 2 stages: the same loss, metrics (lm_loss,
+    load_balancing_loss and every layer's expert load: the layers live on different stages) and gradients."""
+    settings = {**BASE, **FAMILIES["llama"], "num_layers": 4, **EXPERTS[router]}
+    one = NeoXArgs.from_dict({**settings, "num_gpus": 1})
+    set_groups(1)
+    model = build_model(one.architecture(), one.seed)
+    weights1 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    objective = LanguageModelLoss(BatchOptions(), one.architecture())
+    results = []
+    for samples in micro_batches():
+        loss, metrics = objective(model, samples)
+        (loss / MICRO_BATCHES).backward()
+        results.append((loss, metrics))
+    loss1, metrics1 = mean_over_micro_batches_and_ranks(results)
+    grads1 = {n: p.grad for n, p in model.named_parameters()}
+
+    piped = NeoXArgs.from_dict({**settings, "pipe_parallel_size": 2, "num_gpus": dist.get_world_size()})
+    engine, grads2 = two_stages_engine(piped)
+    for name, weight in engine.module.named_parameters():
+        check(torch.equal(weight, weights1[ours(name)]), f"{router}: initial {ours(name)} differs from one module's")
+    loss2, metrics2 = train_step(engine, iter(micro_batches()), LanguageModelLoss(BatchOptions(), piped.architecture()))
+    check(any(name.startswith("expert_load/layer_2/") for name in metrics1), f"{router}: {sorted(metrics1)}")
+    check(metrics2 == metrics1, f"{router}: metrics through 2 stages {metrics2}, of one module {metrics1}")
+    check(abs(loss1 - loss2) <= LOSS_TOLERANCE, f"{router}: loss {loss2} in 2 stages, {loss1} in one module")
+    check(grads2 and set(grads2) <= set(grads1), f"{router}: stage names {sorted(set(grads2) - set(grads1))}")
+    worst = 0.0
+    for name, grad in grads2.items():
+        worst = max(worst, float((grad - grads1[name]).abs().max()))
+        check(torch.allclose(grad, grads1[name], rtol=GRAD_RTOL, atol=GRAD_ATOL),
+              f"{router}: gradient of {name} differs (max diff {(grad - grads1[name]).abs().max()})")
+    report(case=f"experts, {router}", loss=loss1, two_stage_loss_off_by=abs(loss1 - loss2), worst_gradient_off_by=worst,
+           metrics=metrics1)
+
+
+def experts(_work_dir: Path) -> None:
+    """2 ranks: experts in both stages, with GPT-NeoX's sinkhorn router and with the top-k router and the
+    load-balancing loss (its gradient reaches the first stage's router through the router statistics)."""
+    for router in EXPERTS:
+        compare_experts(router)
+
+
+CHECKS = {"equivalence": equivalence, "tensor_parallel": tensor_parallel, "experts": experts}
 
 if __name__ == "__main__":
     deepspeed_logger.setLevel(logging.WARNING)

@@ -43,3 +43,18 @@ def test_two_stages_by_two_tensor_parallel_ranks_are_the_same_model_as_one_modul
     records = run_worker("tensor_parallel", tmp_path, ranks=4)
     for family in ("neox", "tied-learned", "llama"):
         assert all(reported(records, rank=rank, case=f"{family} at TP 2") for rank in range(4)), records
+
+
+@pytest.mark.slow
+def test_two_stages_with_experts_train_the_objective_of_one_module(tmp_path):
+    """Experts in layers 0 and 2 of 4 (one expert layer per stage), GPT-NeoX's sinkhorn router and the top-k router
+    with the load-balancing loss in the loss (coefficient 0.5, recomputed activations): one step through DeepSpeed's
+    pipe engine (megatron.pipeline.train_step) gives one module's loss and metrics, lm_loss, load_balancing_loss and
+    every layer's expert load, whichever stage holds the layer (measured: equal), and its gradients (rtol 1e-5,
+    atol 1e-7)."""
+    records = run_worker("experts", tmp_path)
+    for case in ("experts, sinkhorn", "experts, topk, balanced"):
+        assert reported(records, rank=0, case=case) and reported(records, rank=1, case=case), records
+    balanced = next(record for record in records if record.get("case") == "experts, topk, balanced")
+    assert {"lm_loss", "load_balancing_loss", "expert_load/layer_0/expert_0", "expert_load/layer_2/expert_3"} <= set(
+        balanced["metrics"])

@@ -1,6 +1,7 @@
 """End to end with 2 pipeline stages on 2 CPU ranks (pipe_parallel_size 2, ZeRO-1), run with deepy.py as a
 user runs it: GPT-NeoX's layer files, an exact resume, and module-only loads between 2 stages and one module
-(2 tensor-parallel ranks), and from the layer files convert_hf_to_neox.py writes."""
+(2 tensor-parallel ranks), and from the layer files convert_hf_to_neox.py writes; a mixture of experts in 2 stages
+against the same run without a pipeline."""
 
 from __future__ import annotations
 
@@ -118,3 +119,59 @@ def test_two_stages_stop_together_at_the_first_nonfinite_step_and_keep_the_last_
     assert saved == list(range(1, diverged)), f"saved {saved}, diverged at {diverged}"
     assert (save / "latest").read_text().strip() == f"global_step{diverged - 1}"
     assert "Traceback" not in output, output[-4000:]
+
+
+# GPT-NeoX's sinkhorn router, 4 experts in each of configs/tiny.yml's 4 layers (2 on each stage), with
+# transformers' load-balancing loss in the loss: its gradient crosses the stages with the router statistics
+EXPERTS = dict(moe_num_experts=4, moe_load_balancing_loss=True, moe_load_balancing_loss_coef=0.01)
+EXPERT_LINE = re.compile(r"iteration\s+(\d+)/\d+ \| loss ([\d.]+) \| lm_loss ([\d.]+) \| load_balancing_loss ([\d.]+) \| "
+                         r"max_expert_load ([\d.]+) \|")
+
+
+def expert_lines(output: str) -> list[tuple]:
+    return [(int(m[1]), *map(float, m.groups()[1:])) for m in EXPERT_LINE.finditer(output)]
+
+
+def expert_loads(scalars: dict, step: int) -> list[list[float]]:
+    """Every layer's expert loads at ``step``, from TensorBoard (configs/tiny.yml's 4 layers, 4 experts)."""
+    return [[scalars[f"train/expert_load/layer_{layer}/expert_{expert}"][step] for expert in range(4)]
+            for layer in range(4)]
+
+
+def test_a_pipelined_mixture_of_experts_trains_as_one_module_reports_every_stage_s_experts_and_resumes_exactly(
+        tmp_path):
+    """2 stages, experts in every layer: the log line and TensorBoard (written by the first stage's rank) carry
+    every layer's expert load, the last stage's layers' too, and the load-balancing loss in the loss; the
+    validation line its metrics. The same run without a pipeline takes the same 4 steps (lines and expert loads;
+    measured: equal to the line's digits), and a resume from step 2 the same steps 3 and 4."""
+    save = tmp_path / "ckpt"
+    overrides = write_overrides(tmp_path, save=str(save), train_iters=4, checkpoint_factor=2,
+                                tensorboard_dir=str(tmp_path / "tb"), **PIPE, **EXPERTS)
+    result = run_deepy(["configs/tiny.yml", overrides])
+    assert "x 2 pipeline stages" in result.stdout
+    lines = expert_lines(result.stdout)
+    assert [line[0] for line in lines] == [1, 2, 3, 4], result.stdout[-3000:]
+    scalars = tensorboard_scalars(tmp_path / "tb")
+    for step, loss, lm_loss, balance, max_load in lines:
+        assert loss == pytest.approx(lm_loss + 0.01 * balance, abs=2e-4)
+        loads = expert_loads(scalars, step)
+        for layer_loads in loads:
+            assert sum(layer_loads) == pytest.approx(1.0, abs=1e-6), loads
+        assert max_load == pytest.approx(max(max(layer_loads) for layer_loads in loads), abs=1e-4)
+        assert scalars["train/load_balancing_loss"][step] == pytest.approx(balance, abs=1e-4)
+    assert {"valid/lm_loss", "valid/load_balancing_loss", "valid/expert_load/layer_3/expert_0"} <= set(scalars)
+    assert re.search(r"validation at iteration 2: loss [\d.]+ \| lm_loss [\d.]+ \| load_balancing_loss", result.stdout)
+
+    flat = write_overrides(tmp_path, name="flat.yml", train_iters=4, tensorboard_dir=str(tmp_path / "tb-flat"),
+                           **{**PIPE, "num_gpus": 1, "pipe_parallel_size": 1}, **EXPERTS)
+    flat_lines = expert_lines(run_deepy(["configs/tiny.yml", flat]).stdout)
+    assert [line[0] for line in flat_lines] == [1, 2, 3, 4]
+    for line, flat_line in zip(lines, flat_lines, strict=True):
+        assert line == pytest.approx(flat_line, abs=2e-4)
+    flat_scalars = tensorboard_scalars(tmp_path / "tb-flat")
+    for step in (1, 2, 3, 4):
+        assert expert_loads(scalars, step) == expert_loads(flat_scalars, step)  # tokens counted: exact
+
+    resumed = write_overrides(tmp_path, name="resume.yml", save=str(tmp_path / "resumed"), load=str(save),
+                              iteration=2, train_iters=4, checkpoint_factor=2, **PIPE, **EXPERTS)
+    assert expert_lines(run_deepy(["configs/tiny.yml", resumed]).stdout) == lines[2:]

@@ -247,8 +247,6 @@ def test_saved_settings_of_other_programs_restore_what_this_schema_knows():
         ({"moe_num_experts": 8, "moe_router_type": "topk", "use_bias_in_mlp": False, "moe_top_k": 9}, r"run.yml: moe_top_k: 9 experts per token"),
         ({"moe_num_experts": 6, "moe_router_type": "topk", "use_bias_in_mlp": False, "model_parallel_size": 4, "num_gpus": 4},
          r"run.yml: model_parallel_size: 6 experts \(moe_num_experts\) cannot be split evenly over 4 tensor-parallel"),
-        ({"moe_num_experts": 8, "moe_router_type": "topk", "use_bias_in_mlp": False, "pipe_parallel_size": 2, "num_gpus": 2},
-         r"run.yml: pipe_parallel_size: mixture of experts runs so far without a pipeline"),
         ({"moe_num_experts": 8, "moe_router_type": "topk", "use_bias_in_mlp": False, "lora_rank": 4},
          r"run.yml: moe_num_experts: LoRA .* without experts"),
         ({"moe_num_experts": 8, "moe_intermediate_size": 0}, r"run.yml: moe_intermediate_size: must be a positive"),
