@@ -46,6 +46,11 @@ def build_deepspeed_config(settings: dict[str, Any]) -> dict[str, Any]:
     for setting in PASSED_TO_DEEPSPEED:
         if settings[setting.name] != setting.default:
             config[setting.name] = copy.deepcopy(settings[setting.name])
+    if (settings["moe_num_experts"] or 1) > 1 and (settings["pipe_parallel_size"] or 0) > 1:
+        # the router statistics travel between stages after the hidden states and need a gradient back;
+        # DeepSpeed's partitioned sends split only the first tensor over the tensor-parallel ranks and
+        # assert that nothing after it needs one
+        config["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if settings["fp32_allreduce"]:
         # GPT-NeoX's DeepSpeed had an fp32_allreduce key; today's DeepSpeed says it this way
         if settings["communication_data_type"] not in (None, "fp32"):

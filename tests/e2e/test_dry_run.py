@@ -230,43 +230,24 @@ def test_dry_run_refuses_a_train_script_that_is_not_there(tmp_path, capsys):
     assert "train script 'no_such_script.py' not found" in capsys.readouterr().err
 
 
-def test_gpt_neox_125m_dmoe_recipe_is_refused_at_its_rank_count_only_for_the_pipeline(
-        tmp_path, tokenizer_json, capsys, monkeypatch):
+def test_gpt_neox_125m_dmoe_recipe_passes_the_dry_run_at_its_rank_count(tmp_path, tokenizer_json, capsys, monkeypatch):
     """GPT-NeoX's configs/125M-dmoe.yml, unchanged: 8 experts in every layer behind GPT-NeoX's default router
-    (sinkhorn), bf16, ZeRO-0. At its 4 ranks (2 pipeline stages x 2 tensor-parallel) it is refused in one line
-<<<<<<< HEAD
-    for what is not built: experts with a pipeline (its experts split over the 2 tensor-parallel ranks are).
-    The same recipe without the pipeline, its experts 4 per tensor-parallel rank, is accepted. The user's overlay gives the tokenizer and data, as
-    GPT-NeoX's local_setup.yml does."""
-=======
-    for what is not built: experts split over tensor-parallel ranks. With model_parallel_size 1 its 2 pipeline
-    stages, experts in both, are accepted on the same 4 ranks (2 data-parallel). The user's overlay gives the
-    tokenizer and data, as GPT-NeoX's local_setup.yml does."""
->>>>>>> moe-pipeline
+    (sinkhorn), bf16, ZeRO-0, at its 4 ranks: 2 pipeline stages x 2 tensor-parallel ranks, each holding 4 of
+    every layer's experts. The DeepSpeed config sends the router statistics between stages whole (partitioned
+    sends cannot carry a second tensor that needs a gradient). The user's overlay gives the tokenizer and data,
+    as GPT-NeoX's local_setup.yml does."""
     recipe = REPO_ROOT / "tests" / "fixtures" / "gpt_neox" / "configs" / "125M-dmoe.yml"
     local = write_yaml(tmp_path, "local.yml", {"vocab_file": str(tokenizer_json), "tokenizer_type": "HFTokenizer",
                                                "data_path": "data/enwik8_text_document", "num_gpus": 4})
     monkeypatch.chdir(tmp_path)
-    assert deepy.main([RANK_ECHO, str(recipe), str(local), "--dry-run"]) == 2
-    refusal = capsys.readouterr().err.strip().splitlines()
-<<<<<<< HEAD
-    assert refusal == [f"deepy.py: config error: {recipe}: pipe_parallel_size: mixture of experts runs so far "
-                       "without a pipeline; set pipe_parallel_size to 0 or 1"]
-    flat = write_yaml(tmp_path, "flat.yml", {"pipe_parallel_size": 1})
-    write_data_named_by([recipe, local, flat], tmp_path)
-    report, args = dry_run([recipe, local, flat], capsys)
-    assert (args.global_num_gpus, args.model_parallel_size, args.data_parallel_size) == (4, 2, 2)
-=======
-    assert refusal == [f"deepy.py: config error: {recipe}: model_parallel_size: mixture of experts runs so far on one "
-                       "tensor-parallel rank (experts split over ranks are not built yet); set model_parallel_size: 1"]
-    one_rank_experts = write_yaml(tmp_path, "experts-whole.yml", {"model_parallel_size": 1})
-    write_data_named_by([recipe, local, one_rank_experts], tmp_path)
-    report, args = dry_run([recipe, local, one_rank_experts], capsys)
-    assert (args.global_num_gpus, args.pipe_parallel_size, args.data_parallel_size) == (4, 2, 2)
->>>>>>> moe-pipeline
+    write_data_named_by([recipe, local], tmp_path)
+    report, args = dry_run([recipe, local], capsys)
+    assert (args.global_num_gpus, args.pipe_parallel_size, args.model_parallel_size, args.data_parallel_size) == (
+        4, 2, 2, 1)
     assert (args.precision, args.zero_stage) == ("bf16", 0)
     assert (args.moe_num_experts, args.moe_router_type, args.moe_top_k, args.moe_expert_interval) == (8, "sinkhorn", 1, 1)
-    assert report["deepspeed_config"]["train_batch_size"] == 4 * 2
+    assert report["deepspeed_config"]["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False}
+    assert report["deepspeed_config"]["train_batch_size"] == 4
 
 
 def test_gpt_neox_20b_recipe_passes_the_dry_run_at_its_rank_count(tmp_path, tokenizer_json, capsys, fp16_capable_cpu,

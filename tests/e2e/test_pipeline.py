@@ -143,7 +143,8 @@ def test_a_pipelined_mixture_of_experts_trains_as_one_module_reports_every_stage
     """2 stages, experts in every layer: the log line and TensorBoard (written by the first stage's rank) carry
     every layer's expert load, the last stage's layers' too, and the load-balancing loss in the loss; the
     validation line its metrics. The same run without a pipeline takes the same 4 steps (lines and expert loads;
-    measured: equal to the line's digits), and a resume from step 2 the same steps 3 and 4."""
+    measured: equal to the line's digits), and a resume from step 2 the same steps 3 and 4; so do 2 stages of 2
+    tensor-parallel ranks with the experts split over them, in their first 2 steps."""
     save = tmp_path / "ckpt"
     overrides = write_overrides(tmp_path, save=str(save), train_iters=4, checkpoint_factor=2,
                                 tensorboard_dir=str(tmp_path / "tb"), **PIPE, **EXPERTS)
@@ -175,3 +176,9 @@ def test_a_pipelined_mixture_of_experts_trains_as_one_module_reports_every_stage
     resumed = write_overrides(tmp_path, name="resume.yml", save=str(tmp_path / "resumed"), load=str(save),
                               iteration=2, train_iters=4, checkpoint_factor=2, **PIPE, **EXPERTS)
     assert expert_lines(run_deepy(["configs/tiny.yml", resumed]).stdout) == lines[2:]
+
+    # GPT-NeoX's 125M-dmoe shape: 2 stages of 2 tensor-parallel ranks, each rank holding 2 of every layer's 4
+    # experts; the statistics cross the stages whole (DeepSpeed's partitioned sends would refuse them)
+    split = write_overrides(tmp_path, name="split.yml", train_iters=2,
+                            **{**PIPE, "num_gpus": 4, "model_parallel_size": 2}, **EXPERTS)
+    assert expert_lines(run_deepy(["configs/tiny.yml", split]).stdout) == pytest.approx(flat_lines[:2], abs=2e-4)
