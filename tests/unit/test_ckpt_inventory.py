@@ -211,3 +211,20 @@ def test_saved_layout_without_a_recorded_data_parallel_size_counts_up_to_the_hig
     # the settings say 2 tensor-parallel ranks, though only mp_rank_00 is there: read as 2, the missing file named later
     assert layout == SavedLayout(source_format=FORMAT_DEEPSPEED, tensor_parallel=2, pipeline_stages=1,
                                  data_parallel=4, zero_stage=1, precision="bf16")
+
+
+@pytest.mark.parametrize(("record", "problem"), [
+    ({"source": "/models/llama", "tag": None}, "has no 'checksum'"),
+    ({"source": "/models/llama", "tag": 3, "checksum": "0123456789abcdef"}, "has a 'tag' that is not text"),
+    ("/models/llama", "is not a mapping"),
+])
+def test_a_malformed_lora_base_record_is_refused_in_one_line_naming_the_tag(tmp_path, record, problem):
+    tag_dir = tmp_path / "global_step2"
+    tag_dir.mkdir()
+    torch.save({"module": {}, "iteration": 2, "lora_base": record}, tag_dir / "mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError) as caught:
+        inventory_checkpoint(tmp_path).tags["global_step2"].saved_layout
+    message = str(caught.value)
+    assert message.startswith(f"{tag_dir}: its record of the base model under its LoRA adapters (client state "
+                              f"'lora_base') {problem}, so the adapters cannot be checked")
+    assert "iteration: N" in message and "\n" not in message
