@@ -223,7 +223,7 @@ def test_a_malformed_lora_base_record_is_refused_in_one_line_naming_the_tag(tmp_
     tag_dir.mkdir()
     torch.save({"module": {}, "iteration": 2, "lora_base": record}, tag_dir / "mp_rank_00_model_states.pt")
     with pytest.raises(CheckpointError) as caught:
-        inventory_checkpoint(tmp_path).tags["global_step2"].saved_layout
+        _ = inventory_checkpoint(tmp_path).tags["global_step2"].saved_layout
     message = str(caught.value)
     assert message.startswith(f"{tag_dir}: its record of the base model under its LoRA adapters (client state "
                               f"'lora_base') {problem}, so the adapters cannot be checked")
