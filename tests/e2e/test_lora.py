@@ -194,10 +194,11 @@ def test_a_two_stage_lora_finetune_is_the_one_module_run_saves_every_stage_and_r
     layer file that is missing or lacks its adapters is refused, naming the file."""
     hf_dir = save_llama(tmp_path / "hf")
     run = dict(load=str(hf_dir), train_iters=4, checkpoint_factor=2, gradient_accumulation_steps=2,
-               train_micro_batch_size_per_gpu=2, num_workers=0, **RUN, **PEFT_LORA)
+               train_micro_batch_size_per_gpu=2, **RUN, **PEFT_LORA)  # 2 data-loader workers: they must end
     piped = dict(num_gpus=2, pipe_parallel_size=2)
     one = run_deepy([write_overrides(tmp_path, name="one.yml", save=str(tmp_path / "one"), **run)])
-    two = run_deepy([write_overrides(tmp_path, name="two.yml", save=str(tmp_path / "two"), **run, **piped)])
+    two = run_deepy([write_overrides(tmp_path, name="two.yml", save=str(tmp_path / "two"), **run, **piped)],
+                    timeout=180)
     assert "x 2 pipeline stages" in two.stdout and "of them train (LoRA adapters" in two.stdout
     losses = [(line.iteration, line.loss) for line in train_lines(two.stdout)]
     assert losses == [(line.iteration, line.loss) for line in train_lines(one.stdout)]
