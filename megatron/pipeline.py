@@ -36,7 +36,8 @@ def build_pipeline_engine(args, ds_config: dict):
 
     from megatron.optimizers import build_param_groups
 
-    module = build_pipeline_model(args.architecture(), args.seed, args.pipe_parallel_size, args.pipe_partition_method)
+    module = build_pipeline_model(args.architecture(), args.seed, args.pipe_parallel_size, args.pipe_partition_method,
+                                  args.lora())
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=build_param_groups(module, args.weight_decay),
                                            config=ds_config)
     return engine

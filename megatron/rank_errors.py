@@ -124,6 +124,9 @@ def run_rank(main: Callable[[], object]) -> int:
             raise
         _report(line)
         return EXIT_EXPECTED_ERROR
+    # DeepSpeed's pipe engine keeps the last data iterator it was given, so its data-loader workers outlive
+    # `main` and would hold up the exit as above
+    end_child_processes()
     from megatron.initialize import leave_process_group
 
     leave_process_group()

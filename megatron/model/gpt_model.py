@@ -130,7 +130,7 @@ class GPTModel(torch.nn.Module):
     def initialise_weights(self) -> None:
         """Draw every weight from the current RNG state (init_methods.initialise_parameters)."""
         initialise_parameters(self, self.arch, *_init_methods(self.arch), tensor_parallel_rank(), tensor_parallel_size())
-        initialise_adapters(self)  # after the base: its draws are those of the same model without adapters
+        initialise_adapters(self, self.arch)  # after the base: its draws are those of the same model without adapters
 
     @property
     def embedding(self) -> Embedding:

@@ -138,41 +138,46 @@ def _rows_of_parts(arch: Architecture, size: int) -> dict[str, torch.Tensor]:
 def add_adapters(model: torch.nn.Module, lora: LoraSettings) -> None:
     """Give each transformer layer of ``model`` (a GPTModel) the adapters ``lora`` targets and freeze the rest."""
     model.requires_grad_(False)
-    arch, size = model.arch, tensor_parallel_size()
-    rows_of_part = _rows_of_parts(arch, size)
-    by_linear: dict[str, dict[str, str | None]] = defaultdict(dict)
-    for name, target in lora.targets().items():
-        by_linear[target.linear][name] = target.part
     for layer in model.layers:
-        for linear_name, parts in by_linear.items():
-            linear = layer.get_submodule(linear_name)
-            out_features, in_features = local_shape(linear.weight)
-            adapters = {}
-            for name, part in parts.items():
-                rows = None if part is None else rows_of_part[part]
-                width = out_features if rows is None else len(rows)
-                adapter = LoraAdapter(in_features, width, lora.rank, lora.dropout, rows,
-                                      isinstance(linear, RowParallelLinear))
-                if part in ("key", "value") and arch.num_kv_heads < size:
-                    shared_head = tensor_parallel_rank() * arch.num_kv_heads // size
-                    adapter.lora_B.register_hook(partial(sum_over_ranks_sharing_a_slot, slot=shared_head,
-                                                         slots=arch.num_kv_heads))
-                adapters[name] = adapter
-            linear.lora = LinearAdapters(adapters, lora.scaling)
-            linear.register_forward_hook(_add_adapter_output)
+        add_layer_adapters(layer, model.arch, lora)
     if model.arch.reward_head:
         model.reward_head.requires_grad_(True)
 
 
-def initialise_adapters(model: torch.nn.Module) -> None:
-    """Draw every adapter's weights as PEFT does (LoraLayer.reset_lora_parameters with init_lora_weights True:
-    A kaiming-uniform, B zero), in registration order from the current RNG state, each whole as at
-    tensor-parallel size 1; this rank keeps its part."""
+def add_layer_adapters(layer: torch.nn.Module, arch: Architecture, lora: LoraSettings) -> None:
+    """Give one transformer layer the adapters ``lora`` targets (they train; the caller freezes the base)."""
+    size = tensor_parallel_size()
+    rows_of_part = _rows_of_parts(arch, size)
+    by_linear: dict[str, dict[str, str | None]] = defaultdict(dict)
+    for name, target in lora.targets().items():
+        by_linear[target.linear][name] = target.part
+    for linear_name, parts in by_linear.items():
+        linear = layer.get_submodule(linear_name)
+        out_features, in_features = local_shape(linear.weight)
+        adapters = {}
+        for name, part in parts.items():
+            rows = None if part is None else rows_of_part[part]
+            width = out_features if rows is None else len(rows)
+            adapter = LoraAdapter(in_features, width, lora.rank, lora.dropout, rows,
+                                  isinstance(linear, RowParallelLinear))
+            if part in ("key", "value") and arch.num_kv_heads < size:
+                shared_head = tensor_parallel_rank() * arch.num_kv_heads // size
+                adapter.lora_B.register_hook(partial(sum_over_ranks_sharing_a_slot, slot=shared_head,
+                                                     slots=arch.num_kv_heads))
+            adapters[name] = adapter
+        linear.lora = LinearAdapters(adapters, lora.scaling)
+        linear.register_forward_hook(_add_adapter_output)
+
+
+def initialise_adapters(model: torch.nn.Module, arch: Architecture) -> None:
+    """Draw every adapter's weights in ``model`` (a GPTModel or one of its layers) as PEFT does
+    (LoraLayer.reset_lora_parameters with init_lora_weights True: A kaiming-uniform, B zero), in registration
+    order from the current RNG state, each whole as at tensor-parallel size 1; this rank keeps its part."""
     rank, size = tensor_parallel_rank(), tensor_parallel_size()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".lora_A"):
-                p = partitioning(name, model.arch)
+                p = partitioning(name, arch)
                 whole = torch.empty(full_shape(local_shape(param), p, size), dtype=torch.float32)
                 torch.nn.init.kaiming_uniform_(whole, a=math.sqrt(5))
                 set_value(param, partition(whole, p, rank, size))

@@ -19,7 +19,9 @@ stage computes the load-balancing loss over every expert layer, as one module do
 every stage's routers with the statistics'), and the expert load of every layer, whichever stage holds it.
 Each stage draws the weights of exactly the layers it holds from the same
 stream of random numbers as ``build_model`` (the layers before its own are drawn and dropped), so
-the model is the same function at every pipeline size.
+the model is the same function at every pipeline size. With LoRA adapters (megatron/model/lora.py) each
+held transformer layer gets its adapters and the rest is frozen; ``build_model`` draws the adapters after
+the whole base, so a stage then draws the whole base's stream before the adapters up to its own.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from megatron.architecture import Architecture
+from megatron.lora_settings import LoraSettings
 from megatron.model.embedding import Embedding
 from megatron.model.gpt_model import FinalNorm, OutputLayer, _init_methods
 from megatron.model.init_methods import initialise_parameters
+from megatron.model.lora import add_layer_adapters, initialise_adapters
 from megatron.model.loss import causal_lm_loss
 from megatron.model.moe import Routing, load_balancing_loss_of_sums, load_balancing_sums
 from megatron.model.parallel_layers import copy_to_tensor_parallel_region
@@ -218,16 +222,24 @@ def pipeline_topology(pipe_parallel_size: int):
     return topology
 
 
-def build_pipeline_model(arch: Architecture, seed: int, pipe_parallel_size: int, partition_method: str):
-    """This rank's stage of the model as a DeepSpeed PipelineModule, its weights those ``build_model(arch, seed)`` draws."""
+def build_pipeline_model(arch: Architecture, seed: int, pipe_parallel_size: int, partition_method: str,
+                         lora: LoraSettings | None = None):
+    """This rank's stage of the model as a DeepSpeed PipelineModule, its weights those ``build_model(arch, seed,
+    lora=lora)`` draws."""
     from deepspeed.pipe import PipelineModule
 
     specs = layer_specs(arch)
     module = PipelineModule(layers=specs, loss_fn=PipelineLoss(arch), topology=pipeline_topology(pipe_parallel_size),
                             partition_method=partition_method, activation_checkpoint_interval=0)
+    if lora is not None:
+        module.requires_grad_(False)
+        for position, spec in enumerate(specs):
+            layer = local_layer(module, spec, position)
+            if isinstance(layer, TransformerLayerPipe):
+                add_layer_adapters(layer, arch, lora)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        _draw_stage_weights(module, specs, arch)
+        _draw_stage_weights(module, specs, arch, lora)
     return module
 
 
@@ -242,19 +254,29 @@ def local_layer(module, spec, position: int) -> torch.nn.Module | None:
     return dict(module.named_children()).get(str(position))
 
 
-def _draw_stage_weights(module, specs: list, arch: Architecture) -> None:
+def _draw_stage_weights(module, specs: list, arch: Architecture, lora: LoraSettings | None) -> None:
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     init_method, output_init_method = _init_methods(arch)
+    own_end = module.parts[module.stage_id + 1]
     # The layers up to this stage's last, in build_model's order; the last stage holds the tied embedding
-    # too, and draws it at position 0 like the first.
-    for position, spec in enumerate(specs[:module.parts[module.stage_id + 1]]):
+    # too, and draws it at position 0 like the first. Adapters come after the whole base in build_model.
+    for position, spec in enumerate(specs[:own_end if lora is None else len(specs)]):
         if not isinstance(spec, LayerSpec) or (isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None):
             continue
         layer = local_layer(module, spec, position)
         drawn = layer if layer is not None else spec.build()  # another stage's: drawn to keep the stream, dropped
         initialise_parameters(drawn, arch, init_method, output_init_method, tensor_parallel_rank(),
                               tensor_parallel_size())
+    if lora is None:
+        return
+    for position, spec in enumerate(specs[:own_end]):
+        if isinstance(spec, LayerSpec) and spec.typename is TransformerLayerPipe:
+            layer = local_layer(module, spec, position)
+            if layer is None:  # another stage's: its adapters drawn to keep the stream, dropped
+                layer = spec.build()
+                add_layer_adapters(layer, arch, lora)
+            initialise_adapters(layer, arch)
 
 
 def gpt_model_name(pipe_name: str) -> str:

@@ -546,12 +546,9 @@ def _check_lora(v: dict[str, Any], sources: dict[str, str]) -> None:
         target_modules_of(v["lora_target_modules"], gpt_neox_shaped(v["norm"], v["activation"]))
     except ModelConfigError as err:
         raise _fail(sources, "lora_target_modules", str(err)) from None
-    not_yet = {"pipe_parallel_size": (v["pipe_parallel_size"] or 0) > 1,
-               "moe_num_experts": (v["moe_num_experts"] or 1) > 1}
-    for name, unsupported in not_yet.items():
-        if unsupported:
-            raise _fail(sources, name, "LoRA (lora_rank > 0) runs so far without a pipeline and without experts; "
-                                       "change this or set lora_rank: 0")
+    if (v["moe_num_experts"] or 1) > 1:
+        raise _fail(sources, "moe_num_experts", "LoRA (lora_rank > 0) runs so far without experts; set "
+                                                "moe_num_experts to 1 or lora_rank: 0")
 
 
 def _check_reward_model(v: dict[str, Any], sources: dict[str, str]) -> None:

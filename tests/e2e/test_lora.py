@@ -8,11 +8,15 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from megatron.checkpointing import inventory_checkpoint, load_file_weights_only, read_module_weights
+from megatron.checkpointing import inventory_checkpoint, layout, load_file_weights_only, read_module_weights
+from megatron.hf.convert import convert_neox_to_hf
+from megatron.hf.peft import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 from tests.deepy_runs import TRAIN_LINE, run_deepy, train_lines, write_overrides
 from tests.e2e.test_hf_conversion import run_tool
-from tests.e2e.test_lora_peft import export, hf_logits, our_logits, tokens
+from tests.e2e.test_lora_peft import LORA as PEFT_LORA
+from tests.e2e.test_lora_peft import RUN, export, hf_logits, our_logits, save_llama, tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -98,7 +102,7 @@ def test_a_lora_finetune_saves_adapter_only_tags_that_resume_bit_identically(bas
                         expect_success=False)
     output = refused.stdout + refused.stderr
     assert refused.returncode != 0 and TRAIN_LINE.search(output) is None
-    assert f"{saved / 'global_step2' / 'mp_rank_00_model_states.pt'}, an adapter-only tag over the base" in output
+    assert f"{saved / 'global_step2' / 'mp_rank_00_model_states.pt'}, of an adapter-only tag over the base" in output
     assert "lacks 16 of the model's trainable parameters" in output and "Traceback" not in output
 
 
@@ -179,3 +183,65 @@ def test_a_tp2_zero3_lora_finetune_of_a_hugging_face_llama_resumes_with_the_same
     with torch.no_grad():
         theirs = loaded(input_ids=tokens()).logits
     torch.testing.assert_close(theirs, our_logits(tag, tokens()), atol=1e-5, rtol=0)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_two_stage_lora_finetune_is_the_one_module_run_saves_every_stage_and_resumes(tmp_path):
+    """pipe_parallel_size 2 (one Llama layer per stage) against the same fine-tune of a Hugging Face folder without
+    a pipeline: the same losses; the adapter-only tag holds every stage's adapters in its layer files, equal to the
+    one-module tag's, and so is its PEFT export; a full resume of it takes the unbroken run's steps 3 and 4; a
+    layer file that is missing or lacks its adapters is refused, naming the file."""
+    hf_dir = save_llama(tmp_path / "hf")
+    run = dict(load=str(hf_dir), train_iters=4, checkpoint_factor=2, gradient_accumulation_steps=2,
+               train_micro_batch_size_per_gpu=2, **RUN, **PEFT_LORA)  # 2 data-loader workers: they must end
+    piped = dict(num_gpus=2, pipe_parallel_size=2)
+    one = run_deepy([write_overrides(tmp_path, name="one.yml", save=str(tmp_path / "one"), **run)])
+    two = run_deepy([write_overrides(tmp_path, name="two.yml", save=str(tmp_path / "two"), **run, **piped)],
+                    timeout=180)
+    assert "x 2 pipeline stages" in two.stdout and "of them train (LoRA adapters" in two.stdout
+    losses = [(line.iteration, line.loss) for line in train_lines(two.stdout)]
+    assert losses == [(line.iteration, line.loss) for line in train_lines(one.stdout)]
+
+    tag = tmp_path / "two" / "global_step2"
+    for position in (2, 3):  # each stage's transformer layer: its adapters alone
+        layer = load_file_weights_only(tag / layout.layer_file_name(position, 0), mmap=False)
+        assert len(layer) == 14 and all(".lora." in name for name in layer), f"layer {position}: {sorted(layer)}"
+    adapters, unpiped = read_module_weights(tag), read_module_weights(tmp_path / "one" / "global_step2")
+    assert adapters.keys() == unpiped.keys() and all(torch.equal(adapters[k], unpiped[k]) for k in unpiped)
+    for name in ("one", "two"):
+        convert_neox_to_hf(tmp_path / name, tmp_path / f"peft-{name}", tag="global_step2", peft=True)
+    exported = [load_file(tmp_path / f"peft-{name}" / ADAPTER_WEIGHTS_NAME) for name in ("one", "two")]
+    assert len(exported[0]) == 28 and exported[0].keys() == exported[1].keys()
+    assert all(torch.equal(exported[0][key], exported[1][key]) for key in exported[0])
+    configs = [json.loads((tmp_path / f"peft-{name}" / ADAPTER_CONFIG_NAME).read_text()) for name in ("one", "two")]
+    assert configs[0] == configs[1] and configs[1]["base_model_name_or_path"] == str(hf_dir)
+
+    resume = {**run, "finetune": False, "load": str(tmp_path / "two"), "iteration": 2}
+    resumed = run_deepy([write_overrides(tmp_path, name="resume.yml", save=str(tmp_path / "resumed"), **resume,
+                                         **piped)])
+    assert f"LoRA adapters only, over the base {hf_dir}" in resumed.stdout
+    assert [(line.iteration, line.loss) for line in train_lines(resumed.stdout)] == losses[2:]
+
+    # written by another program (no manifest): stage 1's layer without its As; stage 0's empty embedding file gone
+    damaged = tmp_path / "damaged" / "global_step2"
+    shutil.copytree(tag, damaged)
+    (damaged / "manifest.json").unlink()
+    layer_3 = damaged / layout.layer_file_name(3, 0)
+    torch.save({name: value for name, value in load_file_weights_only(layer_3, mmap=False).items()
+                if not name.endswith("lora_A")}, layer_3)
+    lacking = _refused(tmp_path, "lacking.yml", resume, piped, damaged)
+    assert f"{layer_3}, of an adapter-only tag over the base {hf_dir}, lacks 7 of the model's trainable" in lacking
+    shutil.copy(tag / layout.layer_file_name(3, 0), layer_3)
+    (damaged / layout.layer_file_name(0, 0)).unlink()
+    missing = _refused(tmp_path, "missing.yml", resume, piped, damaged)
+    assert f"{damaged / layout.layer_file_name(0, 0)} is missing from {damaged}: DeepSpeed's pipe engine" in missing
+
+
+def _refused(tmp_path, name: str, resume: dict, piped: dict, tag_dir) -> str:
+    """The output of a resume of ``tag_dir`` that stops before its first step without a traceback."""
+    result = run_deepy([write_overrides(tmp_path, name=name, save=str(tmp_path / "refused"),
+                                        **{**resume, "load": str(tag_dir.parent)}, **piped)], expect_success=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and TRAIN_LINE.search(output) is None and "Traceback" not in output, output[-3000:]
+    return output

@@ -181,13 +181,21 @@ def test_a_run_starts_from_the_peft_folder_over_its_base_and_records_it(lora_run
     hf_dir, tag_dir = lora_run
     adapter = tmp_path / "adapter"
     assert export(tag_dir.parent, adapter, "--peft").returncode == 0
-    result = run_deepy([write_overrides(tmp_path, load=str(adapter), save=str(tmp_path / "next"), train_iters=1,
+    result = run_deepy([write_overrides(tmp_path, load=str(adapter), save=str(tmp_path / "next"), train_iters=2,
                                         checkpoint_factor=1, **RUN)])  # no lora_* setting: the folder's
     assert f"LoRA adapters of PEFT's folder {adapter} over their base model {hf_dir}, both loaded" in result.stdout
-    assert [line.iteration for line in train_lines(result.stdout)] == [1]
+    unbroken = [(line.iteration, line.loss) for line in train_lines(result.stdout)]
+    assert [iteration for iteration, _ in unbroken] == [1, 2]
     saved = stored_client_state(tmp_path / "next" / "global_step1")
     assert {name: saved["args"][name] for name in ("lora_rank", "lora_alpha")} == {"lora_rank": 4, "lora_alpha": 12.0}
     # adapter-only over the base folder the adapters name, which a PEFT export of this run names again
     assert inventory_checkpoint(tmp_path / "next").tags["global_step1"].saved_layout.adapters_only
     assert {key: saved["lora_base"][key] for key in ("source", "tag", "hf_folder")} == \
         {"source": str(hf_dir), "tag": None, "hf_folder": str(hf_dir)}
+
+    # a full resume of its step-1 tag (the adapters over the base folder it records) takes the unbroken step 2
+    resumed = run_deepy([write_overrides(tmp_path, name="resume.yml", load=str(tmp_path / "next"), iteration=1,
+                                         save=str(tmp_path / "resumed"), train_iters=2, checkpoint_factor=2,
+                                         **{**RUN, "finetune": False}, **LORA)])
+    assert f"LoRA adapters only, over the base {hf_dir}" in resumed.stdout
+    assert [(line.iteration, line.loss) for line in train_lines(resumed.stdout)] == unbroken[1:]

@@ -24,8 +24,9 @@ def test_what_is_written_reads_back():
 
 def test_a_lora_base_reads_back_and_one_recorded_without_its_hugging_face_folder_reads():
     base = LoraBase("/runs/base", "global_step2", "0123456789abcdef", "/models/llama")
-    assert LoraBase.from_dict(base.to_dict()) == base and set(base.to_dict()) == {"source", "tag", "checksum", "hf_folder"}
-    without = LoraBase.from_dict({"source": "/runs/base", "tag": "global_step2", "checksum": "0123456789abcdef"})
+    assert LoraBase.from_dict(base.to_dict(), "tag") == base and set(base.to_dict()) == {"source", "tag", "checksum", "hf_folder"}
+    without = LoraBase.from_dict({"source": "/runs/base", "tag": "global_step2", "checksum": "0123456789abcdef"},
+                                 "tag")
     assert without.hf_folder is None and without.path.as_posix() == "/runs/base/global_step2"
 
 

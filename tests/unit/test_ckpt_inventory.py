@@ -254,3 +254,20 @@ def test_a_checkpoint_that_lost_experts_is_refused_naming_them_and_the_file(tmp_
     with pytest.raises(CheckpointError) as refused:
         read_this_ranks_module_weights(tag_dir, saved_tp, arch)
     assert expected in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(("record", "problem"), [
+    ({"source": "/models/llama", "tag": None}, "has no 'checksum'"),
+    ({"source": "/models/llama", "tag": 3, "checksum": "0123456789abcdef"}, "has a 'tag' that is not text"),
+    ("/models/llama", "is not a mapping"),
+])
+def test_a_malformed_lora_base_record_is_refused_in_one_line_naming_the_tag(tmp_path, record, problem):
+    tag_dir = tmp_path / "global_step2"
+    tag_dir.mkdir()
+    torch.save({"module": {}, "iteration": 2, "lora_base": record}, tag_dir / "mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError) as caught:
+        _ = inventory_checkpoint(tmp_path).tags["global_step2"].saved_layout
+    message = str(caught.value)
+    assert message.startswith(f"{tag_dir}: its record of the base model under its LoRA adapters (client state "
+                              f"'lora_base') {problem}, so the adapters cannot be checked")
+    assert "iteration: N" in message and "\n" not in message

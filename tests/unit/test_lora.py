@@ -226,7 +226,6 @@ def test_bf16_keeps_fp32_masters_of_the_adapters_alone(stage):
     ({"lora_target_modules": []}, "an empty list names no linear module"),
     ({"lora_alpha": 0}, "lora_alpha: must be positive"),
     ({"lora_dropout": 1.0}, "lora_dropout: must be in [0, 1)"),
-    ({"pipe_parallel_size": 2, "num_gpus": 2}, "pipe_parallel_size: LoRA (lora_rank > 0) runs so far without a pipeline"),
 ])
 def test_bad_lora_settings_get_one_line(settings, message):
     with pytest.raises(ConfigError) as caught:

@@ -17,17 +17,20 @@ and their optimizer states from the tag (which holds nothing else of the module)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.ondisk import layout
 from megatron.checkpointing.ondisk.client_state import ClientState
 from megatron.checkpointing.ondisk.identity import LoraBase
+from megatron.checkpointing.ondisk.inventory import FORMAT_PIPELINE
 from megatron.checkpointing.ondisk.rng import restore_rng_states
 from megatron.checkpointing.ondisk.verified_files import checkpoint_file_problem, checks_beside_use
 from megatron.checkpointing.planning.lineage import Lineage
 from megatron.checkpointing.planning.plan import ADAPTERS, LM_HEAD, REWARD_HEAD, LoadPlan
 from megatron.collective import reported_by_ranks
-from megatron.ranks import global_rank, rank_and_world, tensor_parallel_rank
+from megatron.ranks import global_rank, rank_and_world, tensor_parallel_rank, tensor_parallel_size
 
 if TYPE_CHECKING:  # module_load imports DeepSpeed's ZeRO internals; loaded only when a load needs it
     from megatron.checkpointing.loading.module_load import ModuleLoadReport
@@ -56,14 +59,19 @@ def _logger():
     return get_logger()
 
 
-def _module_weights(plan: LoadPlan, engine):
-    """This rank's weights, named as the engine's module names them: a pipeline stage takes its own layers."""
+def _is_stage(module) -> bool:
+    """``module`` is a pipeline stage (DeepSpeed's PipelineModule, megatron/model/pipeline.py)."""
     from deepspeed.pipe import PipelineModule
 
+    return isinstance(module, PipelineModule)
+
+
+def _module_weights(plan: LoadPlan, engine):
+    """This rank's weights, named as the engine's module names them: a pipeline stage takes its own layers."""
     from megatron.model.pipeline import stage_weights
 
     weights = _weights_read(plan, engine)
-    return stage_weights(engine.module, weights) if isinstance(engine.module, PipelineModule) else weights
+    return stage_weights(engine.module, weights) if _is_stage(engine.module) else weights
 
 
 def _weights_read(plan: LoadPlan, engine) -> dict:
@@ -88,17 +96,55 @@ def _weights_read(plan: LoadPlan, engine) -> dict:
 
 
 def _check_adapters(plan: LoadPlan, engine, weights: dict) -> None:
-    """An adapter-only tag holds every parameter of the model that trains and none that is frozen."""
-    trains = {name for name, param in engine.module.named_parameters() if param.requires_grad}
+    """An adapter-only tag holds every parameter of the model that trains (a pipeline stage's: of its layers) and
+    none that is frozen."""
+    trains, frozen = set(), set()
+    for name, param in _named_parameters(engine.module):
+        (trains if param.requires_grad else frozen).add(name)
     missing = sorted(trains - set(weights))
-    frozen = sorted(set(weights) & {name for name, param in engine.module.named_parameters() if not param.requires_grad})
-    if missing or frozen:
-        files = ", ".join(str(path) for path in plan.tag_inventory.model_states_files.values())
-        problem = (f"lacks {len(missing)} of the model's trainable parameters ({', '.join(missing[:3])}, ...): an "
-                   "incomplete save or other lora_* settings than the run that saved it" if missing else
-                   f"holds frozen base weights ({', '.join(frozen[:3])}, ...) beside the adapters")
-        raise CheckpointError(f"{files}, an adapter-only tag over the base {plan.base.tag_dir or plan.base.load_dir}, "
-                              f"{problem}. Load another tag with `iteration: N`, or check the lora_* settings.")
+    held_frozen = sorted(set(weights) & frozen)
+    if not (missing or held_frozen):
+        return
+    tag = plan.tag_inventory
+    if tag.format == FORMAT_PIPELINE:  # each layer's adapters are in its own layer file
+        files = sorted({_layer_file(tag, name) for name in missing or held_frozen})
+    else:
+        files = list(tag.model_states_files.values())
+    absent = [path for path in files if not path.exists()]
+    problem = ("is missing" if absent else
+               f"lacks {len(missing)} of the model's trainable parameters ({', '.join(missing[:3])}, ...): an "
+               "incomplete save or other lora_* settings than the run that saved it" if missing else
+               f"holds frozen base weights ({', '.join(held_frozen[:3])}, ...) beside the adapters")
+    raise CheckpointError(f"{', '.join(map(str, absent or files))}, of an adapter-only tag over the base "
+                          f"{plan.base.tag_dir or plan.base.load_dir}, {problem}. Load another tag with "
+                          "`iteration: N`, or check the lora_* settings.")
+
+
+def _named_parameters(module):
+    """``module``'s parameters under GPTModel's names (a pipeline stage's under its layers' positions)."""
+    from megatron.model.pipeline import gpt_model_name
+
+    stage = _is_stage(module)
+    return ((gpt_model_name(name) if stage else name, param) for name, param in module.named_parameters())
+
+
+def _layer_file(tag, name: str):
+    """The layer file of this tensor-parallel rank that holds GPTModel's parameter ``name`` in a pipeline tag."""
+    saved_tp = tag.saved_layout.tensor_parallel
+    mp = tensor_parallel_rank() if saved_tp == tensor_parallel_size() else 0
+    return tag.path / layout.layer_file_name(int(name.split(".")[1]), mp)
+
+
+def _check_stage_layer_files(plan: LoadPlan, engine) -> None:
+    """DeepSpeed's pipe engine reads the layer file of every layer this stage holds, and fails on a missing one
+    without naming it."""
+    module = engine.module
+    for index, layer in enumerate(module.forward_funcs):
+        path = Path(module.ckpt_layer_path(str(plan.tag_dir), index))
+        if hasattr(layer, "load_state_dict") and not path.exists():
+            raise CheckpointError(f"{path} is missing from {plan.tag_dir}: DeepSpeed's pipe engine resumes each "
+                                  "layer of a stage from its layer file. Restore it, or load another tag with "
+                                  "`iteration: N`.")
 
 
 def _check_names_for_resume(plan: LoadPlan, engine) -> None:
@@ -144,6 +190,8 @@ def _resume(engine, plan: LoadPlan) -> ClientState:
     from megatron.optimizers import replay_cpu_adam_step_count
 
     _check_names_for_resume(plan, engine)
+    if _is_stage(engine.module):
+        _check_stage_layer_files(plan, engine)
     use_weights_only_checkpoint_engine(engine)
     with every_torch_load_weights_only(plan.tag_dir):
         load_path, stored = engine.load_checkpoint(

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.ondisk import manifest
+from megatron.checkpointing.ondisk.client_state import LORA_BASE_KEY
 
 _UNLISTED_FILE_CHECKSUM = "crc32"  # fixed: identities recorded by earlier runs must keep matching
 
@@ -50,10 +52,21 @@ class LoraBase(ReferenceIdentity):
         return {**super().to_dict(), "hf_folder": self.hf_folder}
 
     @classmethod
-    def from_dict(cls, stored: dict[str, Any] | None) -> LoraBase | None:
+    def from_dict(cls, stored: Any, tag_dir: Path) -> LoraBase | None:
+        """The record of ``tag_dir``'s client state; CheckpointError in one line when it is not one."""
         if not stored:
             return None
-        return cls(str(stored["source"]), stored.get("tag"), str(stored["checksum"]), stored.get("hf_folder"))
+        texts, optional = ("source", "checksum"), ("tag", "hf_folder")
+        problem = ("is not a mapping" if not isinstance(stored, Mapping) else
+                   next((f"has no {name!r}" for name in texts if not isinstance(stored.get(name), str)), None) or
+                   next((f"has a {name!r} that is not text" for name in optional
+                         if not isinstance(stored.get(name), (str, type(None)))), None))
+        if problem:
+            raise CheckpointError(
+                f"{tag_dir}: its record of the base model under its LoRA adapters (client state '{LORA_BASE_KEY}') "
+                f"{problem}, so the adapters cannot be checked against their base. Restore the tag from a copy, or load "
+                "another tag with `iteration: N`.")
+        return cls(stored["source"], stored.get("tag"), stored["checksum"], stored.get("hf_folder"))
 
 
 def files_checksum(files: Iterable[Path], root: Path, records: Mapping[str, manifest.FileRecord] | None) -> str:

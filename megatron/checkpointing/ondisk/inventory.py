@@ -214,7 +214,7 @@ class TagInventory:
             data_parallel=int(recorded_dp or (max(self.optimizer_dp_ranks) + 1 if self.optimizer_files else 1)),
             zero_stage=self.metadata.zero_stage if self.metadata else None,
             precision=self.metadata.precision if self.metadata else None,
-            lora_base=LoraBase.from_dict(self.metadata.client_state.lora_base) if self.metadata else None,
+            lora_base=LoraBase.from_dict(self.metadata.client_state.lora_base, self.path) if self.metadata else None,
             experts=int(settings.get("moe_num_experts") or 1),
         )
 
