@@ -19,6 +19,7 @@ from pathlib import Path
 
 from megatron.checkpointing import (
     TRAIN_IMPLS_WITH_REFERENCE,
+    CheckpointError,
     ReferenceIdentity,
     build_load_plan,
     inventory_checkpoint,
@@ -54,8 +55,9 @@ def write_identity(target: str, identity: ReferenceIdentity) -> None:
 def read_identity(target: str) -> ReferenceIdentity | None:
     """The identity recorded beside `target`; None when there is no readable record."""
     try:
-        return ReferenceIdentity.from_dict(json.loads(record_path(target).read_text())["reference_model"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return ReferenceIdentity.from_dict(json.loads(record_path(target).read_text())["reference_model"],
+                                         record_path(target))
+    except (OSError, ValueError, KeyError, TypeError, CheckpointError):
         return None
 
 

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.ondisk.identity import ReferenceIdentity
 from megatron.checkpointing.ondisk.inventory import (
     FORMAT_DEEPSPEED,
     FORMAT_HF,
@@ -270,4 +271,24 @@ def test_a_malformed_lora_base_record_is_refused_in_one_line_naming_the_tag(tmp_
     message = str(caught.value)
     assert message.startswith(f"{tag_dir}: its record of the base model under its LoRA adapters (client state "
                               f"'lora_base') {problem}, so the adapters cannot be checked")
+    assert "iteration: N" in message and "\n" not in message
+
+
+@pytest.mark.parametrize(("record", "problem"), [
+    ({"source": "/runs/sft", "tag": "global_step9"}, "has no 'checksum'"),
+    ({"source": ["/runs/sft"], "checksum": "0123456789abcdef"}, "has no 'source'"),
+    (["/runs/sft", "global_step9"], "is not a mapping"),
+])
+def test_a_malformed_reference_model_record_is_refused_in_one_line_naming_the_tag(tmp_path, record, problem):
+    """What a DPO/KTO resume reads to find its reference (planning.reference.plan_reference): a damaged record is
+    one line, not a KeyError."""
+    tag_dir = tmp_path / "global_step2"
+    tag_dir.mkdir()
+    torch.save({"module": {}, "iteration": 2, "reference_model": record}, tag_dir / "mp_rank_00_model_states.pt")
+    client_state = inventory_checkpoint(tmp_path).tags["global_step2"].metadata.client_state
+    with pytest.raises(CheckpointError) as caught:
+        ReferenceIdentity.from_dict(client_state.reference_model, tag_dir)
+    message = str(caught.value)
+    assert message.startswith(f"{tag_dir}: its record of the reference model (client state 'reference_model') "
+                              f"{problem}, so this run cannot know which model its policy is compared with")
     assert "iteration: N" in message and "\n" not in message

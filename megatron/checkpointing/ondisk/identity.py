@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.ondisk import manifest
-from megatron.checkpointing.ondisk.client_state import LORA_BASE_KEY
+from megatron.checkpointing.ondisk.client_state import LORA_BASE_KEY, REFERENCE_MODEL_KEY
 
 _UNLISTED_FILE_CHECKSUM = "crc32"  # fixed: identities recorded by earlier runs must keep matching
 
@@ -30,43 +30,45 @@ class ReferenceIdentity:
     tag: str | None  # the checkpoint's tag; None for a Hugging Face folder
     checksum: str
 
+    # how a save's client state holds it, and what a damaged record costs
+    RECORD: ClassVar[tuple[str, str, str]] = (
+        REFERENCE_MODEL_KEY, "the reference model", "this run cannot know which model its policy is compared with")
+
     def to_dict(self) -> dict[str, Any]:
-        return {"source": self.source, "tag": self.tag, "checksum": self.checksum}
+        return {field.name: getattr(self, field.name) for field in fields(self)}
 
     @classmethod
-    def from_dict(cls, stored: dict[str, Any] | None) -> ReferenceIdentity | None:
+    def from_dict(cls, stored: Any, where: Path) -> Self | None:
+        """The record that ``where`` (a tag, a record file) holds; CheckpointError in one line when it is not one."""
         if not stored:
             return None
-        return cls(str(stored["source"]), stored.get("tag"), str(stored["checksum"]))
+        names = [field.name for field in fields(cls)]
+        problem = ("is not a mapping" if not isinstance(stored, Mapping) else
+                   next((f"has no {name!r}" for name in _REQUIRED_TEXTS if not isinstance(stored.get(name), str)),
+                        None) or
+                   next((f"has a {name!r} that is not text" for name in names
+                         if not isinstance(stored.get(name), (str, type(None)))), None))
+        if problem:
+            key, what, consequence = cls.RECORD
+            raise CheckpointError(
+                f"{where}: its record of {what} (client state '{key}') {problem}, so {consequence}. Restore the tag "
+                "from a copy, or load another tag with `iteration: N`.")
+        return cls(**{name: stored.get(name) for name in names})
 
     @property
     def path(self) -> Path:
         return Path(self.source) / self.tag if self.tag else Path(self.source)
 
 
+_REQUIRED_TEXTS = ("source", "checksum")
+
+
 @dataclass(frozen=True)
 class LoraBase(ReferenceIdentity):
     hf_folder: str | None = None  # the Hugging Face folder holding exactly these weights; None when none does
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**super().to_dict(), "hf_folder": self.hf_folder}
-
-    @classmethod
-    def from_dict(cls, stored: Any, tag_dir: Path) -> LoraBase | None:
-        """The record of ``tag_dir``'s client state; CheckpointError in one line when it is not one."""
-        if not stored:
-            return None
-        texts, optional = ("source", "checksum"), ("tag", "hf_folder")
-        problem = ("is not a mapping" if not isinstance(stored, Mapping) else
-                   next((f"has no {name!r}" for name in texts if not isinstance(stored.get(name), str)), None) or
-                   next((f"has a {name!r} that is not text" for name in optional
-                         if not isinstance(stored.get(name), (str, type(None)))), None))
-        if problem:
-            raise CheckpointError(
-                f"{tag_dir}: its record of the base model under its LoRA adapters (client state '{LORA_BASE_KEY}') "
-                f"{problem}, so the adapters cannot be checked against their base. Restore the tag from a copy, or load "
-                "another tag with `iteration: N`.")
-        return cls(stored["source"], stored.get("tag"), stored["checksum"], stored.get("hf_folder"))
+    RECORD: ClassVar[tuple[str, str, str]] = (
+        LORA_BASE_KEY, "the base model under its LoRA adapters", "the adapters cannot be checked against their base")
 
 
 def files_checksum(files: Iterable[Path], root: Path, records: Mapping[str, manifest.FileRecord] | None) -> str:

@@ -42,7 +42,7 @@ def plan_reference(args, policy_plan: LoadPlan | None, data_parallel_size: int,
     if policy_plan.mode is LoadMode.FINETUNE:
         return policy_plan, ReferenceIdentity(str(policy_plan.load_dir), policy_plan.tag,
                                               policy_plan.weights_checksum)
-    recorded = ReferenceIdentity.from_dict(policy_plan.client_state.reference_model)
+    recorded = ReferenceIdentity.from_dict(policy_plan.client_state.reference_model, policy_plan.tag_dir)
     if recorded is None:
         raise CheckpointError(
             f"{policy_plan.tag_dir} records no reference model (saved by a run without a live one: another "
