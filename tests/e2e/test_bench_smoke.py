@@ -140,6 +140,12 @@ def test_lora_step_bench_prints_its_ratios():
     assert_ratios(ratios, {"lora/full step_seconds", "lora/full peak_rss"})
 
 
+def test_moe_step_bench_prints_its_ratios():
+    ratios = run_bench("bench_moe_step.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
+                       "--seq", "8", "--experts", "4", "--expert-width", "32", "--steps", "1", "--repeats", "1")
+    assert_ratios(ratios, {"moe/dense step_seconds", "moe/dense peak_rss", "moe-tp2/moe peak_rss per rank"})
+
+
 LEAVING = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
