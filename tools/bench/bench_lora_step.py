@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +29,7 @@ from statistics import median
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Ratios, bench_parser, in_turn, repeat_ratios, step_table, write_json  # noqa: E402
+from harness import Ratios, bench_parser, repeat_ratios, step_table, variants_in_fresh_processes, write_json  # noqa: E402
 
 VARIANTS = ("full", "lora")
 
@@ -73,14 +71,6 @@ def measure_variant(options: argparse.Namespace) -> dict:
             * (2 if options.precision == "bf16" else 4) / 2**20}
 
 
-def run_variant(options: argparse.Namespace, variant: str) -> dict:
-    command = [sys.executable, __file__, "--variant", variant, *_shared_flags(options)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"bench_lora_step.py: the {variant} process failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def _shared_flags(options: argparse.Namespace) -> list[str]:
     return ["--layers", str(options.layers), "--hidden", str(options.hidden), "--heads", str(options.heads),
             "--seq", str(options.seq), "--vocab", str(options.vocab), "--precision", options.precision,
@@ -100,12 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure_variant(options)))
         return 0
 
-    load_before = os.getloadavg()[0]
-    results: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
-    for repeat in range(options.repeats):
-        for variant in in_turn(VARIANTS, repeat):
-            results[variant].append(run_variant(options, variant))
-    load_average = (load_before, os.getloadavg()[0])
+    results, load_average = variants_in_fresh_processes(__file__, VARIANTS, options.repeats,
+                                                         _shared_flags(options))
     times = {variant: [r["step_seconds"] for r in runs] for variant, runs in results.items()}
     peaks = {variant: [r["peak_mib"] for r in runs] for variant, runs in results.items()}
     full, lora = results["full"][0], results["lora"][0]

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +35,7 @@ from statistics import median
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Ratios, bench_parser, in_turn, repeat_ratios, step_table, write_json  # noqa: E402
+from harness import Ratios, bench_parser, repeat_ratios, step_table, variants_in_fresh_processes, write_json  # noqa: E402
 
 VARIANTS = ("dense", "moe", "moe-tp2")
 TENSOR_PARALLEL = {"dense": 1, "moe": 1, "moe-tp2": 2}
@@ -114,14 +112,6 @@ def measure_variant(options: argparse.Namespace) -> dict:
             "active_mlp_width": records[0]["active_mlp_width"]}
 
 
-def run_variant(options: argparse.Namespace, variant: str) -> dict:
-    command = [sys.executable, __file__, "--variant", variant, *_shared_flags(options)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"bench_moe_step.py: the {variant} process failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def _shared_flags(options: argparse.Namespace) -> list[str]:
     return [flag for name in ("layers", "hidden", "heads", "seq", "vocab", "precision", "zero_stage", "experts",
                               "top_k", "expert_width", "micro_batch", "steps", "threads")
@@ -142,12 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure_variant(options)))
         return 0
 
-    load_before = os.getloadavg()[0]
-    results: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
-    for repeat in range(options.repeats):
-        for variant in in_turn(VARIANTS, repeat):
-            results[variant].append(run_variant(options, variant))
-    load_average = (load_before, os.getloadavg()[0])
+    results, load_average = variants_in_fresh_processes(__file__, VARIANTS, options.repeats,
+                                                         _shared_flags(options))
     dense, moe, split = (results[variant][0] for variant in VARIANTS)
     if dense["active_mlp_width"] != moe["active_mlp_width"]:
         raise SystemExit(f"bench_moe_step.py: the dense MLP is {dense['active_mlp_width']} wide, a token's experts "

@@ -58,6 +58,23 @@ def in_turn(names: Sequence[str], repeat: int) -> list[str]:
     return [*names[shift:], *names[:shift]]
 
 
+def variants_in_fresh_processes(script: str, variants: Sequence[str], repeats: int,
+                                flags: Sequence[str]) -> tuple[dict[str, list[dict]], tuple[float, float]]:
+    """Each of ``variants`` measured ``repeats`` times, each time by a fresh process (``script --variant V flags``,
+    which prints its record as the last line of JSON), so no variant's freed memory hides another's; the variants
+    take turns (in_turn). (the records by variant, the load average before and after)."""
+    load_before = os.getloadavg()[0]
+    records: dict[str, list[dict]] = {variant: [] for variant in variants}
+    for repeat in range(repeats):
+        for variant in in_turn(variants, repeat):
+            done = subprocess.run([sys.executable, script, "--variant", variant, *flags], capture_output=True,
+                                  text=True, check=False)
+            if done.returncode != 0:
+                raise SystemExit(f"{Path(script).name}: the {variant} process failed:\n{done.stderr[-3000:]}")
+            records[variant].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return records, (load_before, os.getloadavg()[0])
+
+
 def repeat_ratios(numerators: Sequence[float], denominators: Sequence[float]) -> list[float]:
     """Each repeat's ratio (the calls of one repeat run one right after the other, under the same load)."""
     return [a / b if b else float("inf") for a, b in zip(numerators, denominators, strict=True)]
