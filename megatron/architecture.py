@@ -293,9 +293,16 @@ def query_key_norm_problem(values: Mapping[str, Any]) -> tuple[str, str] | None:
         return "qk_layernorm_across_heads", ("qk_layernorm is set too; a query/key norm is either per head "
                                              "(qk_layernorm, Qwen3) or across heads (OLMoE): set one")
     tp = values.get("model_parallel_size") or 1
-    if tp > 1:
-        return "model_parallel_size", (f"{tp}: qk_layernorm_across_heads normalises over every head at once, which "
-                                       "runs on one tensor-parallel rank only; set model_parallel_size: 1")
+    if tp == 1:
+        return None
+    if values.get("norm") != "rmsnorm":
+        return "norm", (f"{values.get('norm')}: qk_layernorm_across_heads splits over tensor-parallel ranks with "
+                        f"rmsnorm only; set norm: rmsnorm or model_parallel_size: 1")
+    kv_heads = values.get("num_kv_heads") or values["num_attention_heads"]
+    if kv_heads < tp:
+        return "model_parallel_size", (f"{tp}: qk_layernorm_across_heads sums the keys' squares over the ranks, and "
+                                       f"with fewer key/value heads ({kv_heads}) than ranks a head several ranks "
+                                       f"hold would count more than once; set model_parallel_size to at most {kv_heads}")
     return None
 
 

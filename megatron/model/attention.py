@@ -9,7 +9,8 @@ With ``qk_layernorm`` each head's query and key are normalised (one weight for q
 keys, over the head's width) before they are rotated. A tensor-parallel rank normalises only its own
 heads with these replicated weights, so their gradients are summed over the tensor-parallel group.
 With ``qk_layernorm_across_heads`` (OLMoE) instead all heads' queries are normalised together, as one vector as
-wide as the query projection, and all heads' keys likewise, on one tensor-parallel rank.
+wide as the query projection, and all heads' keys likewise. Split over tensor-parallel ranks, each rank holds its
+heads' slice of that vector and of the norm's weight, and the mean of squares is summed over the ranks.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from megatron.architecture import Architecture
 from megatron.model.kv_cache import LayerKeysValues
-from megatron.model.norms import build_norm
+from megatron.model.norms import RMSNormOverTensorParallelRanks, build_norm
 from megatron.model.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -96,9 +97,14 @@ class SelfAttention(torch.nn.Module):
         self.q_layernorm = self.k_layernorm = None
         self.qk_norm_across_heads = arch.qk_layernorm_across_heads
         if arch.qk_layernorm_across_heads:
-            self.q_layernorm = build_norm(arch.norm, self.heads * arch.head_dim, arch.norm_epsilon, arch.bias_in_norms)
-            self.k_layernorm = build_norm(arch.norm, self.kv_heads * arch.head_dim, arch.norm_epsilon,
-                                          arch.bias_in_norms)
+            if tp > 1:  # an RMSNorm (query_key_norm_problem); each rank holds its heads' slice
+                self.q_layernorm = RMSNormOverTensorParallelRanks(self.heads * arch.head_dim, arch.norm_epsilon)
+                self.k_layernorm = RMSNormOverTensorParallelRanks(self.kv_heads * arch.head_dim, arch.norm_epsilon)
+            else:
+                self.q_layernorm = build_norm(arch.norm, self.heads * arch.head_dim, arch.norm_epsilon,
+                                              arch.bias_in_norms)
+                self.k_layernorm = build_norm(arch.norm, self.kv_heads * arch.head_dim, arch.norm_epsilon,
+                                              arch.bias_in_norms)
         if arch.qk_layernorm:
             self.q_layernorm = build_norm(arch.norm, arch.head_dim, arch.norm_epsilon, arch.bias_in_norms)
             self.k_layernorm = build_norm(arch.norm, arch.head_dim, arch.norm_epsilon, arch.bias_in_norms)

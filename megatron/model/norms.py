@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron.model.parallel_layers import sum_over_tensor_parallel_ranks_and_back
+from megatron.ranks import tensor_parallel_size
+
 
 class LayerNorm(torch.nn.Module):
     """Parameters ``weight`` and, with ``bias=True``, ``bias`` (GPT-NeoX's names)."""
@@ -37,8 +40,20 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = x32 * torch.rsqrt(self.mean_of_squares(x32) + self.eps)
         return self.scale * normed.to(x.dtype)
+
+    def mean_of_squares(self, x32: torch.Tensor) -> torch.Tensor:
+        return x32.pow(2).mean(-1, keepdim=True)
+
+
+class RMSNormOverTensorParallelRanks(RMSNorm):
+    """An RMSNorm over vectors whose slices the tensor-parallel ranks hold, each rank its slice's ``scale``: the mean
+    of squares is the whole vector's (OLMoE's query/key norm across heads, each rank holding its heads)."""
+
+    def mean_of_squares(self, x32: torch.Tensor) -> torch.Tensor:
+        total = sum_over_tensor_parallel_ranks_and_back(x32.pow(2).sum(-1, keepdim=True))
+        return total / (x32.shape[-1] * tensor_parallel_size())
 
 
 def build_norm(kind: str, hidden_size: int, eps: float, bias: bool) -> torch.nn.Module:

@@ -8,6 +8,7 @@ dict with or without them (megatron-core fills in and ignores the entry).
 from __future__ import annotations
 
 import torch
+import torch.distributed.nn.functional
 
 from megatron.architecture import ModelConfigError
 from megatron.core import parallel_state, tensor_parallel
@@ -85,6 +86,12 @@ def sum_over_tensor_parallel_ranks(part: torch.Tensor) -> torch.Tensor:
     total = part.clone()
     torch.distributed.all_reduce(total, group=parallel_state.get_tensor_model_parallel_group())
     return total
+
+
+def sum_over_tensor_parallel_ranks_and_back(part: torch.Tensor) -> torch.Tensor:
+    """The sum of ``part`` over the tensor-parallel group, its gradient summed over the group as well: every rank
+    goes on with the sum, so the gradient of each rank's part is every rank's gradient of the sum."""
+    return torch.distributed.nn.functional.all_reduce(part, group=parallel_state.get_tensor_model_parallel_group())
 
 
 def copy_to_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,8 @@ every block (GPT-NeoX's per-partition layouts):
   ranks that share it. GPT-NeoX refuses this case; a save writes each rank's parameter as that rank
   holds it, so every rank file has the same shape and a replicated head is stored once per rank;
   joining or re-splitting reads each head from the first part that holds it;
+- the query and key norms across heads (``qk_layernorm_across_heads``, OLMoE): as wide as the query and key
+  projections, split into whole heads as their rows in ``query_key_value`` are;
 - ``mlp.linear1`` for swiglu: [up, gate], so rank r holds [its up rows, its gate rows];
 - the experts' stacked weights ``mlp.experts.mlp.w1`` / ``w3`` / ``w2`` (megatron/model/moe.py): one block of
   ``moe_num_experts`` experts, never split, so rank r holds the rows of experts
@@ -107,6 +109,10 @@ def partitioning(name: str, arch: Architecture) -> Partitioning:
         if arch.num_kv_heads < arch.num_attention_heads:
             return Partitioning(0, (arch.num_attention_heads, arch.num_kv_heads, arch.num_kv_heads), heads=True)
         return Partitioning(0)
+    if arch.qk_layernorm_across_heads and ".attention.q_layernorm." in name:  # scales the query rows
+        return Partitioning(0, (arch.num_attention_heads,), heads=True)
+    if arch.qk_layernorm_across_heads and ".attention.k_layernorm." in name:
+        return Partitioning(0, (arch.num_kv_heads,), heads=True)
     if name.endswith(("mlp.linear1.weight", "mlp.linear1.bias")):
         return Partitioning(0, (1, 1) if arch.activation == "swiglu" else (1,))
     if name.endswith(("attention.dense.weight", "mlp.linear2.weight", "rm_linear.weight")):

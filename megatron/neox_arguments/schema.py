@@ -58,7 +58,7 @@ SETTINGS_LIST: list[Setting] = [
     _model("sliding_window_width", OPT_INT, None, "Mistral's sliding window: a token attends to itself and the `width` tokens before it; unset: the whole causal prefix"),
     _model("kv_channels", OPT_INT, None, "width of each attention head (megatron-core's name, Hugging Face's head_dim); unset: hidden_size / num_attention_heads", gpt_neox=False),
     _model("qk_layernorm", bool, False, "normalise each head's query and key (the model's norm over the head's width, one weight for queries, one for keys) before rotary, as megatron-core and Qwen3 do", gpt_neox=False),
-    _model("qk_layernorm_across_heads", bool, False, "instead of qk_layernorm's per-head norm: one norm over all heads' queries together and one over all heads' keys, weights as wide as the query / key projection, before rotary, as OLMoE does (one tensor-parallel rank only)", gpt_neox=False),
+    _model("qk_layernorm_across_heads", bool, False, "instead of qk_layernorm's per-head norm: one norm over all heads' queries together and one over all heads' keys, weights as wide as the query / key projection, before rotary, as OLMoE does (with tensor parallelism: rmsnorm, at least one key/value head per rank)", gpt_neox=False),
     _model("add_qkv_bias", bool, False, "biases on the query/key/value projection even where use_bias_in_attn_linear is false (megatron-core's name; Qwen2)", gpt_neox=False),
     _model("max_position_embeddings", OPT_INT, None, "longest sequence the position embedding supports; unset means seq_length"),
     _model("pos_emb", str, "learned", "position embedding", choices=("learned", "rotary", "none")),

@@ -3,7 +3,8 @@
     python -m torch.distributed.run --nproc_per_node 2 tests/distributed/moe_parallel_worker.py experts <work dir>
 
 One start checks, with the experts split over the 2 tensor-parallel ranks (2 of 4 experts each): a Mixtral, a
-Qwen3-MoE and a Qwen2-MoE (shared expert) folder saved by transformers take transformers' first step (loss, load-balancing loss, every
+Qwen3-MoE, a Qwen2-MoE (shared expert) and an OLMoE (q/k norms across heads, each rank its heads' slice) folder saved
+by transformers take transformers' first step (loss, load-balancing loss, every
 gradient joined over the ranks); a rank whose experts get no token takes the step of size 1; a run saved at TP 2
 resumes in full at TP 1 (the 2 ranks data-parallel) with the losses of the run that never stopped, and back;
 module-only loads across the split give the saved weights bit for bit. Any failed comparison raises.
@@ -197,7 +198,7 @@ def checkpoints_move_experts_between_split_sizes(work_dir: Path) -> None:
 
 
 def experts_split_over_two_ranks(work_dir: Path) -> None:
-    for kind in ("mixtral", "qwen3_moe", "qwen2_moe"):  # OLMoE's q/k norms across heads run on one rank only
+    for kind in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe"):
         hf_folder_at_tp2_takes_the_step_of_transformers(kind, work_dir)
     a_rank_whose_experts_get_no_token_takes_the_step_of_size_1()
     checkpoints_move_experts_between_split_sizes(work_dir)

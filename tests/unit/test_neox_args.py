@@ -254,8 +254,11 @@ def test_saved_settings_of_other_programs_restore_what_this_schema_knows():
          r"run.yml: moe_shared_expert_intermediate_size: must be a positive integer when set, got -1"),
         ({"qk_layernorm": True, "qk_layernorm_across_heads": True},
          r"run.yml: qk_layernorm_across_heads: qk_layernorm is set too; a query/key norm is either per head"),
-        ({"qk_layernorm_across_heads": True, "model_parallel_size": 2, "num_gpus": 2},
-         r"run.yml: model_parallel_size: 2: qk_layernorm_across_heads normalises over every head at once"),
+        ({"qk_layernorm_across_heads": True, "norm": "layernorm", "model_parallel_size": 2, "num_gpus": 2},
+         r"run.yml: norm: layernorm: qk_layernorm_across_heads splits over tensor-parallel ranks with rmsnorm only"),
+        ({"qk_layernorm_across_heads": True, "norm": "rmsnorm", "num_kv_heads": 1, "model_parallel_size": 2,
+          "num_gpus": 2}, r"run.yml: model_parallel_size: 2: qk_layernorm_across_heads sums the keys' squares over the "
+                          r"ranks, and with fewer key/value heads \(1\) than ranks"),
         ({"moe_num_experts": 8, "moe_router_type": "topk", "moe_jitter_eps": 1.5}, r"run.yml: moe_jitter_eps: must lie in \[0, 1\)"),
         ({"moe_num_experts": 8, "moe_router_type": "topk", "use_bias_in_mlp": False,
           "zero_optimization": {"stage": 3}}, r"run.yml: zero_optimization: mixture of experts runs so far with ZeRO"),

@@ -1,6 +1,7 @@
 """The fused QKV weight's split with fewer key/value heads than tensor-parallel ranks: each rank holds
 its query heads and the key and value head they use; parts move between sizes without losing a row. The
-experts' stacked weights: each rank holds a run of whole experts, as GPT-NeoX's rank files do."""
+experts' stacked weights: each rank holds a run of whole experts, as GPT-NeoX's rank files do. OLMoE's query and key
+norms across heads split as the rows they scale."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from megatron.architecture import ModelConfigError
+from megatron.model.attention import query_key_value_rows
 from megatron.model.partitioning import local_experts, missing_experts, partition, partitioning, repartition
 from megatron.neox_arguments import NeoXArgs
 
@@ -52,6 +54,22 @@ def test_parts_move_between_sizes_exactly(kv_heads, saved, size):
     for rank in range(size):
         assert torch.equal(repartition(parts, p, rank, size), partition(full, p, rank, size))
     assert torch.equal(repartition(parts, p, 0, 1), full)
+
+
+@pytest.mark.parametrize(("kv_heads", "size"), [(2, 2), (4, 2), (4, 4)])
+def test_the_query_and_key_norms_across_heads_split_as_the_rows_they_scale(kv_heads, size):
+    """OLMoE: on every rank the norm's weights are those of the query (key) positions its query_key_value part holds."""
+    arch = NeoXArgs.from_dict(dict(num_layers=1, hidden_size=8, num_attention_heads=4, num_kv_heads=kv_heads,
+                                   seq_length=4, padded_vocab_size=16, norm="rmsnorm",
+                                   qk_layernorm_across_heads=True)).architecture()
+    fused = torch.arange((4 + 2 * kv_heads) * 2)
+    for rank in range(size):
+        held = partition(fused, partitioning(QKV, arch), rank, size)
+        for x, rows, rows_held in zip("qk", query_key_value_rows(arch), query_key_value_rows(arch, size), strict=False):
+            position = {int(row): i for i, row in enumerate(rows)}
+            norm = partitioning(f"sequential.2.attention.{x}_layernorm.scale", arch)
+            assert partition(torch.arange(len(rows)), norm, rank, size).tolist() == [
+                position[int(row)] for row in held[rows_held]], (x, rank)
 
 
 def test_three_ranks_cannot_share_two_key_value_heads():
