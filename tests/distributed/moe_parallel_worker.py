@@ -32,6 +32,7 @@ from tests.distributed.tensor_parallel_worker import (  # noqa: E402
     VOCAB,
     check,
     full,
+    hf_folder_engine_at_tp2,
     run_named_check,
     set_tensor_parallel_size,
     trained_engine,
@@ -49,28 +50,12 @@ RUN = dict(train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=1, trai
 def hf_folder_at_tp2_takes_the_step_of_transformers(kind: str, work_dir: Path) -> None:
     from transformers.core_model_loading import revert_weight_conversion
 
-    from megatron.hf import HF_FOLDER
-    from megatron.hf.config import spec_from_hf_config
     from megatron.hf.mapping import convert_tensors, hf_to_ours
-    from tests.e2e.test_hf_conversion import make_hf_model, save_hf
     from tests.unit.test_hf_families import long_tokens
 
-    model = make_hf_model(kind)  # the same seed on both ranks: the same model
-    hf_dir = work_dir / kind
-    if dist.get_rank() == 0:
-        save_hf(model, hf_dir)
-    dist.barrier()
-    spec = spec_from_hf_config(model.config.to_dict())
-    args = NeoXArgs.from_dict({
-        **spec.settings, "padded_vocab_size": spec.vocab_size, "model_parallel_size": 2,
-        "num_gpus": dist.get_world_size(), "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-        "train_iters": 1, "hidden_dropout": 0.0, "attention_dropout": 0.0, "gradient_clipping": 0.0,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-6}}, "zero_optimization": {"stage": 0},
-        "load": str(hf_dir), "finetune": True})
+    model, spec, args, engine = hf_folder_engine_at_tp2(kind, work_dir)
     check(args.moe_load_balancing_loss, f"{kind}: the folder asks for the load-balancing loss")
-    engine = trained_engine(args, args.seed)
     check(len(engine.module.sequential.get_submodule("2").mlp.experts.mlp.local) == 2, f"{kind}: not 2 experts on this rank")
-    load_checkpoint(engine, plan_load(args, 1, hf_source=HF_FOLDER))
     batch = long_tokens(seed=1)
     loss, metrics = objective_for(args, BatchOptions())(engine, {"text": batch})
     engine.backward(loss)

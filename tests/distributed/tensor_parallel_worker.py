@@ -201,16 +201,16 @@ def deepspeed_step_matches(work_dir: Path) -> None:
     hf_folder_at_tp2_has_the_gradient_of_transformers(work_dir)
 
 
-def hf_folder_at_tp2_has_the_gradient_of_transformers(work_dir: Path) -> None:
-    """A Qwen3 folder saved by transformers, fine-tuned at TP 2 through the load plan: the first step's loss
-    and full gradients are transformers' own on the same batch."""
+def hf_folder_engine_at_tp2(kind: str, work_dir: Path):
+    """A tiny ``kind`` folder saved by transformers (the same seed on both ranks: the same model) and an engine
+    fine-tuning it at TP 2, loaded through the load plan: (transformers' model, its spec, the settings, the
+    engine)."""
     from megatron.hf import HF_FOLDER
     from megatron.hf.config import spec_from_hf_config
-    from megatron.hf.mapping import convert_tensors, hf_to_ours
     from tests.e2e.test_hf_conversion import make_hf_model, save_hf
 
-    model = make_hf_model("qwen3")  # the same seed on both ranks: the same model
-    hf_dir = work_dir / "qwen3"
+    model = make_hf_model(kind)
+    hf_dir = work_dir / kind
     if dist.get_rank() == 0:
         save_hf(model, hf_dir)
     dist.barrier()
@@ -223,6 +223,15 @@ def hf_folder_at_tp2_has_the_gradient_of_transformers(work_dir: Path) -> None:
         "load": str(hf_dir), "finetune": True})
     engine = trained_engine(args, args.seed)
     load_checkpoint(engine, plan_load(args, 1, hf_source=HF_FOLDER))
+    return model, spec, args, engine
+
+
+def hf_folder_at_tp2_has_the_gradient_of_transformers(work_dir: Path) -> None:
+    """A Qwen3 folder saved by transformers, fine-tuned at TP 2 through the load plan: the first step's loss
+    and full gradients are transformers' own on the same batch."""
+    from megatron.hf.mapping import convert_tensors, hf_to_ours
+
+    model, spec, args, engine = hf_folder_engine_at_tp2("qwen3", work_dir)
     tokens = torch.randint(0, spec.vocab_size, (2, 41), generator=torch.Generator().manual_seed(3))
     loss = causal_lm_loss(engine(tokens[:, :-1], parallel_output=True), tokens[:, 1:], vocab_parallel=True)
     engine.backward(loss)
