@@ -74,9 +74,8 @@ dropped. Each expert is the model's MLP without biases (``use_bias_in_mlp`` is f
 experts, as in GPT-NeoX), ``expert_width`` wide per projection: ``moe_intermediate_size``, else GPT-NeoX's
 rule for experts (``intermediate_size`` itself, unset: 4 x hidden, for swiglu 8/3 x hidden, rounded up to
 256). The experts are split over the tensor-parallel ranks as GPT-NeoX splits them (``experts_per_rank``):
-``moe_num_experts`` a multiple of ``model_parallel_size``, rank r holding the r-th run of whole experts; so
-far without a pipeline. With ``moe_shared_expert_intermediate_size`` (Qwen2-MoE's
-shared expert) every token also goes through the model's dense MLP of that width (no biases), whose output,
+``moe_num_experts`` a multiple of ``model_parallel_size``, rank r holding the r-th run of whole experts. With
+``moe_shared_expert_intermediate_size`` (Qwen2-MoE's shared expert) every token also goes through the model's dense MLP of that width (no biases), whose output,
 weighed by the sigmoid of a linear of the token (``shared_expert_gate``, hidden -> 1), is added to the experts'.
 The load-balancing loss (``moe_load_balancing_loss``, ``moe_load_balancing_loss_coef``: Hugging Face's
 ``output_router_logits`` and ``router_aux_loss_coef``) shapes how the model trains, not the function its
