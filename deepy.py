@@ -14,12 +14,12 @@ megatron.neox_arguments.load_args_on_rank(). GPT-NeoX's --eval_tasks, --eval_res
 The launcher runs in its own process group: a SIGTERM or SIGINT (Ctrl-C) to deepy.py, to the launcher,
 to a rank or to all of them is passed on to the ranks, which finish their step, save a checkpoint and
 exit 0; a second one stops them at once. One before any rank exists ends deepy.py with one line and
-exit 0. No process of the run outlives deepy.py (megatron/supervision.py).
+exit 0. No process of the run outlives deepy.py (megatron/launch/supervision.py).
 """
 
 from __future__ import annotations
 
-from megatron.supervision import Supervisor, exit_if_stopped_before_launch, stop_quietly_before_launch
+from megatron.launch.supervision import Supervisor, exit_if_stopped_before_launch, stop_quietly_before_launch
 
 if __name__ == "__main__":
     stop_quietly_before_launch()  # first thing: a SIGTERM while the imports below run ends with one line too
@@ -33,13 +33,18 @@ from pathlib import Path
 
 from megatron.errors import ExpectedError
 from megatron.foreign_notices import VERBOSE_VARIABLE, hide_foreign_notices
-from megatron.launcher import launch_command, launcher_environment, rendezvous_port, starts_only_local_ranks
+from megatron.launch.launcher import (
+    launch_command,
+    launcher_environment,
+    rendezvous_port,
+    starts_only_local_ranks,
+)
+from megatron.launch.run_context import check_run_files, resolve_run_settings, settings_for_run
 from megatron.neox_arguments import ConfigError
 from megatron.neox_arguments.dry_run import render_dry_run, tokenizer_summary
 from megatron.neox_arguments.handover import HANDOVER_FLAG, handover_argv
 from megatron.neox_arguments.world import accelerator_is_cpu, check_precision_on_cpu
 from megatron.neox_arguments.yaml_files import gpt_neox_config_paths
-from megatron.run_context import check_run_files, resolve_run_settings, settings_for_run
 from megatron.tokenizer import TokenizerError
 
 
@@ -94,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"train script {command_line.train_script!r} not found")
         check_precision_on_cpu(args)
         if command_line.dry_run:
-            # what DeepSpeed's runner would refuse of the launcher settings (megatron/launcher.py)
+            # what DeepSpeed's runner would refuse of the launcher settings (megatron/launch/launcher.py)
             launch_command(args, command_line.train_script, [], cpu_only=accelerator_is_cpu())
             report = render_dry_run(args, tokenizer_summary(args))
             check_run_files(args)  # the data files, as the start checks them

@@ -4,7 +4,7 @@
 
 `load` names the checkpoint (ours, GPT-NeoX's or a Hugging Face folder); `eval_tasks` the harness's
 tasks (`--eval_tasks` overrides the files). Global rank 0 prints the harness's table and writes
-`<eval_results_prefix>_eval_results_<date-time>.json` (megatron/evaluation/harness.py). Needs the
+`<eval_results_prefix>_eval_results_<date-time>.json` (megatron/evaluation/eval_run.py). Needs the
 harness: pip install -e '.[eval]'.
 """
 
@@ -15,7 +15,7 @@ from megatron.foreign_notices import hide_foreign_notices
 hide_foreign_notices()  # before the imports below
 
 from megatron.neox_arguments import load_args_on_rank  # noqa: E402
-from megatron.rank_errors import run_rank  # noqa: E402
+from megatron.runtime.rank_errors import run_rank  # noqa: E402
 
 
 def main() -> None:
@@ -25,7 +25,7 @@ def main() -> None:
     from megatron.logging import get_logger
     from megatron.ranks import global_rank
     from megatron.tokenizer import build_tokenizer
-    from megatron.training import setup_for_inference
+    from megatron.training.loop import setup_for_inference
 
     args = load_args_on_rank()
     check_evaluation_settings(args)

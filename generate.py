@@ -14,7 +14,7 @@ from megatron.foreign_notices import hide_foreign_notices
 hide_foreign_notices()  # before the imports below
 
 from megatron.neox_arguments import load_args_on_rank  # noqa: E402
-from megatron.rank_errors import run_rank  # noqa: E402
+from megatron.runtime.rank_errors import run_rank  # noqa: E402
 
 
 def main() -> None:
@@ -22,7 +22,7 @@ def main() -> None:
     from megatron.logging import get_logger
     from megatron.ranks import global_rank
     from megatron.tokenizer import build_tokenizer
-    from megatron.training import setup_for_inference
+    from megatron.training.loop import setup_for_inference
 
     args = load_args_on_rank()
     check_generation_settings(args)

@@ -4,14 +4,14 @@ import sys
 
 from megatron.foreign_notices import hide_foreign_notices
 from megatron.logging import slow_stage
-from megatron.stop_signals import StopSignals
+from megatron.runtime.stop_signals import StopSignals
 
 if __name__ == "__main__":
     # first thing: a SIGTERM during the imports below must not kill the rank before it can save
     stop_signals = StopSignals()
     stop_signals.install()
-    # answered while the rank imports, before DeepSpeed's optimizer op needs it (megatron/cpu_info.py)
-    from megatron.cpu_info import ask_cpu_info_early
+    # answered while the rank imports, before DeepSpeed's optimizer op needs it (megatron/runtime/cpu_info.py)
+    from megatron.runtime.cpu_info import ask_cpu_info_early
 
     ask_cpu_info_early()
 
@@ -19,8 +19,8 @@ hide_foreign_notices()  # before the imports below
 
 with slow_stage("starting the rank (importing torch, DeepSpeed and megatron-core)"):
     from megatron.neox_arguments import load_args_on_rank
-    from megatron.rank_errors import run_rank
-    from megatron.training import pretrain
+    from megatron.runtime.rank_errors import run_rank
+    from megatron.training.loop import pretrain
 
 if __name__ == "__main__":
     sys.exit(run_rank(lambda: pretrain(load_args_on_rank(), stop_signals)))

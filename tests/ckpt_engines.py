@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 from deepspeed.utils import safe_get_full_fp32_param
 
-from megatron.learning_rates import set_learning_rate
 from megatron.neox_arguments.arguments import NeoXArgs
+from megatron.training.learning_rates import set_learning_rate
 
 VOCAB = 37
 HIDDEN = 24

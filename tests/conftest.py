@@ -17,7 +17,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 
-from megatron.launcher import free_port  # noqa: E402  (re-exported: tests import it from here)
+from megatron.launch.launcher import free_port  # noqa: E402  (re-exported: tests import it from here)
 from tests.worker_report import REPORT_DIR_ENV, read_reports  # noqa: E402
 
 # Elements in a ZeRO-3 engine's gradient-reduction bucket for tests (DeepSpeed's default is 5e8).
@@ -73,7 +73,7 @@ def single_rank_world():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron.initialize import init_deepspeed_distributed
+    from megatron.runtime.initialize import init_deepspeed_distributed
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

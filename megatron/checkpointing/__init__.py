@@ -20,7 +20,7 @@ Stages, each importing only those above it (tests/unit/test_import_graph.py pins
 | loading    | carrying a plan into a DeepSpeed engine: module-only, masters, reshard      |                            |
 | saving     | writing and committing tags (one commit path for blocking and async saves) | when a save is complete    |
 
-How ranks agree is megatron/collective.py's, for every stage.
+How ranks agree is megatron/runtime/collective.py's, for every stage.
 """
 
 from megatron.checkpointing.errors import CheckpointError

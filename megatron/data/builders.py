@@ -261,3 +261,13 @@ def data_iterators(args, datasets, data_parallel_rank: int, data_parallel_size: 
         )
         iterators.append(_loader(dataset, sampler, args.num_workers))
     return tuple(iterators)
+
+
+def samples_per_split(args) -> tuple[int, int, int]:
+    """Samples each split must provide: every train step, every evaluation, the final test eval."""
+    evaluations = args.train_iters // args.eval_interval + 1
+    return (
+        args.train_iters * args.train_batch_size,
+        evaluations * args.eval_iters * args.train_batch_size,
+        args.eval_iters * args.train_batch_size,
+    )

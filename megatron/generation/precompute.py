@@ -33,9 +33,9 @@ def write_reference_log_probs(model, args, identity, rank: int, log) -> list[str
     each file) has to write (precomputed_reference.files_to_write decides which); the prefixes written."""
     from megatron.data import MMapIndexedDataset, MMapIndexedDatasetBuilder
     from megatron.data.indexed_dataset import data_file_path, index_file_path
-    from megatron.initialize import current_device
     from megatron.model import token_log_probs
     from megatron.objectives.precomputed_reference import files_to_write, record_path, write_identity
+    from megatron.runtime.initialize import current_device
 
     written = []
     batch_size = args.train_micro_batch_size_per_gpu or 1

@@ -100,7 +100,7 @@ def _read_interactive_prompt(prompt_end: str) -> str | None:
 
 
 def _interactive(model, tokenizer, args, rank: int, log) -> int:
-    from megatron.collective import decided_by_rank_zero
+    from megatron.runtime.collective import decided_by_rank_zero
 
     count = 0
     while True:

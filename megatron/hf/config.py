@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron.architecture import GELU_EXACT, GELU_TANH, Architecture, ModelConfigError
+from megatron.contract.architecture import GELU_EXACT, GELU_TANH, Architecture, ModelConfigError
 from megatron.hf.errors import HFConversionError
 from megatron.neox_arguments.arguments import NeoXArgs
 from megatron.neox_arguments.errors import ConfigError

@@ -11,7 +11,6 @@ import deepspeed
 import torch
 import yaml
 
-from megatron.architecture import Architecture, ModelConfigError, implied_family
 from megatron.checkpointing import (
     CheckpointError,
     ClientState,
@@ -23,6 +22,8 @@ from megatron.checkpointing import (
     read_full_module_weights,
     read_module_weights,
 )
+from megatron.contract.architecture import Architecture, ModelConfigError, implied_family
+from megatron.contract.lora_settings import LORA_SETTINGS, LoraSettings, lora_settings
 from megatron.fsio import write_atomically, write_text_atomically
 from megatron.hf.config import (
     FAMILIES,
@@ -31,12 +32,11 @@ from megatron.hf.config import (
     unrepresentable,
 )
 from megatron.hf.errors import HFConversionError
+from megatron.hf.folder_weights import HF_FOLDER, check_hf_settings, read_hf_model
 from megatron.hf.io import DEFAULT_MAX_SHARD_BYTES, TOKENIZER_NAME, is_hf_model_dir, write_hf_dir
-from megatron.hf.load import HF_FOLDER, check_hf_settings, read_hf_model
 from megatron.hf.mapping import convert_tensors, ours_to_hf
 from megatron.hf.output_folder import check_output_folder, staged_output
 from megatron.hf.peft import adapter_config, merge_into, peft_names, write_peft_dir
-from megatron.lora_settings import LORA_SETTINGS, LoraSettings, lora_settings
 from megatron.model.partitioning import partition, partitioning
 from megatron.neox_arguments import SETTINGS, NeoXArgs
 from megatron.neox_arguments.derived import tensor_parallel_split_problem

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.architecture import Architecture
 from megatron.checkpointing import is_legacy_buffer_key, translate_legacy_key
+from megatron.contract.architecture import Architecture
 from megatron.hf.config import FAMILIES, LLAMA_LIKE
 from megatron.hf.errors import HFConversionError
 from megatron.model.attention import query_key_value_rows
@@ -193,7 +193,7 @@ def _llama_correspondences(family: str, arch: Architecture) -> list[Corresponden
     return rules + _output_correspondence(arch, "lm_head.weight")
 
 
-# The HF module of each linear layer a LoRA target names (megatron/lora_settings.py), under its layer
+# The HF module of each linear layer a LoRA target names (megatron/contract/lora_settings.py), under its layer
 _LINEAR_MODULES = {
     **{f"{x}_proj": f"self_attn.{x}_proj" for x in "qkvo"},
     **{f"{x}_proj": f"mlp.{x}_proj" for x in ("gate", "up", "down")},

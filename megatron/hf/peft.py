@@ -20,11 +20,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from megatron.architecture import ModelConfigError
+from megatron.contract.architecture import ModelConfigError
+from megatron.contract.lora_settings import ALL_LINEAR, LoraSettings, target_modules_of
 from megatron.hf.errors import HFConversionError
 from megatron.hf.io import is_hf_model_dir
 from megatron.hf.mapping import hf_linear_module
-from megatron.lora_settings import ALL_LINEAR, LoraSettings, target_modules_of
 from megatron.model.gpt_model import layer_key
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"

@@ -1,6 +1,6 @@
 """The transformer: GPT-NeoX/Pythia and Llama families as options of one decoder-only model."""
 
-from megatron.architecture import ModelConfigError
+from megatron.contract.architecture import ModelConfigError
 from megatron.model.gpt_model import GPTModel, build_model
 from megatron.model.kv_cache import KVCache
 from megatron.model.loss import causal_lm_loss, token_log_probs

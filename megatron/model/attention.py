@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron.architecture import Architecture
+from megatron.contract.architecture import Architecture
 from megatron.model.kv_cache import LayerKeysValues
 from megatron.model.norms import RMSNormOverTensorParallelRanks, build_norm
 from megatron.model.parallel_layers import (

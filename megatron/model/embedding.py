@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron.architecture import Architecture
+from megatron.contract.architecture import Architecture
 from megatron.model.parallel_layers import VocabParallelEmbedding, model_parallel_config
 
 

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from deepspeed.accelerator import get_accelerator
 
-from megatron.architecture import Architecture, ModelConfigError
-from megatron.lora_settings import LoraSettings
+from megatron.contract.architecture import Architecture, ModelConfigError
+from megatron.contract.lora_settings import LoraSettings
 from megatron.model.embedding import Embedding
 from megatron.model.init_methods import init_std, initialise_parameters, normal_init
 from megatron.model.kv_cache import KVCache

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from megatron.architecture import Architecture
+from megatron.contract.architecture import Architecture
 from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from megatron.model.partitioning import (
     INITIALISED_WEIGHTS,
@@ -17,7 +17,7 @@ from megatron.model.partitioning import (
     partition,
     partitioning,
 )
-from megatron.zero3_partition import is_partitioned, write_whole_value
+from megatron.model.zero3_partition import is_partitioned, write_whole_value
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 

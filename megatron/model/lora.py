@@ -1,4 +1,4 @@
-"""LoRA adapters on the model's linear layers, computed as PEFT's (its settings: megatron/lora_settings.py).
+"""LoRA adapters on the model's linear layers, computed as PEFT's (its settings: megatron/contract/lora_settings.py).
 
 Each targeted Hugging Face module gets its own adapter pair: A (r x in, drawn as PEFT draws it) and B
 (out x r, zeros, so a fresh adapter leaves the model as it was), adding B A dropout(x) x scaling to
@@ -36,8 +36,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from megatron.architecture import Architecture
-from megatron.lora_settings import LoraSettings
+from megatron.contract.architecture import Architecture
+from megatron.contract.lora_settings import LoraSettings
 from megatron.model.attention import query_key_value_rows
 from megatron.model.init_methods import full_shape, local_shape, set_value
 from megatron.model.parallel_layers import (

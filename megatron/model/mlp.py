@@ -1,6 +1,6 @@
 """The feed-forward block: ``linear1`` -> activation -> ``linear2`` (GPT-NeoX's names).
 
-Widths follow GPT-NeoX's rule (megatron/architecture.py). For swiglu, ``linear1`` holds the up
+Widths follow GPT-NeoX's rule (megatron/contract/architecture.py). For swiglu, ``linear1`` holds the up
 projection then the gate projection stacked along its output dimension (per tensor-parallel
 partition), and the activation is silu(gate) * up (GPT-NeoX's gated activation, Llama's MLP).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron.architecture import GELU_EXACT, GELU_ONNX_ERF, GELU_TANH, Architecture
+from megatron.contract.architecture import GELU_EXACT, GELU_ONNX_ERF, GELU_TANH, Architecture
 from megatron.model.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,

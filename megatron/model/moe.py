@@ -5,7 +5,7 @@ Names and layout are GPT-NeoX's (``ParallelDroplessMoE``): the router ``router.l
 experts, no bias) and the experts' weights stacked along their first dimension, each expert's rows
 together: ``experts.mlp.w1`` [experts x width, hidden] (for swiglu the gate), ``experts.mlp.w3`` (swiglu
 only: the up projection) and ``experts.mlp.w2`` [experts x width, hidden], the down projection
-transposed. What each token gets (megatron/architecture.py) follows transformers' Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE
+transposed. What each token gets (megatron/contract/architecture.py) follows transformers' Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE
 step by step, so its numbers are theirs: the router's logits in the model's dtype, their softmax in
 fp32, the ``top_k`` largest probabilities (renormalised with ``norm_topk_prob``) weighing the outputs
 of the chosen experts, which are added up expert by expert in ascending order. No token is dropped.
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megatron.architecture import Architecture
+from megatron.contract.architecture import Architecture
 from megatron.model.mlp import MLP, elementwise_activation
 from megatron.model.parallel_layers import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from megatron.model.partitioning import local_experts

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed.nn.functional
 
-from megatron.architecture import ModelConfigError
+from megatron.contract.architecture import ModelConfigError
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.ranks import tensor_parallel_rank, tensor_parallel_size

@@ -36,8 +36,8 @@ from fractions import Fraction
 
 import torch
 
-from megatron.architecture import Architecture, experts_per_rank
-from megatron.lora_settings import target_of
+from megatron.contract.architecture import Architecture, experts_per_rank
+from megatron.contract.lora_settings import target_of
 
 
 @dataclass(frozen=True)

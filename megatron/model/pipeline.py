@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from megatron.architecture import Architecture
-from megatron.lora_settings import LoraSettings
+from megatron.contract.architecture import Architecture
+from megatron.contract.lora_settings import LoraSettings
 from megatron.model.embedding import Embedding
 from megatron.model.gpt_model import FinalNorm, OutputLayer, _init_methods
 from megatron.model.init_methods import initialise_parameters
@@ -151,7 +151,7 @@ class PipelineLoss:
     """The last stage's loss of a micro batch: the language-model loss, with experts plus
     moe_load_balancing_loss_coef x the load-balancing loss over every expert layer (as
     objectives/language_model.py adds it). With experts it keeps each micro batch's (language-model loss, router
-    statistics, tokens) in ``kept`` for the step's metrics (megatron/pipeline.py takes them)."""
+    statistics, tokens) in ``kept`` for the step's metrics (megatron/training/pipe_engine.py takes them)."""
 
     def __init__(self, arch: Architecture):
         self.arch = arch

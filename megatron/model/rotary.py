@@ -9,7 +9,7 @@ of the pair's angle,
 
 which is ``x * cos + rotate_half(x) * sin`` with the same rounding, element for element.
 
-RoPE scaling (``rope_scaling``, megatron/architecture.py) changes the frequencies, and yarn also
+RoPE scaling (``rope_scaling``, megatron/contract/architecture.py) changes the frequencies, and yarn also
 scales cos and sin, exactly as transformers' rope init functions (modeling_rope_utils) do; the
 llama3 rule and yarn's blend of frequencies are megatron-core's own. megatron-core's linear
 interpolation divides the positions instead of the frequencies, which rounds differently, so linear

@@ -6,8 +6,8 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from megatron.architecture import Architecture, architecture_from_settings
-from megatron.lora_settings import LoraSettings, lora_settings
+from megatron.contract.architecture import Architecture, architecture_from_settings
+from megatron.contract.lora_settings import LoraSettings, lora_settings
 from megatron.neox_arguments.deepspeed_config import build_deepspeed_config
 from megatron.neox_arguments.derived import derive_all
 from megatron.neox_arguments.errors import ConfigError

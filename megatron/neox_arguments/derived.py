@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from megatron.architecture import (
+from megatron.contract.architecture import (
     ModelConfigError,
     built_intermediate_size,
     gelu_approximation,
@@ -21,11 +21,11 @@ from megatron.architecture import (
     rope_scaling_of,
     tensor_parallel_split_problem,
 )
-from megatron.lora_settings import target_modules_of
+from megatron.contract.lora_settings import target_modules_of
 from megatron.neox_arguments.errors import ConfigError, where
 from megatron.neox_arguments.numbers import deepspeed_sections
 from megatron.neox_arguments.world import active_hosts, effective_hostfile
-from megatron.optimizer_layout import precision_of, zero_stage_of
+from megatron.optim.optimizer_layout import precision_of, zero_stage_of
 from megatron.tokenizer.tokenizer import TOKENIZER_FILES
 
 # The source of data_path/vocab_file/tokenizer_type when the run context points them at the embedded corpus.
@@ -574,7 +574,7 @@ def _check_reward_model(v: dict[str, Any], sources: dict[str, str]) -> None:
 
 
 def _check_mixture_of_experts(v: dict[str, Any], sources: dict[str, str]) -> None:
-    """What experts (moe_num_experts > 1) cannot do yet, refused before any rank starts (megatron/architecture.py)."""
+    """What experts (moe_num_experts > 1) cannot do yet, refused before any rank starts (megatron/contract/architecture.py)."""
     problem = mixture_of_experts_problem(v)
     if problem:
         raise _fail(sources, *problem)

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.data import BatchOptions, get_batch
-from megatron.initialize import current_device
 from megatron.objectives.log_probs import reference_log_probs, target_log_probs
+from megatron.runtime.initialize import current_device
 
 
 class DirectPreferenceOptimization:

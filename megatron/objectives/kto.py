@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from megatron.data import BatchOptions, get_batch
-from megatron.initialize import current_device
 from megatron.objectives.log_probs import reference_log_probs, target_log_probs
+from megatron.runtime.initialize import current_device
 
 _NEUTRAL = 1e-3  # |reward| at most this: neither desirable nor undesirable (GPT-NeoX's threshold)
 

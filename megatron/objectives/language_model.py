@@ -3,19 +3,19 @@
 With experts and ``moe_load_balancing_loss`` the loss is Hugging Face's for a mixture of experts: the cross
 entropy plus ``moe_load_balancing_loss_coef`` x the load-balancing loss over every token of the micro batch
 (transformers' load_balancing_loss_func without an attention mask), both reported on their own. With experts
-the load-balancing loss is reported in any case, and every expert's load (megatron/expert_load.py).
+the load-balancing loss is reported in any case, and every expert's load (megatron/objectives/expert_load.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron.architecture import Architecture
+from megatron.contract.architecture import Architecture
 from megatron.data import BatchOptions, get_batch
-from megatron.expert_load import expert_load_metrics
-from megatron.initialize import current_device
 from megatron.model import causal_lm_loss, expert_load, load_balancing_loss
 from megatron.model.moe import Routing
+from megatron.objectives.expert_load import expert_load_metrics
+from megatron.runtime.initialize import current_device
 
 
 def forward_loss(engine, samples: dict[str, torch.Tensor], batch_options: BatchOptions | None = None,
@@ -50,7 +50,7 @@ class LanguageModelLoss:
     def with_experts(self, lm_loss: torch.Tensor, balance: torch.Tensor,
                      loads: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss and metrics of a micro batch from its language-model loss, load-balancing loss and every
-        expert layer's load (also of a pipeline's, megatron/pipeline.py)."""
+        expert layer's load (also of a pipeline's, megatron/training/pipe_engine.py)."""
         metrics = {"load_balancing_loss": balance.detach(), **expert_load_metrics(self.experts, loads)}
         if not self.balanced:
             return lm_loss, metrics

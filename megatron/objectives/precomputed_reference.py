@@ -75,7 +75,7 @@ def uses_precomputed_reference(args) -> bool:
 
 def precomputed_reference(args, policy_plan, data_parallel_size: int, hf_source=None) -> ReferenceIdentity | None:
     """This run's reference (plan_reference's identity) after checking that every precomputed file records it;
-    None when the run reads none. megatron.training.setup and deepy.py --dry-run (run_context.check_run_files)
+    None when the run reads none. megatron.training.loop.setup and deepy.py --dry-run (run_context.check_run_files)
     call it. DataError (or plan_reference's CheckpointError) in one line."""
     if not uses_precomputed_reference(args):
         return None

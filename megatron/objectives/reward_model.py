@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.data import BatchOptions, DataError, pairwise_batch
-from megatron.initialize import current_device
+from megatron.runtime.initialize import current_device
 
 
 def rewards_at_first_trained_position(values: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

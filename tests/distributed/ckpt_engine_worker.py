@@ -26,7 +26,7 @@ from megatron.checkpointing.loading import master_weights as master_weights_modu
 from megatron.checkpointing.loading.module_load import load_module_only  # noqa: E402
 from megatron.checkpointing.ondisk.module_weights import read_module_weights  # noqa: E402
 from megatron.checkpointing.saving.engine_save import save_engine_checkpoint  # noqa: E402
-from megatron.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
+from megatron.runtime.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
 from tests.ckpt_engines import (  # noqa: E402
     batch,
     bits_equal,

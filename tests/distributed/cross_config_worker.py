@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from megatron.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
+from megatron.runtime.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
 from tests.ckpt_engines import (  # noqa: E402
     DTYPES,
     bits_equal,

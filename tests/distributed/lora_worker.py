@@ -22,16 +22,16 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 from megatron.checkpointing import load_checkpoint, plan_load, read_module_weights, save_checkpoint  # noqa: E402
-from megatron.initialize import (  # noqa: E402
-    ModelParallelUnit,
-    zero3_construction,
-)
 from megatron.model import build_model, causal_lm_loss  # noqa: E402
 from megatron.model.init_methods import full_shape, local_shape, set_value  # noqa: E402
 from megatron.model.partitioning import REPLICATED, partition, partitioning, repartition  # noqa: E402
+from megatron.model.zero3_partition import is_partitioned  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
-from megatron.optimizers import build_param_groups  # noqa: E402
-from megatron.zero3_partition import is_partitioned  # noqa: E402
+from megatron.optim.optimizers import build_param_groups  # noqa: E402
+from megatron.runtime.initialize import (  # noqa: E402
+    ModelParallelUnit,
+    zero3_construction,
+)
 from tests.distributed.tensor_parallel_worker import (  # noqa: E402
     BASE,
     FAMILIES,

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from megatron.checkpointing import inventory_checkpoint, load_checkpoint, plan_load, save_checkpoint  # noqa: E402
-from megatron.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
+from megatron.runtime.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
 from tests.ckpt_engines import build_engine, make_args, tiny_batch, train_step  # noqa: E402
 from tests.worker_report import report  # noqa: E402
 

@@ -22,13 +22,13 @@ from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 from megatron.data import BatchOptions, get_batch  # noqa: E402
-from megatron.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
 from megatron.model import build_model, causal_lm_loss  # noqa: E402
 from megatron.model.pipeline import build_pipeline_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 from megatron.objectives import mean_over_micro_batches_and_ranks  # noqa: E402
 from megatron.objectives.language_model import LanguageModelLoss  # noqa: E402
-from megatron.pipeline import pipeline_batches, train_step  # noqa: E402
+from megatron.runtime.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
+from megatron.training.pipe_engine import pipeline_batches, train_step  # noqa: E402
 from tests.distributed.tensor_parallel_worker import BASE, FAMILIES, SEQ, VOCAB, check, full  # noqa: E402
 from tests.worker_report import report  # noqa: E402
 

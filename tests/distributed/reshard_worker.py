@@ -25,9 +25,9 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 
 from megatron.checkpointing import load_checkpoint, plan_load, save_checkpoint  # noqa: E402
 from megatron.checkpointing.loading import reshard
-from megatron.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
 from megatron.model import causal_lm_loss  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
+from megatron.runtime.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
 from tests.distributed.tensor_parallel_worker import BASE, FAMILIES, batch, check, full, trained_engine  # noqa: E402
 from tests.worker_report import report  # noqa: E402
 

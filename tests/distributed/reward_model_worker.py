@@ -18,10 +18,10 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.data import BatchOptions  # noqa: E402
 from megatron.hf.mapping import convert_tensors, hf_to_ours, ours_to_hf  # noqa: E402
-from megatron.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
 from megatron.model import build_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 from megatron.objectives import objective_for  # noqa: E402
+from megatron.runtime.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
 from tests.distributed.tensor_parallel_worker import check, full, set_tensor_parallel_size  # noqa: E402
 from tests.distributed.test_reward_model import RM, expected_loss, hf_config, hf_scores, pairs  # noqa: E402
 from tests.unit.test_model import LLAMA, NEOX  # noqa: E402

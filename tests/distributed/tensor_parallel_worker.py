@@ -22,11 +22,11 @@ from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 from megatron.checkpointing import load_checkpoint, plan_load, save_checkpoint  # noqa: E402
-from megatron.initialize import ModelParallelUnit, init_deepspeed_distributed, leave_process_group  # noqa: E402
 from megatron.model import build_model, causal_lm_loss  # noqa: E402
 from megatron.model.partitioning import partitioning, repartition  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
-from megatron.optimizers import build_param_groups  # noqa: E402
+from megatron.optim.optimizers import build_param_groups  # noqa: E402
+from megatron.runtime.initialize import ModelParallelUnit, init_deepspeed_distributed, leave_process_group  # noqa: E402
 from tests.worker_report import report  # noqa: E402
 
 VOCAB = 96

@@ -1,4 +1,4 @@
-"""megatron/cpu_info.py: DeepSpeed's CPU op builders get py-cpuinfo's answer, asked once, in the background.
+"""megatron/runtime/cpu_info.py: DeepSpeed's CPU op builders get py-cpuinfo's answer, asked once, in the background.
 
 Each test runs in a fresh interpreter, where py-cpuinfo is as DeepSpeed finds it in a rank."""
 
@@ -21,7 +21,7 @@ cpuinfo.get_cpu_info = counted
 from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, FusedAdamBuilder
 before = FusedAdamBuilder().cxx_args()
 asked_before = len(calls)
-from megatron.cpu_info import ask_cpu_info_early
+from megatron.runtime.cpu_info import ask_cpu_info_early
 ask_cpu_info_early()
 ask_cpu_info_early()
 after = [FusedAdamBuilder().cxx_args(), FusedAdamBuilder().cxx_args(), CPUAdamBuilder().cxx_args()]
@@ -32,7 +32,7 @@ print(json.dumps({"before": before, "asked_before": asked_before, "after": after
 SIGNALLED_CHILD = """
 import json, os, signal, time
 from pathlib import Path
-from megatron.cpu_info import ask_cpu_info_early
+from megatron.runtime.cpu_info import ask_cpu_info_early
 ask_cpu_info_early()
 children = []
 deadline = time.monotonic() + 30

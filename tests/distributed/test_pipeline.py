@@ -49,7 +49,7 @@ def test_two_stages_by_two_tensor_parallel_ranks_are_the_same_model_as_one_modul
 def test_two_stages_with_experts_train_the_objective_of_one_module(tmp_path):
     """Experts in layers 0 and 2 of 4 (one expert layer per stage), GPT-NeoX's sinkhorn router and the top-k router
     with the load-balancing loss in the loss (coefficient 0.5, recomputed activations): one step through DeepSpeed's
-    pipe engine (megatron.pipeline.train_step) gives one module's loss and metrics, lm_loss, load_balancing_loss and
+    pipe engine (megatron.training.pipe_engine.train_step) gives one module's loss and metrics, lm_loss, load_balancing_loss and
     every layer's expert load, whichever stage holds the layer (measured: equal), and its gradients (rtol 1e-5,
     atol 1e-7)."""
     records = run_worker("experts", tmp_path)

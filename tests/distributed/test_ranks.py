@@ -3,7 +3,6 @@ ranks report to each other (the signal, divergence and save-failure runs on 2 ra
 
 from pathlib import Path
 
-from megatron.collective import decided_by_rank_zero, first_report, reported_by_ranks
 from megatron.ranks import (
     data_parallel_rank_and_size,
     global_rank,
@@ -11,6 +10,7 @@ from megatron.ranks import (
     tensor_parallel_rank,
     tensor_parallel_size,
 )
+from megatron.runtime.collective import decided_by_rank_zero, first_report, reported_by_ranks
 from tests.conftest import run_rank_worker
 from tests.distributed.votes_worker import VOTES
 

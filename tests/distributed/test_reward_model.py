@@ -19,7 +19,7 @@ from transformers import (
     LlamaForSequenceClassification,
 )
 
-from megatron.architecture import ModelConfigError
+from megatron.contract.architecture import ModelConfigError
 from megatron.data import BatchOptions
 from megatron.model import build_model
 from megatron.neox_arguments import ConfigError, NeoXArgs

@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --nproc_per_node 2 tests/distributed/votes_worker.py
 
-Each vote of VOTES is cast on both ranks through megatron/collective.py; each rank reports what it heard.
+Each vote of VOTES is cast on both ranks through megatron/runtime/collective.py; each rank reports what it heard.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron.collective import decided_by_rank_zero, first_report, reported_by_ranks  # noqa: E402
-from megatron.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
+from megatron.runtime.collective import decided_by_rank_zero, first_report, reported_by_ranks  # noqa: E402
+from megatron.runtime.initialize import init_deepspeed_distributed, leave_process_group  # noqa: E402
 from tests.worker_report import report  # noqa: E402
 
 # what rank 0 and rank 1 report, one vote after another

@@ -23,9 +23,9 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import logger as deepspeed_logger  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
-from megatron.initialize import init_deepspeed_distributed, leave_process_group, zero3_construction  # noqa: E402
 from megatron.model import build_model, causal_lm_loss  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
+from megatron.runtime.initialize import init_deepspeed_distributed, leave_process_group, zero3_construction  # noqa: E402
 from tests.distributed.tensor_parallel_worker import check, set_tensor_parallel_size  # noqa: E402
 from tests.worker_report import report  # noqa: E402
 

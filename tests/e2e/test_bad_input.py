@@ -13,15 +13,15 @@ import pytest
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from megatron.architecture import ModelConfigError
 from megatron.checkpointing import CheckpointError
 from megatron.checkpointing.ondisk.safe_unpickle import load_weights_only
+from megatron.contract.architecture import ModelConfigError
 from megatron.data.errors import DataError
 from megatron.data.indexed_dataset import data_file_path
 from megatron.hf.errors import HFConversionError
-from megatron.launcher import port_is_free, rendezvous_port
+from megatron.launch.launcher import port_is_free, rendezvous_port
 from megatron.neox_arguments import ConfigError, NeoXArgs
-from megatron.rank_errors import EXIT_EXPECTED_ERROR, expected_error_line, run_rank
+from megatron.runtime.rank_errors import EXIT_EXPECTED_ERROR, expected_error_line, run_rank
 from megatron.tokenizer.errors import TokenizerError
 from tests.deepy_runs import run_deepy, train_lines, write_overrides
 from tests.unit.test_data_vocabulary import MODEL, write_dataset
@@ -206,9 +206,9 @@ def test_a_rank_that_finished_leaves_its_process_group_and_one_that_failed_does_
     without an active exception'); a failed rank keeps its group, whose pending work could wait on its peers."""
     script = (
         "import torch.distributed as dist\n"
-        "from megatron.launcher import free_port\n"
+        "from megatron.launch.launcher import free_port\n"
         "from megatron.neox_arguments import ConfigError\n"
-        "from megatron.rank_errors import run_rank\n"
+        "from megatron.runtime.rank_errors import run_rank\n"
         "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
         "def fail():\n"
         "    raise ConfigError('a setting is wrong')\n"

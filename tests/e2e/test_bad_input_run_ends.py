@@ -14,10 +14,10 @@ import time
 import numpy as np
 import pytest
 
-from megatron import faults
 from megatron.data.indexed_dataset import data_file_path
 from megatron.neox_arguments import NeoXArgs
-from megatron.rank_errors import EXIT_EXPECTED_ERROR
+from megatron.runtime import faults
+from megatron.runtime.rank_errors import EXIT_EXPECTED_ERROR
 from tests.deepy_runs import REPO_ROOT, run_deepy, write_overrides
 from tests.e2e.test_bad_input import assert_one_line
 from tests.e2e.test_signals import DeepyRun
@@ -168,11 +168,11 @@ def test_a_rank_ends_on_its_error_while_its_data_loader_workers_run(error, last_
     workers of its iterator are running: it ends at once, its one line (a bug: its traceback) last."""
     script = (
         "import sys\n"
-        "from megatron.stop_signals import StopSignals\n"
+        "from megatron.runtime.stop_signals import StopSignals\n"
         "StopSignals().install()\n"
         "from torch.utils.data import DataLoader\n"
         "from megatron.data.errors import DataError\n"
-        "from megatron.rank_errors import run_rank\n"
+        "from megatron.runtime.rank_errors import run_rank\n"
         "def main():\n"
         "    batches = iter(DataLoader(list(range(100)), batch_size=2, num_workers=2))\n"
         "    next(batches)\n"
@@ -189,11 +189,11 @@ def test_an_expected_error_in_a_data_loader_worker_is_the_same_one_line_as_witho
     reports the error's own line, spread over two lines as the error gave it (it was a traceback in one line)."""
     script = (
         "import sys\n"
-        "from megatron.stop_signals import StopSignals\n"
+        "from megatron.runtime.stop_signals import StopSignals\n"
         "StopSignals().install()\n"
         "from torch.utils.data import DataLoader, Dataset\n"
         "from megatron.data.errors import DataError\n"
-        "from megatron.rank_errors import run_rank\n"
+        "from megatron.runtime.rank_errors import run_rank\n"
         "class Records(Dataset):\n"
         "    def __len__(self):\n"
         "        return 100\n"

@@ -17,10 +17,10 @@ from megatron.checkpointing.ondisk.module_weights import (
     read_module_weights,
 )
 from megatron.data import build_data_iterators, get_batch
+from megatron.data.builders import samples_per_split
+from megatron.launch.run_context import resolve_run_settings
 from megatron.model import GPTModel, build_model, causal_lm_loss
 from megatron.neox_arguments import NeoXArgs
-from megatron.run_context import resolve_run_settings
-from megatron.training import samples_per_split
 from tests.ckpt_engines import build_engine, ds_config
 from tests.deepy_runs import REPO_ROOT, run_deepy, train_lines, write_overrides
 

@@ -15,7 +15,7 @@ import signal
 
 import pytest
 
-from megatron import faults
+from megatron.runtime import faults
 from tests.deepy_runs import run_deepy, write_overrides
 from tests.e2e.test_preprocess_chat import make_chat_tokenizer, run, write_jsonl
 from tests.e2e.test_signals import DeepyRun, assert_graceful_stop, signal_the_job

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 import deepy
+from megatron.launch.run_context import resolve_run_settings
 from megatron.neox_arguments import SETTINGS, NeoXArgs
-from megatron.run_context import resolve_run_settings
 from megatron.tokenizer import train_bpe_tokenizer
 from tests.conftest import free_port
 from tests.rank_echo import settings_digest

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("lm_eval")
 
 from megatron.logging import get_logger  # noqa: E402
-from megatron.training import setup_for_inference  # noqa: E402
+from megatron.training.loop import setup_for_inference  # noqa: E402
 from tests.e2e.test_generate import hf_greedy, model_of_tokenizer_size  # noqa: E402
 from tests.e2e.test_hf_conversion import our_args, save_hf  # noqa: E402
 
@@ -128,7 +128,7 @@ def test_the_harness_scores_a_gpt_neox_model_as_transformers_does(tmp_path):
     # request by request, in the harness's order (the batches run longest first)
     from lm_eval.api.instance import Instance
 
-    from megatron.evaluation.language_model import NeoXLanguageModel
+    from megatron.evaluation.harness_model import NeoXLanguageModel
 
     language_model = NeoXLanguageModel(model, build_tokenizer(args), max_length=64, batch_size=3)
     requests = [Instance("loglikelihood", doc={}, arguments=pair, idx=0) for pair in CONTINUATIONS]
@@ -207,7 +207,7 @@ def test_without_the_harness_eval_py_says_how_to_install_it(monkeypatch):
 
 def test_eval_tasks_are_matched_as_gpt_neox_matches_them():
     from megatron.evaluation import EvaluationError
-    from megatron.evaluation.harness import task_names
+    from megatron.evaluation.eval_run import task_names
 
     known = ["hellaswag", "lambada_openai", "lambada_standard", "piqa"]
     assert task_names(["piqa", "lambada_*", "lambada_openai"], known) == ["piqa", "lambada_openai", "lambada_standard"]

@@ -11,7 +11,7 @@ import torch
 
 from megatron.generation import Limits, Sampling, complete, generate_samples, next_tokens
 from megatron.logging import get_logger
-from megatron.training import setup_for_inference
+from megatron.training.loop import setup_for_inference
 from tests.e2e.test_hf_conversion import TEXT, make_hf_model, our_args, save_hf
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
@@ -207,7 +207,7 @@ def test_interactive_reads_prompts_until_the_input_ends_and_prints_each_completi
 def test_training_with_only_generation_settings_is_a_one_line_error(tmp_path):
     """Files setting text_gen_type need no train_iters (they are for generate.py); train.py still asks for it."""
     from megatron.neox_arguments import ConfigError, NeoXArgs
-    from megatron.training import setup
+    from megatron.training.loop import setup
     from tests.unit.test_neox_args import write_yaml
 
     config = write_yaml(tmp_path, "gen.yml", {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,

@@ -22,9 +22,9 @@ from megatron.hf.config import spec_from_hf_config
 from megatron.hf.convert import convert_hf_to_neox, convert_neox_to_hf
 from megatron.hf.io import iter_hf_tensors
 from megatron.hf.mapping import convert_tensors, hf_to_ours, ours_to_hf
+from megatron.launch.run_context import resolve_run_settings
 from megatron.model import build_model
 from megatron.neox_arguments import NeoXArgs
-from megatron.run_context import resolve_run_settings
 from megatron.tokenizer import build_tokenizer, train_bpe_tokenizer
 from tests.ckpt_engines import stored_client_state
 

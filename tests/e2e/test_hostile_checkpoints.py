@@ -34,7 +34,7 @@ from megatron.checkpointing.ondisk.safe_unpickle import every_torch_load_weights
 from megatron.checkpointing.saving.engine_save import save_engine_checkpoint
 from megatron.hf import HF_FOLDER
 from megatron.hf.convert import convert_hf_to_neox
-from megatron.hf.load import read_hf_model
+from megatron.hf.folder_weights import read_hf_model
 from tests import ckpt_engines
 from tests.deepy_runs import run_deepy, write_overrides
 from tests.e2e.test_hf_conversion import make_hf_model, run_tool, save_hf, tokens, write_pipeline_checkpoint

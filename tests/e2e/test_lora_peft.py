@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 from megatron.checkpointing import inventory_checkpoint, read_full_module_weights, read_module_weights
+from megatron.contract.lora_settings import lora_settings
 from megatron.hf import HF_FOLDER
 from megatron.hf.config import architecture_of
 from megatron.hf.convert import convert_hf_to_neox
 from megatron.hf.peft import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
-from megatron.lora_settings import lora_settings
 from megatron.model import build_model
 from tests.ckpt_engines import stored_client_state
 from tests.deepy_runs import REPO_ROOT, run_deepy, train_lines, write_overrides

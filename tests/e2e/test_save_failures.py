@@ -1,7 +1,7 @@
 """End to end: training processes killed inside a save, and a disk that fills, then the same command again.
 
 The kill is a real SIGKILL of the training process at a chosen moment of the save (the test-only
-sigkill_during_save fault point of megatron/faults.py picks the moment); the full disk is a real, small tmpfs mounted in
+sigkill_during_save fault point of megatron/runtime/faults.py picks the moment); the full disk is a real, small tmpfs mounted in
 a private mount namespace; a write that fails on one rank only is a real file-size limit (prlimit) set
 on that running rank.
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron import faults
 from megatron.checkpointing.ondisk import manifest
+from megatron.runtime import faults
 from tests.deepy_runs import REPO_ROOT, run_deepy, train_lines, write_overrides
 
 pytestmark = pytest.mark.e2e

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron import faults
-from megatron.stop_signals import SAME_REQUEST_SECONDS
-from megatron.supervision import Supervisor
+from megatron.launch.supervision import Supervisor
+from megatron.runtime import faults
+from megatron.runtime.stop_signals import SAME_REQUEST_SECONDS
 from tests.deepy_runs import REPO_ROOT, train_lines, write_overrides
 
 pytestmark = pytest.mark.e2e
@@ -139,7 +139,7 @@ def signal_the_job(run: DeepyRun, receivers: str, signum: int) -> None:
     elif receivers == "the srun-like wrapper's group":
         run.process.send_signal(signum)  # the wrapper passes it on to its whole group
     elif receivers == "DeepSpeed's launcher":
-        send(run.processes(command_has="megatron.launch_entry") + run.processes(command_has="deepspeed.launcher.launch"),
+        send(run.processes(command_has="megatron.launch.entry") + run.processes(command_has="deepspeed.launcher.launch"),
              signum)
     elif receivers == "the last rank":
         ranks = run.ranks()
@@ -273,7 +273,7 @@ def test_a_stop_whose_exit_a_library_swallowed_still_ends_deepy_before_the_launc
                     *(["--dry-run"] if dry_run else [])]
     swallowing_start = (
         "import runpy, signal, sys\n"
-        "from megatron.supervision import stop_quietly_before_launch\n"
+        "from megatron.launch.supervision import stop_quietly_before_launch\n"
         "stop_quietly_before_launch()\n"
         "try:\n"
         "    signal.raise_signal(signal.SIGTERM)\n"

@@ -10,11 +10,11 @@ import pytest
 import torch
 import yaml
 
-from megatron.architecture import architecture_mismatches, fields_of_settings
 from megatron.checkpointing.ondisk.module_weights import read_module_weights
-from megatron.learning_rates import learning_rate_at
+from megatron.contract.architecture import architecture_mismatches, fields_of_settings
 from megatron.neox_arguments import NeoXArgs, padded_vocab_size
 from megatron.tokenizer import build_tokenizer
+from megatron.training.learning_rates import learning_rate_at
 from tests.ckpt_engines import stored_client_state
 from tests.deepy_runs import (
     checkpoint_files,

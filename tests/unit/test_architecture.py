@@ -8,11 +8,11 @@ import pytest
 import torch
 import yaml
 
-from megatron.architecture import FIELDS_THAT_REFUSE_A_LOAD
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.ondisk.client_state import FORMAT_VERSION, FORMAT_VERSION_KEY
 from megatron.checkpointing.ondisk.inventory import inventory_checkpoint
 from megatron.checkpointing.planning.plan import build_load_plan
+from megatron.contract.architecture import FIELDS_THAT_REFUSE_A_LOAD
 from megatron.hf import HF_FOLDER
 from megatron.model import GPTModel, build_model
 from megatron.neox_arguments import NeoXArgs

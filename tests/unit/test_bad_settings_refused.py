@@ -15,7 +15,7 @@ import deepy
 from megatron.data import DataError, MMapIndexedDataset, MMapIndexedDatasetBuilder
 from megatron.data.gpt_dataset import GPTDataset
 from megatron.hf import HFConversionError
-from megatron.hf.load import read_hf_model
+from megatron.hf.folder_weights import read_hf_model
 from megatron.neox_arguments import ConfigError
 from tests.e2e.test_hf_conversion import hf_reference, make_hf_model, save_hf
 from tests.e2e.test_preprocess_chat import CHAT, make_chat_tokenizer, run, write_jsonl
@@ -150,10 +150,10 @@ def test_hf_weights_the_model_cannot_train_from_are_refused_as_they_are_read(tmp
 @pytest.mark.usefixtures("single_rank_world")
 def test_checkpoint_weights_holding_nan_are_refused_before_training_from_them(tmp_path):
     from megatron.checkpointing.errors import CheckpointError
+    from megatron.launch.run_context import resolve_run_settings
     from megatron.model import build_model
     from megatron.neox_arguments import NeoXArgs
-    from megatron.run_context import resolve_run_settings
-    from megatron.training import setup_for_inference
+    from megatron.training.loop import setup_for_inference
     from tests.e2e.test_ckpt_gpt_neox_checkpoints import write_gpt_neox_pipeline_checkpoint
 
     config = write_yaml(tmp_path, "run.yml", {**TINY_RUN, "load": str(tmp_path / "neox")})

@@ -175,8 +175,8 @@ def test_one_rule_names_the_tag_a_request_reads(tmp_path):
 def test_a_partial_folder_is_refused_by_every_reader_of_a_tag_in_the_same_words(tmp_path):
     """A `latest` naming an interrupted save, or such a folder asked for by name, is never read, whoever asks."""
     from megatron.hf.convert import convert_neox_to_hf
+    from megatron.launch.run_context import settings_for_run
     from megatron.neox_arguments import ConfigError
-    from megatron.run_context import settings_for_run
     from tools.ckpts.inspect_checkpoint import describe
 
     run = tmp_path / "run"

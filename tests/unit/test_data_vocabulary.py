@@ -163,9 +163,9 @@ def test_a_split_that_gives_training_no_documents_is_refused_before_the_first_st
 
 
 def test_a_training_run_stops_at_setup_not_mid_run_with_an_index_error(single_rank_world, tmp_path):
-    from megatron.run_context import resolve_run_settings
+    from megatron.launch.run_context import resolve_run_settings
     from megatron.tokenizer import train_bpe_tokenizer
-    from megatron.training import setup
+    from megatron.training.loop import setup
 
     vocab_file = train_bpe_tokenizer(["def f(x):\n    return x * x\n"] * 50, tmp_path / "tok.json", vocab_size=300)
     prefix = write_dataset(tmp_path / "other", [list(range(0, 1000, 7))] * 8)  # made with a larger vocabulary
@@ -181,9 +181,9 @@ def test_start_up_checks_each_data_file_once(single_rank_world, tmp_path, monkey
     """check_data_files (the dry run's) and the datasets' constructors make the same checks; start-up makes them
     once, as it builds the datasets, not once more before."""
     from megatron.data import builders, gpt_dataset
-    from megatron.run_context import resolve_run_settings
+    from megatron.launch.run_context import resolve_run_settings
     from megatron.tokenizer import train_bpe_tokenizer
-    from megatron.training import setup
+    from megatron.training.loop import setup
 
     checked, check = [], gpt_dataset.check_gpt_files
 

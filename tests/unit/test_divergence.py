@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from megatron.checkpointing.ondisk.module_weights import read_module_weights
-from megatron.divergence import DivergenceError
+from megatron.launch.run_context import resolve_run_settings
 from megatron.neox_arguments import NeoXArgs
-from megatron.run_context import resolve_run_settings
-from megatron.training import setup, train
+from megatron.training.divergence import DivergenceError
+from megatron.training.loop import setup, train
 from tests.deepy_runs import tensorboard_scalars
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
@@ -116,7 +116,7 @@ def test_fp16_skips_while_the_loss_scale_settles_are_counted_and_training_goes_o
 
 def test_a_dpo_run_that_diverges_stops_with_the_same_line_before_any_save(tmp_path):
     """train_impl dpo from a Hugging Face folder, its reference live: the loss is DPO's, the stop is a normal run's."""
-    from megatron.run_context import settings_for_run
+    from megatron.launch.run_context import settings_for_run
     from tests.deepy_runs import write_overrides
     from tests.e2e.test_dpo import CHOSEN, PROMPTS, REJECTED, chat, save_llama
     from tests.e2e.test_preprocess_chat import make_chat_tokenizer, run, write_jsonl

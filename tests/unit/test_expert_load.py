@@ -1,11 +1,11 @@
-"""The router-collapse watch (megatron/expert_load.py) over steps of expert loads: when it speaks, and once."""
+"""The router-collapse watch (megatron/objectives/expert_load.py) over steps of expert loads: when it speaks, and once."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron.expert_load import ExpertLoadWatch, expert_load_name
 from megatron.neox_arguments import ConfigError, NeoXArgs
+from megatron.objectives.expert_load import ExpertLoadWatch, expert_load_name
 from tests.ckpt_engines import ARCHITECTURE
 
 

@@ -1,8 +1,8 @@
-"""The fault points tests switch on in the processes they start (megatron/faults.py)."""
+"""The fault points tests switch on in the processes they start (megatron/runtime/faults.py)."""
 
 import pytest
 
-from megatron import faults
+from megatron.runtime import faults
 
 
 def test_a_point_is_off_unless_the_environment_names_it(monkeypatch):

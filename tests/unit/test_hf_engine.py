@@ -13,7 +13,7 @@ from megatron.hf.config import spec_from_hf_config
 from megatron.hf.convert import convert_hf_to_neox, convert_neox_to_hf
 from megatron.model import build_model, causal_lm_loss
 from megatron.neox_arguments import NeoXArgs
-from megatron.optimizers import build_param_groups
+from megatron.optim.optimizers import build_param_groups
 from tests.e2e.test_hf_conversion import make_hf_model, save_hf, tokens
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")

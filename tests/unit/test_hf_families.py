@@ -17,8 +17,8 @@ from megatron.checkpointing import load_checkpoint, plan_load
 from megatron.hf import HF_FOLDER, load_hf_module_weights
 from megatron.hf.config import spec_from_hf_config
 from megatron.hf.mapping import convert_tensors, hf_to_ours
+from megatron.launch.run_context import resolve_run_settings, settings_for_run
 from megatron.model import build_model
-from megatron.run_context import resolve_run_settings, settings_for_run
 from tests.e2e.test_hf_conversion import VOCAB, logits_of, make_hf_model, our_args, save_hf
 from tests.unit.test_hf_engine import build_engine, engine_args, engine_loss
 

@@ -9,7 +9,7 @@ import pytest
 from deepspeed.launcher import runner
 from deepspeed.launcher.multinode_runner import MVAPICHRunner, OpenMPIRunner, PDSHRunner, SlurmRunner
 
-from megatron.launcher import launch_command, rendezvous_port, runner_arguments
+from megatron.launch.launcher import launch_command, rendezvous_port, runner_arguments
 from megatron.neox_arguments import ConfigError, NeoXArgs, load_args_on_rank
 from megatron.neox_arguments.handover import HANDOVER_FLAG, handover_argv
 from tests.unit.test_neox_args import TINY_RUN
@@ -88,7 +88,7 @@ def test_hostfile_include_exclude_count_the_ranks_deepspeed_starts(hostfile, set
 
 def test_one_machine_starts_deepspeeds_runner_through_the_entry_that_blocks_the_stop_signals():
     command = launch_command(launch_args(), "train.py", ["--x"], cpu_only=True, python="/usr/bin/python3")
-    assert command[:3] == ["/usr/bin/python3", "-m", "megatron.launch_entry"]
+    assert command[:3] == ["/usr/bin/python3", "-m", "megatron.launch.entry"]
     assert command[-2:] == ["train.py", "--x"]
 
 
@@ -145,7 +145,7 @@ def test_slurm_and_mpi_ranks_are_started_by_the_multi_node_runner(setting):
 
 
 def test_deepspeed_slurm_ranks_take_rank_and_world_size_from_slurm(monkeypatch):
-    from megatron.initialize import _rank_environment_from_launcher
+    from megatron.runtime.initialize import _rank_environment_from_launcher
 
     for name, value in {"SLURM_LOCALID": "1", "SLURM_PROCID": "5", "SLURM_NNODES": "2",
                         "SLURM_NTASKS_PER_NODE": "4"}.items():
@@ -245,7 +245,7 @@ def test_node_rank_starts_this_nodes_ranks_without_ssh(hostfile):
     assert args.global_num_gpus == 8 == ranks_deepspeed_would_start(parsed, cpu_only=False)  # the whole job's
     # this node's ranks only, all local: through the entry that blocks the stop signals, on the port given
     command = launch_command(args, "train.py", [], cpu_only=False, python="/usr/bin/python3")
-    assert command[:3] == ["/usr/bin/python3", "-m", "megatron.launch_entry"]
+    assert command[:3] == ["/usr/bin/python3", "-m", "megatron.launch.entry"]
     assert rendezvous_port(args) == 6000
 
 

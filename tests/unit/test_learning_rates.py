@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from megatron.learning_rates import Schedule, learning_rate_at
+from megatron.training.learning_rates import Schedule, learning_rate_at
 
 PEAK, MIN = 1.0e-3, 1.0e-5
 

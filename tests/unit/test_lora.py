@@ -15,13 +15,13 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from megatron.checkpointing.loading.master_weights import master_fragments
+from megatron.contract.lora_settings import lora_settings
 from megatron.data import BatchOptions
-from megatron.lora_settings import lora_settings
 from megatron.model import build_model, causal_lm_loss
 from megatron.model.lora import BaseWithoutAdapters
 from megatron.neox_arguments import ConfigError, NeoXArgs
 from megatron.objectives.dpo import DirectPreferenceOptimization
-from megatron.optimizers import build_param_groups
+from megatron.optim.optimizers import build_param_groups
 from tests.unit.test_model import tokens
 from tests.unit.test_model_hf_equivalence import gpt_neox_pair, llama_pair
 from tests.unit.test_preference_losses import hf_sequence_log_probs, pairs

@@ -21,14 +21,14 @@ from transformers import (
 )
 
 from megatron.checkpointing import LoraBase, load_checkpoint, plan_load, plan_reference
+from megatron.contract.lora_settings import lora_settings
 from megatron.hf import HF_FOLDER, HFConversionError
 from megatron.hf.convert import convert_hf_to_neox
 from megatron.hf.peft import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, peft_names
-from megatron.lora_settings import lora_settings
+from megatron.launch.run_context import settings_for_run
 from megatron.model import build_model
 from megatron.neox_arguments import ConfigError, NeoXArgs
-from megatron.optimizers import build_param_groups
-from megatron.run_context import settings_for_run
+from megatron.optim.optimizers import build_param_groups
 from tests.ckpt_engines import hf_settings, make_args, saved_checkpoint, tiny_hf_model
 
 VOCAB = 96

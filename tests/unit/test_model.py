@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.architecture import architecture_from_settings
 from megatron.checkpointing.formats.legacy_names import is_legacy_buffer_key, translate_legacy_key
+from megatron.contract.architecture import architecture_from_settings
 from megatron.model import (
     GPTModel,
     ModelConfigError,

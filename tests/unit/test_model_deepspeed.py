@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron.model import build_model, causal_lm_loss
-from megatron.optimizers import build_param_groups
+from megatron.optim.optimizers import build_param_groups
 from tests.unit.test_model import LLAMA, tiny_args, tokens
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")

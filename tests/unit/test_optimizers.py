@@ -1,7 +1,7 @@
 import pytest
 
 from megatron.model import build_model
-from megatron.optimizers import build_param_groups
+from megatron.optim.optimizers import build_param_groups
 from tests.unit.test_model import LLAMA, tiny_args
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")

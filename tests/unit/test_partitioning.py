@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.architecture import ModelConfigError
+from megatron.contract.architecture import ModelConfigError
 from megatron.model.attention import query_key_value_rows
 from megatron.model.partitioning import local_experts, missing_experts, partition, partitioning, repartition
 from megatron.neox_arguments import NeoXArgs

@@ -181,7 +181,7 @@ def two_models(tmp_path):
 def precompute_from(hf_dir, args) -> list[str]:
     """What generate.py's text_gen_type precompute does with `load` naming `hf_dir`."""
     from megatron.hf import HF_FOLDER
-    from megatron.hf.load import load_hf_module_weights
+    from megatron.hf.folder_weights import load_hf_module_weights
     from megatron.objectives.precomputed_reference import identity_of_load
 
     model = build_model(args.architecture(), seed=0).eval()

@@ -11,8 +11,8 @@ from megatron.checkpointing import CheckpointError
 from megatron.checkpointing.ondisk.inventory import inventory_checkpoint
 from megatron.checkpointing.planning.plan import build_load_plan
 from megatron.hf import HF_FOLDER
+from megatron.launch.run_context import settings_for_run
 from megatron.neox_arguments import ConfigError
-from megatron.run_context import settings_for_run
 from tests.ckpt_engines import make_args, saved_checkpoint, tiny_hf_model
 
 RUN = {"finetune": True, "train_iters": 5, "train_micro_batch_size_per_gpu": 2, "lr": 0.001,

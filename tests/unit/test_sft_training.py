@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron.data import build_data_iterators, build_train_valid_test_datasets
+from megatron.data.builders import samples_per_split
+from megatron.launch.run_context import resolve_run_settings
 from megatron.model import build_model
 from megatron.neox_arguments import NeoXArgs
-from megatron.run_context import resolve_run_settings
-from megatron.training import missing_evaluation_notes, samples_per_split, setup, train
+from megatron.training.loop import missing_evaluation_notes, setup, train
 from tests.e2e.test_preprocess_chat import CHAT, make_chat_tokenizer, run, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")

@@ -2,7 +2,7 @@
 
 from megatron.checkpointing import ClientState, LoadMode, LoadOutcome
 from megatron.checkpointing.planning.plan import schedule_start
-from megatron.training import TrainState, state_after_load
+from megatron.training.loop import TrainState, state_after_load
 
 
 def outcome(iteration, loaded_optimizer, lr_schedule_start=0):
@@ -83,7 +83,7 @@ def test_an_unchanged_schedule_or_one_never_recorded_resumes_without_a_flag():
 def test_periodic_saves_start_after_the_first_step_and_extra_save_iters_may_ask_for_iteration_0():
     from types import SimpleNamespace
 
-    from megatron.training import _should_save
+    from megatron.training.loop import _should_save
 
     periodic = SimpleNamespace(save="ckpt", checkpoint_factor=2, extra_save_iters=None)
     assert [step for step in range(5) if _should_save(periodic, step)] == [2, 4]

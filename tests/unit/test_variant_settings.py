@@ -10,7 +10,7 @@ from megatron.checkpointing.saving.neox_config import resolved_neox_config, spli
 from megatron.hf.config import FAMILIES
 from megatron.model import build_model
 from megatron.neox_arguments import SETTINGS, ConfigError, NeoXArgs
-from megatron.optimizers import build_param_groups
+from megatron.optim.optimizers import build_param_groups
 
 MODEL = dict(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=8, padded_vocab_size=64,
              pos_emb="rotary", norm="rmsnorm", activation="swiglu", intermediate_size=96)

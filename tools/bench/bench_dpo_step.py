@@ -41,7 +41,7 @@ from megatron.neox_arguments import NeoXArgs  # noqa: E402
 from megatron.objectives.dpo import DirectPreferenceOptimization  # noqa: E402
 from megatron.objectives.kto import KahnemanTverskyOptimization  # noqa: E402
 from megatron.objectives.language_model import LanguageModelLoss  # noqa: E402
-from megatron.training import frozen_reference_engine  # noqa: E402
+from megatron.training.loop import frozen_reference_engine  # noqa: E402
 
 
 def llama_settings(options: argparse.Namespace, micro_batch: int, zero_stage: int) -> NeoXArgs:

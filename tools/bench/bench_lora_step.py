@@ -42,7 +42,7 @@ def measure_variant(options: argparse.Namespace) -> dict:
 
     from megatron.model import build_model
     from megatron.neox_arguments import NeoXArgs
-    from megatron.optimizers import build_param_groups
+    from megatron.optim.optimizers import build_param_groups
 
     world.measuring_process(options.threads)
     world.init_world()

@@ -41,7 +41,7 @@ from megatron.model import build_model  # noqa: E402
 from megatron.model.pipeline import build_pipeline_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
 from megatron.objectives.language_model import forward_loss  # noqa: E402
-from megatron.pipeline import pipeline_batches  # noqa: E402
+from megatron.training.pipe_engine import pipeline_batches  # noqa: E402
 
 STAGES = 2
 

@@ -4,7 +4,7 @@
         [--vocab 32000] [--seq 256] [--rows 4] [--precision fp32|bf16] [--threads N] [--json PATH]
 
 Once per ZeRO stage (1, then 3), a fresh gloo world of ``--ranks`` processes; each rank builds the reference
-exactly as training does (``megatron.training.frozen_reference_engine``: the model built again, under ZeRO-3
+exactly as training does (``megatron.training.loop.frozen_reference_engine``: the model built again, under ZeRO-3
 inside ``deepspeed.zero.Init`` over the data-parallel group, frozen, in a forward-only engine), then runs the
 reference's part of a preference step: the log-probabilities of ``--rows`` sequences of ``--seq`` tokens
 (``megatron.objectives.log_probs.target_log_probs`` without gradients), where ZeRO-3 gathers each layer for its
@@ -36,9 +36,9 @@ from harness import Ratios, bench_parser, table, write_json  # noqa: E402
 from procmem import PeakSampler, smaps_rollup_kib  # noqa: E402
 
 from megatron.data import BatchOptions, get_batch  # noqa: E402
-from megatron.initialize import current_device  # noqa: E402
 from megatron.objectives.log_probs import target_log_probs  # noqa: E402
-from megatron.training import frozen_reference_engine  # noqa: E402
+from megatron.runtime.initialize import current_device  # noqa: E402
+from megatron.training.loop import frozen_reference_engine  # noqa: E402
 
 STAGES = (1, 3)
 

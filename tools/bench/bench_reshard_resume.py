@@ -36,7 +36,7 @@ from megatron.checkpointing import load_checkpoint, plan_load, save_checkpoint  
 from megatron.logging import get_logger  # noqa: E402
 from megatron.model import build_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
-from megatron.optimizers import build_param_groups  # noqa: E402
+from megatron.optim.optimizers import build_param_groups  # noqa: E402
 
 MICRO_BATCH = 2
 GLOBAL_BATCH = 4  # the same at 1 and 2 data-parallel ranks

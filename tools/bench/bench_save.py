@@ -55,10 +55,10 @@ from megatron.checkpointing import (  # noqa: E402
     saves_waited_for,
     wait_for_save_in_flight,
 )
-from megatron.collective import all_gather, barrier  # noqa: E402
 from megatron.logging import get_logger  # noqa: E402
 from megatron.model import build_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
+from megatron.runtime.collective import all_gather, barrier  # noqa: E402
 
 KINDS = ("synchronous", "async", "no_save_optim")
 

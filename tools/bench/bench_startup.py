@@ -36,7 +36,7 @@ from harness import REPO, Ratios, bench_parser, in_turn, repeat_ratios, write_js
 
 sys.path.insert(0, str(REPO))
 
-from megatron.launcher import free_port  # noqa: E402
+from megatron.launch.launcher import free_port  # noqa: E402
 
 RANK_SCRIPT = "tools/bench/startup_rank.py"
 ORDER = ("deepy.py", "launcher", "imports", "process group", "tokenizer", "load plan", "model", "engine", "load",

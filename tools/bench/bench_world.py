@@ -16,9 +16,9 @@ from deepspeed.utils import logger as deepspeed_logger
 from megatron.core import parallel_state
 from procmem import return_freed_memory_to_os
 
-from megatron.initialize import ModelParallelUnit, init_deepspeed_distributed, leave_process_group
-from megatron.launcher import free_port
+from megatron.launch.launcher import free_port
 from megatron.model import causal_lm_loss
+from megatron.runtime.initialize import ModelParallelUnit, init_deepspeed_distributed, leave_process_group
 
 # Architecture settings of the two families the benches build (GPT-NeoX's names), on top of model_settings.
 PYTHIA = {"pos_emb": "rotary", "rotary_pct": 0.25, "gpt_j_residual": True, "no_weight_tying": True}

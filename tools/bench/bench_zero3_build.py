@@ -49,9 +49,9 @@ from megatron.checkpointing import (  # noqa: E402
     read_module_weights,
     save_engine_checkpoint,
 )
-from megatron.initialize import zero3_construction  # noqa: E402
 from megatron.model import build_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
+from megatron.runtime.initialize import zero3_construction  # noqa: E402
 
 TAG = "global_step1"
 BUILDS = ("partitioned", "whole")

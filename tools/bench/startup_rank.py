@@ -1,6 +1,6 @@
 """The rank script bench_startup.py hands to deepy.py: train.py with the moments of its start-up written down.
 
-Each phase of megatron.training.setup is timed by wrapping the function that does it (the real one runs);
+Each phase of megatron.training.loop.setup is timed by wrapping the function that does it (the real one runs);
 the first training step's end is the last moment. Written to $BENCH_STARTUP_DIR/rank<RANK>.json
 (wall-clock seconds since the epoch, comparable across the processes of this machine). With
 $BENCH_STARTUP_FLOOR set, the rank only imports torch and DeepSpeed and joins the gloo process group:
@@ -25,7 +25,7 @@ hide_foreign_notices()  # before the imports below
 
 # (module, attribute, phase): the functions setup() calls, looked up on their modules at call time
 PHASES = (
-    ("megatron.training", "initialize_distributed", "process group"),
+    ("megatron.training.loop", "initialize_distributed", "process group"),
     ("megatron.tokenizer", "build_tokenizer", "tokenizer"),
     ("megatron.checkpointing", "plan_load", "load plan"),
     ("megatron.model", "build_model", "model"),
@@ -56,18 +56,18 @@ def floor() -> int:
 def train() -> int:
     import importlib
 
-    from megatron.stop_signals import StopSignals
+    from megatron.runtime.stop_signals import StopSignals
 
     stop_signals = StopSignals()
     stop_signals.install()
-    from megatron.cpu_info import ask_cpu_info_early
+    from megatron.runtime.cpu_info import ask_cpu_info_early
 
     ask_cpu_info_early()
     import deepspeed  # noqa: F401  (setup imports it; here it counts as an import)
 
-    from megatron import training
     from megatron.neox_arguments import load_args_on_rank
-    from megatron.rank_errors import run_rank
+    from megatron.runtime.rank_errors import run_rank
+    from megatron.training import loop as training
 
     moments = {"started": STARTED, "imported": time.time(), "phases": []}
 

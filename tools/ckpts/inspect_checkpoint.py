@@ -31,7 +31,6 @@ hide_foreign_notices()  # before the imports below
 with contextlib.redirect_stdout(sys.stderr):
     import torch
 
-    from megatron.architecture import ModelConfigError, describe_model
     from megatron.checkpointing import (
         CheckpointError,
         CheckpointInventory,
@@ -43,10 +42,11 @@ with contextlib.redirect_stdout(sys.stderr):
         read_full_module_weights,
         read_module_weights,
     )
+    from megatron.contract.architecture import ModelConfigError, describe_model
     from megatron.hf.config import architecture_of
-    from megatron.hf.load import HF_FOLDER, read_hf_model
+    from megatron.hf.folder_weights import HF_FOLDER, read_hf_model
     from megatron.neox_arguments import ConfigError, NeoXArgs
-    from megatron.optimizer_layout import PRECISIONS
+    from megatron.optim.optimizer_layout import PRECISIONS
 
 MODE_FLAGS = {
     LoadMode.RESUME: {},

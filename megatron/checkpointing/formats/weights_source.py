@@ -1,7 +1,7 @@
 """How the checkpointing layer reads a model folder in another program's format (a Hugging Face folder).
 
 Checkpointing defines the interface and never imports the code that implements it: the caller
-(``megatron.training``, the tools) passes an implementation in (``megatron.hf.HF_FOLDER``). The load
+(``megatron.training.loop``, the tools) passes an implementation in (``megatron.hf.HF_FOLDER``). The load
 plan then treats such a folder as one more checkpoint format, whose weights load module-only.
 """
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from megatron.architecture import Architecture
+    from megatron.contract.architecture import Architecture
 
 
 class WeightsSource(Protocol):

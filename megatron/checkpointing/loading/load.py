@@ -29,8 +29,8 @@ from megatron.checkpointing.ondisk.rng import restore_rng_states
 from megatron.checkpointing.ondisk.verified_files import checkpoint_file_problem, checks_beside_use
 from megatron.checkpointing.planning.lineage import Lineage
 from megatron.checkpointing.planning.plan import ADAPTERS, LM_HEAD, REWARD_HEAD, LoadPlan
-from megatron.collective import reported_by_ranks
 from megatron.ranks import global_rank, rank_and_world, tensor_parallel_rank, tensor_parallel_size
+from megatron.runtime.collective import reported_by_ranks
 
 if TYPE_CHECKING:  # module_load imports DeepSpeed's ZeRO internals; loaded only when a load needs it
     from megatron.checkpointing.loading.module_load import ModuleLoadReport
@@ -187,7 +187,7 @@ def _resume(engine, plan: LoadPlan) -> ClientState:
     """DeepSpeed's own load of the whole engine: module, optimizer states (fp32 master, moments), step counts."""
     from megatron.checkpointing.ondisk.safe_checkpoint_engine import use_weights_only_checkpoint_engine
     from megatron.checkpointing.ondisk.safe_unpickle import every_torch_load_weights_only
-    from megatron.optimizers import replay_cpu_adam_step_count
+    from megatron.optim.optimizers import replay_cpu_adam_step_count
 
     _check_names_for_resume(plan, engine)
     if _is_stage(engine.module):

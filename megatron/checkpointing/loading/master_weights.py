@@ -35,8 +35,8 @@ from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from megatron.checkpointing.errors import CheckpointError
-from megatron.collective import reported_by_ranks
-from megatron.zero3_partition import owned_range
+from megatron.model.zero3_partition import owned_range
+from megatron.runtime.collective import reported_by_ranks
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.loading import master_weights
-from megatron.zero3_partition import is_partitioned, write_whole_value
+from megatron.model.zero3_partition import is_partitioned, write_whole_value
 
 _SHOWN_KEYS = 5
 

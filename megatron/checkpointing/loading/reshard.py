@@ -29,7 +29,7 @@ import torch
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.ondisk.inventory import TagInventory
 from megatron.checkpointing.planning.shape import ShapeChange
-from megatron.collective import first_report
+from megatron.runtime.collective import first_report
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _MASTER = "fp32"
@@ -245,7 +245,7 @@ def _link_moment_fragments(wrapper, optimizer: torch.optim.Optimizer) -> None:
 def set_step(engine, step: int) -> None:
     """The optimizer step count `step` in every state and parameter group of the base optimizer (FusedAdam
     steps with the count in each state and starts a new state from its group's; torch's Adam keeps a tensor)."""
-    from megatron.optimizers import replay_cpu_adam_step_count
+    from megatron.optim.optimizers import replay_cpu_adam_step_count
 
     optimizer = base_optimizer(engine)
     for group in optimizer.param_groups:

@@ -19,7 +19,7 @@ written by another program, and is read as far as its keys go):
    trained over and the Hugging Face folder holding it, when one does; the tag holds only the parameters that
    train, identity.LoraBase).
 2. args: intermediate_size has GPT-NeoX's meaning (the width before GPT-NeoX's MLP rule, see
-   megatron/architecture.py); in format 1 it was the MLP width per projection as built, and
+   megatron/contract/architecture.py); in format 1 it was the MLP width per projection as built, and
    ``settings`` reads it in today's meaning.
 """
 
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron.architecture import GATED_ACTIVATIONS
 from megatron.checkpointing.errors import CheckpointError
+from megatron.contract.architecture import GATED_ACTIVATIONS
 
 FORMAT_VERSION = 2  # raise when the meaning of a stored key changes; describe the change above
 FORMAT_VERSION_KEY = "checkpoint_format_version"
@@ -54,9 +54,9 @@ class ClientState:
     consumed_valid_samples: int | None = None  # nor this (megatron.checkpointing.planning.data_position derives it)
     settings: dict[str, Any] | None = None  # every setting of the run that saved it, in today's meaning
     rng_states: list[dict[str, Any]] | None = None  # megatron.checkpointing.ondisk.rng states, by global rank
-    # The iteration the LR schedule counts from (see megatron.training.TrainState); 0 when not recorded.
+    # The iteration the LR schedule counts from (see megatron.training.loop.TrainState); 0 when not recorded.
     lr_schedule_start: int = 0
-    lr_schedule: dict[str, Any] | None = None  # megatron.learning_rates.Schedule.to_dict() of the saving run
+    lr_schedule: dict[str, Any] | None = None  # megatron.training.learning_rates.Schedule.to_dict() of the saving run
     forward_validation: dict[str, Any] | None = None  # megatron.checkpointing.ondisk.forward_validation.capture
     converted_from: str | None = None  # the Hugging Face folder the weights came from
     reference_model: dict[str, Any] | None = None  # megatron.checkpointing.ondisk.identity.ReferenceIdentity.to_dict()

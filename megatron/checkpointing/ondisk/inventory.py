@@ -13,13 +13,13 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
-from megatron.architecture import experts_per_rank
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.formats.weights_source import WeightsSource
 from megatron.checkpointing.ondisk import layout, manifest
 from megatron.checkpointing.ondisk.client_state import ClientState
 from megatron.checkpointing.ondisk.identity import LoraBase
-from megatron.optimizer_layout import precision_of, zero_stage_of
+from megatron.contract.architecture import experts_per_rank
+from megatron.optim.optimizer_layout import precision_of, zero_stage_of
 
 FORMAT_DEEPSPEED = "deepspeed"  # mp_rank_XX_model_states.pt holds the module
 FORMAT_PIPELINE = "pipeline"  # GPT-NeoX layer_XX-model_YY-model_states.pt files hold it

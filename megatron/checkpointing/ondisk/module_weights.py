@@ -203,7 +203,7 @@ def _module_from_zero3_shards(
     elements on every rank, and its full value is the ranks' partitions concatenated, cut to n.
     Frozen parameters are stored the same way, one fragment per rank in the model-states files.
     """
-    from megatron.zero3_partition import (
+    from megatron.model.zero3_partition import (
         partition_numel,  # imports DeepSpeed: only when ZeRO-3 shards are read
     )
 

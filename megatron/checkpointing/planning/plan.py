@@ -9,7 +9,7 @@ A tag saved with `no_save_optim` holds no optimizer states by design: a full res
 `no_load_optim` row and says so in one note; a tag that lost its optimizer files is still refused.
 
 `iteration: N` picks tag `global_step<N>`; otherwise the tag in `latest`. The learning rate is a
-function of the schedule's step (megatron/learning_rates.py), counted from the iteration the schedule
+function of the schedule's step (megatron/training/learning_rates.py), counted from the iteration the schedule
 started at: a fresh optimizer starts a fresh schedule, so after `no_load_optim` the schedule's step
 is not the iteration (`schedule_start`).
 
@@ -44,7 +44,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron.architecture import Architecture, ModelConfigError, describe_model, experts_per_rank
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.formats.weights_source import WeightsSource
 from megatron.checkpointing.ondisk import layout
@@ -62,6 +61,7 @@ from megatron.checkpointing.ondisk.inventory import (
 )
 from megatron.checkpointing.planning import preflight, shape
 from megatron.checkpointing.planning.data_position import DataPosition, data_position, resume_change_notes
+from megatron.contract.architecture import Architecture, ModelConfigError, describe_model, experts_per_rank
 
 # Parameter-name endings of a language model's output layer and of a reward model's head.
 LM_HEAD = ("final_linear.weight",)
@@ -359,7 +359,7 @@ def _model(args) -> str | None:
 
 
 def _model_from_checkpoint_note(args, root: Path) -> list[str]:
-    """Which settings came from the checkpoint itself (megatron.run_context.settings_for_run)."""
+    """Which settings came from the checkpoint itself (megatron.launch.run_context.settings_for_run)."""
     sources = getattr(args, "sources", {})
     taken = [name for name, source in sources.items() if str(source).startswith(str(root))]
     if not taken:

@@ -11,11 +11,11 @@ import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from megatron.architecture import architecture_mismatches, fields_of_settings
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.ondisk import layout
 from megatron.checkpointing.ondisk.inventory import FORMAT_PIPELINE, TagInventory
 from megatron.checkpointing.planning import shape
+from megatron.contract.architecture import architecture_mismatches, fields_of_settings
 
 _SHOWN_MISMATCHES = 3
 _MODULE_ONLY_HINT = ("set `no_load_optim: true` (keep iteration and data position, fresh optimizer) "

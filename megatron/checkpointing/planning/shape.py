@@ -12,7 +12,7 @@ from pathlib import Path
 
 from megatron.checkpointing.ondisk import layout
 from megatron.checkpointing.ondisk.inventory import TagInventory
-from megatron.optimizer_layout import precision_of, zero_stage_of
+from megatron.optim.optimizer_layout import precision_of, zero_stage_of
 
 
 @dataclass(frozen=True)

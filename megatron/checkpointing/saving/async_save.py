@@ -35,8 +35,8 @@ from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.ondisk import layout, manifest
 from megatron.checkpointing.saving import commit
 from megatron.checkpointing.saving.commit import WriteFailure
-from megatron.collective import all_gather
 from megatron.ranks import rank_and_world
+from megatron.runtime.collective import all_gather
 
 if TYPE_CHECKING:
     from megatron.checkpointing.saving.snapshot_engine import SnapshotCheckpointEngine

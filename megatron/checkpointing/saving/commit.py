@@ -16,12 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron import faults
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.ondisk import layout, manifest
-from megatron.collective import all_gather, decided_by_rank_zero, reported_by_ranks
 from megatron.fsio import fsync_path, replace_dir
 from megatron.ranks import rank_and_world
+from megatron.runtime import faults
+from megatron.runtime.collective import all_gather, decided_by_rank_zero, reported_by_ranks
 
 _PROBE_PREFIX = ".write_probe"
 

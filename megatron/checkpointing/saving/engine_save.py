@@ -16,9 +16,9 @@ from megatron.checkpointing.ondisk import layout
 from megatron.checkpointing.ondisk.module_weights import load_checkpoint_file
 from megatron.checkpointing.saving.commit import WriteFailure, is_write_error
 from megatron.checkpointing.saving.snapshot_engine import SnapshotCheckpointEngine, snapshot_engine
-from megatron.collective import barrier
 from megatron.fsio import write_atomically
-from megatron.zero3_partition import is_partitioned
+from megatron.model.zero3_partition import is_partitioned
+from megatron.runtime.collective import barrier
 
 
 def save_engine_checkpoint(engine, save_dir: str | Path, tag: str, client_state: dict,

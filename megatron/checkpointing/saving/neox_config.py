@@ -11,7 +11,7 @@ one describes the files of the tag as written:
 - model_parallel_size: the number of mp_rank files.
 - sizes left unset (intermediate_size: 4 x hidden, num_kv_heads, max_position_embeddings) as the
   architecture resolves them, because GPT-NeoX's tools do not derive them; intermediate_size keeps
-  GPT-NeoX's meaning (the width before GPT-NeoX's MLP rule, megatron/architecture.py). Settings left
+  GPT-NeoX's meaning (the width before GPT-NeoX's MLP rule, megatron/contract/architecture.py). Settings left
   unset otherwise are omitted, so a reader's default applies.
 - the tokenizer the run used (tokenizer_type, vocab_file, merge_file), its files as absolute paths; a
   run on the embedded corpus is written as a run on that corpus's dataset and tokenizer file.
@@ -30,8 +30,8 @@ from typing import Any
 
 import yaml
 
-from megatron.architecture import architecture_from_settings, ungated_mlp_width
 from megatron.checkpointing.ondisk.layout import NEOX_CONFIG_EXTRA_FILE
+from megatron.contract.architecture import architecture_from_settings, ungated_mlp_width
 
 
 def resolved_neox_config(settings: dict[str, Any]) -> dict[str, Any]:

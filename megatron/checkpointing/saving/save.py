@@ -21,8 +21,8 @@ from megatron.checkpointing.ondisk.rng import collect_rng_states
 from megatron.checkpointing.planning.lineage import Lineage
 from megatron.checkpointing.saving import async_save, commit, save_lock
 from megatron.checkpointing.saving.neox_config import write_neox_config
-from megatron.collective import all_gather, barrier, decided_by_rank_zero
 from megatron.ranks import global_rank
+from megatron.runtime.collective import all_gather, barrier, decided_by_rank_zero
 
 
 def _gather_rng_states() -> list[dict[str, Any]]:

@@ -41,16 +41,15 @@ def resolve_run_settings(args: NeoXArgs) -> NeoXArgs:
 
 
 def check_run_files(args: NeoXArgs) -> None:
-    """For deepy.py --dry-run: the checks megatron.training.setup makes of the data files a training run names,
+    """For deepy.py --dry-run: the checks megatron.training.loop.setup makes of the data files a training run names,
     made by the same functions without building sample indices (check_data_files; precomputed_reference for the precomputed log-probabilities'
     model), so a dry run refuses what the start would. Nothing to check for generate.py / eval.py settings, or
     for the embedded corpus, which this framework writes itself."""
     from megatron.checkpointing import plan_load
-    from megatron.data.builders import check_data_files
+    from megatron.data.builders import check_data_files, samples_per_split
     from megatron.hf import HF_FOLDER
     from megatron.objectives.precomputed_reference import precomputed_reference, uses_precomputed_reference
     from megatron.tokenizer import build_tokenizer
-    from megatron.training import samples_per_split
 
     if not args.requires_run_settings or args.embedded_corpus:
         return

@@ -3,15 +3,15 @@ on to the ranks, and no process of the run left behind when deepy.py ends.
 
 Whichever processes of the run a SIGTERM or SIGINT reaches (deepy.py, DeepSpeed's runner, a rank,
 all of them at once), the ranks learn of it: DeepSpeed's launcher processes never act on one
-(megatron/launch_entry.py) and its runner passes one on to deepy.py, which passes a first request
-on to the ranks. They finish their step, save and exit 0 (megatron/stop_signals.py). A second
+(megatron/launch/entry.py) and its runner passes one on to deepy.py, which passes a first request
+on to the ranks. They finish their step, save and exit 0 (megatron/runtime/stop_signals.py). A second
 request kills the whole group at once. Before any rank exists there is nothing to save: the group
 is killed and deepy.py exits 0. When the launcher has exited, whatever is left in its group is
 killed. A small watchdog process kills the group when deepy.py itself dies without cleaning up
 (SIGKILL, a closed terminal). With ranks on other machines, a first request without local ranks
 goes to DeepSpeed's runner, started as it is there, whose own handler stops them.
 
-A rank that fails hands its one line to deepy.py (megatron/rank_errors.py), which prints it last, once
+A rank that fails hands its one line to deepy.py (megatron/runtime/rank_errors.py), which prints it last, once
 every process of the run has ended.
 """
 
@@ -25,8 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron.rank_errors import RANK_ERRORS_FILE, first_rank_error
-from megatron.stop_signals import STOP_SIGNALS, StopRequests, signal_name
+from megatron.runtime.rank_errors import RANK_ERRORS_FILE, first_rank_error
+from megatron.runtime.stop_signals import STOP_SIGNALS, StopRequests, signal_name
 
 # The per-node launcher DeepSpeed's runner starts; its children are the ranks.
 NODE_LAUNCHER_MODULE = "deepspeed.launcher.launch"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from megatron.architecture import Architecture, architecture_mismatches
+from megatron.contract.architecture import Architecture, architecture_mismatches
 from megatron.hf.config import HFModelSpec, is_reward_model_config, spec_from_hf_config
 from megatron.hf.errors import HFConversionError
 from megatron.hf.io import CONFIG_NAME, is_hf_model_dir, iter_hf_tensors, read_hf_config, weight_files

@@ -4,7 +4,7 @@ Expected errors are our own (megatron.errors.ExpectedError) plus a few from torc
 cause: out of memory, the rendezvous port taken, a peer rank gone. Anything else is a bug and
 keeps its traceback.
 
-A failing rank ends at once, and DeepSpeed's launcher then ends the others (megatron/stop_signals.py).
+A failing rank ends at once, and DeepSpeed's launcher then ends the others (megatron/runtime/stop_signals.py).
 Under deepy.py on one machine the ranks do not print their line: they hand it to deepy.py through the
 file RANK_ERRORS_FILE names, and deepy.py prints the first one as its last line once every rank has
 ended. The first is the cause: a rank hands its line over before it exits, and only its exit makes the
@@ -22,10 +22,10 @@ from pathlib import Path
 
 from megatron.errors import ExpectedError
 from megatron.ranks import global_rank
-from megatron.stop_signals import end_child_processes
+from megatron.runtime.stop_signals import end_child_processes
 
 EXIT_EXPECTED_ERROR = 1
-# Set by deepy.py (megatron/supervision.py) for the ranks of this machine: the file they hand their errors to.
+# Set by deepy.py (megatron/launch/supervision.py) for the ranks of this machine: the file they hand their errors to.
 RANK_ERRORS_FILE = "NEOX_RANK_ERRORS_FILE"
 
 # what torch.utils.data puts in the message of an error it re-raises from a data-loader worker
@@ -127,7 +127,7 @@ def run_rank(main: Callable[[], object]) -> int:
     # DeepSpeed's pipe engine keeps the last data iterator it was given, so its data-loader workers outlive
     # `main` and would hold up the exit as above
     end_child_processes()
-    from megatron.initialize import leave_process_group
+    from megatron.runtime.initialize import leave_process_group
 
     leave_process_group()
     return 0

@@ -6,7 +6,7 @@ SIMD width. Each call starts a fresh interpreter that sleeps a second to time th
 the tiny model's 12 s start-up (tools/bench/bench_startup.py). The answer does not change while the
 process runs, so a rank asks once, in a thread, and every later call gets that answer: train.py
 asks before its imports, any other process that starts a rank at the latest when it joins the
-process group (megatron/initialize.py).
+process group (megatron/runtime/initialize.py).
 
 py-cpuinfo asks in a child process and answers `{}` if that child dies. A scheduler signals every
 process of a job, so the child starts with the stop signals blocked: it ends within its second
@@ -20,7 +20,7 @@ import signal
 import threading
 from concurrent.futures import Future
 
-from megatron.stop_signals import STOP_SIGNALS
+from megatron.runtime.stop_signals import STOP_SIGNALS
 
 
 def ask_cpu_info_early() -> None:

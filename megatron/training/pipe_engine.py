@@ -34,7 +34,7 @@ def build_pipeline_engine(args, ds_config: dict):
     """This rank's stage in DeepSpeed's pipe engine, over the topology of megatron-core's groups."""
     import deepspeed
 
-    from megatron.optimizers import build_param_groups
+    from megatron.optim.optimizers import build_param_groups
 
     module = build_pipeline_model(args.architecture(), args.seed, args.pipe_parallel_size, args.pipe_partition_method,
                                   args.lora())
@@ -46,7 +46,7 @@ def build_pipeline_engine(args, ds_config: dict):
 def pipeline_batches(iterator: Iterator[dict], batch_options) -> Iterator[tuple[tuple, tuple]]:
     """The pipe engine's (inputs, labels) micro batches from the data iterator's samples, read as they are asked for."""
     from megatron.data import get_batch
-    from megatron.initialize import current_device
+    from megatron.runtime.initialize import current_device
 
     for samples in iterator:
         batch = get_batch(samples, batch_options).to(current_device())
@@ -87,7 +87,7 @@ def _micro_batch_metrics(engine, objective) -> list[tuple[torch.Tensor, dict]]:
     import torch.distributed as dist
 
     from megatron.core import parallel_state
-    from megatron.initialize import current_device
+    from megatron.runtime.initialize import current_device
 
     arch = objective.experts
     if arch is None:

@@ -77,7 +77,7 @@ def evaluate(model, tokenizer, args) -> dict[str, Any] | None:
     the harness leaves aggregation to another rank."""
     import lm_eval
 
-    from megatron.evaluation.language_model import NeoXLanguageModel
+    from megatron.evaluation.harness_model import NeoXLanguageModel
 
     task_manager = _task_manager(list(args.eval_tasks), _include_paths(args))
     names = task_names(list(args.eval_tasks), task_manager.all_tasks)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.architecture import Architecture
+from megatron.contract.architecture import Architecture
 
 
 def expert_load_name(layer: int, expert: int) -> str:

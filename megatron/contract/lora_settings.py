@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from megatron.architecture import ModelConfigError, gpt_neox_shaped
+from megatron.contract.architecture import ModelConfigError, gpt_neox_shaped
 
 LORA_SETTINGS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_use_rslora")
 ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer of the blocks (not the output layer)

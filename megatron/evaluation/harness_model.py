@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from megatron.collective import all_gather
 from megatron.generation import Limits, Sampling, complete
 from megatron.ranks import data_parallel_rank_and_size
+from megatron.runtime.collective import all_gather
 
 Request = TypeVar("Request")
 Answer = TypeVar("Answer")

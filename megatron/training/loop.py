@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from megatron import faults
 from megatron.checkpointing import (
     Lineage,
     LoraBase,
@@ -18,16 +17,6 @@ from megatron.checkpointing import (
     samples_per_evaluation,
     tag_for_iteration,
 )
-from megatron.diagnostics import StepProfiler, parameter_norms
-from megatron.divergence import NonFiniteWatch, check_weights_finite
-from megatron.expert_load import ExpertLoadWatch
-from megatron.initialize import (
-    ModelParallelUnit,
-    initialize_distributed,
-    set_seeds,
-    zero3_construction,
-)
-from megatron.learning_rates import Schedule, schedule_for_resume, set_learning_rate
 from megatron.logging import (
     MetricsWriter,
     ProgressReporter,
@@ -36,9 +25,20 @@ from megatron.logging import (
     slow_stage,
     tee_output_to,
 )
-from megatron.optimizers import build_param_groups
+from megatron.objectives.expert_load import ExpertLoadWatch
+from megatron.optim.optimizers import build_param_groups
 from megatron.ranks import data_parallel_rank_and_size, global_rank
-from megatron.stop_signals import StopSignals, hold_before_save, signal_name
+from megatron.runtime import faults
+from megatron.runtime.initialize import (
+    ModelParallelUnit,
+    initialize_distributed,
+    set_seeds,
+    zero3_construction,
+)
+from megatron.runtime.stop_signals import StopSignals, hold_before_save, signal_name
+from megatron.training.diagnostics import StepProfiler, parameter_norms
+from megatron.training.divergence import NonFiniteWatch, check_weights_finite
+from megatron.training.learning_rates import Schedule, schedule_for_resume, set_learning_rate
 
 
 @dataclass
@@ -109,16 +109,6 @@ class RunResult:
     last_train_loss: float | None
     last_valid_loss: float | None
     test_loss: float | None
-
-
-def samples_per_split(args) -> tuple[int, int, int]:
-    """Samples each split must provide: every train step, every evaluation, the final test eval."""
-    evaluations = args.train_iters // args.eval_interval + 1
-    return (
-        args.train_iters * args.train_batch_size,
-        evaluations * args.eval_iters * args.train_batch_size,
-        args.eval_iters * args.train_batch_size,
-    )
 
 
 def batch_options_for(args):
@@ -255,14 +245,14 @@ def setup(args):
         plan_load,
         plan_reference,
     )
-    from megatron.data.builders import build_checked_datasets, data_iterators
+    from megatron.data.builders import build_checked_datasets, data_iterators, samples_per_split
     from megatron.hf import HF_FOLDER
     from megatron.model import build_model
     from megatron.model.lora import BaseWithoutAdapters
     from megatron.neox_arguments import ConfigError, NeoXArgs
     from megatron.objectives.precomputed_reference import precomputed_reference
-    from megatron.pipeline import build_pipeline_engine
     from megatron.tokenizer import build_tokenizer
+    from megatron.training.pipe_engine import build_pipeline_engine
 
     if not args.requires_run_settings:  # files for generate.py / eval.py: what training needs was not required of them
         NeoXArgs.from_dict(args.given, "the config files (text_gen_type or eval_tasks is set, as for generate.py "
@@ -275,7 +265,7 @@ def setup(args):
     dp_rank, dp_size = data_parallel_rank_and_size()
     if args.padded_vocab_size is None:
         raise ConfigError("padded_vocab_size is not resolved: start training through deepy.py, which resolves the "
-                          "tokenizer and the embedded corpus once (megatron.run_context.resolve_run_settings)")
+                          "tokenizer and the embedded corpus once (megatron.launch.run_context.resolve_run_settings)")
     # before the model: a data file that cannot train stops the run before the slow part of the start
     datasets = build_checked_datasets(args, build_tokenizer(args).vocab_size, samples_per_split(args))
     # the checkpoint files read from here on are checked in a thread while the engine is built and loaded;
@@ -391,7 +381,7 @@ def setup_for_inference(args):
     quiet_deepspeed()
     if args.padded_vocab_size is None:
         raise ConfigError("padded_vocab_size is not resolved: start generate.py / eval.py through deepy.py, which resolves the "
-                          "tokenizer once (megatron.run_context.resolve_run_settings)")
+                          "tokenizer once (megatron.launch.run_context.resolve_run_settings)")
     initialize_distributed(args)
     weights_only = args.with_values({"finetune": True, "no_load_optim": False},
                                     "generate.py / eval.py (loads the weights only)")
@@ -417,9 +407,9 @@ def train(args, engine, state: TrainState, iterators, stop_signals: StopSignals 
 
 
 def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals | None, objective) -> RunResult:
-    from megatron import pipeline
     from megatron.checkpointing import check_save_in_flight
     from megatron.objectives import objective_for
+    from megatron.training import pipe_engine as pipeline
 
     step_on, evaluate_on = (pipeline.train_step, pipeline.evaluate) if pipeline.is_pipelined(engine) else (
         train_step, evaluate)

@@ -10,7 +10,7 @@ even when the signal reached them during different steps, or reached only one of
 
 One sender is not a stop request: DeepSpeed's per-node launcher, the rank's parent, sends SIGTERM to
 every rank when one of them has failed. Started by deepy.py on one machine it keeps the stop signals
-blocked (megatron/launch_entry.py), so it never passes a request on: a SIGTERM from a parent that blocks
+blocked (megatron/launch/entry.py), so it never passes a request on: a SIGTERM from a parent that blocks
 SIGTERM means another rank failed, and the rank ends at once without a word (the failed rank says why;
 waiting for the step to end could mean waiting in a collective for the failed rank, for ever).
 """
@@ -22,15 +22,15 @@ import signal
 import threading
 import time
 
-from megatron import faults
-from megatron.collective import reported_by_ranks
 from megatron.processes import blocks_signal
 from megatron.ranks import global_rank
+from megatron.runtime import faults
+from megatron.runtime.collective import reported_by_ranks
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Copies of one request (the scheduler's own, deepy.py's, the launcher's) arrive within this of each other.
 SAME_REQUEST_SECONDS = 2.0
-# How long a rank held by the hold_after_iteration fault point (megatron/faults.py) waits for a stop signal.
+# How long a rank held by the hold_after_iteration fault point (megatron/runtime/faults.py) waits for a stop signal.
 HELD_AFTER_ITERATION_SECONDS = 300.0
 
 
@@ -68,7 +68,7 @@ class StopSignals:
 
         Blocked also in the processes this rank starts (a compiler check, a data worker), which a
         scheduler's SIGTERM to every process of the job would otherwise kill in the middle of set-up.
-        deepy.py starts the launcher with them blocked already (megatron/launch_entry.py): one sent
+        deepy.py starts the launcher with them blocked already (megatron/launch/entry.py): one sent
         while this rank was starting has waited and is taken now.
         """
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)

@@ -15,9 +15,9 @@ from pathlib import Path
 from megatron.neox_arguments import ConfigError, NeoXArgs
 from megatron.neox_arguments.world import effective_hostfile
 
-# The entry that runs DeepSpeed's runner with the stop signals blocked (megatron/launch_entry.py),
+# The entry that runs DeepSpeed's runner with the stop signals blocked (megatron/launch/entry.py),
 # importable from any working directory through PYTHONPATH.
-LAUNCH_ENTRY_MODULE = "megatron.launch_entry"
+LAUNCH_ENTRY_MODULE = "megatron.launch.entry"
 PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 
 # DeepSpeed's launcher logs the full rank command (our settings blob) with a failing rank's exit

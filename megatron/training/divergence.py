@@ -13,8 +13,8 @@ import math
 
 import torch
 
-from megatron.collective import reported_by_ranks
 from megatron.errors import ExpectedError
+from megatron.runtime.collective import reported_by_ranks
 
 
 class DivergenceError(ExpectedError, RuntimeError):

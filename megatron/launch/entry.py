@@ -3,12 +3,12 @@
 Every process the runner starts inherits the blocked signals. DeepSpeed's per-node launcher
 (deepspeed.launcher.launch), whose own handler would SIGTERM the ranks and kill them 30 s later,
 never acts on one; each rank takes them in a thread of its own once it has started
-(megatron/stop_signals.py), so one sent while it starts waits for it (a train script of one's own
+(megatron/runtime/stop_signals.py), so one sent while it starts waits for it (a train script of one's own
 does the same with StopSignals().install(), else only a second request, which kills, stops it).
 A signal sent to the runner itself is passed on to deepy.py (its parent), which passes it on to
-the ranks. Still DeepSpeed's runner does the launching. Used on one machine only (megatron/launcher.py).
+the ranks. Still DeepSpeed's runner does the launching. Used on one machine only (megatron/launch/launcher.py).
 
-    python -m megatron.launch_entry RUNNER_ARGS...
+    python -m megatron.launch.entry RUNNER_ARGS...
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 
-from megatron.stop_signals import STOP_SIGNALS
+from megatron.runtime.stop_signals import STOP_SIGNALS
 
 
 def pass_signals_on(supervisor_pid: int) -> None:

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron.collective import barrier
-from megatron.cpu_info import ask_cpu_info_early
 from megatron.foreign_notices import foreign_prints_hidden
 from megatron.logging import slow_stage
 from megatron.ranks import data_parallel_rank_and_size
+from megatron.runtime.collective import barrier
+from megatron.runtime.cpu_info import ask_cpu_info_early
 
 
 def initialize_distributed(args) -> None:
