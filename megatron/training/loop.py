@@ -18,14 +18,11 @@ from megatron.checkpointing import (
     tag_for_iteration,
 )
 from megatron.logging import (
-    MetricsWriter,
-    ProgressReporter,
     get_logger,
     quiet_deepspeed,
     slow_stage,
     tee_output_to,
 )
-from megatron.objectives.expert_load import ExpertLoadWatch
 from megatron.optim.optimizers import build_param_groups
 from megatron.ranks import data_parallel_rank_and_size, global_rank
 from megatron.runtime import faults
@@ -36,9 +33,9 @@ from megatron.runtime.initialize import (
     zero3_construction,
 )
 from megatron.runtime.stop_signals import StopSignals, hold_before_save, signal_name
-from megatron.training.diagnostics import StepProfiler, parameter_norms
-from megatron.training.divergence import NonFiniteWatch, check_weights_finite
+from megatron.training.divergence import check_weights_finite
 from megatron.training.learning_rates import Schedule, schedule_for_resume, set_learning_rate
+from megatron.training.watchers import StepWatchers
 
 
 @dataclass
@@ -179,24 +176,6 @@ def _evaluation_line(loss: float, metrics: dict[str, float], objective) -> str:
     if objective.reports_perplexity:
         parts.append(f"perplexity {_perplexity(loss):.2f}")
     return " | ".join(parts)
-
-
-def _loss_scale(engine) -> float | None:
-    if not engine.fp16_enabled():
-        return None
-    return float(getattr(engine.optimizer, "cur_scale", getattr(engine.optimizer, "loss_scale", 0.0)))
-
-
-def _skipped_steps(engine) -> int | None:
-    """Steps fp16 loss scaling skipped so far (DeepSpeed's count, kept in its checkpoints)."""
-    return engine.skipped_steps if engine.fp16_enabled() else None
-
-
-def _grad_norm(engine) -> float | None:
-    norm = engine.get_global_grad_norm()
-    if norm is None:
-        return None
-    return float(norm.item() if torch.is_tensor(norm) else norm)
 
 
 def _should_save(args, iteration: int) -> bool:
@@ -413,11 +392,7 @@ def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals
 
     step_on, evaluate_on = (pipeline.train_step, pipeline.evaluate) if pipeline.is_pipelined(engine) else (
         train_step, evaluate)
-
-    def agreed_stop(after_iteration: int | None = None) -> int | None:
-        return stop_signals.agreed_stop(after_iteration) if stop_signals is not None else None
-
-    stop = agreed_stop()
+    stop = _agreed_stop(stop_signals)
     if stop is not None:  # asked for during set-up: no step taken, nothing to save
         get_logger().info(f"stopped by {signal_name(stop)} at iteration {state.iteration}, before the first step "
                           "of this run; nothing to save")
@@ -427,79 +402,66 @@ def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals
         get_logger().info(note)
     objective = objective or objective_for(args, batch_options_for(args),
                                            state.reference.engine if state.reference else None)
-    metrics = MetricsWriter(args)
-    expert_load = ExpertLoadWatch(args)
-    progress = ProgressReporter(args, first_iteration=state.iteration,
-                                metric_names=objective.metric_names + expert_load.line_names)
-    watch = NonFiniteWatch(args)
-    last_train_loss = last_valid_loss = None
-    start_iteration = state.iteration
-    saved_at = None
     state.schedule = state.schedule or Schedule.from_args(args)
-    profiler = StepProfiler(args, global_rank())
-    norms: dict[str, float] = {}
     if state.iteration == 0 and _should_save(args, 0):
         _save(args, engine, state)  # extra_save_iters may ask for the untrained model
-
-    def record_norms() -> None:
-        norms.update(parameter_norms(engine, gradients=args.log_grad_norm, parameters=args.log_param_norm))
-
-    inspect = record_norms if args.log_grad_norm or args.log_param_norm else None
-    engine.train()
-    while state.iteration < args.train_iters:
-        step = state.iteration + 1
-        state.skipped_steps = engine.skipped_steps
-        lr = state.schedule.lr_at(state.lr_step)
-        set_learning_rate(engine.optimizer, lr)
-        started = time.perf_counter()
-        profiler.before_step(state.iteration)
-        last_train_loss, train_metrics = step_on(engine, train_iterator, objective, inspect)
-        profiler.after_step(state.iteration)
-        state.iteration = step
-        state.consumed_train_samples += args.train_batch_size
-        step_seconds = time.perf_counter() - started
-        scalars = {"train/loss": last_train_loss, **{f"train/{name}": value for name, value in train_metrics.items()},
-                   "train/lr": lr, "train/grad_norm": _grad_norm(engine),
-                   "train/loss_scale": _loss_scale(engine), "train/skipped_steps": _skipped_steps(engine),
-                   "train/step_seconds": step_seconds, **expert_load.scalars(train_metrics)}
-        metrics.write({**scalars, **norms}, step)
-        norms.clear()
-        window = progress.step(step, scalars)
-        for line in expert_load.after_step(step, train_metrics):
-            progress.message(line)
-        if window is not None:
-            metrics.write({"train/tokens_per_second": window["train/tokens_per_second"]}, step)
-        watch.after_step(step, last_train_loss, scalars["train/grad_norm"], engine.was_step_applied(),
-                         scalars["train/loss_scale"])
-        if valid_iterator is not None and args.eval_interval and step % args.eval_interval == 0:
-            last_valid_loss, valid_metrics = evaluate_on(engine, valid_iterator, args.eval_iters, objective)
-            state.consumed_valid_samples += samples_per_evaluation(args)
-            metrics.write(_evaluation_scalars("valid", last_valid_loss, valid_metrics, objective), step)
-            progress.message(f"validation at iteration {step}: "
-                             f"{_evaluation_line(last_valid_loss, valid_metrics, objective)}")
-        check_save_in_flight()
-        if _should_save(args, step) and step != args.train_iters:
-            _save(args, engine, state)
-            saved_at = step
-        faults.fail_point(global_rank(), step)
-        stop = agreed_stop(step)
+    start_iteration = state.iteration
+    last_train_loss = last_valid_loss = saved_at = None
+    watchers = StepWatchers(args, engine, objective.metric_names, state.iteration)
+    try:
+        engine.train()
+        while state.iteration < args.train_iters and stop is None:
+            step = state.iteration + 1
+            last_train_loss = _one_step(args, engine, state, lambda: step_on(
+                engine, train_iterator, objective, watchers.before_optimizer_step()), watchers)
+            if valid_iterator is not None and args.eval_interval and step % args.eval_interval == 0:
+                last_valid_loss = _validate(args, engine, state, valid_iterator, objective, evaluate_on, watchers)
+            check_save_in_flight()
+            if _should_save(args, step) and step != args.train_iters:
+                _save(args, engine, state)
+                saved_at = step
+            faults.fail_point(global_rank(), step)
+            stop = _agreed_stop(stop_signals, step)
+        watchers.end_steps()
         if stop is not None:
-            progress.close()
-            profiler.close()
             _stop_after_signal(args, engine, state, stop, saved_at)
-            metrics.close()
             return RunResult(state.iteration, last_train_loss, last_valid_loss, None)
-    progress.close()
-    profiler.close()
-    if args.save and state.iteration > start_iteration:
-        _save(args, engine, state)
-    test_loss = None
-    if test_iterator is not None and args.eval_iters > 0:
-        test_loss, test_metrics = evaluate_on(engine, test_iterator, args.eval_iters, objective)
-        metrics.write(_evaluation_scalars("test", test_loss, test_metrics, objective), state.iteration)
-        get_logger().info(f"test: {_evaluation_line(test_loss, test_metrics, objective)}")
-    metrics.close()
-    return RunResult(state.iteration, last_train_loss, last_valid_loss, test_loss)
+        if args.save and state.iteration > start_iteration:
+            _save(args, engine, state)
+        test_loss = None
+        if test_iterator is not None and args.eval_iters > 0:
+            test_loss, test_metrics = evaluate_on(engine, test_iterator, args.eval_iters, objective)
+            watchers.metrics.write(_evaluation_scalars("test", test_loss, test_metrics, objective), state.iteration)
+            get_logger().info(f"test: {_evaluation_line(test_loss, test_metrics, objective)}")
+        return RunResult(state.iteration, last_train_loss, last_valid_loss, test_loss)
+    finally:
+        watchers.close()
+
+
+def _agreed_stop(stop_signals: StopSignals | None, after_iteration: int | None = None) -> int | None:
+    return stop_signals.agreed_stop(after_iteration) if stop_signals is not None else None
+
+
+def _one_step(args, engine, state: TrainState, take_step, watchers: StepWatchers) -> float:
+    """One optimizer step at the schedule's learning rate; the state advanced and the watchers fed."""
+    state.skipped_steps = engine.skipped_steps
+    lr = state.schedule.lr_at(state.lr_step)
+    set_learning_rate(engine.optimizer, lr)
+    started = time.perf_counter()
+    watchers.before_step(state.iteration)
+    loss, step_metrics = take_step()
+    state.iteration += 1
+    state.consumed_train_samples += args.train_batch_size
+    watchers.after_step(state.iteration, loss, step_metrics, lr, time.perf_counter() - started)
+    return loss
+
+
+def _validate(args, engine, state: TrainState, valid_iterator, objective, evaluate_on, watchers: StepWatchers) -> float:
+    loss, metrics = evaluate_on(engine, valid_iterator, args.eval_iters, objective)
+    state.consumed_valid_samples += samples_per_evaluation(args)
+    watchers.evaluation(state.iteration, _evaluation_scalars("valid", loss, metrics, objective),
+                        f"validation at iteration {state.iteration}: {_evaluation_line(loss, metrics, objective)}")
+    return loss
 
 
 def _perplexity(loss: float) -> float:
