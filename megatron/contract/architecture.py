@@ -362,31 +362,42 @@ def gelu_approximation(activation: str, bias_gelu_fusion: bool, onnx_safe: bool)
 _MISSING = object()
 
 
-def _fields(values: Mapping[str, Any], strict: bool = True) -> dict[str, Any]:
-    """Every field these settings determine; a field whose settings are missing (or None) is _MISSING.
+class _FieldReader:
+    """Reads fields from settings values: ``get`` a setting (None is _MISSING), ``derive`` a field from some."""
 
-    Not ``strict``: a field whose settings another program saved in a form we cannot read is _MISSING too.
-    """
+    def __init__(self, values: Mapping[str, Any], strict: bool):
+        self.values = values
+        self.strict = strict
 
-    def get(name: str) -> Any:
-        value = values.get(name, _MISSING)
+    def get(self, name: str) -> Any:
+        value = self.values.get(name, _MISSING)
         return _MISSING if value is None else value
 
-    def derive(fn, *names: str) -> Any:
-        given = [get(name) for name in names]
+    def derive(self, fn, *names: str) -> Any:
+        given = [self.get(name) for name in names]
         if any(value is _MISSING for value in given):
             return _MISSING
         try:
             return fn(*given)
         except (TypeError, ValueError):
-            if strict:
+            if self.strict:
                 raise
             return _MISSING
 
+
+def _fields(values: Mapping[str, Any], strict: bool = True) -> dict[str, Any]:
+    """Every field these settings determine; a field whose settings are missing (or None) is _MISSING.
+
+    Not ``strict``: a field whose settings another program saved in a form we cannot read is _MISSING too.
+    """
+    read = _FieldReader(values, strict)
+    return {**_shape_fields(read), **_layer_fields(read), **_expert_fields(read)}
+
+
+def _shape_fields(read: _FieldReader) -> dict[str, Any]:
+    values, get, derive = read.values, read.get, read.derive
     heads = get("num_attention_heads")
     kv_heads = get("num_kv_heads")
-    norm = get("norm")
-    epsilon_name = {"layernorm": "layernorm_epsilon", "rmsnorm": "rms_norm_epsilon"}.get(norm)
     seq_length = get("seq_length")
     max_positions = get("max_position_embeddings")
     return {
@@ -400,6 +411,18 @@ def _fields(values: Mapping[str, Any], strict: bool = True) -> dict[str, Any]:
             "hidden_size", "activation", "mlp_multiple_of"),
         "vocab_size": get("padded_vocab_size"),
         "max_position_embeddings": seq_length if max_positions is _MISSING else max_positions,
+        "model_parallel_size": values.get("model_parallel_size") or 1,
+        "kv_channels": derive(lambda hidden, heads: hidden // heads, "hidden_size", "num_attention_heads")
+        if get("kv_channels") is _MISSING else get("kv_channels"),
+        "reward_head": values.get("train_impl") == "rm",
+    }
+
+
+def _layer_fields(read: _FieldReader) -> dict[str, Any]:
+    values, get, derive = read.values, read.get, read.derive
+    norm = get("norm")
+    epsilon_name = {"layernorm": "layernorm_epsilon", "rmsnorm": "rms_norm_epsilon"}.get(norm)
+    return {
         "pos_emb": get("pos_emb"),
         "rotary_pct": derive(float, "rotary_pct"),
         "rotary_emb_base": derive(float, "rotary_emb_base"),
@@ -421,16 +444,18 @@ def _fields(values: Mapping[str, Any], strict: bool = True) -> dict[str, Any]:
         "output_layer_init_method": get("output_layer_init_method"),
         "init_method_std": derive(float, "init_method_std"),
         "checkpoint_activations": derive(bool, "checkpoint_activations"),
-        "model_parallel_size": values.get("model_parallel_size") or 1,
         "sliding_window_width": values.get("sliding_window_width", _MISSING),
-        "kv_channels": derive(lambda hidden, heads: hidden // heads, "hidden_size", "num_attention_heads")
-        if get("kv_channels") is _MISSING else get("kv_channels"),
         "qk_layernorm": derive(bool, "qk_layernorm"),
         "qk_layernorm_across_heads": derive(bool, "qk_layernorm_across_heads"),
         "add_qkv_bias": derive(bool, "add_qkv_bias"),
-        "reward_head": values.get("train_impl") == "rm",
-        "rope_scaling": values.get("rope_scaling", _MISSING) if strict
+        "rope_scaling": values.get("rope_scaling", _MISSING) if read.strict
         else _lenient(rope_scaling_of, values.get("rope_scaling", _MISSING)),
+    }
+
+
+def _expert_fields(read: _FieldReader) -> dict[str, Any]:
+    values, get, derive = read.values, read.get, read.derive
+    return {
         "moe_num_experts": derive(int, "moe_num_experts"),
         "moe_top_k": derive(int, "moe_top_k"),
         "moe_expert_interval": derive(int, "moe_expert_interval"),

@@ -138,3 +138,31 @@ def test_nothing_outside_the_checkpoint_package_reaches_past_its_front_door():
                 for path, targets in outside.items()}
     assert {path: targets for path, targets in reaching.items() if targets} == {}
     assert ENTRY_POINTS and any(path.name == "inspect_checkpoint.py" for path in ENTRY_POINTS)
+
+
+def test_the_root_holds_only_shared_infrastructure():
+    root_modules = sorted(path.name for path in PACKAGE_ROOT.glob("*.py"))
+    assert len(root_modules) <= 8, root_modules
+
+
+def test_no_two_modules_share_a_name_for_different_jobs():
+    # errors.py is each area's error class and __init__.py its front door: the same job everywhere
+    names: dict[str, list[str]] = {}
+    for name, path in MODULES.items():
+        if path.name not in ("__init__.py", "errors.py"):
+            names.setdefault(path.name, []).append(name)
+    assert {name: modules for name, modules in names.items() if len(modules) > 1} == {}
+
+
+def test_only_the_launcher_side_imports_launch():
+    # launch/ is deepy.py's side: the ranks' runtime and the training loop never reach back into it
+    importers = {module for module, targets in GRAPH.items()
+                 if area(module) != "megatron.launch" and any(area(t) == "megatron.launch" for t in targets)}
+    assert importers == set()
+
+
+def test_the_training_loop_is_the_top_floor_of_a_rank():
+    importers = {module for module, targets in GRAPH.items()
+                 if area(module) not in ("megatron.training", "megatron.launch")
+                 and any(area(t) == "megatron.training" for t in targets)}
+    assert importers == set()
