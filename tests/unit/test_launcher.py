@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+from pathlib import Path
 
 import pytest
 from deepspeed.launcher import runner
@@ -277,3 +278,13 @@ def test_dry_run_refuses_what_deepspeeds_mpi_runner_would(hostfile, tmp_path, ca
                                               "master_addr": "10.0.0.1"})
     assert deepy.main([RANK_ECHO, str(config), "--dry-run"]) == 2
     assert "mpi.yml: launcher: openmpi: DeepSpeed says: " in capsys.readouterr().err
+
+
+def test_the_ranks_find_this_package_first_on_their_path():
+    # the launch entry runs as `python -m megatron.launch.entry` from any directory: PYTHONPATH must name
+    # the folder holding the megatron package, not a folder inside it (whose logging.py would shadow the stdlib's)
+    from megatron.launch.launcher import PACKAGE_PARENT, launcher_environment
+
+    first = Path(launcher_environment({}, cpu_only=True)["PYTHONPATH"].split(os.pathsep)[0])
+    assert first == Path(PACKAGE_PARENT)
+    assert (first / "megatron" / "launch" / "entry.py").is_file()
