@@ -26,11 +26,17 @@ How ranks agree is megatron/runtime/collective.py's, for every stage.
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.formats.legacy_names import is_legacy_buffer_key, translate_legacy_key
 from megatron.checkpointing.loading.load import LoadOutcome, load_checkpoint, load_weights_only
-from megatron.checkpointing.ondisk import layout, manifest
 from megatron.checkpointing.ondisk.client_state import ClientState
 from megatron.checkpointing.ondisk.identity import LoraBase, ReferenceIdentity
 from megatron.checkpointing.ondisk.inventory import CheckpointInventory, TagInventory, inventory_checkpoint
-from megatron.checkpointing.ondisk.layout import tag_for_iteration
+from megatron.checkpointing.ondisk.layout import (
+    LATEST_FILE,
+    layer_file_name,
+    model_states_name,
+    run_entries,
+    tag_for_iteration,
+)
+from megatron.checkpointing.ondisk.manifest import verify_files
 from megatron.checkpointing.ondisk.module_weights import (
     layer_states,
     read_full_module_weights,
@@ -53,13 +59,13 @@ from megatron.checkpointing.planning.reference import (
     plan_reference,
 )
 from megatron.checkpointing.planning.reference import describe as describe_reference
-from megatron.checkpointing.saving import commit
 from megatron.checkpointing.saving.async_save import (
     check_save_in_flight,
     save_in_flight,
     saves_waited_for,
     wait_for_save_in_flight,
 )
+from megatron.checkpointing.saving.commit import newest_tag_size, write_tag
 from megatron.checkpointing.saving.save import check_save_dir, save_checkpoint
 
 # These import DeepSpeed's engine internals: resolved on first use, so importing this package does not start
@@ -80,12 +86,12 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "TRAIN_IMPLS_WITH_REFERENCE", "CheckpointError", "CheckpointInventory", "ClientState", "Lineage", "LoadMode", "LoadOutcome", "LoadPlan", "LoraBase",
+    "LATEST_FILE", "TRAIN_IMPLS_WITH_REFERENCE", "CheckpointError", "CheckpointInventory", "ClientState", "Lineage", "LoadMode", "LoadOutcome", "LoadPlan", "LoraBase",
     "ReferenceIdentity", "TagInventory", "build_load_plan", "check_save_dir", "check_save_in_flight",
-    "checks_beside_use", "commit", "describe_reference", "forget_checked_files", "inventory_checkpoint",
-    "is_legacy_buffer_key", "layer_states", "layout", "load_checkpoint", "load_file_weights_only",
-    "load_module_only", "load_weights_only", "lora_base_plan", "manifest", "needs_reference", "plan_load", "plan_reference",
-    "read_full_module_weights", "read_module_weights", "samples_per_evaluation", "save_checkpoint",
+    "checks_beside_use", "describe_reference", "forget_checked_files", "inventory_checkpoint",
+    "is_legacy_buffer_key", "layer_file_name", "layer_states", "load_checkpoint", "load_file_weights_only",
+    "load_module_only", "load_weights_only", "lora_base_plan", "model_states_name", "needs_reference", "plan_load", "plan_reference",
+    "newest_tag_size", "read_full_module_weights", "read_module_weights", "run_entries", "samples_per_evaluation", "save_checkpoint",
     "save_engine_checkpoint", "save_in_flight", "saves_waited_for", "tag_for_iteration", "translate_legacy_key",
-    "verify_master_weights", "wait_for_save_in_flight",
+    "verify_files", "verify_master_weights", "wait_for_save_in_flight", "write_tag",
 ]

@@ -16,11 +16,14 @@ from megatron.checkpointing import (
     ClientState,
     TagInventory,
     inventory_checkpoint,
+    layer_file_name,
     layer_states,
-    layout,
     lora_base_plan,
+    model_states_name,
     read_full_module_weights,
     read_module_weights,
+    tag_for_iteration,
+    write_tag,
 )
 from megatron.contract.architecture import Architecture, ModelConfigError, implied_family
 from megatron.contract.lora_settings import LORA_SETTINGS, LoraSettings, lora_settings
@@ -45,7 +48,7 @@ from megatron.tokenizer import EOD_TOKEN, PAD_TOKEN
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-CONVERTED_TAG = layout.tag_for_iteration(0)
+CONVERTED_TAG = tag_for_iteration(0)
 
 
 def _save(path: Path, state: dict) -> None:
@@ -111,9 +114,8 @@ def convert_hf_to_neox(
     with staged_output(out_dir) as staging:
         if has_tokenizer:
             shutil.copyfile(hf_dir / TOKENIZER_NAME, staging / TOKENIZER_NAME)
-        _write_module_only_tag(staging / CONVERTED_TAG, module, arch, client_state, model_parallel_size,
-                               pipe_parallel_size)
-        layout.write_latest(staging, CONVERTED_TAG)
+        write_tag(staging, CONVERTED_TAG, 0, lambda partial: _write_module_only_tag(
+            partial, module, arch, client_state, model_parallel_size, pipe_parallel_size))
     if config_out is not None:
         config_out = Path(config_out)
         header = (
@@ -126,13 +128,12 @@ def convert_hf_to_neox(
 
 def _write_module_only_tag(tag_dir: Path, module: dict[str, torch.Tensor], arch: Architecture, client_state: ClientState,
                            model_parallel_size: int, pipe_parallel_size: int) -> None:
-    tag_dir.mkdir()
     for mp in range(model_parallel_size):
         weights = {name: partition(value, partitioning(name, arch), mp, model_parallel_size).clone()
                    for name, value in module.items()}
         if pipe_parallel_size >= 1:
             for position, layer in layer_states(weights).items():
-                _save(tag_dir / layout.layer_file_name(position, mp), layer)
+                _save(tag_dir / layer_file_name(position, mp), layer)
         state = {
             "module": weights if pipe_parallel_size < 1 else None,
             "buffer_names": [],
@@ -147,7 +148,7 @@ def _write_module_only_tag(tag_dir: Path, module: dict[str, torch.Tensor], arch:
             **client_state.to_dict(),
         }
         for stage in range(max(pipe_parallel_size, 1)):
-            _save(tag_dir / layout.model_states_name(stage * model_parallel_size + mp), state)
+            _save(tag_dir / model_states_name(stage * model_parallel_size + mp), state)
 
 
 def special_tokens(tokenizer_file: Path) -> dict[str, tuple[str, int]]:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from megatron.checkpointing import CheckpointError, layout
+from megatron.checkpointing import LATEST_FILE, run_entries
 from megatron.fsio import fsync_path
 from megatron.hf.errors import HFConversionError
 from megatron.hf.io import (
@@ -29,8 +29,7 @@ from megatron.hf.io import (
     TOKENIZER_NAME,
 )
 
-_MODEL_OR_RUN_NAMES = {
-    layout.LATEST_FILE, layout.LOCK_FILE, layout.MANIFEST_FILE, layout.UNIVERSAL_DIR,
+_MODEL_NAMES = {
     CONFIG_NAME, TOKENIZER_NAME, TOKENIZER_CONFIG_NAME, SAFETENSORS_INDEX_NAME, BIN_INDEX_NAME, BIN_NAME,
     *OTHER_MODEL_FOLDER_NAMES,
 }
@@ -43,19 +42,13 @@ def model_or_run_entries(folder: Path) -> list[str]:
     partial ones), the save lock, weight files, an HF folder's config and tokenizer."""
     if not folder.is_dir():
         return []
-    try:
-        latest_tag = layout.read_latest(folder)
-    except CheckpointError:
-        latest_tag = None
-    found = []
-    for entry in sorted(folder.iterdir()):
+    found = set(run_entries(folder))
+    for entry in folder.iterdir():
         name = entry.name
-        tag = name.removesuffix(layout.PARTIAL_SUFFIX)
-        if (name in _MODEL_OR_RUN_NAMES or name.endswith(_WEIGHT_SUFFIXES) or name == latest_tag
-                or (name.startswith(_BIN_SHARD_STEM) and name.endswith(".bin"))
-                or (entry.is_dir() and layout.iteration_of_tag(tag) is not None)):
-            found.append(name)
-    return found
+        if (name in _MODEL_NAMES or name.endswith(_WEIGHT_SUFFIXES)
+                or (name.startswith(_BIN_SHARD_STEM) and name.endswith(".bin"))):
+            found.add(name)
+    return sorted(found)
 
 
 def check_output_folder(out_dir: Path, source: Path, overwrite: bool) -> None:
@@ -113,7 +106,7 @@ def _new_folder_beside(path: Path) -> Path:
 
 
 def _latest_last(names: list[str]) -> list[str]:
-    return sorted(names, key=lambda name: name == layout.LATEST_FILE)
+    return sorted(names, key=lambda name: name == LATEST_FILE)
 
 
 def _move_entries_into(staging: Path, out_dir: Path) -> None:

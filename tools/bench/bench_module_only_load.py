@@ -69,14 +69,14 @@ from procmem import PeakSampler, measure_memory  # noqa: E402
 
 from megatron.checkpointing import (  # noqa: E402
     checks_beside_use,
-    commit,
     forget_checked_files,
-    layout,
     load_module_only,
-    manifest,
+    model_states_name,
     read_module_weights,
     save_engine_checkpoint,
+    verify_files,
     verify_master_weights,
+    write_tag,
 )
 from megatron.checkpointing import load_file_weights_only as load_weights_only  # noqa: E402
 from megatron.model import build_model  # noqa: E402
@@ -159,13 +159,9 @@ def trained_and_saved(options: argparse.Namespace, tensor_parallel_size: int, sa
     """An engine at ``tensor_parallel_size`` after one training step, and the tag it saved in ``save_dir``."""
     engine = tensor_parallel_engine(options, tensor_parallel_size)
     world.train_step(engine, tokens.to(engine.device))  # warm-up, and optimizer state exists as in a real run
-    commit.stop_if_any_rank_failed(save_dir, TAG, save_engine_checkpoint(engine, save_dir, TAG, {"iteration": 1}))
-    tag_dir = save_dir / TAG
-    if dist.get_rank() == 0:  # DeepSpeed's own ZeRO-3 module-only load reads `latest`
-        layout.write_latest(save_dir, TAG)
-        manifest.write_manifest(tag_dir, {name: manifest.record_file(tag_dir / name)
-                                          for name in manifest.tag_file_names(tag_dir)})
-    dist.barrier()
+    # committed as a run's save is (DeepSpeed's own ZeRO-3 module-only load reads `latest`)
+    tag_dir = write_tag(save_dir, TAG, 1, lambda partial: save_engine_checkpoint(
+        engine, save_dir, partial.name, {"iteration": 1}))
     return engine, tag_dir
 
 
@@ -181,7 +177,7 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
     tokens = tokens.to(engine.device)
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
     mp_rank = parallel_state.get_tensor_model_parallel_rank()
-    module_file = tag_dir / layout.model_states_name(mp_rank)
+    module_file = tag_dir / model_states_name(mp_rank)
     checkpoint = {k: v.clone() for k, v in read_module_weights(tag_dir, mp_rank).items()}
 
     def baseline():
@@ -237,7 +233,7 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
                 gc.collect()
                 samples["verify"].append(timed_then_sampled(lambda: verify_master_weights(engine)))
                 gc.collect()
-                samples["checksum"].append(timed_then_sampled(lambda: manifest.verify_files(tag_dir, [module_file])))
+                samples["checksum"].append(timed_then_sampled(lambda: verify_files(tag_dir, [module_file])))
     files_mib = sum(p.stat().st_size for p in tag_dir.iterdir() if p.is_file()) / 2**20
     medians = {name: {key: median([s[key] for s in runs]) for key in runs[0]} for name, runs in samples.items()}
     return {"parameters": n_params, "checkpoint_mib": files_mib, "medians": medians,

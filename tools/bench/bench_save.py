@@ -49,7 +49,7 @@ from procmem import measure_memory  # noqa: E402
 from megatron.checkpointing import (  # noqa: E402
     Lineage,
     check_save_in_flight,
-    commit,
+    newest_tag_size,
     save_checkpoint,
     save_in_flight,
     saves_waited_for,
@@ -140,7 +140,7 @@ def measure_rank(options: argparse.Namespace, save_dir: Path) -> dict:
     for _ in range(2):
         saves.step()
     memory = {kind: saves.memory(kind) for kind in ("synchronous", "async")}  # the first async save ever
-    tag_bytes = commit.newest_tag_size(save_dir)[1]  # a full save's (the async one just committed)
+    tag_bytes = newest_tag_size(save_dir)[1]  # a full save's (the async one just committed)
     results: dict[str, list[dict]] = {kind: [] for kind in KINDS}
     for repeat in range(options.repeats):
         for kind in in_turn(KINDS, repeat):

@@ -43,11 +43,10 @@ from harness import Ratios, bench_parser, table, write_json  # noqa: E402
 from procmem import PeakSampler, smaps_rollup_kib  # noqa: E402
 
 from megatron.checkpointing import (  # noqa: E402
-    layout,
     load_module_only,
-    manifest,
     read_module_weights,
     save_engine_checkpoint,
+    write_tag,
 )
 from megatron.model import build_model  # noqa: E402
 from megatron.neox_arguments import NeoXArgs  # noqa: E402
@@ -85,17 +84,15 @@ def save_checkpoint(options: argparse.Namespace, save_dir: Path) -> dict:
     """Save as training does; returns the peak anonymous memory growth of the save on this rank."""
     engine = start_engine(options, build(options, "partitioned", CHECKPOINT_SEED))
     dist.barrier()
-    failure, save_peak = PeakSampler(fields=("Anonymous",)).measure(
-        lambda: save_engine_checkpoint(engine, save_dir, TAG, {"iteration": 1}))
-    if failure is not None:
-        raise SystemExit(f"the save failed: {failure.path}: {failure.error}")
-    tag_dir = save_dir / TAG
-    if dist.get_rank() == 0:
-        manifest.write_manifest(tag_dir, {name: manifest.record_file(tag_dir / name)
-                                          for name in manifest.tag_file_names(tag_dir)})
-        layout.write_latest(save_dir, TAG)
-    dist.barrier()
-    return {"save_peak_mib": save_peak}
+    save_peak = {}
+
+    def write_files(partial: Path):
+        failure, save_peak["mib"] = PeakSampler(fields=("Anonymous",)).measure(
+            lambda: save_engine_checkpoint(engine, save_dir, partial.name, {"iteration": 1}))
+        return failure
+
+    write_tag(save_dir, TAG, 1, write_files)  # committed as a run's save is
+    return {"save_peak_mib": save_peak["mib"]}
 
 
 def check_loaded(engine, weights: dict[str, torch.Tensor]) -> None:

@@ -34,7 +34,7 @@ from megatron.foreign_notices import hide_foreign_notices  # noqa: E402
 
 hide_foreign_notices()  # before the imports below
 
-from megatron.checkpointing import CheckpointError, layout  # noqa: E402
+from megatron.checkpointing import LATEST_FILE, CheckpointError  # noqa: E402
 from megatron.hf.config import FAMILIES  # noqa: E402
 from megatron.hf.convert import DTYPES, convert_neox_to_hf  # noqa: E402
 from megatron.hf.io import parse_size  # noqa: E402
@@ -88,7 +88,7 @@ def checkpoint_and_tag(options: argparse.Namespace) -> tuple[Path, str | None]:
     """(the save directory, the tag); GPT-NeoX's --input_dir names the tag folder, or a save folder with `latest`."""
     if options.input is not None:
         return options.input, options.tag
-    if (options.input_dir / layout.LATEST_FILE).is_file():
+    if (options.input_dir / LATEST_FILE).is_file():
         return options.input_dir, None
     return options.input_dir.parent, options.input_dir.name
 

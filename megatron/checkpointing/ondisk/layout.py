@@ -145,6 +145,20 @@ def list_tags(root: Path) -> dict[str, int]:
     return dict(sorted(found.items(), key=lambda item: item[1]))
 
 
+def run_entries(folder: Path) -> list[str]:
+    """The names in `folder` that belong to a run's checkpoints: `latest` and the tag it names, tags (also
+    partial ones), the save lock, a manifest and a universal checkpoint's folder."""
+    if not folder.is_dir():
+        return []
+    try:
+        latest_tag = read_latest(folder)
+    except CheckpointError:
+        latest_tag = None
+    return [entry.name for entry in sorted(folder.iterdir())
+            if entry.name in (LATEST_FILE, LOCK_FILE, MANIFEST_FILE, UNIVERSAL_DIR, latest_tag)
+            or (entry.is_dir() and iteration_of_tag(entry.name.removesuffix(PARTIAL_SUFFIX)) is not None)]
+
+
 def copy_configs(config_files: dict[str, str] | None, tag_dir: Path) -> list[Path]:
     """Write the run's YAML files ({basename: text}) into `<tag_dir>/configs/`."""
     if not config_files:

@@ -21,7 +21,7 @@ from megatron.checkpointing.ondisk import layout, manifest
 from megatron.fsio import fsync_path, replace_dir
 from megatron.ranks import rank_and_world
 from megatron.runtime import faults
-from megatron.runtime.collective import all_gather, decided_by_rank_zero, reported_by_ranks
+from megatron.runtime.collective import all_gather, barrier, decided_by_rank_zero, reported_by_ranks
 
 _PROBE_PREFIX = ".write_probe"
 
@@ -94,6 +94,31 @@ def start_tag(save_dir: Path, tag: str) -> Path:
     partial = save_dir / layout.partial_tag(tag)
     partial.mkdir()
     return partial
+
+
+def start_writing(save_dir: Path, tag: str) -> Path:
+    """Collective: rank 0 starts ``<tag>.partial`` (start_tag), and every rank gets its path once it exists."""
+    if rank_and_world()[0] == 0:
+        start_tag(save_dir, tag)
+    barrier()
+    return save_dir / layout.partial_tag(tag)
+
+
+def write_tag(save_dir: Path, tag: str, iteration: int, write_files: Callable[[Path], WriteFailure | None],
+              committed: Callable[[], None] = lambda: None) -> Path:
+    """A blocking save of any writer (a run's engine, a converter, a bench): collective. Every rank writes its
+    files of `tag` with ``write_files(partial folder)``, which returns its failed write or None; once all are
+    on disk each records its share and the one commit runs (commit_tag). The tag's path, or the one-line
+    CheckpointError every rank raises."""
+    save_dir = Path(save_dir)
+    partial = start_writing(save_dir, tag)
+    failure = write_files(partial)
+    barrier()  # every rank's files are on disk before any rank lists them
+    failure, records = record_this_ranks_share(partial, failure)
+    problem = commit_tag(save_dir, tag, iteration, failure, records, committed)
+    if problem:
+        raise CheckpointError(problem)
+    return save_dir / tag
 
 
 def record_this_ranks_share(partial: Path, failure: WriteFailure | None

@@ -22,7 +22,7 @@ from megatron.checkpointing.planning.lineage import Lineage
 from megatron.checkpointing.saving import async_save, commit, save_lock
 from megatron.checkpointing.saving.neox_config import write_neox_config
 from megatron.ranks import global_rank
-from megatron.runtime.collective import all_gather, barrier, decided_by_rank_zero
+from megatron.runtime.collective import all_gather, decided_by_rank_zero
 
 
 def _gather_rng_states() -> list[dict[str, Any]]:
@@ -78,32 +78,26 @@ def save_checkpoint(
                             if args.checkpoint_validation_with_forward_pass else None),
     )
 
-    partial = layout.partial_tag(tag)
-    try:
+    in_background = args.async_save and async_save.awaited()
+    snapshot = SnapshotCheckpointEngine(engine.checkpoint_engine) if in_background else None
+    lineage = lineage if lineage is not None else Lineage()
+    lineage.saved.add(tag)
+
+    def committed() -> None:
+        _prune(args, save_dir, tag, lineage)
+
+    def write_files(partial: Path):
         if global_rank() == 0:
-            commit.start_tag(save_dir, tag)
-            layout.copy_configs(args.config_files, save_dir / partial)
-            write_neox_config(args.to_dict(), save_dir / partial / layout.CONFIGS_DIR / layout.NEOX_CONFIG_FILE)
-        barrier()
-        in_background = args.async_save and async_save.awaited()
-        snapshot = SnapshotCheckpointEngine(engine.checkpoint_engine) if in_background else None
-        lineage = lineage if lineage is not None else Lineage()
-        lineage.saved.add(tag)
+            layout.copy_configs(args.config_files, partial)
+            write_neox_config(args.to_dict(), partial / layout.CONFIGS_DIR / layout.NEOX_CONFIG_FILE)
+        return save_engine_checkpoint(engine, save_dir, partial.name, client_state.to_dict(),
+                                      optimizer_states=not args.no_save_optim, snapshot=snapshot,
+                                      frozen_weights=lora_base is None)
 
-        def committed() -> None:
-            _prune(args, save_dir, tag, lineage)
-
-        failure = save_engine_checkpoint(engine, save_dir, partial, client_state.to_dict(),
-                                         optimizer_states=not args.no_save_optim, snapshot=snapshot,
-                                         frozen_weights=lora_base is None)
-        if snapshot is None:  # the commit a background save runs later, run now
-            barrier()  # every rank's files are on disk before any rank lists them
-            failure, records = commit.record_this_ranks_share(save_dir / partial, failure)
-            problem = commit.commit_tag(save_dir, tag, iteration, failure, records, committed)
-            if problem:
-                raise CheckpointError(problem)
-            return save_dir / tag
-        commit.stop_if_any_rank_failed(save_dir, tag, failure)
+    try:
+        if snapshot is None:
+            return commit.write_tag(save_dir, tag, iteration, write_files, committed)
+        commit.stop_if_any_rank_failed(save_dir, tag, write_files(commit.start_writing(save_dir, tag)))
     except Exception as err:
         failure = commit.save_failed(save_dir, tag, err)
         commit.discard_partial(save_dir, tag)
