@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 
@@ -421,6 +422,22 @@ def test_checkpoint_converted_from_hf_loads_module_only(hf_dir, tmp_path):
         plan_for(tmp_path / "converted", **settings)
     plan = plan_for(tmp_path / "converted", finetune=True, **settings)
     assert [p.name for p in plan.files] == ["mp_rank_00_model_states.pt"]
+
+
+def test_a_converted_tag_is_committed_as_a_save_is_so_damage_to_it_is_named(hf_dir, tmp_path):
+    from megatron.hf.convert import convert_hf_to_neox
+
+    tag_dir = convert_hf_to_neox(hf_dir, tmp_path / "converted").tag_dir
+    recorded = json.loads((tag_dir / "manifest.json").read_text())
+    assert "mp_rank_00_model_states.pt" in json.dumps(recorded)
+    module_file = tag_dir / "mp_rank_00_model_states.pt"
+    with module_file.open("r+b") as f:  # one byte flipped inside the file, its size unchanged
+        f.seek(module_file.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointError, match="mp_rank_00_model_states.pt is damaged"):
+        plan_for(tmp_path / "converted", finetune=True, **hf_settings(hf_dir))
 
 
 # --- the data position, and settings changed since the save that move it ------------------
