@@ -102,7 +102,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_previous_checkpoint
                              lr_decay_iters=12, checkpoint_factor=1000, eval_interval=1000, eval_iters=1,
                              async_save=async_save)
     deepy = f"{shlex.quote(sys.executable)} deepy.py train.py configs/tiny.yml"
-    verify = (f"{shlex.quote(sys.executable)} -c \"from megatron.checkpointing import manifest; "
+    verify = (f"{shlex.quote(sys.executable)} -c \"from megatron.checkpointing.ondisk import manifest; "
               f"from pathlib import Path; t = Path('{save}/global_step2'); "
               f"manifest.verify_files(t, [t / n for n in manifest.tag_file_names(t)]); print('INTACT')\"")
     script = f"""

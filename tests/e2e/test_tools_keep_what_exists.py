@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.checkpointing import layout
+from megatron.checkpointing.ondisk import layout
 from megatron.checkpointing.ondisk.module_weights import read_module_weights
 from megatron.data import MMapIndexedDataset
 from megatron.hf.convert import convert_hf_to_neox

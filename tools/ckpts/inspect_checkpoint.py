@@ -32,13 +32,13 @@ with contextlib.redirect_stdout(sys.stderr):
     import torch
 
     from megatron.checkpointing import (
+        LATEST_FILE,
         CheckpointError,
         CheckpointInventory,
         LoadMode,
         TagInventory,
         build_load_plan,
         inventory_checkpoint,
-        layout,
         read_full_module_weights,
         read_module_weights,
     )
@@ -272,7 +272,7 @@ def print_diff(result: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="checkpoint folder (holds `latest` and tags) or HF model folder")
-    parser.add_argument("--tag", help=f"tag to describe (default: the one in `{layout.LATEST_FILE}`)")
+    parser.add_argument("--tag", help=f"tag to describe (default: the one in `{LATEST_FILE}`)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--diff", type=Path, metavar="OTHER_DIR", help="compare the weights with another checkpoint")
     parser.add_argument("--other-tag", help="tag of OTHER_DIR (default: its latest)")

@@ -29,7 +29,7 @@ from megatron.checkpointing.ondisk.rng import restore_rng_states
 from megatron.checkpointing.ondisk.verified_files import checkpoint_file_problem, checks_beside_use
 from megatron.checkpointing.planning.lineage import Lineage
 from megatron.checkpointing.planning.plan import ADAPTERS, LM_HEAD, REWARD_HEAD, LoadPlan
-from megatron.ranks import global_rank, rank_and_world, tensor_parallel_rank, tensor_parallel_size
+from megatron.ranks import global_rank, rank_and_world, tensor_parallel_rank
 from megatron.runtime.collective import reported_by_ranks
 
 if TYPE_CHECKING:  # module_load imports DeepSpeed's ZeRO internals; loaded only when a load needs it
@@ -107,7 +107,7 @@ def _check_adapters(plan: LoadPlan, engine, weights: dict) -> None:
         return
     tag = plan.tag_inventory
     if tag.format == FORMAT_PIPELINE:  # each layer's adapters are in its own layer file
-        files = sorted({_layer_file(tag, name) for name in missing or held_frozen})
+        files = sorted({_layer_file(plan, name) for name in missing or held_frozen})
     else:
         files = list(tag.model_states_files.values())
     absent = [path for path in files if not path.exists()]
@@ -128,11 +128,11 @@ def _named_parameters(module):
     return ((gpt_model_name(name) if stage else name, param) for name, param in module.named_parameters())
 
 
-def _layer_file(tag, name: str):
-    """The layer file of this tensor-parallel rank that holds GPTModel's parameter ``name`` in a pipeline tag."""
-    saved_tp = tag.saved_layout.tensor_parallel
-    mp = tensor_parallel_rank() if saved_tp == tensor_parallel_size() else 0
-    return tag.path / layout.layer_file_name(int(name.split(".")[1]), mp)
+def _layer_file(plan: LoadPlan, name: str):
+    """The layer file that holds GPTModel's parameter ``name`` in a pipeline tag: this tensor-parallel rank's,
+    or model_00's where the tag is re-split for this run."""
+    mp = 0 if plan.layout_change.tensor_parallel_changed else tensor_parallel_rank()
+    return plan.tag_dir / layout.layer_file_name(int(name.split(".")[1]), mp)
 
 
 def _check_stage_layer_files(plan: LoadPlan, engine) -> None:

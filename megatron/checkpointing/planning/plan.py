@@ -55,13 +55,12 @@ from megatron.checkpointing.ondisk.inventory import (
     FORMAT_PIPELINE,
     FORMAT_ZERO3,
     CheckpointInventory,
-    SavedLayout,
     TagInventory,
     inventory_checkpoint,
 )
 from megatron.checkpointing.planning import preflight, shape
 from megatron.checkpointing.planning.data_position import DataPosition, data_position, resume_change_notes
-from megatron.contract.architecture import Architecture, ModelConfigError, describe_model, experts_per_rank
+from megatron.contract.architecture import Architecture, ModelConfigError, describe_model
 
 # Parameter-name endings of a language model's output layer and of a reward model's head.
 LM_HEAD = ("final_linear.weight",)
@@ -99,7 +98,7 @@ class LoadPlan:
     run_architecture: Callable[[], Architecture] | None = field(default=None, repr=False, compare=False)
     lr_schedule_start: int = 0  # the iteration the LR schedule counts from after this load
     model: str | None = None  # the model's family and variants (architecture.describe_model)
-    shape_change: shape.ShapeChange | None = None  # a full resume at another shape (shape.py; loading/reshard.py)
+    layout_change: shape.LayoutChange | None = None  # saved layout against the run's (shape.py); None for HF
     saves_here: bool = False  # `save` is the directory loaded from: the loaded tag is the run's own history
     tag_inventory: TagInventory | None = field(default=None, repr=False, compare=False)
     hf_source: WeightsSource | None = field(default=None, repr=False, compare=False)  # reads a FORMAT_HF folder
@@ -110,6 +109,11 @@ class LoadPlan:
     @property
     def architecture(self) -> Architecture:
         return self.run_architecture()
+
+    @property
+    def shape_change(self) -> shape.ShapeChange | None:
+        """A full resume at another shape (loading/reshard.py)."""
+        return self.layout_change.resume if self.layout_change is not None else None
 
     @property
     def nothing_to_load(self) -> bool:
@@ -430,9 +434,9 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         fresh_optimizer.append(f"optimizer starts fresh: {tag.path} was saved with no_save_optim (weights only), "
                                "so this resume loads as with no_load_optim")
     load_optimizer = mode is LoadMode.RESUME
-    change = None
-    if load_optimizer and tag.metadata is not None and not preflight.loads_universal(tag, args):
-        change = shape.shape_change(tag, args, data_parallel_size)
+    layout_change = shape.layout_change(tag, args, data_parallel_size, load_optimizer and tag.metadata is not None
+                                        and not preflight.loads_universal(tag, args))
+    change = layout_change.resume
     if change is not None:
         files = shape.files_read(tag)
     elif load_optimizer:
@@ -461,11 +465,7 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         notes += [*position.notes, *resume_change_notes(args, client, tag_name, tag.iteration, position)]
     if tag.format == FORMAT_ZERO3 and not load_optimizer:
         notes.append("no full module file: weights are rebuilt from the ZeRO-3 fp32 partitions")
-    saved_tp, wanted_tp = tag.saved_layout.tensor_parallel, args.model_parallel_size or 1
-    if saved_tp != wanted_tp and not load_optimizer:
-        notes.append(f"weights re-split from tensor-parallel size {saved_tp} to {wanted_tp} while loading "
-                     "(each rank reads only its slices)")
-    notes += _experts_moved(tag.saved_layout, args)
+    notes += layout_change.resplit_notes(load_optimizer)
     notes.append(f"files checked against {layout.MANIFEST_FILE} (it lists every file of the tag) before they are read"
                  if has_manifest else
                  f"no {layout.MANIFEST_FILE} (saved by another program or an older version): files are not checksummed")
@@ -484,7 +484,7 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         files=files,
         notes=tuple(_model_from_checkpoint_note(args, root) + notes),
         **_contract(args),
-        shape_change=change,
+        layout_change=layout_change,
         validate_forward=bool(args.checkpoint_validation_with_forward_pass),
         lr_schedule_start=schedule_start(mode, saved_iteration, client),
         tag_inventory=tag,
@@ -494,17 +494,8 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         base=lora_base_plan(args, tag, data_parallel_size, hf_source),
     )
     _check_iterations_left(plan, args)
-    preflight.check_plan(files, load_optimizer, tag, args, change)
+    preflight.check_plan(files, load_optimizer, tag, args, layout_change)
     return plan
-
-
-def _experts_moved(saved: SavedLayout, args) -> list[str]:
-    """Where the experts go when the tensor-parallel size changes (each rank holds whole experts)."""
-    wanted_tp = args.model_parallel_size or 1
-    if saved.experts <= 1 or saved.tensor_parallel == wanted_tp or saved.experts != args.moe_num_experts:
-        return []  # another expert count: the architecture check refuses the load
-    return [f"experts {saved.experts_per_rank} per rank -> {experts_per_rank(saved.experts, wanted_tp)}: whole "
-            f"experts from the {saved.tensor_parallel} rank file(s) to this run's {wanted_tp} tensor-parallel rank(s)"]
 
 
 def _fresh_reward_head(args, client: ClientState, tag: TagInventory, load_optimizer: bool) -> bool:

@@ -22,11 +22,11 @@ _MODULE_ONLY_HINT = ("set `no_load_optim: true` (keep iteration and data positio
                      "or `finetune: true` (weights only, start at iteration 0)")
 
 
-def _check_tensor_parallel(tag: TagInventory, args, load_optimizer: bool) -> None:
+def _check_tensor_parallel(tag: TagInventory, args, change: shape.LayoutChange, load_optimizer: bool) -> None:
     """A module-only load re-splits the weights to this run's size; optimizer shards cannot be re-split."""
-    wanted, saved = args.model_parallel_size or 1, tag.saved_layout.tensor_parallel
-    if saved == wanted:
+    if not change.tensor_parallel_changed:
         return
+    wanted, saved = change.run_tensor_parallel, change.saved.tensor_parallel
     if load_optimizer and not tag.optimizer_files:  # else resharded (reshard.py)
         raise CheckpointError(
             f"{tag.path} was saved with tensor-parallel size {saved} (mp_rank files for ranks "
@@ -150,11 +150,11 @@ def check_files_intact(paths) -> None:
 
 
 def check_plan(files: Iterable[Path], load_optimizer: bool, tag: TagInventory, args,
-               change: shape.ShapeChange | None) -> None:
+               change: shape.LayoutChange) -> None:
     """Raise CheckpointError when a plan reading `files` (and the optimizer states when `load_optimizer`, at
     the shape change the plan decided) cannot be carried out with these settings."""
     check_files_intact(files)
-    _check_tensor_parallel(tag, args, load_optimizer)
+    _check_tensor_parallel(tag, args, change, load_optimizer)
     _check_architecture(tag, args)
     if load_optimizer:
-        _check_resume(tag, args, change)
+        _check_resume(tag, args, change.resume)

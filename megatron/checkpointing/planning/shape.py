@@ -1,8 +1,11 @@
-"""Did the shape change: the shape a tag was saved at against this run's, decided once per load by the plan.
+"""Did the shape change: the layout a tag was saved at against this run's, decided once per load by the plan.
 
-A shape is the data-parallel size, tensor-parallel size, ZeRO stage and precision. A full resume at the
-saved shape goes through DeepSpeed's own engine.load_checkpoint; at another shape the optimizer state is
-resharded (megatron/checkpointing/loading/reshard.py), or refused here in one line when it cannot be.
+``layout_change`` is the one answer every reader asks (the plan's notes, its checks, the loader's choice of
+a pipeline tag's layer files, the reshard): whether the tensor-parallel split changed, where the experts
+go, and, for a full resume, the change of shape. A shape is the data-parallel size, tensor-parallel size,
+ZeRO stage and precision. A full resume at the saved shape goes through DeepSpeed's own
+engine.load_checkpoint; at another shape the optimizer state is resharded
+(megatron/checkpointing/loading/reshard.py), or refused here in one line when it cannot be.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron.checkpointing.ondisk import layout
-from megatron.checkpointing.ondisk.inventory import TagInventory
+from megatron.checkpointing.ondisk.inventory import SavedLayout, TagInventory
+from megatron.contract.architecture import experts_per_rank
 from megatron.optim.optimizer_layout import precision_of, zero_stage_of
 
 
@@ -45,6 +49,38 @@ class ShapeChange:
         elif self.run.precision == "fp16" and self.saved.precision != "fp16":
             notes.append(f"fp16 loss scaler starts at its initial scale: the {self.saved.precision} checkpoint has none")
         return notes
+
+
+@dataclass(frozen=True)
+class LayoutChange:
+    """A tag's saved layout against this run's: the answer to every "did it change" of one load."""
+
+    saved: SavedLayout
+    run_tensor_parallel: int
+    run_experts: int | None
+    resume: ShapeChange | None  # a full resume at another shape; None for a module-only load or the same shape
+
+    @property
+    def tensor_parallel_changed(self) -> bool:
+        return self.saved.tensor_parallel != self.run_tensor_parallel
+
+    def resplit_notes(self, load_optimizer: bool) -> list[str]:
+        """What a load across tensor-parallel sizes does with the weights and the experts."""
+        if not self.tensor_parallel_changed:
+            return []
+        saved_tp, run_tp = self.saved.tensor_parallel, self.run_tensor_parallel
+        notes = [] if load_optimizer else [f"weights re-split from tensor-parallel size {saved_tp} to {run_tp} "
+                                           "while loading (each rank reads only its slices)"]
+        if self.saved.experts > 1 and self.saved.experts == self.run_experts:  # else the architecture check refuses
+            notes.append(f"experts {self.saved.experts_per_rank} per rank -> {experts_per_rank(self.saved.experts, run_tp)}: "
+                         f"whole experts from the {saved_tp} rank file(s) to this run's {run_tp} tensor-parallel rank(s)")
+        return notes
+
+
+def layout_change(tag: TagInventory, args, data_parallel_size: int, resume: bool) -> LayoutChange:
+    """The change between `tag`'s saved layout and this run's; `resume`: a full resume through the shards."""
+    return LayoutChange(tag.saved_layout, args.model_parallel_size or 1, args.moe_num_experts,
+                        shape_change(tag, args, data_parallel_size) if resume else None)
 
 
 def saved_shape(tag: TagInventory) -> Shape:
