@@ -398,35 +398,11 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
     root = inventory.root
     if inventory.is_hf:
         return _hf_plan(args, inventory, mode)
-    auto_resume = layout.same_directory(args.load, args.save) and mode is LoadMode.RESUME and args.iteration is None
     skipped = _skipped_notes(inventory)
-    if auto_resume and inventory.latest is None and inventory.tags and all(
-            tag.format == FORMAT_INCOMPLETE for tag in inventory.tags.values()):
-        skipped.append(f"skipped {', '.join(inventory.tags)}: incomplete (no model-states file) and not named by "
-                       f"`{layout.LATEST_FILE}`")
-        return LoadPlan(mode=LoadMode.FIRST_RUN, load_dir=root, notes=tuple(skipped))
-    if not inventory.exists or inventory.is_empty:
-        if auto_resume:
-            return LoadPlan(mode=LoadMode.FIRST_RUN, load_dir=root, notes=tuple(skipped))
-        if root.is_file():
-            where = f"{root} is a file, not a checkpoint directory"
-        elif not inventory.exists:
-            where = f"{root} does not exist"
-        else:
-            where = f"{root} holds no checkpoint (no global_step<N> folders, no `{layout.LATEST_FILE}` file)"
-        raise CheckpointError(
-            f"`load: {args.load}` is set but {where}. Fix the path; unset `load` to train from scratch; "
-            "or set `load` and `save` to the same directory to resume automatically when a checkpoint exists."
-        )
-
-    tag = inventory.chosen_tag(iteration=args.iteration)
-    tag_name = tag.tag
-    if tag.format == FORMAT_INCOMPLETE:
-        raise CheckpointError(
-            f"{tag.path} is incomplete: it holds no model-states file ({layout.model_states_name(0)}, "
-            f"{layout.zero3_model_states_name(0, 0)}) and no pipeline layer files (an interrupted save?). "
-            f"{inventory.available()}; pick another with `iteration: N`."
-        )
+    first_run = _first_run(args, inventory, mode, skipped)
+    if first_run is not None:
+        return first_run
+    tag = _complete_tag(inventory, args)
     has_manifest = tag.manifest is not None  # refuses a damaged, empty or incomplete one
     fresh_optimizer = []
     if mode is LoadMode.RESUME and _saved_without_optimizer(tag):
@@ -434,46 +410,24 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         fresh_optimizer.append(f"optimizer starts fresh: {tag.path} was saved with no_save_optim (weights only), "
                                "so this resume loads as with no_load_optim")
     load_optimizer = mode is LoadMode.RESUME
-    layout_change = shape.layout_change(tag, args, data_parallel_size, load_optimizer and tag.metadata is not None
-                                        and not preflight.loads_universal(tag, args))
-    change = layout_change.resume
-    if change is not None:
-        files = shape.files_read(tag)
-    elif load_optimizer:
-        files = _resume_files(tag, preflight.loads_universal(tag, args))
-    else:
-        files = tuple(dict.fromkeys((*filter(None, [tag.metadata_file]), *_module_files(tag))))
+    universal = preflight.loads_universal(tag, args)
+    layout_change = shape.layout_change(tag, args, data_parallel_size,
+                                        load_optimizer and tag.metadata is not None and not universal)
+    files = _files_read(tag, layout_change, load_optimizer, universal)
     world_size = data_parallel_size * max(args.model_parallel_size or 1, 1) * max(args.pipe_parallel_size or 1, 1)
-    restore_rng, notes = _rng_decision(args, mode, tag, world_size)
-    notes = fresh_optimizer + notes
+    restore_rng, rng_notes = _rng_decision(args, mode, tag, world_size)
     client = tag.metadata.client_state if tag.metadata else ClientState(format_version=None)
     client.check_readable(tag.metadata_file)
-    saved_iteration = next((value for value in (client.iteration, tag.iteration,
-                                                 tag.metadata.global_steps if tag.metadata else None)
-                            if value is not None), None)
-    if saved_iteration is None and mode is not LoadMode.FINETUNE:
-        raise CheckpointError(
-            f"{tag.path} records no iteration (no 'iteration' in its client state, no DeepSpeed step count, "
-            "and the tag is not named global_step<N>), so training cannot continue from it. Set `finetune: true` to start at iteration 0 "
-            "from its weights."
-        )
-    if change is not None:
-        notes = [*change.notes(), *notes]
-    position = None
-    if mode is not LoadMode.FINETUNE:
-        position = data_position(client, saved_iteration, args)
-        notes += [*position.notes, *resume_change_notes(args, client, tag_name, tag.iteration, position)]
-    if tag.format == FORMAT_ZERO3 and not load_optimizer:
-        notes.append("no full module file: weights are rebuilt from the ZeRO-3 fp32 partitions")
-    notes += layout_change.resplit_notes(load_optimizer)
-    notes.append(f"files checked against {layout.MANIFEST_FILE} (it lists every file of the tag) before they are read"
-                 if has_manifest else
-                 f"no {layout.MANIFEST_FILE} (saved by another program or an older version): files are not checksummed")
-    notes += skipped
+    saved_iteration = _saved_iteration(tag, client, mode)
+    position = data_position(client, saved_iteration, args) if mode is not LoadMode.FINETUNE else None
+    notes = [*(layout_change.resume.notes() if layout_change.resume else ()), *fresh_optimizer, *rng_notes]
+    if position is not None:
+        notes += [*position.notes, *resume_change_notes(args, client, tag.tag, tag.iteration, position)]
+    notes += _layout_notes(tag, layout_change, load_optimizer, has_manifest) + skipped
     plan = LoadPlan(
         mode=mode,
         load_dir=root,
-        tag=tag_name,
+        tag=tag.tag,
         tag_dir=tag.path,
         source_format=tag.format,
         saved_iteration=saved_iteration,
@@ -496,6 +450,75 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
     _check_iterations_left(plan, args)
     preflight.check_plan(files, load_optimizer, tag, args, layout_change)
     return plan
+
+
+def _first_run(args, inventory: CheckpointInventory, mode: LoadMode, skipped: list[str]) -> LoadPlan | None:
+    """The plan of an auto-resuming job's first run (nothing to load yet), None where there is a checkpoint to
+    load; CheckpointError where `load` names no checkpoint and the run does not save there."""
+    root = inventory.root
+    auto_resume = layout.same_directory(args.load, args.save) and mode is LoadMode.RESUME and args.iteration is None
+    if auto_resume and inventory.latest is None and inventory.tags and all(
+            tag.format == FORMAT_INCOMPLETE for tag in inventory.tags.values()):
+        skipped.append(f"skipped {', '.join(inventory.tags)}: incomplete (no model-states file) and not named by "
+                       f"`{layout.LATEST_FILE}`")
+        return LoadPlan(mode=LoadMode.FIRST_RUN, load_dir=root, notes=tuple(skipped))
+    if inventory.exists and not inventory.is_empty:
+        return None
+    if auto_resume:
+        return LoadPlan(mode=LoadMode.FIRST_RUN, load_dir=root, notes=tuple(skipped))
+    if root.is_file():
+        where = f"{root} is a file, not a checkpoint directory"
+    elif not inventory.exists:
+        where = f"{root} does not exist"
+    else:
+        where = f"{root} holds no checkpoint (no global_step<N> folders, no `{layout.LATEST_FILE}` file)"
+    raise CheckpointError(
+        f"`load: {args.load}` is set but {where}. Fix the path; unset `load` to train from scratch; "
+        "or set `load` and `save` to the same directory to resume automatically when a checkpoint exists."
+    )
+
+
+def _complete_tag(inventory: CheckpointInventory, args) -> TagInventory:
+    tag = inventory.chosen_tag(iteration=args.iteration)
+    if tag.format == FORMAT_INCOMPLETE:
+        raise CheckpointError(
+            f"{tag.path} is incomplete: it holds no model-states file ({layout.model_states_name(0)}, "
+            f"{layout.zero3_model_states_name(0, 0)}) and no pipeline layer files (an interrupted save?). "
+            f"{inventory.available()}; pick another with `iteration: N`."
+        )
+    return tag
+
+
+def _saved_iteration(tag: TagInventory, client: ClientState, mode: LoadMode) -> int | None:
+    saved_iteration = next((value for value in (client.iteration, tag.iteration,
+                                                 tag.metadata.global_steps if tag.metadata else None)
+                            if value is not None), None)
+    if saved_iteration is None and mode is not LoadMode.FINETUNE:
+        raise CheckpointError(
+            f"{tag.path} records no iteration (no 'iteration' in its client state, no DeepSpeed step count, "
+            "and the tag is not named global_step<N>), so training cannot continue from it. Set `finetune: true` to start at iteration 0 "
+            "from its weights."
+        )
+    return saved_iteration
+
+
+def _files_read(tag: TagInventory, change: shape.LayoutChange, load_optimizer: bool, universal: bool) -> tuple[Path, ...]:
+    if change.resume is not None:
+        return shape.files_read(tag)
+    if load_optimizer:
+        return _resume_files(tag, universal)
+    return tuple(dict.fromkeys((*filter(None, [tag.metadata_file]), *_module_files(tag))))
+
+
+def _layout_notes(tag: TagInventory, change: shape.LayoutChange, load_optimizer: bool, has_manifest: bool) -> list[str]:
+    notes = []
+    if tag.format == FORMAT_ZERO3 and not load_optimizer:
+        notes.append("no full module file: weights are rebuilt from the ZeRO-3 fp32 partitions")
+    notes += change.resplit_notes(load_optimizer)
+    notes.append(f"files checked against {layout.MANIFEST_FILE} (it lists every file of the tag) before they are read"
+                 if has_manifest else
+                 f"no {layout.MANIFEST_FILE} (saved by another program or an older version): files are not checksummed")
+    return notes
 
 
 def _fresh_reward_head(args, client: ClientState, tag: TagInventory, load_optimizer: bool) -> bool:
