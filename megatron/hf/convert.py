@@ -22,6 +22,7 @@ from megatron.checkpointing import (
     read_full_module_weights,
     read_module_weights,
 )
+from megatron.checkpointing.ondisk.identity import LoraBase, files_checksum, write_lora_base_file
 from megatron.contract.architecture import Architecture, ModelConfigError, implied_family
 from megatron.contract.lora_settings import LORA_SETTINGS, LoraSettings, lora_settings
 from megatron.fsio import write_atomically, write_text_atomically
@@ -35,7 +36,7 @@ from megatron.hf.errors import HFConversionError
 from megatron.hf.folder_weights import HF_FOLDER, check_hf_settings, read_hf_model
 from megatron.hf.io import DEFAULT_MAX_SHARD_BYTES, TOKENIZER_NAME, is_hf_model_dir, write_hf_dir
 from megatron.hf.mapping import convert_tensors, ours_to_hf
-from megatron.hf.output_folder import check_output_folder, staged_output
+from megatron.hf.output_folder import check_output_apart, check_output_folder, staged_output
 from megatron.hf.peft import adapter_config, merge_into, peft_names, write_peft_dir
 from megatron.model.partitioning import partition, partitioning
 from megatron.neox_arguments import SETTINGS, NeoXArgs
@@ -88,7 +89,9 @@ def convert_hf_to_neox(
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if dtype not in DTYPES:
         raise HFConversionError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
-    check_output_folder(out_dir, hf_dir, overwrite)
+    check_output_folder(out_dir, [hf_dir], overwrite)
+    if config_out is not None:
+        check_output_apart(config_out, [hf_dir], "--config-out")
     if config_out is not None and Path(config_out).exists() and not overwrite:
         raise HFConversionError(f"--config-out {config_out} exists; choose a new file, or pass --overwrite to replace it")
     spec, module = read_hf_model(hf_dir, DTYPES[dtype], progress)
@@ -209,12 +212,15 @@ def convert_neox_to_hf(
     dtype), or with ``peft`` as a PEFT adapter folder over ``base_model`` (default: the Hugging Face folder
     the run's base came from, when the tag records one)."""
     ckpt_dir = Path(ckpt_dir)
-    check_output_folder(Path(out_dir), ckpt_dir, overwrite)
+    check_output_folder(Path(out_dir), [ckpt_dir], overwrite)
     tag_inventory = inventory_checkpoint(ckpt_dir).chosen_tag(tag=tag, pick_with="--tag {tag}")
     tag_dir = tag_inventory.path
     tp_size = tag_inventory.saved_layout.tensor_parallel
     first_part = read_module_weights(tag_dir)
     settings = _settings_of_checkpoint(tag_inventory, config_files)
+    recorded = tag_inventory.saved_layout.lora_base  # an adapter-only tag's base: read for the merge, named by --peft
+    check_output_folder(Path(out_dir), [ckpt_dir, *(config_files or ()), settings.get("vocab_file"), base_model,
+                                        recorded and recorded.path, recorded and recorded.hf_folder], overwrite)
     adapters_only = tag_inventory.saved_layout.adapters_only
     embedding = first_part.get("sequential.0.word_embeddings.weight")
     if embedding is None and not adapters_only:
@@ -239,10 +245,12 @@ def convert_neox_to_hf(
     lora = _lora_of(settings, arch, tag_dir)
     adapters = _adapters_of(module, lora, family, arch, tag_dir)
     if peft:
-        base = _peft_base(tag_inventory, lora, arch, base_model)
+        base_folder = _peft_base(tag_inventory, lora, arch, base_model)
+        record = _peft_base_record(tag_inventory, base_folder)
         with staged_output(Path(out_dir)) as staging:
-            write_peft_dir(staging, adapter_config(lora, base),
+            write_peft_dir(staging, adapter_config(lora, base_folder),
                            {name: tensor.to(target) for name, tensor in adapters.items()})
+            write_lora_base_file(staging, record)
         return Path(out_dir)
     if adapters_only:
         module = {**_base_weights(tag_inventory, settings, arch), **module}
@@ -318,6 +326,23 @@ def _peft_base(tag: TagInventory, lora: LoraSettings | None, arch: Architecture,
         raise HFConversionError(f"{tag.path} {where} as a Hugging Face folder; pass --base-model PATH, the Hugging "
                                 "Face folder of the base model the adapters were trained on")
     return recorded.hf_folder
+
+
+def _peft_base_record(tag: TagInventory, base_folder: str) -> LoraBase:
+    """The record of the base a PEFT export's adapters were trained over, written beside them (identity.py). Where
+    the run's base was this very folder, its checksum is the one the run recorded, and a base changed since then is
+    refused here; otherwise (a base named by --base-model, or a tag converted from it) it is the folder's now."""
+    folder = Path(base_folder)
+    checksum = files_checksum(HF_FOLDER.files(folder), folder, None)
+    recorded = tag.saved_layout.lora_base
+    trained_over_it = (recorded is not None and recorded.tag is None
+                       and Path(recorded.source).resolve() == folder.resolve())
+    if trained_over_it and recorded.checksum != checksum:
+        raise HFConversionError(
+            f"{folder}: the base the adapters of {tag.path} were trained over changed since (its files' checksum "
+            f"is {checksum}, the run recorded {recorded.checksum}); restore it, or pass --base-model with a copy of "
+            "the base they were trained over")
+    return LoraBase(str(folder), None, checksum, str(folder))
 
 
 def _base_weights(tag: TagInventory, settings: dict[str, Any], arch: Architecture) -> dict[str, torch.Tensor]:
