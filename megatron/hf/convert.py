@@ -329,20 +329,15 @@ def _peft_base(tag: TagInventory, lora: LoraSettings | None, arch: Architecture,
 
 
 def _peft_base_record(tag: TagInventory, base_folder: str) -> LoraBase:
-    """The record of the base a PEFT export's adapters were trained over, written beside them (identity.py). Where
-    the run's base was this very folder, its checksum is the one the run recorded, and a base changed since then is
-    refused here; otherwise (a base named by --base-model, or a tag converted from it) it is the folder's now."""
-    folder = Path(base_folder)
-    checksum = files_checksum(HF_FOLDER.files(folder), folder, None)
+    """The record of the base a PEFT export's adapters were trained over, written beside them (identity.py): what
+    the run recorded where its base was this very folder (the export then needs only the adapters, and a load of
+    the export finds out whether the folder changed since); otherwise (a base named by --base-model, or a tag
+    converted from it) the folder's files as they are now."""
     recorded = tag.saved_layout.lora_base
-    trained_over_it = (recorded is not None and recorded.tag is None
-                       and Path(recorded.source).resolve() == folder.resolve())
-    if trained_over_it and recorded.checksum != checksum:
-        raise HFConversionError(
-            f"{folder}: the base the adapters of {tag.path} were trained over changed since (its files' checksum "
-            f"is {checksum}, the run recorded {recorded.checksum}); restore it, or pass --base-model with a copy of "
-            "the base they were trained over")
-    return LoraBase(str(folder), None, checksum, str(folder))
+    if recorded is not None and recorded.tag is None and Path(recorded.source).resolve() == Path(base_folder).resolve():
+        return LoraBase(recorded.source, None, recorded.checksum, base_folder)
+    folder = Path(base_folder)
+    return LoraBase(base_folder, None, files_checksum(HF_FOLDER.files(folder), folder, None), base_folder)
 
 
 def _base_weights(tag: TagInventory, settings: dict[str, Any], arch: Architecture) -> dict[str, torch.Tensor]:
