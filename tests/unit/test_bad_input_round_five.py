@@ -246,7 +246,7 @@ def test_a_tensor_of_another_shape_than_its_config_gives_is_refused_before_anyth
 
 @pytest.mark.parametrize(("kind", "change", "says"), [
     ("mixtral", {"num_local_experts": -4}, "num_local_experts / num_experts is -4; a mixture of experts needs"),
-    ("qwen3_moe", {"num_local_experts": -1}, "num_local_experts / num_experts is -1"),
+    ("qwen3_moe", {"num_experts": -1}, "num_local_experts is 4 but num_experts is -1"),  # -1 went unread
     ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step is 0; it must be a positive whole number"),
     ("qwen2_moe", {"decoder_sparse_step": -1}, "decoder_sparse_step is -1; it must be a positive whole number"),
     ("mixtral", {"num_local_experts": 4, "num_experts": 8}, "num_local_experts is 4 but num_experts is 8"),
