@@ -28,7 +28,13 @@ from megatron.checkpointing.formats.legacy_names import is_legacy_buffer_key, tr
 from megatron.checkpointing.loading.load import LoadOutcome, load_checkpoint, load_weights_only
 from megatron.checkpointing.ondisk import layout, manifest
 from megatron.checkpointing.ondisk.client_state import ClientState
-from megatron.checkpointing.ondisk.identity import LoraBase, ReferenceIdentity
+from megatron.checkpointing.ondisk.identity import (
+    LORA_BASE_FILE,
+    LoraBase,
+    ReferenceIdentity,
+    files_checksum,
+    write_lora_base_file,
+)
 from megatron.checkpointing.ondisk.inventory import CheckpointInventory, TagInventory, inventory_checkpoint
 from megatron.checkpointing.ondisk.layout import tag_for_iteration
 from megatron.checkpointing.ondisk.module_weights import (
@@ -80,9 +86,10 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "TRAIN_IMPLS_WITH_REFERENCE", "CheckpointError", "CheckpointInventory", "ClientState", "Lineage", "LoadMode", "LoadOutcome", "LoadPlan", "LoraBase",
+    "LORA_BASE_FILE", "TRAIN_IMPLS_WITH_REFERENCE", "CheckpointError", "CheckpointInventory", "ClientState", "Lineage", "LoadMode", "LoadOutcome", "LoadPlan", "LoraBase",
     "ReferenceIdentity", "TagInventory", "build_load_plan", "check_save_dir", "check_save_in_flight",
-    "checks_beside_use", "commit", "describe_reference", "forget_checked_files", "inventory_checkpoint",
+    "checks_beside_use", "commit", "describe_reference", "files_checksum", "forget_checked_files",
+    "inventory_checkpoint", "write_lora_base_file",
     "is_legacy_buffer_key", "layer_states", "layout", "load_checkpoint", "load_file_weights_only",
     "load_module_only", "load_weights_only", "lora_base_plan", "manifest", "needs_reference", "plan_load", "plan_reference",
     "read_full_module_weights", "read_module_weights", "samples_per_evaluation", "save_checkpoint",

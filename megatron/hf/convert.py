@@ -14,15 +14,17 @@ import yaml
 from megatron.checkpointing import (
     CheckpointError,
     ClientState,
+    LoraBase,
     TagInventory,
+    files_checksum,
     inventory_checkpoint,
     layer_states,
     layout,
     lora_base_plan,
     read_full_module_weights,
     read_module_weights,
+    write_lora_base_file,
 )
-from megatron.checkpointing.ondisk.identity import LoraBase, files_checksum, write_lora_base_file
 from megatron.contract.architecture import Architecture, ModelConfigError, implied_family
 from megatron.contract.lora_settings import LORA_SETTINGS, LoraSettings, lora_settings
 from megatron.fsio import write_atomically, write_text_atomically
@@ -218,9 +220,8 @@ def convert_neox_to_hf(
     tp_size = tag_inventory.saved_layout.tensor_parallel
     first_part = read_module_weights(tag_dir)
     settings = _settings_of_checkpoint(tag_inventory, config_files)
-    recorded = tag_inventory.saved_layout.lora_base  # an adapter-only tag's base: read for the merge, named by --peft
-    check_output_folder(Path(out_dir), [ckpt_dir, *(config_files or ()), settings.get("vocab_file"), base_model,
-                                        recorded and recorded.path, recorded and recorded.hf_folder], overwrite)
+    check_output_folder(Path(out_dir), _export_inputs(ckpt_dir, tag_inventory, settings, config_files, base_model),
+                        overwrite)
     adapters_only = tag_inventory.saved_layout.adapters_only
     embedding = first_part.get("sequential.0.word_embeddings.weight")
     if embedding is None and not adapters_only:
@@ -245,13 +246,8 @@ def convert_neox_to_hf(
     lora = _lora_of(settings, arch, tag_dir)
     adapters = _adapters_of(module, lora, family, arch, tag_dir)
     if peft:
-        base_folder = _peft_base(tag_inventory, lora, arch, base_model)
-        record = _peft_base_record(tag_inventory, base_folder)
-        with staged_output(Path(out_dir)) as staging:
-            write_peft_dir(staging, adapter_config(lora, base_folder),
-                           {name: tensor.to(target) for name, tensor in adapters.items()})
-            write_lora_base_file(staging, record)
-        return Path(out_dir)
+        return _write_peft_export(Path(out_dir), tag_inventory, lora, arch, base_model,
+                                  {name: tensor.to(target) for name, tensor in adapters.items()})
     if adapters_only:
         module = {**_base_weights(tag_inventory, settings, arch), **module}
     tensors = convert_tensors(module.items(), ours_to_hf(family, arch), str(tag_dir))
@@ -260,17 +256,7 @@ def convert_neox_to_hf(
     for name, tensor in tensors.items():
         tensors[name] = tensor.to(target)
     config = hf_config_from_architecture(arch, family, HF_DTYPE_NAMES[target])
-    vocab_file = settings.get("vocab_file")
-    tokenizer, special = None, {}
-    if (save_tokenizer and settings.get("tokenizer_type", "HFTokenizer") == "HFTokenizer" and vocab_file
-            and Path(vocab_file).is_file()):
-        tokenizer = Path(vocab_file)
-        special = special_tokens(tokenizer)
-        if pad_token_id is not None:
-            special["pad_token"] = (_token_of(tokenizer, pad_token_id, tag_dir), pad_token_id)
-        config.update({f"{role}_id": token_id for role, (_, token_id) in special.items()})
-    elif pad_token_id is not None:
-        config["pad_token_id"] = pad_token_id
+    tokenizer, special = _tokenizer_of(settings, save_tokenizer, pad_token_id, tag_dir, config)
     if arch.reward_head and (config.get("pad_token_id") is None or config["pad_token_id"] == config.get("eos_token_id")):
         raise HFConversionError(
             f"{tag_dir} is a reward model: transformers reads its score at the last token that is not padding, so the "
@@ -280,6 +266,24 @@ def convert_neox_to_hf(
         write_hf_dir(staging, config, tensors, tokenizer, max_shard_bytes, progress,
                      {role: token for role, (token, _) in special.items()})
     return Path(out_dir)
+
+
+def _tokenizer_of(settings: dict[str, Any], save_tokenizer: bool, pad_token_id: int | None, tag_dir: Path,
+                  config: dict[str, Any]) -> tuple[Path | None, dict[str, tuple[str, int]]]:
+    """The run's tokenizer file to write beside the model (a `tokenizers` JSON vocab_file; None when there is none
+    or it is not wanted) and its special tokens (role -> (token, id)), whose ids go into ``config``."""
+    vocab_file = settings.get("vocab_file")
+    if not (save_tokenizer and settings.get("tokenizer_type", "HFTokenizer") == "HFTokenizer" and vocab_file
+            and Path(vocab_file).is_file()):
+        if pad_token_id is not None:
+            config["pad_token_id"] = pad_token_id
+        return None, {}
+    tokenizer = Path(vocab_file)
+    special = special_tokens(tokenizer)
+    if pad_token_id is not None:
+        special["pad_token"] = (_token_of(tokenizer, pad_token_id, tag_dir), pad_token_id)
+    config.update({f"{role}_id": token_id for role, (_, token_id) in special.items()})
+    return tokenizer, special
 
 
 def _lora_of(settings: dict[str, Any], arch: Architecture, tag_dir: Path) -> LoraSettings | None:
@@ -326,6 +330,26 @@ def _peft_base(tag: TagInventory, lora: LoraSettings | None, arch: Architecture,
         raise HFConversionError(f"{tag.path} {where} as a Hugging Face folder; pass --base-model PATH, the Hugging "
                                 "Face folder of the base model the adapters were trained on")
     return recorded.hf_folder
+
+
+def _export_inputs(ckpt_dir: Path, tag: TagInventory, settings: dict[str, Any], config_files: list[Path] | None,
+                   base_model: Path | None) -> list[str | Path | None]:
+    """Every file or folder an export reads, which its output may not be, hold or lie in: the checkpoint, its
+    config files and tokenizer, and an adapter-only tag's base (read for the merge, named by --peft)."""
+    recorded = tag.saved_layout.lora_base
+    return [ckpt_dir, *(config_files or ()), settings.get("vocab_file"), base_model,
+            recorded and recorded.path, recorded and recorded.hf_folder]
+
+
+def _write_peft_export(out_dir: Path, tag: TagInventory, lora: LoraSettings | None, arch: Architecture,
+                       base_model: Path | None, adapters: dict[str, torch.Tensor]) -> Path:
+    """The adapters as a PEFT folder, with the record of the base they were trained over beside them."""
+    base_folder = _peft_base(tag, lora, arch, base_model)
+    record = _peft_base_record(tag, base_folder)
+    with staged_output(out_dir) as staging:
+        write_peft_dir(staging, adapter_config(lora, base_folder), adapters)
+        write_lora_base_file(staging, record)
+    return out_dir
 
 
 def _peft_base_record(tag: TagInventory, base_folder: str) -> LoraBase:

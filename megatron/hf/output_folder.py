@@ -17,8 +17,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from megatron.checkpointing import CheckpointError, layout
-from megatron.checkpointing.ondisk.identity import LORA_BASE_FILE
+from megatron.checkpointing import LORA_BASE_FILE, CheckpointError, layout
 from megatron.errors import ExpectedError
 from megatron.fsio import fsync_path
 from megatron.hf.errors import HFConversionError
