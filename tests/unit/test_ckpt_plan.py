@@ -586,6 +586,12 @@ def test_a_16_bit_full_resume_that_would_rebuild_the_fp32_masters_from_16_bit_we
     assert "remove the key" in message and "no_load_optim: true" in message and "\n" not in message
 
 
+def test_load_from_fp32_weights_false_through_deepspeed_extra_args_is_refused_too(checkpoints):
+    extra = {"zero_optimization": {"load_from_fp32_weights": False}}
+    with pytest.raises(CheckpointError, match=r"^<dict>: zero_optimization\.load_from_fp32_weights is false"):
+        plan_for(checkpoints["zero1"], precision="bf16", deepspeed_extra_args=extra)
+
+
 def test_load_from_fp32_weights_false_is_harmless_where_no_fp32_master_is_rebuilt(checkpoints):
     zero = {"stage": 1, "load_from_fp32_weights": False}
     assert plan_for(checkpoints["zero1"], zero_optimization=zero).load_optimizer  # fp32: the weights are the masters
