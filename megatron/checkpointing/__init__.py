@@ -27,7 +27,13 @@ from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.formats.legacy_names import is_legacy_buffer_key, translate_legacy_key
 from megatron.checkpointing.loading.load import LoadOutcome, load_checkpoint, load_weights_only
 from megatron.checkpointing.ondisk.client_state import ClientState
-from megatron.checkpointing.ondisk.identity import LoraBase, ReferenceIdentity
+from megatron.checkpointing.ondisk.identity import (
+    LORA_BASE_FILE,
+    LoraBase,
+    ReferenceIdentity,
+    files_checksum,
+    write_lora_base_file,
+)
 from megatron.checkpointing.ondisk.inventory import CheckpointInventory, TagInventory, inventory_checkpoint
 from megatron.checkpointing.ondisk.layout import (
     LATEST_FILE,
@@ -86,12 +92,14 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "LATEST_FILE", "TRAIN_IMPLS_WITH_REFERENCE", "CheckpointError", "CheckpointInventory", "ClientState", "Lineage", "LoadMode", "LoadOutcome", "LoadPlan", "LoraBase",
+    "LATEST_FILE", "LORA_BASE_FILE", "TRAIN_IMPLS_WITH_REFERENCE", "CheckpointError", "CheckpointInventory",
+    "ClientState", "Lineage", "LoadMode", "LoadOutcome", "LoadPlan", "LoraBase",
     "ReferenceIdentity", "TagInventory", "build_load_plan", "check_save_dir", "check_save_in_flight",
-    "checks_beside_use", "describe_reference", "forget_checked_files", "inventory_checkpoint",
+    "checks_beside_use", "describe_reference", "files_checksum", "forget_checked_files", "inventory_checkpoint",
     "is_legacy_buffer_key", "layer_file_name", "layer_states", "load_checkpoint", "load_file_weights_only",
-    "load_module_only", "load_weights_only", "lora_base_plan", "model_states_name", "needs_reference", "plan_load", "plan_reference",
-    "newest_tag_size", "read_full_module_weights", "read_module_weights", "run_entries", "samples_per_evaluation", "save_checkpoint",
+    "load_module_only", "load_weights_only", "lora_base_plan", "model_states_name", "needs_reference", "plan_load",
+    "plan_reference", "newest_tag_size", "read_full_module_weights", "read_module_weights", "run_entries",
+    "samples_per_evaluation", "save_checkpoint",
     "save_engine_checkpoint", "save_in_flight", "saves_waited_for", "tag_for_iteration", "translate_legacy_key",
-    "verify_files", "verify_master_weights", "wait_for_save_in_flight", "write_tag",
+    "verify_files", "verify_master_weights", "wait_for_save_in_flight", "write_lora_base_file", "write_tag",
 ]

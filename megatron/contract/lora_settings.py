@@ -100,3 +100,16 @@ def lora_settings(values: Mapping[str, Any]) -> LoraSettings | None:
         use_rslora=values["lora_use_rslora"],
         gpt_neox=gpt_neox,
     )
+
+
+def target_shapes(hidden: int, heads: int, kv_heads: int, head_dim: int, mlp_width: int) -> dict[str, tuple[int, int]]:
+    """Each target's (output, input) width in the whole model, as the HF module has it (a fused layer's part
+    included): what an adapter of it maps between."""
+    query, key_value = heads * head_dim, kv_heads * head_dim
+    return {
+        "query_key_value": (query + 2 * key_value, hidden), "dense": (hidden, query),
+        "dense_h_to_4h": (mlp_width, hidden), "dense_4h_to_h": (hidden, mlp_width),
+        "q_proj": (query, hidden), "k_proj": (key_value, hidden), "v_proj": (key_value, hidden),
+        "o_proj": (hidden, query), "gate_proj": (mlp_width, hidden), "up_proj": (mlp_width, hidden),
+        "down_proj": (hidden, mlp_width),
+    }

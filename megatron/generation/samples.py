@@ -23,6 +23,7 @@ from typing import Any
 from megatron.generation.completion import Limits, complete
 from megatron.generation.errors import GenerationError
 from megatron.generation.sampling import Sampling
+from megatron.hf.output_folder import check_output_apart
 
 INTERACTIVE_PROMPT = "Context prompt >>> "
 
@@ -45,6 +46,18 @@ def check_generation_settings(args) -> None:
         if not Path(args.sample_input_file).is_file():
             raise GenerationError(f"sample_input_file: {args.sample_input_file!r} is not a file; set it to a file "
                                   "of prompts separated by prompt_end")
+    if output_file(args):
+        check_output_apart(output_file(args), [args.sample_input_file, args.load], "sample_output_file",
+                           GenerationError)
+
+
+def output_file(args) -> str | None:
+    """The file generate.py writes its samples to (none for interactive and precompute)."""
+    if args.text_gen_type == "unconditional":
+        return args.sample_output_file
+    if args.text_gen_type == "input-file":
+        return args.sample_output_file or f"{args.sample_input_file}.output.jsonl"
+    return None
 
 
 def read_prompts(path: str, prompt_end: str) -> list[str]:
@@ -130,10 +143,9 @@ def generate_samples(model, tokenizer, args, rank: int, log) -> list[dict[str, A
         return []
     if args.text_gen_type == "unconditional":
         prompts = [""] * args.num_samples
-        output = args.sample_output_file
     else:
         prompts = read_prompts(args.sample_input_file, args.prompt_end)
-        output = args.sample_output_file or f"{args.sample_input_file}.output.jsonl"
+    output = output_file(args)
     log.info(f"generating {len(prompts)} sample(s) ({args.text_gen_type}); writing them to {output}")
     records = [sample(model, tokenizer, args, text) for text in prompts]
     if output:

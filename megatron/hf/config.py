@@ -146,8 +146,12 @@ def _sliding_window_width(hf: dict[str, Any], family: str, source: str) -> int |
 def _experts(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]:
     """Our settings for the experts of a mixture-of-experts family; HFConversionError for what we cannot build."""
     # Qwen3-MoE's hub configs say num_experts; transformers 5 saves it as num_local_experts
-    experts = hf.get("num_local_experts", hf.get("num_experts"))
-    if not isinstance(experts, int) or experts < 2:
+    counts = {key: hf[key] for key in ("num_local_experts", "num_experts") if hf.get(key) is not None}
+    if len(set(map(repr, counts.values()))) > 1:
+        raise HFConversionError(f"{source}: num_local_experts is {counts['num_local_experts']!r} but num_experts is "
+                                f"{counts['num_experts']!r}; give the model's expert count once")
+    experts = next(iter(counts.values()), None)
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 2:
         raise HFConversionError(f"{source}: num_local_experts / num_experts is {experts!r}; a mixture of experts "
                                 "needs at least 2")
     if family == "mixtral" and hf.get("router_jitter_noise"):
@@ -177,7 +181,11 @@ def _experts(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]:
 
 def _expert_interval(hf: dict[str, Any], source: str) -> int:
     """GPT-NeoX's moe_expert_interval for the layers a Qwen-MoE config gives experts (see the module docstring)."""
-    layers, step, dense = hf["num_hidden_layers"], hf.get("decoder_sparse_step") or 1, hf.get("mlp_only_layers") or []
+    layers, step, dense = hf["num_hidden_layers"], hf.get("decoder_sparse_step"), hf.get("mlp_only_layers") or []
+    step = 1 if step is None else step
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise HFConversionError(f"{source}: decoder_sparse_step is {step!r}; it must be a positive whole number "
+                                "(every step-th layer has experts; 1: every layer)")
     with_experts = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
     for interval in range(1, layers + 1):
         if with_experts == [i for i in range(layers) if i % interval == 0]:

@@ -14,7 +14,9 @@ import yaml
 from megatron.checkpointing import (
     CheckpointError,
     ClientState,
+    LoraBase,
     TagInventory,
+    files_checksum,
     inventory_checkpoint,
     layer_file_name,
     layer_states,
@@ -23,6 +25,7 @@ from megatron.checkpointing import (
     read_full_module_weights,
     read_module_weights,
     tag_for_iteration,
+    write_lora_base_file,
     write_tag,
 )
 from megatron.contract.architecture import Architecture, ModelConfigError, implied_family
@@ -38,7 +41,7 @@ from megatron.hf.errors import HFConversionError
 from megatron.hf.folder_weights import HF_FOLDER, check_hf_settings, read_hf_model
 from megatron.hf.io import DEFAULT_MAX_SHARD_BYTES, TOKENIZER_NAME, is_hf_model_dir, write_hf_dir
 from megatron.hf.mapping import convert_tensors, ours_to_hf
-from megatron.hf.output_folder import check_output_folder, staged_output
+from megatron.hf.output_folder import check_output_apart, check_output_folder, staged_output
 from megatron.hf.peft import adapter_config, merge_into, peft_names, write_peft_dir
 from megatron.model.partitioning import partition, partitioning
 from megatron.neox_arguments import SETTINGS, NeoXArgs
@@ -91,7 +94,9 @@ def convert_hf_to_neox(
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if dtype not in DTYPES:
         raise HFConversionError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
-    check_output_folder(out_dir, hf_dir, overwrite)
+    check_output_folder(out_dir, [hf_dir], overwrite)
+    if config_out is not None:
+        check_output_apart(config_out, [hf_dir], "--config-out")
     if config_out is not None and Path(config_out).exists() and not overwrite:
         raise HFConversionError(f"--config-out {config_out} exists; choose a new file, or pass --overwrite to replace it")
     spec, module = read_hf_model(hf_dir, DTYPES[dtype], progress)
@@ -210,12 +215,14 @@ def convert_neox_to_hf(
     dtype), or with ``peft`` as a PEFT adapter folder over ``base_model`` (default: the Hugging Face folder
     the run's base came from, when the tag records one)."""
     ckpt_dir = Path(ckpt_dir)
-    check_output_folder(Path(out_dir), ckpt_dir, overwrite)
+    check_output_folder(Path(out_dir), [ckpt_dir], overwrite)
     tag_inventory = inventory_checkpoint(ckpt_dir).chosen_tag(tag=tag, pick_with="--tag {tag}")
     tag_dir = tag_inventory.path
     tp_size = tag_inventory.saved_layout.tensor_parallel
     first_part = read_module_weights(tag_dir)
     settings = _settings_of_checkpoint(tag_inventory, config_files)
+    check_output_folder(Path(out_dir), _export_inputs(ckpt_dir, tag_inventory, settings, config_files, base_model),
+                        overwrite)
     adapters_only = tag_inventory.saved_layout.adapters_only
     embedding = first_part.get("sequential.0.word_embeddings.weight")
     if embedding is None and not adapters_only:
@@ -240,11 +247,8 @@ def convert_neox_to_hf(
     lora = _lora_of(settings, arch, tag_dir)
     adapters = _adapters_of(module, lora, family, arch, tag_dir)
     if peft:
-        base = _peft_base(tag_inventory, lora, arch, base_model)
-        with staged_output(Path(out_dir)) as staging:
-            write_peft_dir(staging, adapter_config(lora, base),
-                           {name: tensor.to(target) for name, tensor in adapters.items()})
-        return Path(out_dir)
+        return _write_peft_export(Path(out_dir), tag_inventory, lora, arch, base_model,
+                                  {name: tensor.to(target) for name, tensor in adapters.items()})
     if adapters_only:
         module = {**_base_weights(tag_inventory, settings, arch), **module}
     tensors = convert_tensors(module.items(), ours_to_hf(family, arch), str(tag_dir))
@@ -253,17 +257,7 @@ def convert_neox_to_hf(
     for name, tensor in tensors.items():
         tensors[name] = tensor.to(target)
     config = hf_config_from_architecture(arch, family, HF_DTYPE_NAMES[target])
-    vocab_file = settings.get("vocab_file")
-    tokenizer, special = None, {}
-    if (save_tokenizer and settings.get("tokenizer_type", "HFTokenizer") == "HFTokenizer" and vocab_file
-            and Path(vocab_file).is_file()):
-        tokenizer = Path(vocab_file)
-        special = special_tokens(tokenizer)
-        if pad_token_id is not None:
-            special["pad_token"] = (_token_of(tokenizer, pad_token_id, tag_dir), pad_token_id)
-        config.update({f"{role}_id": token_id for role, (_, token_id) in special.items()})
-    elif pad_token_id is not None:
-        config["pad_token_id"] = pad_token_id
+    tokenizer, special = _tokenizer_of(settings, save_tokenizer, pad_token_id, tag_dir, config)
     if arch.reward_head and (config.get("pad_token_id") is None or config["pad_token_id"] == config.get("eos_token_id")):
         raise HFConversionError(
             f"{tag_dir} is a reward model: transformers reads its score at the last token that is not padding, so the "
@@ -273,6 +267,24 @@ def convert_neox_to_hf(
         write_hf_dir(staging, config, tensors, tokenizer, max_shard_bytes, progress,
                      {role: token for role, (token, _) in special.items()})
     return Path(out_dir)
+
+
+def _tokenizer_of(settings: dict[str, Any], save_tokenizer: bool, pad_token_id: int | None, tag_dir: Path,
+                  config: dict[str, Any]) -> tuple[Path | None, dict[str, tuple[str, int]]]:
+    """The run's tokenizer file to write beside the model (a `tokenizers` JSON vocab_file; None when there is none
+    or it is not wanted) and its special tokens (role -> (token, id)), whose ids go into ``config``."""
+    vocab_file = settings.get("vocab_file")
+    if not (save_tokenizer and settings.get("tokenizer_type", "HFTokenizer") == "HFTokenizer" and vocab_file
+            and Path(vocab_file).is_file()):
+        if pad_token_id is not None:
+            config["pad_token_id"] = pad_token_id
+        return None, {}
+    tokenizer = Path(vocab_file)
+    special = special_tokens(tokenizer)
+    if pad_token_id is not None:
+        special["pad_token"] = (_token_of(tokenizer, pad_token_id, tag_dir), pad_token_id)
+    config.update({f"{role}_id": token_id for role, (_, token_id) in special.items()})
+    return tokenizer, special
 
 
 def _lora_of(settings: dict[str, Any], arch: Architecture, tag_dir: Path) -> LoraSettings | None:
@@ -319,6 +331,38 @@ def _peft_base(tag: TagInventory, lora: LoraSettings | None, arch: Architecture,
         raise HFConversionError(f"{tag.path} {where} as a Hugging Face folder; pass --base-model PATH, the Hugging "
                                 "Face folder of the base model the adapters were trained on")
     return recorded.hf_folder
+
+
+def _export_inputs(ckpt_dir: Path, tag: TagInventory, settings: dict[str, Any], config_files: list[Path] | None,
+                   base_model: Path | None) -> list[str | Path | None]:
+    """Every file or folder an export reads, which its output may not be, hold or lie in: the checkpoint, its
+    config files and tokenizer, and an adapter-only tag's base (read for the merge, named by --peft)."""
+    recorded = tag.saved_layout.lora_base
+    return [ckpt_dir, *(config_files or ()), settings.get("vocab_file"), base_model,
+            recorded and recorded.path, recorded and recorded.hf_folder]
+
+
+def _write_peft_export(out_dir: Path, tag: TagInventory, lora: LoraSettings | None, arch: Architecture,
+                       base_model: Path | None, adapters: dict[str, torch.Tensor]) -> Path:
+    """The adapters as a PEFT folder, with the record of the base they were trained over beside them."""
+    base_folder = _peft_base(tag, lora, arch, base_model)
+    record = _peft_base_record(tag, base_folder)
+    with staged_output(out_dir) as staging:
+        write_peft_dir(staging, adapter_config(lora, base_folder), adapters)
+        write_lora_base_file(staging, record)
+    return out_dir
+
+
+def _peft_base_record(tag: TagInventory, base_folder: str) -> LoraBase:
+    """The record of the base a PEFT export's adapters were trained over, written beside them (identity.py): what
+    the run recorded where its base was this very folder (the export then needs only the adapters, and a load of
+    the export finds out whether the folder changed since); otherwise (a base named by --base-model, or a tag
+    converted from it) the folder's files as they are now."""
+    recorded = tag.saved_layout.lora_base
+    if recorded is not None and recorded.tag is None and Path(recorded.source).resolve() == Path(base_folder).resolve():
+        return LoraBase(recorded.source, None, recorded.checksum, base_folder)
+    folder = Path(base_folder)
+    return LoraBase(base_folder, None, files_checksum(HF_FOLDER.files(folder), folder, None), base_folder)
 
 
 def _base_weights(tag: TagInventory, settings: dict[str, Any], arch: Architecture) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from megatron.hf.peft import (
     read_adapters,
     read_peft_folder,
 )
+from megatron.hf.shapes import shape_check
 
 
 def read_hf_model(
@@ -28,8 +29,9 @@ def read_hf_model(
     """What config.json describes, and the weights under our names (cast to ``dtype`` when given)."""
     hf_dir = Path(hf_dir)
     spec = spec_from_hf_config(read_hf_config(hf_dir), str(hf_dir / CONFIG_NAME))
-    direction = hf_to_ours(spec.family, spec.architecture())
-    return spec, convert_tensors(iter_hf_tensors(hf_dir, progress), direction, str(hf_dir), dtype)
+    arch = spec.architecture()
+    tensors = iter_hf_tensors(hf_dir, progress, shape_check(arch))
+    return spec, convert_tensors(tensors, hf_to_ours(spec.family, arch), str(hf_dir), dtype)
 
 
 def check_hf_settings(hf_dir: Path, arch: Architecture) -> None:
@@ -65,8 +67,8 @@ def _base_and_adapter_weights(peft_dir: Path, arch: Architecture) -> dict[str, t
             shapes[name] = tensor.shape
             yield name, tensor
 
-    weights = convert_tensors(noting_shapes(iter_hf_tensors(base)), hf_to_ours(spec.family, arch), str(base),
-                              torch.float32)
+    weights = convert_tensors(noting_shapes(iter_hf_tensors(base, check=shape_check(spec.architecture()))),
+                              hf_to_ours(spec.family, arch), str(base), torch.float32)
     adapters = read_adapters(folder, folder.lora(spec.family == "gpt_neox"), spec.family, arch.num_layers, shapes)
     return {**weights, **adapters}
 

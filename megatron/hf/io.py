@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,11 +104,15 @@ def _shard_tensors(shard: Path) -> Iterator[tuple[str, torch.Tensor]]:
     yield from state.items()
 
 
-def iter_hf_tensors(hf_dir: Path, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every weight in ``hf_dir``, one shard at a time."""
+def iter_hf_tensors(hf_dir: Path, progress: bool = False,
+                    check: Callable[[Path, str, torch.Tensor], None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every weight in ``hf_dir``, one shard at a time; ``check(shard, name, tensor)`` first."""
     shards = weight_files(hf_dir)
     for shard in tqdm(shards, desc="reading shards", unit="shard", disable=not progress):
-        yield from _shard_tensors(shard)
+        for name, tensor in _shard_tensors(shard):
+            if check is not None:
+                check(shard, name, tensor)
+            yield name, tensor
 
 
 def _shard_groups(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:

@@ -4,7 +4,8 @@ A folder that already holds a model or a run (a `latest`, tags, weights, an HF c
 is refused unless `overwrite` is given: converting into a run's save folder would point its
 `latest` at the converted weights, and a resume would load them without a word. The conversion is
 written into a new folder beside the output and moved in only once it is complete, so a conversion
-that fails leaves the output folder as it was.
+that fails leaves the output folder as it was. No output is, holds or lies in a file or folder its own
+command reads, with `overwrite` or without (check_output_apart, which every tool's output passes).
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from megatron.checkpointing import LATEST_FILE, run_entries
+from megatron.checkpointing import LATEST_FILE, LORA_BASE_FILE, run_entries
+from megatron.errors import ExpectedError
 from megatron.fsio import fsync_path
 from megatron.hf.errors import HFConversionError
 from megatron.hf.io import (
@@ -28,10 +30,11 @@ from megatron.hf.io import (
     TOKENIZER_CONFIG_NAME,
     TOKENIZER_NAME,
 )
+from megatron.hf.peft import ADAPTER_CONFIG_NAME
 
 _MODEL_NAMES = {
     CONFIG_NAME, TOKENIZER_NAME, TOKENIZER_CONFIG_NAME, SAFETENSORS_INDEX_NAME, BIN_INDEX_NAME, BIN_NAME,
-    *OTHER_MODEL_FOLDER_NAMES,
+    *OTHER_MODEL_FOLDER_NAMES, ADAPTER_CONFIG_NAME, LORA_BASE_FILE,
 }
 _WEIGHT_SUFFIXES = (".pt", ".safetensors")  # checkpoint files, HF weights and their shards
 _BIN_SHARD_STEM = Path(BIN_NAME).stem  # pytorch_model-00001-of-00002.bin
@@ -51,18 +54,28 @@ def model_or_run_entries(folder: Path) -> list[str]:
     return sorted(found)
 
 
-def check_output_folder(out_dir: Path, source: Path, overwrite: bool) -> None:
-    """Refuse an output folder that is a file, that overlaps `source` (replacing what is there could remove
-    the input), or that holds a model or a run (unless `overwrite`)."""
-    out_dir, source = Path(out_dir), Path(source)
+def check_output_apart(output: Path, inputs: Iterable[str | Path | None], flag: str,
+                       error: type[ExpectedError] = HFConversionError) -> None:
+    """The one guard of every tool's output: refuse an output file or folder that is, holds or lies in a file or
+    folder the same command reads (`inputs`; None where an input is not given), `--overwrite` or not. Replacing
+    it would destroy the input while it is read, or leave the command's own source unusable afterwards."""
+    output_path = Path(output).expanduser().resolve()
+    for source in filter(None, inputs):
+        source_path = Path(source).expanduser().resolve()
+        if output_path == source_path or output_path in source_path.parents or source_path in output_path.parents:
+            raise error(f"{flag} {output} is, holds or lies in the input {source}, which this command reads; write the output "
+                        "to a file or folder of its own")
+
+
+def check_output_folder(out_dir: Path, sources: Iterable[str | Path | None], overwrite: bool) -> None:
+    """Refuse an output folder that is a file, that overlaps one of `sources` (the inputs the conversion reads;
+    replacing what is there could remove them), or that holds a model or a run (unless `overwrite`)."""
+    out_dir = Path(out_dir)
     in_the_way = next((p for p in (out_dir, *out_dir.parents) if p.exists() and not p.is_dir()), None)
     if in_the_way is not None:
         raise HFConversionError(f"--output {out_dir}: {in_the_way} is a file, not a folder; name a folder to write "
                                 "the conversion into")
-    out_path, source_path = out_dir.resolve(), source.resolve()
-    if out_path == source_path or out_path in source_path.parents or source_path in out_path.parents:
-        raise HFConversionError(f"--output {out_dir} is, holds or lies in the input {source}; write the conversion to "
-                                "a folder of its own")
+    check_output_apart(out_dir, sources, "--output")
     found = model_or_run_entries(out_dir)
     if found and not overwrite:
         shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron.neox_arguments import SETTINGS, ConfigError, NeoXArgs, padded_vocab_size
+from megatron.neox_arguments.arguments import COMMAND_LINE_SOURCE
 from megatron.neox_arguments.derived import EMBEDDED_CORPUS_SOURCE, MODEL_REQUIRED
 from megatron.neox_arguments.yaml_files import merge_config_files
 
@@ -79,7 +80,7 @@ def settings_for_run(paths: list[str], command_line: dict[str, Any] | None = Non
     load = given.get("load")
     adapters = _peft_folder(Path(load).expanduser()) if load else None
     if adapters is not None:
-        return _settings_over_adapters(paths, command_line, given, adapters)
+        return _settings_over_adapters(paths, command_line, given, files.sources, adapters)
     if not load or all(given.get(name) is not None for name in MODEL_REQUIRED):
         return NeoXArgs.from_yaml_files(paths, overlay=command_line)
     saved, source = _checkpoint_model_settings(Path(load).expanduser(), given.get("iteration"),
@@ -113,7 +114,7 @@ def _peft_folder(load: Path):
 
 
 def _settings_over_adapters(paths: list[str], command_line: dict[str, Any] | None, given: dict[str, Any],
-                            adapters) -> NeoXArgs:
+                            sources: dict[str, str], adapters) -> NeoXArgs:
     """A run that starts from a PEFT adapter folder: the lora_* settings no file sets come from its
     adapter_config.json (one that a file sets differently is refused), the model from its base's config.json
     when no file gives the model's shape."""
@@ -121,12 +122,15 @@ def _settings_over_adapters(paths: list[str], command_line: dict[str, Any] | Non
     from megatron.hf.peft import check_run_lora
 
     try:
+        if given.get("lora_rank") == 0:  # the folder's other lora_* settings would be refused as doing nothing
+            check_run_lora(adapters, None, lambda name: sources.get(name, COMMAND_LINE_SOURCE))
         model, model_source = {}, ""
         if not all(given.get(name) is not None for name in MODEL_REQUIRED):
             model, model_source = _hf_model_settings(adapters.base_folder(), given.get("model_parallel_size") or 1)
-        args = NeoXArgs.from_yaml_files(paths, underlay=model, underlay_source=model_source, overlay=command_line)
-        unset = {name: value for name, value in adapters.settings.items() if name not in given}
-        args = args.with_values(unset, str(adapters.config_file))
+        underlay_sources = {**dict.fromkeys(model, model_source),
+                            **dict.fromkeys(adapters.settings, str(adapters.config_file))}
+        args = NeoXArgs.from_yaml_files(paths, underlay={**model, **adapters.settings},
+                                        underlay_source=underlay_sources, overlay=command_line)
         check_run_lora(adapters, args.lora(), args.source_of)
     except HFConversionError as err:
         raise ConfigError(str(err)) from None

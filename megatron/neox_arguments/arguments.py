@@ -65,12 +65,12 @@ class NeoXArgs:
 
     @classmethod
     def from_yaml_files(cls, paths: list[str | Path], underlay: dict[str, Any] | None = None,
-                        underlay_source: str = "", overlay: dict[str, Any] | None = None,
+                        underlay_source: str | dict[str, str] = "", overlay: dict[str, Any] | None = None,
                         overlay_source: str = COMMAND_LINE_SOURCE) -> NeoXArgs:
         """Merge the files (later ones override earlier ones key by key), validate, derive.
 
         `underlay` holds values for settings no file sets (the model a checkpoint recorded), set by
-        `underlay_source`; a file that sets one of them wins. `overlay` (deepy.py's --eval_tasks, ...)
+        `underlay_source` (or, a dict, by the source it names for each); a file that sets one of them wins. `overlay` (deepy.py's --eval_tasks, ...)
         wins over every file.
         """
         merged = merge_config_files(paths)
@@ -80,7 +80,8 @@ class NeoXArgs:
         overlay = overlay or {}
         filled = {name: value for name, value in (underlay or {}).items() if name not in merged.values}
         given = {**filled, **merged.values, **overlay, "config_files": merged.texts}
-        sources = {**dict.fromkeys(filled, underlay_source), **merged.sources, **dict.fromkeys(overlay, overlay_source),
+        underlay_sources = underlay_source if isinstance(underlay_source, dict) else dict.fromkeys(filled, underlay_source)
+        sources = {**{name: underlay_sources[name] for name in filled}, **merged.sources, **dict.fromkeys(overlay, overlay_source),
                    "config_files": DERIVED_SOURCE}
         # Settings that say what to generate (GPT-NeoX's text_generation.yml) or which tasks to score start
         # generate.py or eval.py: the settings only training needs (train_iters, batch sizes, optimizer,

@@ -21,9 +21,10 @@ from megatron.contract.architecture import (
     rope_scaling_of,
     tensor_parallel_split_problem,
 )
-from megatron.contract.lora_settings import target_modules_of
+from megatron.contract.lora_settings import target_modules_of, target_shapes
 from megatron.neox_arguments.errors import ConfigError, where
-from megatron.neox_arguments.numbers import deepspeed_sections
+from megatron.neox_arguments.numbers import INT64_MAX, deepspeed_sections
+from megatron.neox_arguments.schema import SETTINGS
 from megatron.neox_arguments.world import active_hosts, effective_hostfile
 from megatron.optim.optimizer_layout import precision_of, zero_stage_of
 from megatron.tokenizer.tokenizer import TOKENIZER_FILES
@@ -67,6 +68,7 @@ def derive_all(v: dict[str, Any], sources: dict[str, str], require_run_settings:
         if v[name] is None:
             raise ConfigError(f"{name}: required but not set in any config file; add `{name}: <value>`")
     _check_ranges(v, sources)
+    _check_nothing_set_for_a_feature_that_is_off(v, sources)
     _derive_precision(v, sources)
     _derive_zero_stage(v, sources)
     _derive_optimizer(v, sources, require_run_settings)
@@ -92,7 +94,8 @@ def _fail(sources: dict[str, str], name: str, message: str) -> ConfigError:
 
 def _check_ranges(v: dict[str, Any], sources: dict[str, str]) -> None:
     positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters",
-                "make_vocab_size_divisible_by", "mlp_multiple_of", "log_interval", "steps_per_print")
+                "make_vocab_size_divisible_by", "mlp_multiple_of", "log_interval", "steps_per_print",
+                "moe_num_experts")
     for name in positive:
         if v[name] is not None and v[name] < 1:
             raise _fail(sources, name, f"must be at least 1, got {v[name]}")
@@ -127,6 +130,32 @@ def _check_ranges(v: dict[str, Any], sources: dict[str, str]) -> None:
         raise _fail(sources, "seed", f"must be between 0 and {MAX_SEED} (NumPy's seed range), got {v['seed']}")
     _check_objective_coefficients(v, sources)
     _check_generation_ranges(v, sources)
+
+
+# A feature's on-switch, the value that turns it off, and the settings that only act while it is on. One of
+# them set (to other than its default) while the switch is off would be accepted and do nothing: the run
+# would silently be a full fine-tune, or dense.
+FEATURE_SWITCHES = {
+    "lora_rank": (0, "LoRA", ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_use_rslora"),
+                  "set lora_rank to the adapters' rank (e.g. 8)"),
+    "moe_num_experts": (1, "mixture of experts", (
+        "moe_top_k", "moe_expert_interval", "moe_router_type", "moe_jitter_eps", "moe_intermediate_size",
+        "moe_norm_topk_prob", "moe_shared_expert_intermediate_size", "moe_load_balancing_loss",
+        "moe_load_balancing_loss_coef", "moe_collapse_token_share", "moe_collapse_steps"),
+        "set moe_num_experts to the number of experts (2 or more)"),
+}
+
+
+def _check_nothing_set_for_a_feature_that_is_off(v: dict[str, Any], sources: dict[str, str]) -> None:
+    for switch, (off, feature, dependents, turn_on) in FEATURE_SWITCHES.items():
+        if v[switch] != off:
+            continue
+        given = [name for name in dependents if name in sources and v[name] != SETTINGS[name].default]
+        if given:
+            name = given[0]
+            raise ConfigError(
+                f"{where(sources, name)} is {v[name]!r}, but {where(sources, switch)} is {off}, which turns "
+                f"{feature} off, so {name} would do nothing; {turn_on}, or remove {', '.join(given)}")
 
 
 # Each objective's coefficients, by their definitions (megatron/objectives; TRL documents the same meanings):
@@ -374,6 +403,9 @@ def _derive_batch(v: dict[str, Any], sources: dict[str, str], require_run_settin
             )
     if total is None:
         total = micro * accum * dp
+    if v["train_iters"] is not None and v["train_iters"] * total > INT64_MAX:
+        raise _fail(sources, "train_iters", f"{v['train_iters']} iterations of {total} samples are more samples than "
+                    f"a 64-bit integer counts (at most {INT64_MAX}); give fewer iterations")
     if micro * accum * dp != total:
         raise ConfigError(
             f"{where(sources, 'train_batch_size')} ({total}) != {where(sources, 'train_micro_batch_size_per_gpu')} "
@@ -543,12 +575,28 @@ def _check_lora(v: dict[str, Any], sources: dict[str, str]) -> None:
     if not 0 <= v["lora_dropout"] < 1:
         raise _fail(sources, "lora_dropout", f"must be in [0, 1), got {v['lora_dropout']}")
     try:
-        target_modules_of(v["lora_target_modules"], gpt_neox_shaped(v["norm"], v["activation"]))
+        targets = target_modules_of(v["lora_target_modules"], gpt_neox_shaped(v["norm"], v["activation"]))
     except ModelConfigError as err:
         raise _fail(sources, "lora_target_modules", str(err)) from None
+    if all(v[name] is not None for name in MODEL_REQUIRED):
+        _check_lora_rank_fits(v, sources, targets)
     if (v["moe_num_experts"] or 1) > 1:
         raise _fail(sources, "moe_num_experts", "LoRA (lora_rank > 0) runs so far without experts; set "
                                                 "moe_num_experts to 1 or lora_rank: 0")
+
+
+def _check_lora_rank_fits(v: dict[str, Any], sources: dict[str, str], targets: tuple[str, ...]) -> None:
+    """A rank above an adapted layer's smaller side adds nothing B A could not hold at that side's rank, and its
+    A and B grow with the rank: a rank beyond it is a mistake (a typo, a hidden size), refused with the bound."""
+    hidden = v["hidden_size"]
+    width = built_intermediate_size(hidden, v["intermediate_size"], v["activation"], v["mlp_multiple_of"])
+    shapes = target_shapes(hidden, v["num_attention_heads"], v["num_kv_heads"],
+                           v["kv_channels"] or hidden // v["num_attention_heads"], width)
+    module, (rows, columns) = min(((name, shapes[name]) for name in targets), key=lambda item: min(item[1]))
+    if v["lora_rank"] > min(rows, columns):
+        raise _fail(sources, "lora_rank", f"{v['lora_rank']} is above {min(rows, columns)}, the smaller side of the "
+                    f"adapted layer {module} ({rows} x {columns}), the highest rank an adapter of it can have; set "
+                    f"lora_rank to at most {min(rows, columns)} (8 to 64 is usual)")
 
 
 def _check_reward_model(v: dict[str, Any], sources: dict[str, str]) -> None:

@@ -163,7 +163,9 @@ def _not_built(feature: str, instead: str = "") -> str:
 # name -> (is the value the one that switches the feature off?, what to tell the user)
 UNSUPPORTED: dict[str, tuple[OffWhen, str]] = {
     "sparsity_config": (_falsy, _not_built("sparse attention", "remove sparsity_config")),
-    "num_experts": (_at_most_one, _not_built("mixture-of-experts", "use 1 expert")),
+    "num_experts": (_at_most_one, "GPT-NeoX's num_experts configures DeepSpeed-MoE's experts, which are not built "
+                                  "here; experts are built with moe_num_experts (and moe_top_k, moe_router_type...): "
+                                  "write moe_num_experts instead of num_experts"),
     "use_mup": (_falsy, _not_built("muP", "remove use_mup")),
     "coord_check": (_falsy, _not_built("muP's coordinate check")),
     "save_base_shapes": (_falsy, _not_built("muP's base shapes")),

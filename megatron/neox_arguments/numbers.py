@@ -44,16 +44,24 @@ def as_number(value: Any, kind: type) -> int | float | None:
     return value
 
 
-def check_finite(location: str, value: Any) -> None:
-    """NaN or infinity anywhere in a setting, nested sections and lists included, is an error."""
+# torch, numpy and DeepSpeed count iterations, samples and sizes in signed 64-bit integers
+INT64_MAX = 2**63 - 1
+
+
+def check_numbers_usable(location: str, value: Any) -> None:
+    """NaN or infinity anywhere in a setting, nested sections and lists included, is an error; so is a whole
+    number no 64-bit integer holds (the run would die on it in a traceback, or allocate what no machine has)."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{location}: {value} is not a finite number; give a finite value")
+    if isinstance(value, int) and not isinstance(value, bool) and not -INT64_MAX - 1 <= value <= INT64_MAX:
+        raise ConfigError(f"{location}: {value} is beyond the 64-bit integers torch and numpy count in "
+                          f"(at most {INT64_MAX}); give a smaller value")
     if isinstance(value, dict):
         for key, item in value.items():
-            check_finite(f"{location}.{key}", item)
+            check_numbers_usable(f"{location}.{key}", item)
     elif isinstance(value, list | tuple):
         for index, item in enumerate(value):
-            check_finite(f"{location}[{index}]", item)
+            check_numbers_usable(f"{location}[{index}]", item)
 
 
 @dataclass(frozen=True)
@@ -157,7 +165,7 @@ def _read_one(value: Any, rule: NumberRule, location: str) -> int | float:
     if number is None:
         wanted = "a whole number" if rule.kind is int else "a number"
         raise ConfigError(f"{location}: {value!r} is not {wanted}")
-    check_finite(location, number)
+    check_numbers_usable(location, number)
     if not rule.allowed(number):
         raise ConfigError(f"{location}: {rule.requirement}, got {number}")
     return number

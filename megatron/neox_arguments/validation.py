@@ -7,7 +7,7 @@ from typing import Any
 
 from megatron.neox_arguments.errors import ConfigError, where
 from megatron.neox_arguments.foreign import gpt_neox_only_value
-from megatron.neox_arguments.numbers import as_number, check_finite, read_section_numbers
+from megatron.neox_arguments.numbers import as_number, check_numbers_usable, read_section_numbers
 from megatron.neox_arguments.schema import SETTINGS, Setting
 
 
@@ -52,7 +52,7 @@ def check_setting(name: str, value: Any, sources: dict[str, str], allowed_derive
     if converted is None and type(None) not in _allowed_types(setting):
         raise ConfigError(f"{where(sources, name)}: must not be null (expected {_type_names(_allowed_types(setting))})")
     converted = read_section_numbers(name, converted, where(sources, name))
-    check_finite(where(sources, name), converted)
+    check_numbers_usable(where(sources, name), converted)
     if setting.choices is not None and converted not in setting.choices:
         feature = gpt_neox_only_value(name, converted)
         if feature is not None:

@@ -73,6 +73,25 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def read_config_text(path: Path) -> str:
+    """The file's text; ConfigError in one line for a file that is not UTF-8 text (a binary file, a
+    checkpoint, an archive named in place of the YAML) or cannot be read."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"config file {path}: cannot be read ({err.strerror}); check the path and its "
+                          "permissions") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path}: byte {err.start} is not UTF-8 text, so this is not a YAML "
+                          "config file (a binary file?); name the YAML file of settings") from None
+    if "\x00" in text:
+        raise ConfigError(f"config file {path}: byte {text.index(chr(0))} is a NUL byte, so this is not a YAML "
+                          "config file (a binary file?); name the YAML file of settings")
+    return text
+
+
 def parse_config_text(text: str, source: str) -> dict[str, Any]:
     """Top-level keys normalised to underscores; the same key written twice is an error."""
     try:
@@ -80,7 +99,7 @@ def parse_config_text(text: str, source: str) -> dict[str, Any]:
     except _DuplicateKey as err:
         raise ConfigError(f"{source}: {err}") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"{source}: not valid YAML: {err}") from None
+        raise ConfigError(f"{source}: not valid YAML: {' '.join(str(err).split())}") from None
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
@@ -128,7 +147,7 @@ def merge_config_files(paths: list[str | Path]) -> MergedConfig:
     merged = MergedConfig()
     for given in paths:
         path = resolve_config_path(given)
-        text = path.read_text()
+        text = read_config_text(path)
         if path.name in merged.texts and merged.texts[path.name] != text:
             raise ConfigError(
                 f"two different config files are both named {path.name!r}; checkpoints store them by name, rename one"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from megatron.checkpointing import inventory_checkpoint, read_full_module_weights, read_module_weights
 from megatron.contract.lora_settings import lora_settings
@@ -199,3 +199,42 @@ def test_a_run_starts_from_the_peft_folder_over_its_base_and_records_it(lora_run
                                          **{**RUN, "finetune": False}, **LORA)])
     assert f"LoRA adapters only, over the base {hf_dir}" in resumed.stdout
     assert [(line.iteration, line.loss) for line in train_lines(resumed.stdout)] == unbroken[1:]
+
+
+def test_the_peft_export_records_its_base_and_a_load_over_a_changed_base_is_refused(lora_run, tmp_path):
+    """The export names the base the run recorded, checksum included, beside adapter_config.json; a copy of the
+    export pointed at a copy of the base loads checked, and refuses once that copy's weights change."""
+    import shutil
+
+    from megatron.checkpointing import CheckpointError, plan_load
+    from megatron.launch.run_context import settings_for_run
+
+    hf_dir, tag_dir = lora_run
+    adapter = tmp_path / "adapter"
+    assert export(tag_dir.parent, adapter, "--peft").returncode == 0
+    recorded = stored_client_state(tag_dir)["lora_base"]
+    assert json.loads((adapter / "lora_base.json").read_text()) == {**recorded, "hf_folder": str(hf_dir)}
+
+    base_copy = shutil.copytree(hf_dir, tmp_path / "base_copy")
+    config = json.loads((adapter / ADAPTER_CONFIG_NAME).read_text())
+    (adapter / ADAPTER_CONFIG_NAME).write_text(json.dumps({**config, "base_model_name_or_path": str(base_copy)}))
+    run = write_overrides(tmp_path, load=str(adapter), train_iters=2, **RUN)
+    args = settings_for_run([str(run)]).with_values({"padded_vocab_size": VOCAB}, "test")
+    assert f"base {base_copy} checked against {adapter / 'lora_base.json'}" in plan_load(args, 1, hf_source=HF_FOLDER
+                                                                                         ).describe()
+    weights = load_file(base_copy / "model.safetensors")
+    weights["model.norm.weight"] *= 1.01
+    save_file(weights, base_copy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"^{adapter / 'lora_base.json'}: the adapters were trained over a base "
+                                              rf"whose files' checksum is {recorded['checksum']} "):
+        plan_load(args, 1, hf_source=HF_FOLDER)
+
+
+def test_a_merged_export_never_writes_over_the_base_its_tag_reads_even_with_overwrite(lora_run, tmp_path):
+    hf_dir, tag_dir = lora_run
+    before = {path.name: path.read_bytes() for path in hf_dir.iterdir()}
+    result = export(tag_dir.parent, hf_dir, "--overwrite")
+    assert result.returncode == 1
+    assert result.stderr.strip() == (f"error: --output {hf_dir} is, holds or lies in the input {hf_dir}, which this "
+                                     "command reads; write the output to a file or folder of its own")
+    assert {path.name: path.read_bytes() for path in hf_dir.iterdir()} == before

@@ -587,3 +587,30 @@ def test_an_adapter_only_tag_into_a_run_without_lora_is_refused(zero1_copy, tmp_
     adapters = _adapter_tag(tmp_path / "adapters", zero1_copy)
     with pytest.raises(CheckpointError, match="holds LoRA adapters only .*lora_rank 0.*lora_rank 4"):
         plan_for(adapters, finetune=True)
+
+
+# --- a full resume that DeepSpeed would not make exact ------------------------------------------------------
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_16_bit_full_resume_that_would_rebuild_the_fp32_masters_from_16_bit_weights_is_refused(checkpoints,
+                                                                                                  precision):
+    zero = {"stage": 1, "load_from_fp32_weights": False}
+    with pytest.raises(CheckpointError) as caught:
+        plan_for(checkpoints["zero1"], precision=precision, zero_optimization=zero)
+    message = str(caught.value)
+    assert message.startswith("<dict>: zero_optimization.load_from_fp32_weights is false, so this full resume of ")
+    assert f"from the {precision} weights instead of loading the saved fp32 copies" in message
+    assert "remove the key" in message and "no_load_optim: true" in message and "\n" not in message
+
+
+def test_load_from_fp32_weights_false_through_deepspeed_extra_args_is_refused_too(checkpoints):
+    extra = {"zero_optimization": {"load_from_fp32_weights": False}}
+    with pytest.raises(CheckpointError, match=r"^<dict>: zero_optimization\.load_from_fp32_weights is false"):
+        plan_for(checkpoints["zero1"], precision="bf16", deepspeed_extra_args=extra)
+
+
+def test_load_from_fp32_weights_false_is_harmless_where_no_fp32_master_is_rebuilt(checkpoints):
+    zero = {"stage": 1, "load_from_fp32_weights": False}
+    assert plan_for(checkpoints["zero1"], zero_optimization=zero).load_optimizer  # fp32: the weights are the masters
+    plan = plan_for(checkpoints["zero1"], precision="bf16", zero_optimization=zero, no_load_optim=True)
+    assert not plan.load_optimizer  # no optimizer states loaded: the masters are built from the weights anyway

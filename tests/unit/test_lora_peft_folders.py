@@ -20,7 +20,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from megatron.checkpointing import LoraBase, load_checkpoint, plan_load, plan_reference
+from megatron.checkpointing import CheckpointError, LoraBase, load_checkpoint, plan_load, plan_reference
 from megatron.contract.lora_settings import lora_settings
 from megatron.hf import HF_FOLDER, HFConversionError
 from megatron.hf.convert import convert_hf_to_neox
@@ -248,3 +248,58 @@ def test_a_run_from_a_peft_folder_names_the_base_it_names_checksummed_as_that_fo
     recorded = plan_load(args, 1, hf_source=HF_FOLDER).lora_base
     over_base = plan_load(args.with_values({"load": str(base)}, "test"), 1, hf_source=HF_FOLDER).lora_base
     assert recorded == over_base == LoraBase(str(base), None, over_base.checksum, str(base))
+
+
+# --- the base under a PEFT folder's adapters (lora_base.json) ----------------------------------------------------
+
+def test_a_peft_folder_without_a_base_record_loads_and_the_plan_says_its_base_cannot_be_verified(llama_adapter,
+                                                                                                  tmp_path):
+    plan = plan_load(run_settings(tmp_path, load=str(llama_adapter)), 1, hf_source=HF_FOLDER)
+    base = HF_FOLDER.adapter_base(llama_adapter)
+    assert (f"note:   no lora_base.json beside {llama_adapter / ADAPTER_CONFIG_NAME} (a PEFT folder written "
+            f"elsewhere): its base {base} cannot be verified to be the model the adapters were trained over"
+            in plan.describe())
+
+
+def _record_base(folder: Path) -> Path:
+    """The record an export writes, made by hand from what identity.py documents: the base's files' checksum as
+    the load plan of that very folder computes it (LoadPlan.weights_checksum)."""
+    base = HF_FOLDER.adapter_base(folder)
+    base_args = NeoXArgs.from_dict({**hf_settings(base), "finetune": True, "load": str(base)})
+    checksum = plan_load(base_args, 1, hf_source=HF_FOLDER).weights_checksum
+    record = {"source": str(base), "tag": None, "checksum": checksum, "hf_folder": str(base)}
+    (folder / "lora_base.json").write_text(json.dumps(record))
+    return base
+
+
+def test_a_peft_folder_whose_base_changed_since_its_export_is_refused_in_one_line(llama_adapter, tmp_path):
+    base = _record_base(llama_adapter)
+    args = run_settings(tmp_path, load=str(llama_adapter))
+    assert f"base {base} checked against {llama_adapter / 'lora_base.json'}" in plan_load(args, 1, hf_source=HF_FOLDER).describe()
+    tensors = load_file(base / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.weight"] += 0.01  # the base is fine-tuned further under the adapters
+    save_file(tensors, base / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as caught:
+        plan_load(args, 1, hf_source=HF_FOLDER)
+    message = str(caught.value)
+    assert message.startswith(f"{llama_adapter / 'lora_base.json'}: the adapters were trained over a base whose "
+                              "files' checksum is ")
+    assert f"but their base {base} now gives " in message and "Restore the base they were trained over" in message
+    assert "\n" not in message
+
+
+def test_a_damaged_base_record_is_one_line(llama_adapter, tmp_path):
+    (llama_adapter / "lora_base.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"lora_base\.json: cannot be read as JSON .* delete it to load them "
+                                              r"unverified$"):
+        plan_load(run_settings(tmp_path, load=str(llama_adapter)), 1, hf_source=HF_FOLDER)
+
+
+def test_a_peft_folder_whose_rank_exceeds_the_base_layers_is_refused_with_the_bound_not_an_allocation(llama_adapter,
+                                                                                                      tmp_path):
+    _edit_config(llama_adapter, r=10**9)
+    with pytest.raises(ConfigError) as caught:
+        run_settings(tmp_path, load=str(llama_adapter))
+    assert str(caught.value).startswith(f"{llama_adapter / ADAPTER_CONFIG_NAME}: lora_rank: 1000000000 is above 32, "
+                                        "the smaller side of the adapted layer q_proj (32 x 32)")  # 4 heads of 8
+    assert "\n" not in str(caught.value)

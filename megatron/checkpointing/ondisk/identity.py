@@ -7,11 +7,16 @@ same weights; a LoRA base also names the Hugging Face folder holding exactly tho
 The checksum is a digest of the checksum of every such file (the manifest's where the tag has one;
 otherwise a CRC-32 computed here, as runs recorded before saves moved to XXH3, so their identities still
 match); it does not depend on the tensor-parallel layout that reads them.
+
+A save records its identities in its client state. A PEFT adapter folder has no place for one (PEFT's
+adapter_config.json has no field for it), so its export writes the same LoraBase record into a small file
+beside it (LORA_BASE_FILE), which a load of the folder checks as a load of an adapter-only tag does.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -82,3 +87,24 @@ def files_checksum(files: Iterable[Path], root: Path, records: Mapping[str, mani
                   f"{_UNLISTED_FILE_CHECKSUM}:{manifest.file_checksum(path, _UNLISTED_FILE_CHECKSUM)}")
         lines.append(f"{name} {digest}")
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+LORA_BASE_FILE = "lora_base.json"  # beside a PEFT folder's adapter_config.json: the base it was trained over
+
+
+def write_lora_base_file(folder: Path, base: LoraBase) -> None:
+    (Path(folder) / LORA_BASE_FILE).write_text(json.dumps(base.to_dict(), indent=2, sort_keys=True) + "\n")
+
+
+def read_lora_base_file(folder: Path) -> LoraBase | None:
+    """The base record beside a PEFT folder's adapters; None where there is none (a folder written elsewhere);
+    CheckpointError in one line for a record that cannot be read."""
+    path = Path(folder) / LORA_BASE_FILE
+    if not path.exists():
+        return None
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: cannot be read as JSON ({err}), so the adapters cannot be checked against "
+                              "their base; export the adapters again, or delete it to load them unverified") from None
+    return LoraBase.from_dict(stored, path) or None

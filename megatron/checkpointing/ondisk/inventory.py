@@ -264,6 +264,10 @@ class CheckpointInventory:
         name that does not exist, a missing `latest`, and a `.partial` folder (an interrupted save) are refused
         in one line; `pick_with` says how the caller's user names another tag (fields {iteration}, {tag})."""
         root, latest_file = self.root, self.root / layout.LATEST_FILE
+        if not self.exists:
+            what = "is a file, not a checkpoint folder" if root.is_file() else "does not exist"
+            raise CheckpointError(f"{root} {what}; name the checkpoint folder (it holds `{layout.LATEST_FILE}` and "
+                                  "global_step<N> folders)")
 
         def pick(newest: TagInventory | None = None) -> str:
             if newest is None:

@@ -48,7 +48,13 @@ from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.formats.weights_source import WeightsSource
 from megatron.checkpointing.ondisk import layout
 from megatron.checkpointing.ondisk.client_state import ClientState
-from megatron.checkpointing.ondisk.identity import LoraBase, ReferenceIdentity, files_checksum
+from megatron.checkpointing.ondisk.identity import (
+    LORA_BASE_FILE,
+    LoraBase,
+    ReferenceIdentity,
+    files_checksum,
+    read_lora_base_file,
+)
 from megatron.checkpointing.ondisk.inventory import (
     FORMAT_HF,
     FORMAT_INCOMPLETE,
@@ -345,12 +351,30 @@ def _hf_plan(args, inventory: CheckpointInventory, mode: LoadMode) -> LoadPlan:
     adapter_base = source.adapter_base(root)
     unchecked = f"no {layout.MANIFEST_FILE} in a Hugging Face folder: its files are not checksummed"
     adapters = [] if adapter_base is None else [f"LoRA adapters of PEFT's folder {root} over their base model "
-                                                f"{adapter_base}, both loaded"]
+                                                f"{adapter_base}, both loaded", _peft_base_checked(root, adapter_base,
+                                                                                                    source)]
     return LoadPlan(mode=mode, load_dir=root, source_format=FORMAT_HF, **_contract(args),
                     files=inventory.hf_files, hf_source=source, model=_model(args),
                     notes=(*_model_from_checkpoint_note(args, root), *adapters, unchecked),
                     fresh_reward_head=args.train_impl == "rm" and not source.is_reward_model(root),
                     fresh_adapters=args.lora_rank > 0 and adapter_base is None)
+
+
+def _peft_base_checked(root: Path, base: Path, source: WeightsSource) -> str:
+    """The note on the base under a PEFT folder's adapters, checked against the record its export wrote beside
+    them (identity.LORA_BASE_FILE); CheckpointError in one line when the base changed since."""
+    recorded = read_lora_base_file(root)
+    if recorded is None:
+        return (f"no {LORA_BASE_FILE} beside {root / 'adapter_config.json'} (a PEFT folder written elsewhere): its "
+                f"base {base} cannot be verified to be the model the adapters were trained over")
+    checksum = files_checksum(source.files(base), base, None)
+    if checksum != recorded.checksum:
+        raise CheckpointError(
+            f"{root / LORA_BASE_FILE}: the adapters were trained over a base whose files' checksum is "
+            f"{recorded.checksum} ({recorded.source}), but their base {base} now gives {checksum}: the base model "
+            "changed under the adapters. Restore the base they were trained over, or point base_model_name_or_path "
+            "in adapter_config.json at a copy of it")
+    return f"base {base} checked against {root / LORA_BASE_FILE}: the model the adapters were trained over"
 
 
 def _model(args) -> str | None:

@@ -149,6 +149,22 @@ def check_files_intact(paths) -> None:
             )
 
 
+def _check_masters_loaded(tag: TagInventory, args) -> None:
+    """DeepSpeed's ZeRO optimizers (stage 1-3) load a 16-bit run's fp32 master weights from the saved fp32 copies
+    unless zero_optimization.load_from_fp32_weights is false; then they round the 16-bit weights up instead, and
+    the resume is no longer exact. A full resume promises exactness, so it is refused rather than run so."""
+    extra = (args.deepspeed_extra_args or {}).get("zero_optimization") or {}  # merged into the section
+    zero = {**(args.zero_optimization or {}), **extra}
+    if args.zero_stage < 1 or args.precision not in ("fp16", "bf16") or zero.get("load_from_fp32_weights", True):
+        return
+    setting = "deepspeed_extra_args" if "load_from_fp32_weights" in extra else "zero_optimization"
+    raise CheckpointError(
+        f"{args.source_of(setting)}: zero_optimization.load_from_fp32_weights is false, so this full "
+        f"resume of {tag.path} would rebuild the fp32 master weights from the {args.precision} weights instead of "
+        "loading the saved fp32 copies, and the resume would not be exact; remove the key (DeepSpeed's default is "
+        f"true), or {_MODULE_ONLY_HINT}")
+
+
 def check_plan(files: Iterable[Path], load_optimizer: bool, tag: TagInventory, args,
                change: shape.LayoutChange) -> None:
     """Raise CheckpointError when a plan reading `files` (and the optimizer states when `load_optimizer`, at
@@ -158,3 +174,4 @@ def check_plan(files: Iterable[Path], load_optimizer: bool, tag: TagInventory, a
     _check_architecture(tag, args)
     if load_optimizer:
         _check_resume(tag, args, change.resume)
+        _check_masters_loaded(tag, args)
