@@ -84,6 +84,7 @@ class SelfAttention(torch.nn.Module):
             init_method=init_method,
             bias=arch.qkv_bias,
             gather_output=False,
+            sequence_parallel=arch.splits_sequence,
         )
         self.dense = RowParallelLinear(
             arch.num_attention_heads * arch.head_dim,
@@ -134,12 +135,14 @@ class SelfAttention(torch.nn.Module):
         rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None = None,
         kv_cache: LayerKeysValues | None = None,
+        split: bool = False,
     ) -> torch.Tensor:
         """``attention_mask`` [b, 1, s, s] (True: may attend) replaces the causal mask; it must be causal itself.
+        With ``split`` ``hidden`` and the output are this rank's part of the sequence (TransformerLayer).
 
         With `kv_cache`, `hidden` holds the tokens after the cached ones, which they attend to as well.
         """
-        fused, _ = self.query_key_value(hidden)
+        fused, _ = self.query_key_value(hidden, split)
         if self.q_layernorm is None:
             q, k, v = split_qkv(fused, self.heads, self.kv_heads, self.head_dim, self.grouped_layout, rotary_cos_sin)
         else:
@@ -171,5 +174,5 @@ class SelfAttention(torch.nn.Module):
         )
         b, _, s, _ = context.shape
         context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
-        out, _ = self.dense(context)
+        out, _ = self.dense(context, split)
         return out
