@@ -58,6 +58,22 @@ def sliding_window_mask(seq_len: int, width: int | None, device: torch.device | 
     return allowed if width is None else allowed & (distance <= width)
 
 
+def attention_path(arch: Architecture, block_causal: bool) -> str:
+    """The start-up line saying how attention runs: always torch's scaled_dot_product_attention (PyTorch picks its
+    kernel: FlashAttention or memory-efficient on a GPU, its fused CPU kernel or the math path on a CPU); causal by
+    ``is_causal`` unless a mask is needed. A mask rules FlashAttention out on a GPU; no varlen kernel is used."""
+    masks = []
+    if block_causal:
+        masks.append("block-causal per packed document (reset_attention_mask), a [batch, 1, seq, seq] boolean mask")
+    if arch.sliding_window_width is not None:
+        masks.append(f"a sliding window of {arch.sliding_window_width} keys where the sequence is longer")
+    line = "attention: torch scaled_dot_product_attention, " + ("; ".join(masks) if masks else "causal (is_causal)")
+    if arch.splits_sequence:
+        line += (f"; sequence parallel: the residual stream split over {arch.model_parallel_size} tensor-parallel "
+                 "ranks, gathered before attention and the MLP")
+    return line
+
+
 def _across_heads(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``norm`` over all heads of x [b, heads, s, d] together, as one vector of the projection's order per token."""
     b, heads, s, d = x.shape
