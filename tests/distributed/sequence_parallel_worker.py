@@ -51,6 +51,7 @@ CASES = {
     "llama lora": ({**FAMILIES["llama"], **LORA}, "lm"),
     "llama experts": ({**FAMILIES["llama"], **EXPERTS}, "lm"),
     "llama dpo": (FAMILIES["llama"], "dpo"),
+    "llama zero3": ({**FAMILIES["llama"], "zero_optimization": {"stage": 3}}, "lm"),
 }
 
 
@@ -79,7 +80,7 @@ def train(settings: dict, objective_name: str, sequence_parallel: bool) -> tuple
     from megatron.objectives.dpo import DirectPreferenceOptimization
 
     set_tensor_parallel_size(2)
-    args = NeoXArgs.from_dict({**BASE, **settings, **RUN, "sequence_parallel": sequence_parallel,
+    args = NeoXArgs.from_dict({**BASE, **RUN, **settings, "sequence_parallel": sequence_parallel,
                                "num_gpus": dist.get_world_size()})
     check(args.architecture().splits_sequence == sequence_parallel, "the architecture does not say the split")
     model = build_model(args.architecture(), args.seed, lora=args.lora())

@@ -27,18 +27,32 @@ def run(tmp_path, name: str, **settings):
                                 **RUN, **settings)
     result = run_deepy(["configs/tiny.yml", overrides])
     losses = tensorboard_scalars(tmp_path / f"tb-{name}")["train/loss"]
-    return result.stdout, losses, [read_module_weights(save / "global_step4", mp) for mp in (0, 1)]
+    return result.stdout, losses, save
 
 
 @pytest.mark.slow
 def test_tp2_with_sequence_parallel_trains_as_tp2_without_it(tmp_path):
-    _, losses, weights = run(tmp_path, "tp2")
-    stdout, losses_sp, weights_sp = run(tmp_path, "tp2-sp", sequence_parallel=True)
+    _, losses, save = run(tmp_path, "tp2")
+    stdout, losses_sp, save_sp = run(tmp_path, "tp2-sp", sequence_parallel=True)
     assert "1 data-parallel rank(s) x 2 tensor-parallel" in stdout
+    assert "sequence parallel: the residual stream split over 2 tensor-parallel ranks" in stdout
     assert losses.keys() == losses_sp.keys() == {1, 2, 3, 4}
     for step, loss in losses.items():
         assert losses_sp[step] == pytest.approx(loss, rel=1e-5), (step, losses_sp, losses)
-    for part, part_sp in zip(weights, weights_sp, strict=True):
+    for mp in (0, 1):
+        part, part_sp = (read_module_weights(directory / "global_step4", mp) for directory in (save, save_sp))
         assert part.keys() == part_sp.keys()
         for name, value in part.items():
             assert torch.allclose(part_sp[name], value, rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.slow
+def test_pipeline_stages_with_sequence_parallel_train_as_without_it(tmp_path):
+    """2 stages x TP 2 on 4 ranks: the parts of the sequence travel between the stages (DeepSpeed's pipe engine
+    would send a slice of rank 0's part and one of rank 1's and join them, were its partitioning left on)."""
+    stages = dict(num_gpus=4, pipe_parallel_size=2, train_iters=2, checkpoint_factor=2)
+    _, losses, _ = run(tmp_path, "pipe", **stages)
+    _, losses_sp, _ = run(tmp_path, "pipe-sp", sequence_parallel=True, **stages)
+    assert losses.keys() == losses_sp.keys() == {1, 2}
+    for step, loss in losses.items():
+        assert losses_sp[step] == pytest.approx(loss, rel=1e-5), (step, losses_sp, losses)
