@@ -24,7 +24,7 @@ RUN = dict(norm="rmsnorm", activation="swiglu", num_kv_heads=2, rotary_pct=1.0, 
 def run(tmp_path, name: str, **settings):
     save = tmp_path / name
     overrides = write_overrides(tmp_path, name=f"{name}.yml", save=str(save), tensorboard_dir=str(tmp_path / f"tb-{name}"),
-                                **RUN, **settings)
+                                **{**RUN, **settings})
     result = run_deepy(["configs/tiny.yml", overrides])
     losses = tensorboard_scalars(tmp_path / f"tb-{name}")["train/loss"]
     return result.stdout, losses, save
