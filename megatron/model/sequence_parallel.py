@@ -82,7 +82,8 @@ class _Scatter(torch.autograd.Function):
         return _all_gather(grad)
 
 
-def _sequence_first(x: torch.Tensor) -> torch.Tensor:
+def _swap_batch_and_sequence(x: torch.Tensor) -> torch.Tensor:
+    """[b, s, ...] <-> [s, b, ...], contiguous (megatron-core's linear layers view their input)."""
     return x.transpose(0, SEQUENCE_DIM).contiguous()
 
 
@@ -92,22 +93,23 @@ def gather_sequence(part: torch.Tensor, gradient_is_replicated: bool = False) ->
     already holds the whole gradient) keeps this rank's slice of it."""
     if uses_megatron_core_collectives():
         whole = mappings.gather_from_sequence_parallel_region(
-            _sequence_first(part), tensor_parallel_output_grad=not gradient_is_replicated)
-        return whole.transpose(0, SEQUENCE_DIM)
+            _swap_batch_and_sequence(part), tensor_parallel_output_grad=not gradient_is_replicated)
+        return _swap_batch_and_sequence(whole)
     return _Gather.apply(part, gradient_is_replicated)
 
 
 def reduce_scatter_sequence(partial: torch.Tensor) -> torch.Tensor:
     """This rank's part of the sequence of the sum of every rank's ``partial``; the backward all-gathers."""
     if uses_megatron_core_collectives():
-        return mappings.reduce_scatter_to_sequence_parallel_region(_sequence_first(partial)).transpose(0, SEQUENCE_DIM)
+        return _swap_batch_and_sequence(
+            mappings.reduce_scatter_to_sequence_parallel_region(_swap_batch_and_sequence(partial)))
     return _ReduceScatter.apply(partial)
 
 
 def scatter_sequence(whole: torch.Tensor) -> torch.Tensor:
     """This rank's part of the sequence of a tensor every rank holds whole; the backward all-gathers."""
     if uses_megatron_core_collectives():
-        return mappings.scatter_to_sequence_parallel_region(_sequence_first(whole)).transpose(0, SEQUENCE_DIM)
+        return _swap_batch_and_sequence(mappings.scatter_to_sequence_parallel_region(_swap_batch_and_sequence(whole)))
     return _Scatter.apply(whole)
 
 
