@@ -133,6 +133,7 @@ class Architecture:
     init_method_std: float
     checkpoint_activations: bool
     model_parallel_size: int = 1
+    sequence_parallel: bool = False  # split the residual stream along the sequence over the tensor-parallel ranks
     sliding_window_width: int | None = None  # Mistral: keys at most this many positions back, and the query's own
     kv_channels: int | None = None  # each head's width (Hugging Face's head_dim); None: hidden_size / heads
     qk_layernorm: bool = False  # a norm over each head's query and key, weights per projection (Qwen3)
@@ -159,6 +160,11 @@ class Architecture:
     def has_experts(self, layer: int) -> bool:
         """Whether layer ``layer`` (0-based) has experts in place of its MLP (GPT-NeoX's moe_expert_interval)."""
         return self.moe and layer % self.moe_expert_interval == 0
+
+    @property
+    def splits_sequence(self) -> bool:
+        """Whether the residual stream is split along the sequence (megatron/model/sequence_parallel.py)."""
+        return self.sequence_parallel and self.model_parallel_size > 1
 
     @property
     def head_dim(self) -> int:
@@ -444,6 +450,7 @@ def _layer_fields(read: _FieldReader) -> dict[str, Any]:
         "output_layer_init_method": get("output_layer_init_method"),
         "init_method_std": derive(float, "init_method_std"),
         "checkpoint_activations": derive(bool, "checkpoint_activations"),
+        "sequence_parallel": bool(values.get("sequence_parallel")),
         "sliding_window_width": values.get("sliding_window_width", _MISSING),
         "qk_layernorm": derive(bool, "qk_layernorm"),
         "qk_layernorm_across_heads": derive(bool, "qk_layernorm_across_heads"),

@@ -58,6 +58,22 @@ def sliding_window_mask(seq_len: int, width: int | None, device: torch.device | 
     return allowed if width is None else allowed & (distance <= width)
 
 
+def attention_path(arch: Architecture, block_causal: bool) -> str:
+    """The start-up line saying how attention runs: always torch's scaled_dot_product_attention (PyTorch picks its
+    kernel: FlashAttention or memory-efficient on a GPU, its fused CPU kernel or the math path on a CPU); causal by
+    ``is_causal`` unless a mask is needed. A mask rules FlashAttention out on a GPU; no varlen kernel is used."""
+    masks = []
+    if block_causal:
+        masks.append("block-causal per packed document (reset_attention_mask), a [batch, 1, seq, seq] boolean mask")
+    if arch.sliding_window_width is not None:
+        masks.append(f"a sliding window of {arch.sliding_window_width} keys where the sequence is longer")
+    line = "attention: torch scaled_dot_product_attention, " + ("; ".join(masks) if masks else "causal (is_causal)")
+    if arch.splits_sequence:
+        line += (f"; sequence parallel: the residual stream split over {arch.model_parallel_size} tensor-parallel "
+                 "ranks, gathered before attention and the MLP")
+    return line
+
+
 def _across_heads(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``norm`` over all heads of x [b, heads, s, d] together, as one vector of the projection's order per token."""
     b, heads, s, d = x.shape
@@ -84,6 +100,7 @@ class SelfAttention(torch.nn.Module):
             init_method=init_method,
             bias=arch.qkv_bias,
             gather_output=False,
+            sequence_parallel=arch.splits_sequence,
         )
         self.dense = RowParallelLinear(
             arch.num_attention_heads * arch.head_dim,
@@ -134,12 +151,14 @@ class SelfAttention(torch.nn.Module):
         rotary_cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None = None,
         kv_cache: LayerKeysValues | None = None,
+        split: bool = False,
     ) -> torch.Tensor:
         """``attention_mask`` [b, 1, s, s] (True: may attend) replaces the causal mask; it must be causal itself.
+        With ``split`` ``hidden`` and the output are this rank's part of the sequence (TransformerLayer).
 
         With `kv_cache`, `hidden` holds the tokens after the cached ones, which they attend to as well.
         """
-        fused, _ = self.query_key_value(hidden)
+        fused, _ = self.query_key_value(hidden, split)
         if self.q_layernorm is None:
             q, k, v = split_qkv(fused, self.heads, self.kv_heads, self.head_dim, self.grouped_layout, rotary_cos_sin)
         else:
@@ -171,5 +190,5 @@ class SelfAttention(torch.nn.Module):
         )
         b, _, s, _ = context.shape
         context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
-        out, _ = self.dense(context)
+        out, _ = self.dense(context, split)
         return out

@@ -36,19 +36,29 @@ from megatron.model.parallel_layers import (
     gather_last_dim,
     model_parallel_config,
     split_last_dim,
+    sum_gradient_over_sequence_parts,
 )
 from megatron.model.rotary import RotaryEmbedding
+from megatron.model.sequence_parallel import gather_sequence, scatter_sequence
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.ranks import tensor_parallel_rank, tensor_parallel_size
 
 
 class FinalNorm(torch.nn.Module):
+    """The final norm; with ``split`` it normalises this rank's part of the sequence and returns the whole
+    sequence, gathered (the output layer, the tied embedding and the reward head sum their input's gradient over
+    the tensor-parallel ranks, so the gather's backward keeps this rank's slice)."""
+
     def __init__(self, arch: Architecture):
         super().__init__()
         self.norm = build_norm(arch.norm, arch.hidden_size, arch.norm_epsilon, arch.bias_in_norms)
+        if arch.splits_sequence:
+            for param in self.norm.parameters():
+                sum_gradient_over_sequence_parts(param)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.norm(hidden)
+    def forward(self, hidden: torch.Tensor, split: bool = False) -> torch.Tensor:
+        normed = self.norm(hidden)
+        return gather_sequence(normed, gradient_is_replicated=True) if split else normed
 
 
 class OutputLayer(torch.nn.Module):
@@ -178,7 +188,10 @@ class GPTModel(torch.nn.Module):
                     "of the learned position embedding; shorten the input or raise max_position_embeddings"
                 )
             position_ids = torch.arange(past, past + seq_len, device=input_ids.device).unsqueeze(0)
+        split = self._splits(seq_len, kv_cache)
         hidden = self.embedding(input_ids, position_ids)
+        if split:
+            hidden = scatter_sequence(hidden)
         rotary_cos_sin = None
         if self.rotary is not None and standard_positions:
             rotary_cos_sin = self.rotary.cos_sin_for_length(seq_len, hidden.device, hidden.dtype)
@@ -189,11 +202,11 @@ class GPTModel(torch.nn.Module):
             if recompute:
                 # the recomputation in the backward appends again, to a list whose loss is already taken
                 hidden = torch.utils.checkpoint.checkpoint(layer, hidden, rotary_cos_sin, attention_mask, None,
-                                                           routing, use_reentrant=False)
+                                                           routing, split, use_reentrant=False)
             else:
                 hidden = layer(hidden, rotary_cos_sin, attention_mask,
-                               kv_cache.layers[index] if kv_cache is not None else None, routing)
-        hidden = self.sequential[str(self.arch.num_layers + 3)](hidden)
+                               kv_cache.layers[index] if kv_cache is not None else None, routing, split)
+        hidden = self.sequential[str(self.arch.num_layers + 3)](hidden, split)
         if self.arch.reward_head:
             return self.reward_head(hidden)
         if self.arch.tied_embeddings:
@@ -201,6 +214,19 @@ class GPTModel(torch.nn.Module):
         else:
             logits = self.sequential[str(self.arch.num_layers + 4)](hidden)
         return logits if parallel_output else gather_last_dim(logits)
+
+    def _splits(self, seq_len: int, kv_cache: KVCache | None) -> bool:
+        """Whether this forward splits the sequence over the tensor-parallel ranks (sequence parallelism): always
+        in training; a forward without gradients (generation's steps, any length) may run on the whole sequence."""
+        if not self.arch.splits_sequence:
+            return False
+        shares_equally = seq_len % self.arch.model_parallel_size == 0
+        if torch.is_grad_enabled() and (kv_cache is not None or not shares_equally):
+            # the norms' gradient hooks sum over the ranks, which only the split sequence's parts need
+            raise ModelConfigError(f"sequence_parallel splits each sequence over the {self.arch.model_parallel_size} "
+                                   f"tensor-parallel ranks, and a sequence of {seq_len} tokens with gradients cannot "
+                                   "be split equally; use a multiple of model_parallel_size")
+        return kv_cache is None and shares_equally
 
 
 def build_model(arch: Architecture, seed: int, partitioned_by=None, lora: LoraSettings | None = None) -> GPTModel:

@@ -24,6 +24,11 @@ than ranks) has its B gradient summed over them, as ``query_key_value``'s own. T
 whole, as at size 1, and each rank keeps its part, so the adapters are the same at every size. With
 lora_dropout the masks at size 2 are other draws than at size 1 (every tensor-parallel rank draws from the
 same state, as the base's dropout does), so runs are equal across sizes without dropout.
+
+Under sequence parallelism (megatron/model/sequence_parallel.py) a column-parallel layer's input is this rank's
+part of the sequence: A runs on it and its low-rank output is gathered (A's gradient then covers the part only
+and is summed over the ranks); a row-parallel layer's output is this rank's part: the ranks' A outputs are
+reduce-scattered, and B, applied to the part, has its gradient summed over the ranks.
 """
 
 from __future__ import annotations
@@ -44,9 +49,11 @@ from megatron.model.parallel_layers import (
     RowParallelLinear,
     copy_to_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
+    sum_gradient_over_sequence_parts,
     sum_over_ranks_sharing_a_slot,
 )
 from megatron.model.partitioning import partition, partitioning
+from megatron.model.sequence_parallel import gather_sequence, reduce_scatter_sequence
 from megatron.ranks import tensor_parallel_rank, tensor_parallel_size
 
 
@@ -65,13 +72,17 @@ class LoraAdapter(torch.nn.Module):
         self.input_is_parallel = input_is_parallel
         self.register_buffer("rows", rows, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, split: bool = False) -> torch.Tensor:
         low_rank = F.linear(F.dropout(x, self.dropout, self.training), self.lora_A)
         if self.input_is_parallel:
-            low_rank = reduce_from_tensor_parallel_region(low_rank)
+            low_rank = reduce_scatter_sequence(low_rank) if split else reduce_from_tensor_parallel_region(low_rank)
         else:
-            low_rank = copy_to_tensor_parallel_region(low_rank)
+            low_rank = gather_sequence(low_rank) if split else copy_to_tensor_parallel_region(low_rank)
         return F.linear(low_rank, self.lora_B)
+
+    def parameter_on_sequence_parts(self) -> torch.nn.Parameter:
+        """The matrix a split sequence applies to this rank's part only (module docstring)."""
+        return self.lora_B if self.input_is_parallel else self.lora_A
 
 
 class LinearAdapters(torch.nn.ModuleDict):
@@ -82,9 +93,9 @@ class LinearAdapters(torch.nn.ModuleDict):
         self.scaling = scaling
         self.switched_on = True
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor, split: bool = False) -> torch.Tensor:
         for adapter in self.values():
-            delta = adapter(x) * self.scaling
+            delta = adapter(x, split) * self.scaling
             out = out + delta if adapter.rows is None else out.index_add(-1, adapter.rows, delta)
         return out
 
@@ -93,7 +104,7 @@ def _add_adapter_output(linear: torch.nn.Module, inputs: tuple, output: tuple) -
     if not linear.lora.switched_on:
         return output
     out, bias = output  # megatron-core's linear layers return (output, bias or None)
-    return linear.lora(inputs[0], out), bias
+    return linear.lora(inputs[0], out, *inputs[1:]), bias  # (input[, split]) as the layer was called
 
 
 @contextmanager
@@ -164,6 +175,8 @@ def add_layer_adapters(layer: torch.nn.Module, arch: Architecture, lora: LoraSet
                 shared_head = tensor_parallel_rank() * arch.num_kv_heads // size
                 adapter.lora_B.register_hook(partial(sum_over_ranks_sharing_a_slot, slot=shared_head,
                                                      slots=arch.num_kv_heads))
+            if arch.splits_sequence:
+                sum_gradient_over_sequence_parts(adapter.parameter_on_sequence_parts())
             adapters[name] = adapter
         linear.lora = LinearAdapters(adapters, lora.scaling)
         linear.register_forward_hook(_add_adapter_output)

@@ -75,6 +75,7 @@ class MLP(torch.nn.Module):
             init_method=init_method,
             bias=arch.bias_in_mlp,
             gather_output=False,
+            sequence_parallel=arch.splits_sequence,
         )
         self.linear2 = RowParallelLinear(
             arch.intermediate_size,
@@ -86,7 +87,8 @@ class MLP(torch.nn.Module):
             skip_bias_add=False,
         )
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        inner, _ = self.linear1(hidden)
-        out, _ = self.linear2(self.activation(inner))
+    def forward(self, hidden: torch.Tensor, split: bool = False) -> torch.Tensor:
+        """With ``split`` ``hidden`` and the output are this rank's part of the sequence (TransformerLayer)."""
+        inner, _ = self.linear1(hidden, split)
+        out, _ = self.linear2(self.activation(inner), split)
         return out

@@ -50,6 +50,7 @@ from megatron.contract.architecture import Architecture
 from megatron.model.mlp import MLP, elementwise_activation
 from megatron.model.parallel_layers import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from megatron.model.partitioning import local_experts
+from megatron.model.sequence_parallel import gather_sequence, scatter_sequence
 from megatron.ranks import tensor_parallel_rank, tensor_parallel_size
 
 
@@ -159,9 +160,16 @@ class MixtureOfExperts(torch.nn.Module):
         logits = self.router.layer(tokens)
         return logits, *torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
 
-    def forward(self, hidden: torch.Tensor, routing: list[Routing] | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, routing: list[Routing] | None = None, split: bool = False) -> torch.Tensor:
         """The experts' weighted outputs for ``hidden`` [..., hidden]; what the router did is appended to
-        ``routing`` when given (for ``load_balancing_loss`` and ``expert_load``)."""
+        ``routing`` when given (for ``load_balancing_loss`` and ``expert_load``).
+
+        With ``split`` (sequence parallelism) ``hidden`` and the output are this rank's part of the sequence [b, s/tp,
+        hidden]: the experts run on the whole sequence as without it, gathered before and split after. The whole
+        sequence's gradient is the same on every rank here (the copy regions sum it), so the gather's backward keeps
+        this rank's slice of it."""
+        if split:
+            return scatter_sequence(self(gather_sequence(hidden, gradient_is_replicated=True), routing))
         tokens = hidden.reshape(-1, hidden.shape[-1])
         logits, weights, chosen = self._route(tokens)
         if routing is not None:

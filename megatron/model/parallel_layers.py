@@ -13,6 +13,7 @@ import torch.distributed.nn.functional
 from megatron.contract.architecture import ModelConfigError
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.model.sequence_parallel import gather_sequence, reduce_scatter_sequence
 from megatron.ranks import tensor_parallel_rank, tensor_parallel_size
 
 
@@ -108,12 +109,43 @@ class _WithoutExtraState:
     get_extra_state = torch.nn.Module.get_extra_state
 
 
+def sum_gradient_over_sequence_parts(param: torch.nn.Parameter) -> None:
+    """Under sequence parallelism a parameter applied to this rank's part of the sequence only (a norm's weight, a
+    bias added after the reduce-scatter, a LoRA matrix on a part) gets its part's gradient; the hook sums it over
+    the tensor-parallel ranks (Megatron marks such parameters ``sequence_parallel`` and all-reduces them)."""
+    param.register_hook(sum_over_tensor_parallel_ranks)
+
+
 class ColumnParallelLinear(_WithoutExtraState, tensor_parallel.ColumnParallelLinear):
-    pass
+    """With ``sequence_parallel`` the input may come as this rank's part of the sequence (``split``): it is
+    all-gathered first, and its gradient reduce-scattered instead of all-reduced (megatron/model/sequence_parallel.py).
+    megatron-core's own sequence-parallel linear gathers into GPU buffers, so the gather is done before it."""
+
+    def __init__(self, *args, sequence_parallel: bool = False, **kwargs):
+        super().__init__(*args, disable_grad_reduce=sequence_parallel, **kwargs)
+
+    def forward(self, x: torch.Tensor, split: bool = False):
+        if self.disable_grad_reduce:
+            x = gather_sequence(x) if split else copy_to_tensor_parallel_region(x)
+        return super().forward(x)
 
 
 class RowParallelLinear(_WithoutExtraState, tensor_parallel.RowParallelLinear):
-    pass
+    """With ``split`` the ranks' partial outputs are reduce-scattered along the sequence, not all-reduced, and the
+    bias is added to this rank's part (megatron-core's forward with sequence_parallel, its collective chosen by
+    the backend in megatron/model/sequence_parallel.py)."""
+
+    def forward(self, x: torch.Tensor, split: bool = False):
+        if not split:
+            return super().forward(x)
+        partial = self._forward_impl(input=x, weight=self.weight, bias=None,
+                                     gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                                     allreduce_dgrad=False, sequence_parallel=False, tp_group=None,
+                                     grad_output_buffer=None)
+        out = reduce_scatter_sequence(partial)
+        if self.skip_bias_add:
+            return out, self.bias
+        return (out if self.bias is None else out + self.bias), None
 
 
 class VocabParallelEmbedding(_WithoutExtraState, tensor_parallel.VocabParallelEmbedding):

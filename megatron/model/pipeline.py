@@ -17,6 +17,8 @@ statistics ([2 + expert layers, experts], fp32) carry what the routers of the la
 ``load_balancing_sums`` added up, row 2 + j the router's choices counted for the j-th expert layer. So the last
 stage computes the load-balancing loss over every expert layer, as one module does (its gradient goes back to
 every stage's routers with the statistics'), and the expert load of every layer, whichever stage holds it.
+With sequence parallelism the hidden states travel as each tensor-parallel rank's part of the sequence (split
+after the embedding, gathered by the final norm), to the next stage's rank of the same tensor-parallel rank.
 Each stage draws the weights of exactly the layers it holds from the same
 stream of random numbers as ``build_model`` (the layers before its own are drawn and dropped), so
 the model is the same function at every pipeline size. With LoRA adapters (megatron/model/lora.py) each
@@ -40,6 +42,7 @@ from megatron.model.loss import causal_lm_loss
 from megatron.model.moe import Routing, load_balancing_loss_of_sums, load_balancing_sums
 from megatron.model.parallel_layers import copy_to_tensor_parallel_region
 from megatron.model.rotary import RotaryEmbedding
+from megatron.model.sequence_parallel import scatter_sequence
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.ranks import tensor_parallel_rank, tensor_parallel_size
 
@@ -66,10 +69,13 @@ class EmbeddingPipe(Embedding):
     def __init__(self, arch: Architecture, init_method):
         super().__init__(arch, init_method)
         self.statistics_shape = (statistics_rows(arch), arch.moe_num_experts) if arch.moe else None
+        self.split = arch.splits_sequence
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         tokens, position_ids, *mask = inputs
         hidden = super().forward(tokens, position_ids)
+        if self.split:
+            hidden = scatter_sequence(hidden)
         statistics = None
         if self.statistics_shape is not None:
             # requires a gradient even where this stage holds no expert layer: DeepSpeed's pipe engine runs the
@@ -85,6 +91,7 @@ class TransformerLayerPipe(TransformerLayer):
     def __init__(self, arch: Architecture, init_method, output_init_method, layer: int):
         super().__init__(arch, init_method, output_init_method, experts=arch.has_experts(layer))
         self.recompute = arch.checkpoint_activations
+        self.split = arch.splits_sequence
         # no parameters and no persistent buffers: the layer's checkpoint names are TransformerLayer's
         self.rotary = (RotaryEmbedding(arch.rotary_ndims, arch.rotary_emb_base, arch.rope_scaling)
                        if arch.pos_emb == "rotary" else None)
@@ -105,7 +112,7 @@ class TransformerLayerPipe(TransformerLayer):
 
     def _layer(self, hidden, cos_sin, attention_mask, statistics):
         routing: list[Routing] = []
-        hidden = super().forward(hidden, cos_sin, attention_mask, routing=routing)
+        hidden = super().forward(hidden, cos_sin, attention_mask, routing=routing, split=self.split)
         if self.statistics_row is None:
             return hidden, statistics
         record, = routing
@@ -130,9 +137,13 @@ def _hidden_states_and_statistics(inputs):
 
 
 class FinalNormPipe(FinalNorm):
+    def __init__(self, arch: Architecture):
+        super().__init__(arch)
+        self.split = arch.splits_sequence
+
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, *statistics = inputs
-        return (super().forward(hidden), *statistics)
+        return (super().forward(hidden, self.split), *statistics)
 
 
 class OutputLayerPipe(OutputLayer):

@@ -82,6 +82,7 @@ def derive_all(v: dict[str, Any], sources: dict[str, str], require_run_settings:
     _check_profiling(v, sources)
     _check_train_impl(v, sources)
     _check_pipeline(v, sources)
+    _check_sequence_parallel(v, sources)
     _check_mixture_of_experts(v, sources)
     _check_lora(v, sources)
     if require_run_settings:
@@ -662,6 +663,15 @@ def _check_pipeline(v: dict[str, Any], sources: dict[str, str]) -> None:
         if v[name]:
             raise _fail(sources, name, f"not available with pipe_parallel_size {stages}: {why}; turn it off or set "
                         "pipe_parallel_size 1")
+
+
+def _check_sequence_parallel(v: dict[str, Any], sources: dict[str, str]) -> None:
+    """Sequence parallelism gives each tensor-parallel rank an equal part of every sequence."""
+    tp = v["model_parallel_size"]
+    if v["sequence_parallel"] and tp > 1 and v["seq_length"] and v["seq_length"] % tp:
+        raise _fail(sources, "sequence_parallel", f"splits each sequence over the {tp} tensor-parallel ranks, but "
+                    f"seq_length {v['seq_length']} is no multiple of {tp}; set a seq_length that is one, or "
+                    "sequence_parallel: false")
 
 
 def _check_data(v: dict[str, Any], sources: dict[str, str]) -> None:

@@ -231,12 +231,6 @@ class TensorParallelOnly:
 
 
 TENSOR_PARALLEL_ONLY: dict[str, TensorParallelOnly] = {
-    "sequence_parallel": TensorParallelOnly(
-        _falsy, "tensor parallelism runs without sequence parallelism",
-        "Megatron-style sequence parallelism (activations split over the tensor-parallel ranks)",
-        "set sequence_parallel: false (tensor parallelism runs without it: the same results, more activation "
-        "memory)",
-        shapes_weights=False),
     "output_layer_parallelism": TensorParallelOnly(
         _equals("column"), "the output layer is always split over the vocabulary, GPT-NeoX's column",
         "an output layer split over the hidden dimension (row)",

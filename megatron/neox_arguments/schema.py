@@ -95,6 +95,9 @@ SETTINGS_LIST: list[Setting] = [
     _model("hf_model_type", OPT_STR, None, "the Hugging Face family (config.json's model_type) the model came from, which convert_neox_to_hf.py writes back; unset: the family the architecture implies", choices=(None, "gpt_neox", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"), gpt_neox=False),
     _model("make_vocab_size_divisible_by", int, 128, "pad the vocabulary to a multiple of this"),
     _model("model_parallel_size", int, 1, "tensor-parallel size: ranks that split each layer (heads, MLP, vocabulary) between them"),
+    _model("sequence_parallel", bool, False, "at model_parallel_size > 1: split the norms, dropout and residual "
+           "stream along the sequence over the tensor-parallel ranks (Megatron's sequence parallelism: less "
+           "activation memory, the same steps); seq_length must be a multiple of model_parallel_size"),
     _model("pipe_parallel_size", int, 0, "pipeline stages (DeepSpeed's pipe engine); 0 or 1: no pipeline, the "
            "model trains as one module (GPT-NeoX's to_sequential)"),
     _model("pipe_partition_method", str, "type:transformer|mlp", "how layers are spread over the pipeline stages: "

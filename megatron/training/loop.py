@@ -330,6 +330,8 @@ def frozen_reference_engine(args):
 
 
 def _log_model(args, model, zero_stage: int, dp_size: int, pipeline_stages: int) -> None:
+    from megatron.model.attention import attention_path
+
     get_logger().info(f"model: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} parameters per "
                       f"tensor-parallel rank, precision {args.precision}, ZeRO stage {zero_stage}, {dp_size} "
                       f"data-parallel rank(s) x {args.model_parallel_size} tensor-parallel"
@@ -338,6 +340,7 @@ def _log_model(args, model, zero_stage: int, dp_size: int, pipeline_stages: int)
                       + (f"; {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters() if p.requires_grad):,} "
                          "of them train "
                          "(LoRA adapters; the rest are frozen)" if args.lora_rank else ""))
+    get_logger().info(attention_path(args.architecture(), args.reset_attention_mask))
 
 
 def setup_for_inference(args):

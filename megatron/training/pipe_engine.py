@@ -38,6 +38,12 @@ def build_pipeline_engine(args, ds_config: dict):
 
     module = build_pipeline_model(args.architecture(), args.seed, args.pipe_parallel_size, args.pipe_partition_method,
                                   args.lora())
+    if args.architecture().splits_sequence:
+        # The pipe engine sends 1/tp of the first tensor from each tensor-parallel rank and joins the slices on the
+        # next stage, which holds only where every rank sends the same tensor; with the sequence split each rank
+        # sends its own part whole.
+        ds_config = {**ds_config, "pipeline": {**ds_config.get("pipeline", {}), "pipe_partitioned": False,
+                                               "grad_partitioned": False}}
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=build_param_groups(module, args.weight_decay),
                                            config=ds_config)
     return engine

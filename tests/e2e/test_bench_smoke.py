@@ -179,3 +179,16 @@ def test_a_bench_rank_leaves_its_process_group_when_it_finished_and_keeps_it_whe
     assert done.returncode == 0, done.stderr[-3000:]
     assert "after a finished rank: False" in done.stdout, done.stdout
     assert "after a failed rank: True" in done.stdout, done.stdout
+
+
+@pytest.mark.slow
+def test_sequence_parallel_bench_prints_its_ratios():
+    ratios = run_bench("bench_sequence_parallel.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab",
+                       "64", "--seqs", "16", "--repeats", "1", "--steps", "1")
+    assert_ratios(ratios, {"tp2_sp/tp2 peak_rss@16", "tp2_sp/tp2 tokens_per_second@16"})
+
+
+def test_sft_packing_bench_prints_its_ratio():
+    ratios = run_bench("bench_sft_packing.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
+                       "--seq", "64", "--records", "16", "--repeats", "1", "--steps", "1")
+    assert_ratios(ratios, {"packed/padded trained_tokens_per_second"})

@@ -312,7 +312,7 @@ def test_inert_gpt_neox_settings_are_accepted_with_one_notice_each(tmp_path):
     assert args.data_impl == "infer"
 
 
-@pytest.mark.parametrize(("name", "other"), [("sequence_parallel", True), ("output_layer_parallelism", "row")])
+@pytest.mark.parametrize(("name", "other"), [("output_layer_parallelism", "row")])
 def test_tensor_parallel_only_settings_are_refused_where_they_would_change_something(tmp_path, name, other):
     # at model_parallel_size 1 GPT-NeoX's setting changes nothing, as in GPT-NeoX: a notice
     args = run_args(tmp_path, **{name: other})
@@ -320,9 +320,20 @@ def test_tensor_parallel_only_settings_are_refused_where_they_would_change_somet
     # above 1 a value other than the one built here is one line, naming the file, the key and the way out
     message = config_error(tmp_path, **{name: other}, model_parallel_size=2, num_gpus=2)
     assert "run.yml: " + name in message and "not built here" in message and "\n" not in message
-    built = {"sequence_parallel": False, "output_layer_parallelism": "column"}[name]
+    built = {"output_layer_parallelism": "column"}[name]
     args = run_args(tmp_path, **{name: built}, model_parallel_size=2, num_gpus=2)
     assert args.model_parallel_size == 2 and sum(f"{name} has no effect" in notice for notice in args.notices) == 1
+
+
+def test_sequence_parallel_is_built_and_needs_a_sequence_the_ranks_share_equally(tmp_path):
+    def splits(**more) -> bool:
+        return NeoXArgs.from_dict({**TINY_RUN, "sequence_parallel": True, "padded_vocab_size": 128, **more}
+                                  ).architecture().splits_sequence
+    assert splits(model_parallel_size=2, num_gpus=2)
+    assert not splits()  # one rank: nothing to split
+    message = config_error(tmp_path, sequence_parallel=True, model_parallel_size=2, num_gpus=2, seq_length=33)
+    assert "run.yml: sequence_parallel" in message and "seq_length 33 is no multiple of 2" in message
+    assert "\n" not in message
 
 
 def test_a_checkpoint_saved_with_sequence_parallelism_loads_and_one_with_a_row_output_layer_is_refused():
