@@ -557,6 +557,9 @@ def _check_reinforce(v: dict[str, Any], sources: dict[str, str]) -> None:
     if advantage != "moving_average" and v["reinforce_num_completions"] < 2:
         raise _fail(sources, "reinforce_num_completions", f"{advantage} compares the completions of one prompt: "
                                                           "sample 2 or more per prompt")
+    if v["temperature"] == 0 and v["top_k"] == 0 and v["top_p"] == 0 and v["reinforce_num_completions"] > 1:
+        raise _fail(sources, "temperature", "0 with top_k and top_p 0 samples greedily, so every completion of a "
+                                            "prompt is the same; set temperature (e.g. 1.0) to sample")
     if v["pack_impl"] != "unpacked":
         raise _fail(sources, "pack_impl", "reinforce's prompts are whole chat records (one per sample): set "
                                           "pack_impl: unpacked")
@@ -653,6 +656,8 @@ def _check_data(v: dict[str, Any], sources: dict[str, str]) -> None:
     _check_pairwise_data(v, sources, pairwise)
     given = [name for name in ("data_path", "train_data_paths", "pos_train_data_paths", "embedded_corpus") if v[name]
              and sources.get(name) != EMBEDDED_CORPUS_SOURCE]
+    if not given and v["train_impl"] == "reinforce" and not v["reward_function"]:
+        given = ["online_dataserver_ports"]  # GPT-NeoX's data server gives the data; its data paths are not read
     if not given:
         if pairwise:
             raise _fail(sources, "dataset_impl", "pairwise reads its training pairs from pos_train_data_paths and "

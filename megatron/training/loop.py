@@ -27,7 +27,7 @@ from megatron.logging import (
 )
 from megatron.objectives.expert_load import ExpertLoadWatch
 from megatron.optim.optimizers import build_param_groups
-from megatron.ranks import data_parallel_rank_and_size, global_rank
+from megatron.ranks import data_parallel_rank_and_size, global_rank, tensor_parallel_rank
 from megatron.runtime import faults
 from megatron.runtime.initialize import (
     ModelParallelUnit,
@@ -267,7 +267,8 @@ def setup(args):
         raise ConfigError("padded_vocab_size is not resolved: start training through deepy.py, which resolves the "
                           "tokenizer and the embedded corpus once (megatron.launch.run_context.resolve_run_settings)")
     # before the model: a data file that cannot train stops the run before the slow part of the start
-    datasets = build_checked_datasets(args, build_tokenizer(args).vocab_size, samples_per_split(args))
+    datasets = (None, None, None) if reads_data_server(args) else \
+        build_checked_datasets(args, build_tokenizer(args).vocab_size, samples_per_split(args))
     # the checkpoint files read from here on are checked in a thread while the engine is built and loaded;
     # the block ends with their checks, before any step
     with checks_beside_use():
@@ -317,7 +318,17 @@ def setup(args):
         set_seeds(args.seed + 1 + dp_rank)
     iterators = data_iterators(args, datasets, dp_rank, dp_size, state.consumed_train_samples,
                                state.consumed_valid_samples)
+    if args.train_impl == "reinforce":
+        from megatron.rollouts import rollout_iterators
+
+        iterators = rollout_iterators(args, engine, iterators, state.iteration, dp_rank, dp_size,
+                                      tensor_parallel_rank())
     return engine, state, iterators
+
+
+def reads_data_server(args) -> bool:
+    """REINFORCE's scored completions come from GPT-NeoX's data server: no data files are read."""
+    return args.train_impl == "reinforce" and not args.reward_function
 
 
 def _frozen_reference(args, plan):

@@ -1,0 +1,106 @@
+"""End to end, REINFORCE as a GPT-NeoX user runs it, from a Hugging Face Llama folder: chats through the preprocess
+tool give the prompts, the policy samples completions, a reward function in a file scores them. The first step
+(SGD) is checked against autograd on the transformers model, computed from the rollouts the run logged: the
+logged log-probabilities are the model's, the loss line is GPT-NeoX's loss, and the second step's logged
+log-probabilities are those of the transformers model moved by that gradient."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from tests.deepy_runs import run_deepy, tensorboard_scalars, write_overrides
+from tests.e2e.test_dpo import PROMPTS, chat, save_llama
+from tests.e2e.test_preprocess_chat import make_chat_tokenizer, run, write_jsonl
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+ANSWERS = ["hello there", "four", "hi there", "bye bye", "ok", "two"]
+LINE = re.compile(r"iteration\s+(\d+)/\d+ \| loss (-?[\d.]+)")
+REWARD_FILE = '''
+def two_count(prompts, completions, completion_ids, **kwargs):
+    return [text.split().count("two") / max(len(text.split()), 1) + 0.01 * len(ids) for text, ids in
+            zip(completions, completion_ids)]
+'''
+
+
+def reinforce_settings(tmp_path, **overrides) -> dict:
+    tokenizer = make_chat_tokenizer(tmp_path / "tok", eos="<|endoftext|>")
+    records = [{"messages": chat(p, a)} for _ in range(4) for p, a in zip(PROMPTS, ANSWERS, strict=True)]
+    run("--input", write_jsonl(tmp_path / "chats.jsonl", records), "--tokenizer-path", str(tokenizer),
+        "--jsonl-keys", "messages", "--output-prefix", str(tmp_path / "chats"))
+    save_llama(tmp_path / "hf", seed=0)
+    (tmp_path / "rewards.py").write_text(REWARD_FILE)
+    return dict(
+        load=str(tmp_path / "hf"), finetune=True, train_impl="reinforce",
+        reward_function=f"{tmp_path / 'rewards.py'}:two_count", reinforce_num_completions=2,
+        temperature=1.0, maximum_tokens=6, rollout_log=str(tmp_path / "rollouts.jsonl"),
+        pack_impl="unpacked", train_data_paths=[str(tmp_path / "chats_messages_document")],
+        train_label_data_paths=[str(tmp_path / "chats_messages_label_document")],
+        tokenizer_type="HFTokenizer", vocab_file=str(tokenizer / "tokenizer.json"), seq_length=24, num_gpus=1,
+        train_micro_batch_size_per_gpu=2, precision="fp32", optimizer={"type": "SGD", "params": {"lr": 2.0}},
+        weight_decay=0.0, gradient_clipping=0.0, hidden_dropout=0.0, attention_dropout=0.0, lr_decay_style="constant",
+        warmup=0.0, train_iters=2, eval_interval=100, eval_iters=0, num_workers=0, log_interval=1,
+        tensorboard_dir=str(tmp_path / "tb"), **overrides)
+
+
+def hf_log_probs(model, record) -> torch.Tensor:
+    """log p of each completion token of a logged rollout under the transformers model."""
+    ids = torch.tensor([record["prompt_ids"] + record["completion_ids"]])
+    logits = model(ids).logits[0, :-1].float()
+    targets = ids[0, 1:]
+    return logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0][len(record["prompt_ids"]) - 1:]
+
+
+def advantages_of(rewards: list[float], mode: str) -> list[float]:
+    r = torch.tensor(rewards, dtype=torch.float64)
+    if mode == "leave_one_out":
+        return [rewards[i] - (sum(rewards) - rewards[i]) / (len(rewards) - 1) for i in range(len(rewards))]
+    return ((r - r.mean()) / (r.std() + 1e-4)).tolist()
+
+
+@pytest.mark.parametrize("mode", ["leave_one_out", "group_normalized"])
+def test_first_reinforce_step_is_autograd_on_the_hf_model_from_the_logged_rollouts(tmp_path, mode):
+    from transformers import LlamaForCausalLM
+
+    beta = 0.5
+    settings = reinforce_settings(tmp_path, reinforce_advantage=mode, kl_impl="kl", kl_div_beta=beta)
+    output = run_deepy([write_overrides(tmp_path, name="rl.yml", **settings)]).stdout
+    assert f"reference model: {tmp_path / 'hf'} (the model this fine-tune starts from)" in output
+    losses = {int(m[1]): float(m[2]) for m in LINE.finditer(output)}
+    assert (tmp_path / "rollouts.jsonl").is_file(), output[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    first = [r for r in records if r["iteration"] == 1]
+    second = [r for r in records if r["iteration"] == 2]
+    assert len(first) == len(second) == 4 and {r["group"] for r in first} == {0, 1}
+
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
+    trained = 0
+    per_sample = []
+    for group in (0, 1):
+        rows = [r for r in first if r["group"] == group]
+        for row, advantage in zip(rows, advantages_of([r["reward"] for r in rows], mode), strict=True):
+            assert row["advantage"] == pytest.approx(advantage, abs=1e-6)
+            lp = hf_log_probs(model, row)
+            assert row["logp"] == pytest.approx(lp.sum().item(), abs=1e-4)  # the sampler's log-probs are the model's
+            # the reference is the start model: lp - rp is 0 in value, lp's gradient in derivative
+            per_sample.append((-lp * advantage + beta * (lp - lp.detach())).sum())
+            trained += len(row["completion_ids"])
+    loss = torch.stack(per_sample).sum() / trained / len(per_sample)  # GPT-NeoX: / trained tokens, / samples
+    assert losses[1] == pytest.approx(loss.item(), abs=2e-4)
+    loss.backward()
+    with torch.no_grad():
+        before = [hf_log_probs(model, row).sum().item() for row in second]
+        for parameter in model.parameters():
+            parameter -= 2.0 * parameter.grad
+        after = [hf_log_probs(model, row).sum().item() for row in second]
+    logged = [row["logp"] for row in second]
+    assert logged == pytest.approx(after, abs=2e-4)
+    assert max(abs(a - b) for a, b in zip(after, before, strict=True)) > 1e-2  # the step moved them measurably
+
+    scalars = tensorboard_scalars(tmp_path / "tb")
+    assert scalars["train/reward"][1] == pytest.approx(sum(r["reward"] for r in first) / 4, abs=1e-5)
+    assert scalars["train/kl"][1] == 0.0 and {"train/logp", "train/ref_logp", "train/reward_std"} <= set(scalars)
