@@ -104,3 +104,31 @@ def test_first_reinforce_step_is_autograd_on_the_hf_model_from_the_logged_rollou
     scalars = tensorboard_scalars(tmp_path / "tb")
     assert scalars["train/reward"][1] == pytest.approx(sum(r["reward"] for r in first) / 4, abs=1e-5)
     assert scalars["train/kl"][1] == 0.0 and {"train/logp", "train/ref_logp", "train/reward_std"} <= set(scalars)
+
+
+TARGET_FILE = '''
+def target_share(prompts, completions, completion_ids, **kwargs):
+    return [ids.count({target}) / max(len(ids), 1) for ids in completion_ids]
+'''
+
+
+def test_a_tiny_model_learns_to_say_the_rewarded_token(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.e2e.test_preprocess_chat import SPECIAL, WORDS
+
+    target = (SPECIAL + WORDS).index("two")
+    (tmp_path / "target.py").write_text(TARGET_FILE.format(target=target))
+    settings = reinforce_settings(
+        tmp_path, reinforce_advantage="group_normalized", kl_div_beta=0.0, reinforce_num_completions=4,
+        reward_function=f"{tmp_path / 'target.py'}:target_share", train_micro_batch_size_per_gpu=4,
+        optimizer={"type": "Adam", "params": {"lr": 0.02}}, train_iters=30, rollout_log=None,
+        make_vocab_size_divisible_by=32)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                 tie_word_embeddings=False)).save_pretrained(tmp_path / "hf")
+    run_deepy([write_overrides(tmp_path, name="learn.yml", **settings)])
+    rewards = tensorboard_scalars(tmp_path / "tb")["train/reward"]
+    first, last = (sum(rewards[i] for i in steps) / 5 for steps in (range(1, 6), range(26, 31)))
+    assert last > first + 0.3, rewards
