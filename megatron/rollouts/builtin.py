@@ -44,6 +44,14 @@ class BuiltInRollouts:
     def __iter__(self):
         return self
 
+    def state_dict(self) -> dict:
+        """What a resume needs to sample the unbroken run's rollouts (the prompts follow the data position)."""
+        return {"generator": self.generator.get_state(), "advantages": self.advantages.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.advantages.load_state_dict(state["advantages"])
+
     def __next__(self) -> dict[str, torch.Tensor]:
         samples = next(self.prompt_batches)
         prompts = [self._prompt(text, label) for text, label in zip(samples["text"], samples["label"], strict=True)]

@@ -83,6 +83,13 @@ class ServerRollouts(Iterator):
         self.advantages = advantages
         self.waiting: deque[ScoredCompletion] = deque()
 
+    def state_dict(self) -> dict:
+        """The moving-average baseline (the server's completions are not saved: it sends new ones)."""
+        return {"advantages": self.advantages.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.advantages.load_state_dict(state["advantages"])
+
     def __next__(self) -> dict[str, torch.Tensor]:
         rows = []
         while len(rows) < self.micro_batch_size:

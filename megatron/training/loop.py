@@ -65,6 +65,7 @@ class TrainState:
     lineage: Lineage = field(default_factory=Lineage)  # the tags of `save` this run may prune
     reference: ReferenceModel | None = None  # DPO/KTO's frozen reference; its identity goes into every save
     lora_base: LoraBase | None = None  # a LoRA run's frozen base: set, its saves are adapter-only and name it
+    rollouts: Any = None  # REINFORCE's rollout source (megatron.rollouts): its state goes into every save
 
     @property
     def lr_step(self) -> int:
@@ -214,7 +215,8 @@ def _save(args, engine, state: TrainState) -> Path:
                            lr_schedule=state.schedule.to_dict(), consumed_valid_samples=state.consumed_valid_samples,
                            lineage=state.lineage,
                            reference_model=state.reference.identity.to_dict() if state.reference else None,
-                           lora_base=state.lora_base.to_dict() if state.lora_base else None)
+                           lora_base=state.lora_base.to_dict() if state.lora_base else None,
+                           rollouts=state.rollouts.state_dict() if state.rollouts is not None else None)
 
 
 def _stop_after_signal(args, engine, state: TrainState, signum: int, saved_at: int | None) -> None:
@@ -302,11 +304,13 @@ def setup(args):
             engine.compile()  # compiles the module in place: parameter and checkpoint names stay as they are
         state = TrainState(schedule=Schedule.from_args(args))
         restored_rng = False
+        saved_rollouts = None
         if plan is not None:
             outcome = load_checkpoint(engine, plan)
             if outcome is not None:
                 state = state_after_load(outcome, args)
                 restored_rng = outcome.restored_rng
+                saved_rollouts = outcome.client_state.rollouts if restored_rng else None
         if reference_plan is not None and args.lora_rank:
             state.reference = ReferenceModel(BaseWithoutAdapters(engine), identity)
         elif reference_plan is not None:
@@ -319,11 +323,22 @@ def setup(args):
     iterators = data_iterators(args, datasets, dp_rank, dp_size, state.consumed_train_samples,
                                state.consumed_valid_samples)
     if args.train_impl == "reinforce":
-        from megatron.rollouts import rollout_iterators
-
-        iterators = rollout_iterators(args, engine, iterators, state.iteration, dp_rank, dp_size,
-                                      tensor_parallel_rank())
+        iterators = _rollouts(args, engine, iterators, state, saved_rollouts, dp_rank, dp_size)
     return engine, state, iterators
+
+
+def _rollouts(args, engine, iterators, state: TrainState, saved: list | None, dp_rank: int, dp_size: int):
+    """REINFORCE's iterators; a full resume at the saving run's rank count continues its rollout state."""
+    from megatron.rollouts import rollout_iterators
+
+    iterators = rollout_iterators(args, engine, iterators, state.iteration, dp_rank, dp_size, tensor_parallel_rank())
+    state.rollouts = iterators[0]
+    if saved is not None and len(saved) == torch.distributed.get_world_size():
+        state.rollouts.load_state_dict(saved[global_rank()])
+    elif saved is not None:
+        get_logger().info(f"the checkpoint holds the rollout state of {len(saved)} ranks, this run has "
+                          f"{torch.distributed.get_world_size()}: its rollouts differ from the unbroken run's")
+    return iterators
 
 
 def reads_data_server(args) -> bool:
