@@ -179,3 +179,10 @@ def test_a_bench_rank_leaves_its_process_group_when_it_finished_and_keeps_it_whe
     assert done.returncode == 0, done.stderr[-3000:]
     assert "after a finished rank: False" in done.stdout, done.stdout
     assert "after a failed rank: True" in done.stdout, done.stdout
+
+
+def test_rollout_step_bench_prints_its_ratios():
+    ratios = run_bench("bench_rollout_step.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
+                       "--seq", "32", "--prompts", "2", "--completions", "2", "--prompt-tokens", "4",
+                       "--new-tokens", "8", "--repeats", "1")
+    assert_ratios(ratios, {"rollout/step wall", "kv_cache/recompute tokens_per_s"})

@@ -158,3 +158,31 @@ def test_a_resume_from_the_step_2_tag_repeats_the_unbroken_runs_rollouts_and_los
     # the same prompts, completions (the sampler's generator), rewards and advantages (the moving average)
     assert again == [r for r in records if r["iteration"] > 2]
     assert any(r["advantage"] != r["reward"] for r in again)  # the baseline the resume restored is not 0
+
+
+def test_gpt_neox_data_server_trains_a_step_and_one_whose_reply_would_run_code_is_refused(tmp_path):
+    import pickle
+
+    from tests.unit.test_rollouts import DataServer, RunsCode
+
+    groups = [{"prefix": [2, 3, 10, 5, 4], "completions": [[11, 12, 1], [13, 1], [9]], "rewards": [1.0, 0.0, 0.5]}]
+    server = DataServer([pickle.dumps(groups)] * 4)
+    settings = reinforce_settings(tmp_path, reward_function=None, dataset_impl="online", reinforce_leave_one_out=True,
+                                  kl_impl="abs", online_dataserver_ips="127.0.0.1",
+                                  online_dataserver_ports=server.port, train_data_paths=None,
+                                  train_label_data_paths=None, train_micro_batch_size_per_gpu=3)
+    output = run_deepy([write_overrides(tmp_path, name="server.yml", **settings)]).stdout
+    losses = {int(m[1]): float(m[2]) for m in LINE.finditer(output)}
+    assert sorted(losses) == [1, 2] and server.requests == ["train", "train"]
+    # step 1: policy = reference, so abs's penalty is 0 and kl 0; the mean raw reward of the group is 0.5
+    scalars = tensorboard_scalars(tmp_path / "tb")
+    assert scalars["train/reward"][1] == pytest.approx(0.5) and scalars["train/kl"][1] == 0.0
+
+    marker = tmp_path / "ran"
+    bad = DataServer([pickle.dumps([{"prefix": [1], "completions": [[2]], "rewards": [RunsCode(marker)]}])])
+    refused = run_deepy([write_overrides(tmp_path, name="bad.yml", **{**settings, "online_dataserver_ports": bad.port,
+                                                                       "tensorboard_dir": None})],
+                        expect_success=False)
+    said = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "nothing of it ran" in said and "Traceback" not in said
+    assert not marker.exists()
