@@ -63,26 +63,17 @@ def advantages_of(rewards: list[float], mode: str) -> list[float]:
     return ((r - r.mean()) / (r.std() + 1e-4)).tolist()
 
 
-@pytest.mark.parametrize("mode", ["leave_one_out", "group_normalized"])
-def test_first_reinforce_step_is_autograd_on_the_hf_model_from_the_logged_rollouts(tmp_path, mode):
-    from transformers import LlamaForCausalLM
+def rank_records(tmp_path, ranks: int) -> list[list[dict]]:
+    """Each data-parallel rank's logged rollouts (rank 0 in rollouts.jsonl, rank r in rollouts.jsonl.rank<r>)."""
+    names = ["rollouts.jsonl"] + [f"rollouts.jsonl.rank{r}" for r in range(1, ranks)]
+    return [[json.loads(line) for line in (tmp_path / name).read_text().splitlines()] for name in names]
 
-    beta = 0.5
-    settings = reinforce_settings(tmp_path, reinforce_advantage=mode, kl_impl="kl", kl_div_beta=beta)
-    output = run_deepy([write_overrides(tmp_path, name="rl.yml", **settings)]).stdout
-    assert f"reference model: {tmp_path / 'hf'} (the model this fine-tune starts from)" in output
-    losses = {int(m[1]): float(m[2]) for m in LINE.finditer(output)}
-    assert (tmp_path / "rollouts.jsonl").is_file(), output[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
-    first = [r for r in records if r["iteration"] == 1]
-    second = [r for r in records if r["iteration"] == 2]
-    assert len(first) == len(second) == 4 and {r["group"] for r in first} == {0, 1}
 
-    model = LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
-    trained = 0
-    per_sample = []
-    for group in (0, 1):
-        rows = [r for r in first if r["group"] == group]
+def rank_loss(model, records: list[dict], mode: str, beta: float) -> torch.Tensor:
+    """GPT-NeoX's loss of one rank's first micro batch, on the transformers model, from its logged rollouts."""
+    trained, per_sample = 0, []
+    for group in sorted({r["group"] for r in records}):
+        rows = [r for r in records if r["group"] == group]
         for row, advantage in zip(rows, advantages_of([r["reward"] for r in rows], mode), strict=True):
             assert row["advantage"] == pytest.approx(advantage, abs=1e-6)
             lp = hf_log_probs(model, row)
@@ -90,22 +81,44 @@ def test_first_reinforce_step_is_autograd_on_the_hf_model_from_the_logged_rollou
             # the reference is the start model: lp - rp is 0 in value, lp's gradient in derivative
             per_sample.append((-lp * advantage + beta * (lp - lp.detach())).sum())
             trained += len(row["completion_ids"])
-    loss = torch.stack(per_sample).sum() / trained / len(per_sample)  # GPT-NeoX: / trained tokens, / samples
+    return torch.stack(per_sample).sum() / trained / len(per_sample)  # GPT-NeoX: / trained tokens, / samples
+
+
+@pytest.mark.parametrize("mode, layout", [("leave_one_out", {}), ("group_normalized", {}),
+                                          ("group_normalized", {"num_gpus": 2, "zero_optimization": {"stage": 1}}),
+                                          ("leave_one_out", {"num_gpus": 2, "model_parallel_size": 2})],
+                         ids=["rloo-1-rank", "grpo-1-rank", "grpo-2-ranks-zero1", "rloo-tp2"])
+def test_first_reinforce_step_is_autograd_on_the_hf_model_from_the_logged_rollouts(tmp_path, mode, layout):
+    from transformers import LlamaForCausalLM
+
+    beta = 0.5
+    settings = reinforce_settings(tmp_path, reinforce_advantage=mode, kl_impl="kl", kl_div_beta=beta, **layout)
+    output = run_deepy([write_overrides(tmp_path, name="rl.yml", **settings)]).stdout
+    assert f"reference model: {tmp_path / 'hf'} (the model this fine-tune starts from)" in output
+    losses = {int(m[1]): float(m[2]) for m in LINE.finditer(output)}
+    data_parallel = layout.get("num_gpus", 1) // layout.get("model_parallel_size", 1)
+    ranks = rank_records(tmp_path, data_parallel)
+    assert all(len([r for r in records if r["iteration"] == i]) == 4 for records in ranks for i in (1, 2))
+
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
+    # DeepSpeed averages the ranks' gradients: the step is that of the mean of the ranks' losses
+    loss = torch.stack([rank_loss(model, [r for r in records if r["iteration"] == 1], mode, beta)
+                        for records in ranks]).mean()
     assert losses[1] == pytest.approx(loss.item(), abs=2e-4)
     loss.backward()
+    second = [r for records in ranks for r in records if r["iteration"] == 2]
     with torch.no_grad():
         before = [hf_log_probs(model, row).sum().item() for row in second]
         for parameter in model.parameters():
             parameter -= 2.0 * parameter.grad
         after = [hf_log_probs(model, row).sum().item() for row in second]
-    logged = [row["logp"] for row in second]
-    assert logged == pytest.approx(after, abs=2e-4)
+    assert [row["logp"] for row in second] == pytest.approx(after, abs=2e-4)
     assert max(abs(a - b) for a, b in zip(after, before, strict=True)) > 1e-2  # the step moved them measurably
 
+    first = [r for records in ranks for r in records if r["iteration"] == 1]
     scalars = tensorboard_scalars(tmp_path / "tb")
-    assert scalars["train/reward"][1] == pytest.approx(sum(r["reward"] for r in first) / 4, abs=1e-5)
+    assert scalars["train/reward"][1] == pytest.approx(sum(r["reward"] for r in first) / len(first), abs=1e-5)
     assert scalars["train/kl"][1] == 0.0 and {"train/logp", "train/ref_logp", "train/reward_std"} <= set(scalars)
-
 
 TARGET_FILE = '''
 def target_share(prompts, completions, completion_ids, **kwargs):
@@ -123,7 +136,7 @@ def test_a_tiny_model_learns_to_say_the_rewarded_token(tmp_path):
     settings = reinforce_settings(
         tmp_path, reinforce_advantage="group_normalized", kl_div_beta=0.0, reinforce_num_completions=4,
         reward_function=f"{tmp_path / 'target.py'}:target_share", train_micro_batch_size_per_gpu=4,
-        optimizer={"type": "Adam", "params": {"lr": 0.03}}, train_iters=16, rollout_log=None, maximum_tokens=4,
+        optimizer={"type": "Adam", "params": {"lr": 0.03}}, train_iters=10, rollout_log=None, maximum_tokens=4,
         make_vocab_size_divisible_by=32)
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -131,9 +144,8 @@ def test_a_tiny_model_learns_to_say_the_rewarded_token(tmp_path):
                                  tie_word_embeddings=False)).save_pretrained(tmp_path / "hf")
     run_deepy([write_overrides(tmp_path, name="learn.yml", **settings)])
     rewards = tensorboard_scalars(tmp_path / "tb")["train/reward"]
-    first, last = (sum(rewards[i] for i in steps) / 4 for steps in (range(1, 5), range(13, 17)))
-    print("mean reward per step:", [round(rewards[i], 3) for i in sorted(rewards)])
-    assert last > first + 0.3, rewards
+    first, last = (sum(rewards[i] for i in steps) / 3 for steps in (range(1, 4), range(8, 11)))
+    assert last > first + 0.3, rewards  # measured: 0.06 0.03 0.09 0.15 0.31 0.50 0.76 0.73 0.95 0.98
 
 
 def test_a_resume_from_the_step_2_tag_repeats_the_unbroken_runs_rollouts_and_losses(tmp_path):
