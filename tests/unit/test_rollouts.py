@@ -142,3 +142,12 @@ def test_the_rollout_samples_are_what_the_objective_reads():
     batch = get_batch(samples_of([ScoredCompletion([1, 2], [3, 4], 1.0, 0.5)], seq_length=5))
     assert batch.tokens.tolist() == [[1, 2, 3, 4, 0]] and batch.labels.tolist() == [[0, 3, 4, 0, 0]]
     assert torch.equal(batch.loss_mask, torch.tensor([[0.0, 1.0, 1.0, 0.0, 0.0]]))
+
+
+def test_a_chat_sample_prompt_ends_before_its_first_trained_label():
+    from megatron.rollouts.samples import prompt_of
+
+    text = torch.tensor([3, 8, 4, 9, 10, 5, 0, 0])
+    label = torch.tensor([-100, -100, -100, 9, 10, 5, -100, -100])  # the preprocess tool's labels: the answer
+    assert prompt_of(text, label) == [3, 8, 4]
+    assert prompt_of(text, torch.full_like(label, -100)) is None
