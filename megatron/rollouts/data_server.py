@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from megatron.checkpointing.ondisk.safe_unpickle import plain_values
+from megatron.checkpointing import plain_values
 from megatron.rollouts.advantages import Advantages
 from megatron.rollouts.errors import RolloutError
 from megatron.rollouts.samples import ScoredCompletion, samples_of
