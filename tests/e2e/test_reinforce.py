@@ -22,7 +22,8 @@ ANSWERS = ["hello there", "four", "hi there", "bye bye", "ok", "two"]
 LINE = re.compile(r"iteration\s+(\d+)/\d+ \| loss (-?[\d.]+)")
 REWARD_FILE = '''
 def two_count(prompts, completions, completion_ids, **kwargs):
-    return [text.split().count("two") / max(len(text.split()), 1) + 0.01 * len(ids) for text, ids in
+    # the texts' share of "two", and a part that differs between any two completions almost surely
+    return [text.split().count("two") / max(len(text.split()), 1) + 0.1 * (sum(ids) % 7) for text, ids in
             zip(completions, completion_ids)]
 '''
 
@@ -85,7 +86,8 @@ def rank_loss(model, records: list[dict], mode: str, beta: float) -> torch.Tenso
 
 
 @pytest.mark.parametrize("mode, layout", [("leave_one_out", {}), ("group_normalized", {}),
-                                          ("group_normalized", {"num_gpus": 2, "zero_optimization": {"stage": 1}}),
+                                          ("group_normalized", {"num_gpus": 2, "zero_optimization": {"stage": 1},
+                                                               "zero_allow_untested_optimizer": True}),
                                           ("leave_one_out", {"num_gpus": 2, "model_parallel_size": 2})],
                          ids=["rloo-1-rank", "grpo-1-rank", "grpo-2-ranks-zero1", "rloo-tp2"])
 def test_first_reinforce_step_is_autograd_on_the_hf_model_from_the_logged_rollouts(tmp_path, mode, layout):
