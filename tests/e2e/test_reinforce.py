@@ -200,3 +200,15 @@ def test_gpt_neox_data_server_trains_a_step_and_one_whose_reply_would_run_code_i
     said = refused.stdout + refused.stderr
     assert refused.returncode != 0 and "nothing of it ran" in said and "Traceback" not in said
     assert not marker.exists()
+
+
+def test_with_lora_the_reference_is_the_base_with_its_adapters_off(tmp_path):
+    settings = reinforce_settings(tmp_path, reinforce_advantage="group_normalized", kl_impl="mse", kl_div_beta=0.1,
+                                  lora_rank=4, lora_alpha=8, lora_target_modules="all-linear", train_iters=3,
+                                  optimizer={"type": "Adam", "params": {"lr": 0.05}})
+    output = run_deepy([write_overrides(tmp_path, name="lora.yml", **settings)]).stdout
+    assert (f"reference model: {tmp_path / 'hf'} (the model this fine-tune starts from), this run's own frozen base "
+            "with its LoRA adapters switched off, no second model in memory") in output
+    kl = tensorboard_scalars(tmp_path / "tb")["train/kl"]
+    # PEFT's adapters start as a no-op, so the policy is the base at step 1; then they move and the base does not
+    assert kl[1] == 0.0 and kl[3] > 0.0, kl
