@@ -156,6 +156,8 @@ def evaluate(engine, iterator, eval_iters: int, objective) -> tuple[float, dict[
 def missing_evaluation_notes(args, valid_iterator, test_iterator) -> list[str]:
     """What a run that would evaluate cannot, for want of data: said once before the first step, not silently."""
     def why(split: str) -> str:
+        if args.train_impl == "reinforce":
+            return "train_impl reinforce does not evaluate yet"
         if args.data_path:
             return f"split {args.split!r} of data_path gives it no documents"
         return f"{split}_data_paths is not set"
