@@ -10,11 +10,14 @@ megatron/rollouts does it: `--prompts` random prompts of `--prompt-tokens` token
 `--completions` times (temperature 1, exactly `--new-tokens` tokens: the end-of-document id is out of the
 vocabulary's reach), scored by a constant reward with group-normalized advantages, then the REINFORCE loss,
 backward and optimizer step on the micro batch. The same completions are also sampled without the KV cache
-(every token runs the whole sequence again, generate.py's `recompute`).
+(every token runs the whole sequence again, generate.py's `recompute`), and by transformers' `generate` on a
+LlamaForCausalLM of the same shape (sampling, KV cache, one completion at a time as here, exactly
+`--new-tokens` tokens).
 
 | ratio                              | meaning                                                      |
 | `rollout/step wall`                | share of the step spent sampling (with the KV cache)         |
 | `kv_cache/recompute tokens_per_s`  | generated tokens per second with the cache over without it   |
+| `ours/transformers tokens_per_s`   | the rollout sampler's tokens per second over transformers'   |
 """
 
 from __future__ import annotations
@@ -39,6 +42,28 @@ def sample_all(model, prompts, options, recompute: bool, generator) -> tuple[lis
     completions = [complete(model, prompt, limits, Sampling(temperature=1.0), recompute=recompute,
                             generator=generator) for prompt in prompts for _ in range(options.completions)]
     return completions, time.perf_counter() - started
+
+
+def transformers_model(options):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=options.vocab, hidden_size=options.hidden, intermediate_size=4 * options.hidden,
+        num_hidden_layers=options.layers, num_attention_heads=options.heads, num_key_value_heads=options.heads,
+        max_position_embeddings=options.seq, tie_word_embeddings=False)).eval()
+
+
+def sample_with_transformers(model, prompts, options) -> float:
+    import torch
+
+    started = time.perf_counter()
+    with torch.no_grad():
+        for prompt in prompts:
+            for _ in range(options.completions):
+                model.generate(torch.tensor([prompt]), do_sample=True, temperature=1.0, top_k=0,
+                               max_new_tokens=options.new_tokens, min_new_tokens=options.new_tokens,
+                               pad_token_id=0)
+    return time.perf_counter() - started
 
 
 def update(engine, objective, prompts, completions, options) -> float:
@@ -78,14 +103,18 @@ def main(argv: list[str] | None = None) -> None:
     objective = Reinforce(BatchOptions(), "mse", 0.0, True)
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, options.vocab, (options.prompts, options.prompt_tokens), generator=generator).tolist()
-    seconds: dict[str, list[float]] = {"rollout": [], "recompute": [], "update": []}
+    hf = transformers_model(options)
+    seconds: dict[str, list[float]] = {"rollout": [], "recompute": [], "transformers": [], "update": []}
     for repeat in range(options.repeats + 1):  # the first is a warm-up
         measured = {}
-        for name in in_turn(("rollout", "recompute"), repeat):
+        for name in in_turn(("rollout", "recompute", "transformers"), repeat):
+            if name == "transformers":
+                measured[name] = sample_with_transformers(hf, prompts, options)
+                continue
             engine.eval()
-            completions, measured[name] = sample_all(engine.module, prompts, options, name == "recompute",
-                                                     generator)
+            sampled, measured[name] = sample_all(engine.module, prompts, options, name == "recompute", generator)
             engine.train()
+            completions = sampled  # either way new_tokens tokens each: the update is the same size
         measured["update"] = update(engine, objective, prompts, completions, options)
         if repeat:
             for name, value in measured.items():
@@ -99,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
                "share of a REINFORCE step spent sampling its completions (KV cache)")
     ratios.add("kv_cache/recompute tokens_per_s", median["recompute"], median["rollout"],
                "generated tokens per second with the KV cache over without it")
+    ratios.add("ours/transformers tokens_per_s", median["transformers"], median["rollout"],
+               "the rollout sampler's generated tokens per second over transformers' generate on the same shape")
     write_json(options, __doc__, ratios, (before, os.getloadavg()[0]), seconds=seconds, generated_tokens=tokens)
 
 
