@@ -4,7 +4,8 @@ Protocol (GPT-NeoX's megatron/data/online_dataset.py): for every refill a new TC
 rank's server (online_dataserver_ips / ports: one value for every rank, or a list indexed by data-parallel rank);
 the client sends the split name ("train") as bare UTF-8 bytes; the server replies with a pickle of a list of
 groups, {"prefix": [token ids], "completions": [[token ids], ...], "rewards": [one number per completion]}, and
-closes the connection. The reply is decoded by a decoder that builds lists, dicts, numbers and strings only
+closes the connection. Only tensor-parallel rank 0 of each model-parallel group asks; it hands the groups (or its
+one-line error) to the group's other ranks, as GPT-NeoX broadcasts the batch. The reply is decoded by a decoder that builds lists, dicts, numbers and strings only
 (megatron/checkpointing/ondisk/safe_unpickle.plain_values): a reply naming any class or function is refused in
 one line, unbuilt, so nothing of it runs. Samples come out group by group, completion by completion, the
 micro batch train_micro_batch_size_per_gpu completions, as in GPT-NeoX.
@@ -70,6 +71,29 @@ def _checked_groups(reply, where: str) -> list[dict]:
     return reply
 
 
+def from_tensor_parallel_rank_zero(fetch):
+    """`fetch()` run on tensor-parallel rank 0 alone, its result (or its RolloutError) the same on every rank of
+    the group."""
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized() or parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return fetch()
+    payload: list = [None]
+    if parallel_state.get_tensor_model_parallel_rank() == 0:
+        try:
+            payload = [("groups", fetch())]
+        except RolloutError as err:
+            payload = [("error", str(err))]
+    dist.broadcast_object_list(payload, src=parallel_state.get_tensor_model_parallel_src_rank(),
+                               group=parallel_state.get_tensor_model_parallel_group())
+    kind, value = payload[0]
+    if kind == "error":
+        raise RolloutError(value)
+    return value
+
+
 def _token_list(value) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
 
@@ -99,7 +123,7 @@ class ServerRollouts(Iterator):
         return samples_of(rows, self.seq_length)
 
     def _refill(self) -> None:
-        for group in request_groups(self.host, self.port, self.split):
+        for group in from_tensor_parallel_rank_zero(lambda: request_groups(self.host, self.port, self.split)):
             rewards = [float(r) for r in group["rewards"]]
             for completion, reward, advantage in zip(group["completions"], rewards, self.advantages.of_group(rewards),
                                                      strict=True):

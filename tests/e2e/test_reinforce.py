@@ -174,7 +174,8 @@ def test_a_resume_from_the_step_2_tag_repeats_the_unbroken_runs_rollouts_and_los
     assert any(r["advantage"] != r["reward"] for r in again)  # the baseline the resume restored is not 0
 
 
-def test_gpt_neox_data_server_trains_a_step_and_one_whose_reply_would_run_code_is_refused(tmp_path):
+@pytest.mark.parametrize("layout", [{}, {"num_gpus": 2, "model_parallel_size": 2}], ids=["1-rank", "tp2"])
+def test_gpt_neox_data_server_trains_a_step_and_one_whose_reply_would_run_code_is_refused(tmp_path, layout):
     import pickle
 
     from tests.unit.test_rollouts import DataServer, RunsCode
@@ -184,9 +185,10 @@ def test_gpt_neox_data_server_trains_a_step_and_one_whose_reply_would_run_code_i
     settings = reinforce_settings(tmp_path, reward_function=None, dataset_impl="online", reinforce_leave_one_out=True,
                                   kl_impl="abs", online_dataserver_ips="127.0.0.1",
                                   online_dataserver_ports=server.port, train_data_paths=None,
-                                  train_label_data_paths=None, train_micro_batch_size_per_gpu=3)
+                                  train_label_data_paths=None, train_micro_batch_size_per_gpu=3, **layout)
     output = run_deepy([write_overrides(tmp_path, name="server.yml", **settings)]).stdout
     losses = {int(m[1]): float(m[2]) for m in LINE.finditer(output)}
+    # one request a refill: at TP 2 only tensor-parallel rank 0 asks, and hands the groups to rank 1
     assert sorted(losses) == [1, 2] and server.requests == ["train", "train"]
     # step 1: policy = reference, so abs's penalty is 0 and kl 0; the mean raw reward of the group is 0.5
     scalars = tensorboard_scalars(tmp_path / "tb")
