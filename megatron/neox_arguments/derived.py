@@ -563,9 +563,10 @@ def _check_reinforce(v: dict[str, Any], sources: dict[str, str]) -> None:
     if v["pack_impl"] != "unpacked":
         raise _fail(sources, "pack_impl", "reinforce's prompts are whole chat records (one per sample): set "
                                           "pack_impl: unpacked")
-    if v["train_data_paths"] and not v["train_label_data_paths"]:
-        raise _fail(sources, "train_label_data_paths", "reinforce's prompts end before each chat's first trained "
-                                                       "label: set the label files the chat preprocess tool writes")
+    if not v["train_data_paths"] or not v["train_label_data_paths"]:
+        raise _fail(sources, "reward_function", "reinforce's prompts are the chats of train_data_paths, cut before "
+                                                "each one's first trained label: set train_data_paths and "
+                                                "train_label_data_paths (the chat preprocess tool writes both)")
 
 
 def _check_lora(v: dict[str, Any], sources: dict[str, str]) -> None:

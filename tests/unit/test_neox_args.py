@@ -576,7 +576,10 @@ def test_reinforce_settings_keep_gpt_neox_defaults_and_refuse_what_cannot_run(tm
     assert (args.online_dataserver_ips, args.online_dataserver_ports) == ("localhost", 10000)
     served = config_error(tmp_path, train_impl="reinforce", dataset_impl="online", serve_model_weights=True)
     assert "\n" not in served and "set serve_model_weights: false" in served
-    rollouts = dict(train_impl="reinforce", reward_function="r.py:score", pack_impl="unpacked")
+    rollouts = dict(train_impl="reinforce", reward_function="r.py:score", pack_impl="unpacked", temperature=1.0,
+                    train_data_paths=["chats"], train_label_data_paths=["chats_label"])
+    assert "train_label_data_paths" in config_error(tmp_path, **{**rollouts, "train_label_data_paths": None})
+    assert "set temperature" in config_error(tmp_path, **{**rollouts, "temperature": 0.0})
     assert "pack_impl: unpacked" in config_error(tmp_path, **{**rollouts, "pack_impl": "packed"})
     assert "2 or more" in config_error(tmp_path, **rollouts, reinforce_advantage="group_normalized",
                                        reinforce_num_completions=1)
