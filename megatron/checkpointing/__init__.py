@@ -49,6 +49,7 @@ from megatron.checkpointing.ondisk.module_weights import (
     read_module_weights,
 )
 from megatron.checkpointing.ondisk.safe_unpickle import load_weights_only as load_file_weights_only
+from megatron.checkpointing.ondisk.safe_unpickle import plain_values
 from megatron.checkpointing.ondisk.verified_files import checks_beside_use, forget_checked_files
 from megatron.checkpointing.planning.data_position import samples_per_evaluation
 from megatron.checkpointing.planning.lineage import Lineage
@@ -97,7 +98,7 @@ __all__ = [
     "ReferenceIdentity", "TagInventory", "build_load_plan", "check_save_dir", "check_save_in_flight",
     "checks_beside_use", "describe_reference", "files_checksum", "forget_checked_files", "inventory_checkpoint",
     "is_legacy_buffer_key", "layer_file_name", "layer_states", "load_checkpoint", "load_file_weights_only",
-    "load_module_only", "load_weights_only", "lora_base_plan", "model_states_name", "needs_reference", "plan_load",
+    "load_module_only", "load_weights_only", "lora_base_plan", "model_states_name", "needs_reference", "plain_values", "plan_load",
     "plan_reference", "newest_tag_size", "read_full_module_weights", "read_module_weights", "run_entries",
     "samples_per_evaluation", "save_checkpoint",
     "save_engine_checkpoint", "save_in_flight", "saves_waited_for", "tag_for_iteration", "translate_legacy_key",

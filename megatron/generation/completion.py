@@ -23,6 +23,9 @@ from megatron.generation.sampling import Sampling, next_tokens
 class Completion:
     tokens: list[int]  # the generated tokens, without the prompt and without a final end-of-document token
     finished: bool  # ended by the end-of-document token
+    # log p of each chosen token under the model (its softmax, before temperature, top_k and top_p), the
+    # end-of-document token's last when finished
+    log_probs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -46,9 +49,10 @@ def _same_on_every_tensor_parallel_rank(token: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def complete(model, prompt: list[int], limits: Limits, sampling: Sampling, recompute: bool = False,
-             stop: Callable[[list[int]], bool] | None = None) -> Completion:
+             stop: Callable[[list[int]], bool] | None = None, generator: torch.Generator | None = None) -> Completion:
     """The completion of `prompt` (token ids, at least one) by `model` (a GPTModel in eval mode); it also
-    ends (not finished) after the first token for which `stop(tokens generated so far)` holds."""
+    ends (not finished) after the first token for which `stop(tokens generated so far)` holds. Tokens are drawn
+    from `generator` (on the model's device) when given, else from torch's default one."""
     from megatron.model import KVCache
 
     device = next(model.parameters()).device
@@ -56,16 +60,18 @@ def complete(model, prompt: list[int], limits: Limits, sampling: Sampling, recom
     steps = min(limits.maximum_tokens, limits.seq_length - len(prompt))
     cache = None if recompute else KVCache(model.arch.num_layers)
     generated: list[int] = []
+    log_probs: list[float] = []
     for _ in range(max(steps, 0)):
         if cache is None:
             logits = model(sequence)
         else:
             logits = model(sequence[:, cache.length:], kv_cache=cache)
-        token = _same_on_every_tensor_parallel_rank(next_tokens(logits[:, -1], sampling))
+        token = _same_on_every_tensor_parallel_rank(next_tokens(logits[:, -1], sampling, generator))
+        log_probs.append(torch.log_softmax(logits[0, -1].float(), dim=-1)[token.item()].item())
         if token.item() == limits.eod:
-            return Completion(generated, finished=True)
+            return Completion(generated, finished=True, log_probs=tuple(log_probs))
         generated.append(token.item())
         if stop is not None and stop(generated):
             break
         sequence = torch.cat((sequence, token.view(1, 1)), dim=1)
-    return Completion(generated, finished=False)
+    return Completion(generated, finished=False, log_probs=tuple(log_probs))

@@ -18,7 +18,7 @@ from megatron.neox_arguments.world import effective_hostfile
 # The entry that runs DeepSpeed's runner with the stop signals blocked (megatron/launch/entry.py),
 # importable from any working directory through PYTHONPATH.
 LAUNCH_ENTRY_MODULE = "megatron.launch.entry"
-PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
+PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])  # the folder holding megatron/
 
 # DeepSpeed's launcher logs the full rank command (our settings blob) with a failing rank's exit
 # code at level ERROR; the rank has already said what went wrong in one line.

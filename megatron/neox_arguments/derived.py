@@ -530,9 +530,10 @@ def _check_profiling(v: dict[str, Any], sources: dict[str, str]) -> None:
 
 def _check_train_impl(v: dict[str, Any], sources: dict[str, str]) -> None:
     if v["train_impl"] == "reinforce":
-        raise _fail(sources, "train_impl", "reinforce needs GPT-NeoX's external vLLM generation server fed the "
-                                           "policy's weights over CUDA IPC, which this framework does not have; use "
-                                           "dpo, kto or rm")
+        _check_reinforce(v, sources)
+    elif v["dataset_impl"] == "online":
+        raise _fail(sources, "dataset_impl", "online serves REINFORCE's scored completions: set train_impl: "
+                                             "reinforce, or dataset_impl gpt2 / pairwise")
     if v["train_impl"] != "normal" and (v["pipe_parallel_size"] or 0) > 1:
         raise _fail(sources, "pipe_parallel_size", f"train_impl {v['train_impl']} runs without pipeline parallelism "
                                                    "(as in GPT-NeoX); set pipe_parallel_size to 0 or 1")
@@ -564,6 +565,41 @@ def _check_train_impl(v: dict[str, Any], sources: dict[str, str]) -> None:
                                                                "2 or more")
     if v["train_impl"] == "rm":
         _check_reward_model(v, sources)
+
+
+def _check_reinforce(v: dict[str, Any], sources: dict[str, str]) -> None:
+    """REINFORCE samples its completions here (reward_function) or reads scored ones from GPT-NeoX's data server
+    (dataset_impl online); built-in rollouts sample reinforce_num_completions completions of each prompt."""
+    if v["kl_div_beta"] < 0:
+        raise _fail(sources, "kl_div_beta", f"must not be negative (0: no reference, no KL), got {v['kl_div_beta']}")
+    if v["reinforce_leave_one_out"] and v["reinforce_advantage"] not in (None, "leave_one_out"):
+        raise _fail(sources, "reinforce_advantage", f"{v['reinforce_advantage']} contradicts reinforce_leave_one_out: "
+                                                    "true; set one of them")
+    if not v["reward_function"]:
+        if v["dataset_impl"] != "online":
+            raise _fail(sources, "train_impl", "reinforce needs a reward: set reward_function (\"file.py:name\") "
+                                               "to sample and score completions here, or dataset_impl: online to "
+                                               "read scored completions from GPT-NeoX's data server")
+        return
+    if ":" not in v["reward_function"]:
+        raise _fail(sources, "reward_function", f"{v['reward_function']!r} is not \"path/file.py:name\"; name the "
+                                                "file and the function in it")
+    if v["reinforce_num_completions"] < 1:
+        raise _fail(sources, "reinforce_num_completions", f"must be at least 1, got {v['reinforce_num_completions']}")
+    advantage = v["reinforce_advantage"] or ("leave_one_out" if v["reinforce_leave_one_out"] else "moving_average")
+    if advantage != "moving_average" and v["reinforce_num_completions"] < 2:
+        raise _fail(sources, "reinforce_num_completions", f"{advantage} compares the completions of one prompt: "
+                                                          "sample 2 or more per prompt")
+    if v["temperature"] == 0 and v["top_k"] == 0 and v["top_p"] == 0 and v["reinforce_num_completions"] > 1:
+        raise _fail(sources, "temperature", "0 with top_k and top_p 0 samples greedily, so every completion of a "
+                                            "prompt is the same; set temperature (e.g. 1.0) to sample")
+    if v["pack_impl"] != "unpacked":
+        raise _fail(sources, "pack_impl", "reinforce's prompts are whole chat records (one per sample): set "
+                                          "pack_impl: unpacked")
+    if not v["train_data_paths"] or not v["train_label_data_paths"]:
+        raise _fail(sources, "reward_function", "reinforce's prompts are the chats of train_data_paths, cut before "
+                                                "each one's first trained label: set train_data_paths and "
+                                                "train_label_data_paths (the chat preprocess tool writes both)")
 
 
 def _check_lora(v: dict[str, Any], sources: dict[str, str]) -> None:
@@ -679,6 +715,8 @@ def _check_data(v: dict[str, Any], sources: dict[str, str]) -> None:
     _check_pairwise_data(v, sources, pairwise)
     given = [name for name in ("data_path", "train_data_paths", "pos_train_data_paths", "embedded_corpus") if v[name]
              and sources.get(name) != EMBEDDED_CORPUS_SOURCE]
+    if not given and v["train_impl"] == "reinforce" and not v["reward_function"]:
+        given = ["online_dataserver_ports"]  # GPT-NeoX's data server gives the data; its data paths are not read
     if not given:
         if pairwise:
             raise _fail(sources, "dataset_impl", "pairwise reads its training pairs from pos_train_data_paths and "

@@ -110,8 +110,6 @@ INERT: dict[str, str] = {
     "gradient_noise_scale_cpu_offload": _only_with("log_gradient_noise_scale"),
     "adlr_autoresume_interval": _only_with("adlr_autoresume"),
     "weight_server_port": _only_with("serve_model_weights"),
-    "online_dataserver_ips": _only_with("dataset_impl: online"),
-    "online_dataserver_ports": _only_with("dataset_impl: online"),
     "lazy_mpu_init": "only matters when GPT-NeoX is embedded in another program",
     "moe_lbl_in_fp32": "GPT-NeoX computes no load-balancing loss; moe_load_balancing_loss adds Hugging Face's, "
                        "whose sums are in fp32",
@@ -127,7 +125,6 @@ _SUBORDINATE: dict[str, tuple[str, ...]] = {
                 "mup_width_scale"),
     "use_comet": ("comet_workspace", "comet_project", "comet_experiment_name", "comet_tags", "comet_others",
                   "comet_experiment"),
-    "train_impl: reinforce": ("fp32_reinforce", "kl_impl", "kl_div_beta", "reinforce_leave_one_out"),
     "Mamba blocks (attention_config: mamba)": ("mamba_selective_fp32_params", "mamba_use_bias_in_conv",
                                                 "mamba_use_bias_in_linears"),
 }
@@ -197,7 +194,10 @@ UNSUPPORTED: dict[str, tuple[OffWhen, str]] = {
     "log_grad_pct_zeros": (_falsy, _not_built("logging the share of zero gradients")),
     "log_optimizer_states": (_falsy, _not_built("logging optimizer-state norms")),
     "log_gradient_noise_scale": (_falsy, _not_built("the gradient noise scale logger")),
-    "serve_model_weights": (_falsy, _not_built("serving weights over a socket")),
+    "serve_model_weights": (_falsy, _not_built("serving the weights to synth-vllm over CUDA IPC", "set "
+                                               "serve_model_weights: false; the rollouts are sampled here "
+                                               "(reward_function) or come from the data server "
+                                               "(online_dataserver_ips/ports)")),
     "s3_path": (_falsy, _not_built("uploading checkpoints to S3")),
     "no_save_rng": (_falsy, _not_built("saving checkpoints without RNG states")),
     "exit_interval": (_falsy, _not_built("exit_interval", "set train_iters")),
@@ -250,7 +250,6 @@ GPT_NEOX_ONLY_VALUES: dict[str, dict[Any, str]] = {
     "init_method": {name: f"the {name} initialisation" for name in
                     ("orthogonal", "scaled_orthogonal", "xavier_uniform", "xavier_normal",
                      "single_residual_scaled_normal")},
-    "dataset_impl": {"online": "the online dataset (REINFORCE's rollout server; use gpt2 or pairwise)"},
     "data_impl": {"cached": "the legacy cached indexed-dataset format (preprocess into mmap .bin/.idx files)"},
     # Both fetch their vocabulary over the network while the run starts.
     "tokenizer_type": {"HFGPT2Tokenizer": "HFGPT2Tokenizer, which downloads GPT-2's tokenizer from the Hugging "

@@ -121,6 +121,33 @@ SETTINGS_LIST: list[Setting] = [
     _train("kto_fp32", bool, True, "KTO: cast the logits to fp32 before taking log-probabilities"),
     _train("kto_desirable_weight", FLOAT, 1.0, "KTO: the weight of samples whose reward is above 0"),
     _train("kto_undesirable_weight", FLOAT, 1.0, "KTO: the weight of samples whose reward is below 0"),
+    _train("reinforce_leave_one_out", bool, False, "train_impl reinforce: the advantage of a completion is its "
+           "reward minus the mean reward of the other completions of its prompt (RLOO); false: minus the moving "
+           "average of the last 100 groups' mean rewards (GPT-NeoX's two modes; reinforce_advantage names them)"),
+    _train("reinforce_advantage", OPT_STR, None, "train_impl reinforce: moving_average, leave_one_out or "
+           "group_normalized (GRPO: (r - mean) / (std + 1e-4) over the prompt's completions, unbiased std, TRL's "
+           "default scaling); unset: what reinforce_leave_one_out says",
+           choices=(None, "moving_average", "leave_one_out", "group_normalized"), gpt_neox=False),
+    _train("fp32_reinforce", bool, True, "train_impl reinforce: cast the logits to fp32 before taking "
+           "log-probabilities"),
+    _train("kl_impl", str, "mse", "train_impl reinforce: the KL penalty per token, from the policy's and the "
+           "reference's log-probabilities of the token: abs |lp - rp|, mse (lp - rp)^2 / 2, kl lp - rp, or full "
+           "(the exact KL over the whole vocabulary)", choices=("abs", "mse", "kl", "full")),
+    _train("kl_div_beta", FLOAT, 0.1, "train_impl reinforce: the weight of the KL penalty; 0 builds no reference "
+           "model"),
+    _train("reward_function", OPT_STR, None, "train_impl reinforce: \"path/file.py:name\", the function that scores "
+           "the completions sampled here, called as TRL calls one: name(prompts=[...], completions=[...], "
+           "completion_ids=[...]) -> one float per completion (texts without special tokens); unset with "
+           "dataset_impl online: GPT-NeoX's data server sends scored completions", gpt_neox=False),
+    _train("reinforce_num_completions", int, 4, "train_impl reinforce with reward_function: completions sampled "
+           "per prompt; a micro batch holds train_micro_batch_size_per_gpu prompts' completions", gpt_neox=False),
+    _train("rollout_log", OPT_STR, None, "train_impl reinforce: append every completion trained on to this file, "
+           "one JSON object a line (iteration, rank, micro_batch, group, prompt_ids, completion_ids, reward, "
+           "advantage, logp, prompt, completion); a rank above 0 writes PATH.rank<N>", gpt_neox=False),
+    _train("online_dataserver_ips", (str, list), "localhost", "dataset_impl online: the data server's host, or "
+           "one per data-parallel rank"),
+    _train("online_dataserver_ports", (int, list), 10000, "dataset_impl online: the data server's port (the same "
+           "for every data-parallel rank), or one per data-parallel rank"),
     _train("lora_rank", int, 0, "LoRA (PEFT's r): train a rank-r adapter beside each targeted linear layer, "
            "the base weights frozen; 0: off, every weight trains", gpt_neox=False),
     _train("lora_alpha", FLOAT, 8, "LoRA (PEFT's lora_alpha): the adapters' output is scaled by "
@@ -237,7 +264,9 @@ SETTINGS_LIST: list[Setting] = [
     _data("valid_label_data_paths", (list, type(None)), None, "label files of valid_data_paths, one per path"),
     _data("test_label_data_paths", (list, type(None)), None, "label files of test_data_paths, one per path"),
     _data("dataset_impl", str, "gpt2", "gpt2 (documents of train_data_paths) or pairwise (chosen document k of "
-          "pos_*_data_paths with rejected document k of neg_*_data_paths, for dpo and rm)", choices=("gpt2", "pairwise")),
+          "pos_*_data_paths with rejected document k of neg_*_data_paths, for dpo and rm) or online (train_impl "
+          "reinforce: completions sampled here, or scored ones from GPT-NeoX's data server)",
+          choices=("gpt2", "pairwise", "online")),
     *(_data(f"{split}_reward_data_paths", (list, type(None)), None,
             f"reward files of {split}_data_paths (one value per document, pack_impl unpacked), one per path")
       for split in ("train", "valid", "test")),

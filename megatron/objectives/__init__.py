@@ -6,6 +6,7 @@
 | dpo        | dpo              | pos, neg, pos_label, neg_label [, *_ref]   | unless reference-free or precomputed |
 | kto        | kto              | text, label, reward [, ref]                | unless precomputed  |
 | rm         | reward_model     | pos, neg, pos_label, neg_label             | none                |
+| reinforce  | reinforce        | text, label, reward, raw_reward (rollouts) | when kl_div_beta > 0 |
 
 An objective is called with the engine and one micro batch of collated samples and returns the
 loss to minimise (a 0-dim tensor, what `engine.backward` takes) and its metrics (0-dim tensors named
@@ -51,6 +52,7 @@ def objective_for(args, batch_options: BatchOptions, reference=None) -> Objectiv
     from megatron.objectives.dpo import DirectPreferenceOptimization
     from megatron.objectives.kto import KahnemanTverskyOptimization
     from megatron.objectives.language_model import LanguageModelLoss
+    from megatron.objectives.reinforce import Reinforce
     from megatron.objectives.reward_model import RewardModelLoss
 
     if args.train_impl == "dpo":
@@ -59,6 +61,8 @@ def objective_for(args, batch_options: BatchOptions, reference=None) -> Objectiv
     if args.train_impl == "kto":
         return KahnemanTverskyOptimization(batch_options, args.kto_beta, args.kto_fp32, args.kto_desirable_weight,
                                            args.kto_undesirable_weight, reference)
+    if args.train_impl == "reinforce":
+        return Reinforce(batch_options, args.kl_impl, args.kl_div_beta, args.fp32_reinforce, reference)
     if args.train_impl == "rm":
         return RewardModelLoss(batch_options, args.z_loss)
     return LanguageModelLoss(batch_options, args.architecture())

@@ -25,6 +25,10 @@ class Tokenizer(ABC):
     @abstractmethod
     def detokenize(self, ids: list[int]) -> str: ...
 
+    def readable_text(self, ids: list[int]) -> str:
+        """The text of `ids` without special tokens (what a reward function reads)."""
+        return self.detokenize(ids)
+
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.tokenize(text) for text in texts]
 

@@ -33,6 +33,9 @@ class _LibraryTokenizer(Tokenizer):
     def detokenize(self, ids: list[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
+    def readable_text(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
 
 def _folder_eos_token(tokenizer_file: Path) -> str | None:
     """The eos_token of the tokenizer_config.json beside `tokenizer_file` (a Hugging Face folder's), if any."""

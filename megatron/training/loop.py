@@ -24,7 +24,7 @@ from megatron.logging import (
     tee_output_to,
 )
 from megatron.optim.optimizers import build_param_groups
-from megatron.ranks import data_parallel_rank_and_size, global_rank
+from megatron.ranks import data_parallel_rank_and_size, global_rank, tensor_parallel_rank
 from megatron.runtime import faults
 from megatron.runtime.initialize import (
     ModelParallelUnit,
@@ -62,6 +62,7 @@ class TrainState:
     lineage: Lineage = field(default_factory=Lineage)  # the tags of `save` this run may prune
     reference: ReferenceModel | None = None  # DPO/KTO's frozen reference; its identity goes into every save
     lora_base: LoraBase | None = None  # a LoRA run's frozen base: set, its saves are adapter-only and name it
+    rollouts: Any = None  # REINFORCE's rollout source (megatron.rollouts): its state goes into every save
 
     @property
     def lr_step(self) -> int:
@@ -152,6 +153,8 @@ def evaluate(engine, iterator, eval_iters: int, objective) -> tuple[float, dict[
 def missing_evaluation_notes(args, valid_iterator, test_iterator) -> list[str]:
     """What a run that would evaluate cannot, for want of data: said once before the first step, not silently."""
     def why(split: str) -> str:
+        if args.train_impl == "reinforce":
+            return "train_impl reinforce does not evaluate yet"
         if args.data_path:
             return f"split {args.split!r} of data_path gives it no documents"
         return f"{split}_data_paths is not set"
@@ -193,7 +196,8 @@ def _save(args, engine, state: TrainState) -> Path:
                            lr_schedule=state.schedule.to_dict(), consumed_valid_samples=state.consumed_valid_samples,
                            lineage=state.lineage,
                            reference_model=state.reference.identity.to_dict() if state.reference else None,
-                           lora_base=state.lora_base.to_dict() if state.lora_base else None)
+                           lora_base=state.lora_base.to_dict() if state.lora_base else None,
+                           rollouts=state.rollouts.state_dict() if state.rollouts is not None else None)
 
 
 def _stop_after_signal(args, engine, state: TrainState, signum: int, saved_at: int | None) -> None:
@@ -246,7 +250,8 @@ def setup(args):
         raise ConfigError("padded_vocab_size is not resolved: start training through deepy.py, which resolves the "
                           "tokenizer and the embedded corpus once (megatron.launch.run_context.resolve_run_settings)")
     # before the model: a data file that cannot train stops the run before the slow part of the start
-    datasets = build_checked_datasets(args, build_tokenizer(args).vocab_size, samples_per_split(args))
+    datasets = (None, None, None) if reads_data_server(args) else \
+        build_checked_datasets(args, build_tokenizer(args).vocab_size, samples_per_split(args))
     # the checkpoint files read from here on are checked in a thread while the engine is built and loaded;
     # the block ends with their checks, before any step
     with checks_beside_use():
@@ -280,11 +285,13 @@ def setup(args):
             engine.compile()  # compiles the module in place: parameter and checkpoint names stay as they are
         state = TrainState(schedule=Schedule.from_args(args))
         restored_rng = False
+        saved_rollouts = None
         if plan is not None:
             outcome = load_checkpoint(engine, plan)
             if outcome is not None:
                 state = state_after_load(outcome, args)
                 restored_rng = outcome.restored_rng
+                saved_rollouts = outcome.client_state.rollouts if restored_rng else None
         if reference_plan is not None and args.lora_rank:
             state.reference = ReferenceModel(BaseWithoutAdapters(engine), identity)
         elif reference_plan is not None:
@@ -296,7 +303,28 @@ def setup(args):
         set_seeds(args.seed + 1 + dp_rank)
     iterators = data_iterators(args, datasets, dp_rank, dp_size, state.consumed_train_samples,
                                state.consumed_valid_samples)
+    if args.train_impl == "reinforce":
+        iterators = _rollouts(args, engine, iterators, state, saved_rollouts, dp_rank, dp_size)
     return engine, state, iterators
+
+
+def _rollouts(args, engine, iterators, state: TrainState, saved: list | None, dp_rank: int, dp_size: int):
+    """REINFORCE's iterators; a full resume at the saving run's rank count continues its rollout state."""
+    from megatron.rollouts import rollout_iterators
+
+    iterators = rollout_iterators(args, engine, iterators, state.iteration, dp_rank, dp_size, tensor_parallel_rank())
+    state.rollouts = iterators[0]
+    if saved is not None and len(saved) == torch.distributed.get_world_size():
+        state.rollouts.load_state_dict(saved[global_rank()])
+    elif saved is not None:
+        get_logger().info(f"the checkpoint holds the rollout state of {len(saved)} ranks, this run has "
+                          f"{torch.distributed.get_world_size()}: its rollouts differ from the unbroken run's")
+    return iterators
+
+
+def reads_data_server(args) -> bool:
+    """REINFORCE's scored completions come from GPT-NeoX's data server: no data files are read."""
+    return args.train_impl == "reinforce" and not args.reward_function
 
 
 def _frozen_reference(args, plan):

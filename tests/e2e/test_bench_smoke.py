@@ -192,3 +192,10 @@ def test_sft_packing_bench_prints_its_ratio():
     ratios = run_bench("bench_sft_packing.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
                        "--seq", "64", "--records", "16", "--repeats", "1", "--steps", "1")
     assert_ratios(ratios, {"packed/padded trained_tokens_per_second"})
+
+
+def test_rollout_step_bench_prints_its_ratios():
+    ratios = run_bench("bench_rollout_step.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
+                       "--seq", "32", "--prompts", "2", "--completions", "2", "--prompt-tokens", "4",
+                       "--new-tokens", "8", "--repeats", "1")
+    assert_ratios(ratios, {"rollout/step wall", "kv_cache/recompute tokens_per_s", "ours/transformers tokens_per_s"})

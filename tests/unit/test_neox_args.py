@@ -575,9 +575,30 @@ def test_the_number_rule_on_its_own():
     assert [as_number(value, int) for value in ("5.5", 5.5, True, "0x10", "1_000", None)] == [None] * 6
 
 
-def test_reinforce_is_refused_in_one_line_saying_what_it_needs(tmp_path):
+def test_reinforce_without_a_reward_is_refused_in_one_line_saying_what_it_needs(tmp_path):
     message = config_error(tmp_path, train_impl="reinforce")
-    assert "\n" not in message and "vLLM" in message and "dpo, kto or rm" in message
+    assert "\n" not in message and "reward_function" in message and "dataset_impl: online" in message
+
+
+def test_reinforce_settings_keep_gpt_neox_defaults_and_refuse_what_cannot_run(tmp_path):
+    args = run_args(tmp_path, train_impl="reinforce", dataset_impl="online")
+    assert (args.kl_impl, args.kl_div_beta, args.fp32_reinforce, args.reinforce_leave_one_out) == ("mse", 0.1, True,
+                                                                                                   False)
+    assert (args.online_dataserver_ips, args.online_dataserver_ports) == ("localhost", 10000)
+    served = config_error(tmp_path, train_impl="reinforce", dataset_impl="online", serve_model_weights=True)
+    assert "\n" not in served and "set serve_model_weights: false" in served
+    rollouts = dict(train_impl="reinforce", reward_function="r.py:score", pack_impl="unpacked", temperature=1.0,
+                    train_data_paths=["chats"], train_label_data_paths=["chats_label"])
+    assert "train_label_data_paths" in config_error(tmp_path, **{**rollouts, "train_label_data_paths": None})
+    assert "set temperature" in config_error(tmp_path, **{**rollouts, "temperature": 0.0})
+    assert "pack_impl: unpacked" in config_error(tmp_path, **{**rollouts, "pack_impl": "packed"})
+    assert "2 or more" in config_error(tmp_path, **rollouts, reinforce_advantage="group_normalized",
+                                       reinforce_num_completions=1)
+    assert "contradicts" in config_error(tmp_path, **rollouts, reinforce_leave_one_out=True,
+                                         reinforce_advantage="group_normalized")
+    assert "file.py:name" in config_error(tmp_path, **{**rollouts, "reward_function": "r.py"})
+    assert "set train_impl: reinforce" in config_error(tmp_path, dataset_impl="online")
+    assert "kl_impl" in config_error(tmp_path, **rollouts, kl_impl="k3")
 
 
 

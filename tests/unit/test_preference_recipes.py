@@ -1,4 +1,4 @@
-"""GPT-NeoX's DPO and KTO recipes (post-training/configs/llama3-8b-dpo.yml, -kto.yml) as a GPT-NeoX user starts
+"""GPT-NeoX's DPO, KTO and REINFORCE recipes (post-training/configs/llama3-8b-dpo.yml, -kto.yml, -reinforce.yml) as a GPT-NeoX user starts
 them: --dry-run at their rank count (4 tensor-parallel ranks x 2 data-parallel: one node of 8 GPUs)."""
 
 from __future__ import annotations
@@ -21,11 +21,15 @@ RECIPES = Path(__file__).resolve().parents[1] / "fixtures" / "gpt_neox" / "post_
                            "pos_train_label_data_paths": ["data/pairwise/llama3_dpo_train_chosen_label_document"]}),
     ("llama3-8b-kto.yml", {"train_impl": "kto", "kto_beta": 0.1, "kto_desirable_weight": 1.0,
                            "train_reward_data_paths": ["data/kto/llama3_train_messages_reward_document"]}),
-], ids=["dpo", "kto"])
+    ("llama3-8b-reinforce.yml", {"train_impl": "reinforce", "dataset_impl": "online", "reinforce_leave_one_out": True,
+                                 "kl_impl": "abs", "kl_div_beta": 0.1, "online_dataserver_ports": [10000, 10001]}),
+], ids=["dpo", "kto", "reinforce"])
 def test_gpt_neox_preference_recipe_passes_dry_run_at_its_rank_count(recipe, expected, tmp_path, capsys, monkeypatch):
     tokenizer = train_bpe_tokenizer(["preference data for the recipe's dry run"] * 10, tmp_path / "tokenizer.json",
                                     vocab_size=270)
-    overlay = write_yaml(tmp_path, "local.yml", {"num_gpus": 8, "vocab_file": str(tokenizer)})
+    # the reinforce recipe serves its weights to synth-vllm, which is not built here: its users set this instead
+    served = {"serve_model_weights": False} if "reinforce" in recipe else {}
+    overlay = write_yaml(tmp_path, "local.yml", {"num_gpus": 8, "vocab_file": str(tokenizer), **served})
     monkeypatch.chdir(tmp_path)  # the user's data, where the recipe's relative paths point
     write_data_named_by([RECIPES / recipe, overlay], tmp_path)
     assert deepy.main([RANK_ECHO, str(RECIPES / recipe), str(overlay), "--dry-run"]) == 0

@@ -17,7 +17,8 @@ written by another program, and is read as far as its keys go):
    reference_model (DPO/KTO runs: source, tag and checksum of the frozen reference, see reference.py),
    lora_base (a LoRA run's adapter-only tag: source, tag and checksum of the frozen base the adapters were
    trained over and the Hugging Face folder holding it, when one does; the tag holds only the parameters that
-   train, identity.LoraBase).
+   train, identity.LoraBase), rollouts (REINFORCE runs sampling here: each global rank's sampler generator
+   state and moving-average baseline, megatron.rollouts).
 2. args: intermediate_size has GPT-NeoX's meaning (the width before GPT-NeoX's MLP rule, see
    megatron/contract/architecture.py); in format 1 it was the MLP width per projection as built, and
    ``settings`` reads it in today's meaning.
@@ -45,6 +46,7 @@ FORWARD_VALIDATION_KEY = "forward_validation"
 CONVERTED_FROM_KEY = "converted_from"
 REFERENCE_MODEL_KEY = "reference_model"
 LORA_BASE_KEY = "lora_base"
+ROLLOUTS_KEY = "rollouts"
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class ClientState:
     converted_from: str | None = None  # the Hugging Face folder the weights came from
     reference_model: dict[str, Any] | None = None  # megatron.checkpointing.ondisk.identity.ReferenceIdentity.to_dict()
     lora_base: dict[str, Any] | None = None  # identity.LoraBase.to_dict(): set, the tag holds the adapters alone
+    rollouts: list[dict[str, Any]] | None = None  # REINFORCE's rollout state (megatron.rollouts), by global rank
     format_version: int | None = FORMAT_VERSION  # None: written by another program or before versions
 
     def to_dict(self) -> dict[str, Any]:
@@ -75,7 +78,8 @@ class ClientState:
         }
         optional = {RNG_STATES_KEY: self.rng_states, FORWARD_VALIDATION_KEY: self.forward_validation,
                     CONVERTED_FROM_KEY: self.converted_from, LR_SCHEDULE_KEY: self.lr_schedule,
-                    REFERENCE_MODEL_KEY: self.reference_model, LORA_BASE_KEY: self.lora_base}
+                    REFERENCE_MODEL_KEY: self.reference_model, LORA_BASE_KEY: self.lora_base,
+                    ROLLOUTS_KEY: self.rollouts}
         stored.update({key: value for key, value in optional.items() if value is not None})
         return stored
 
@@ -102,6 +106,7 @@ class ClientState:
             converted_from=stored.get(CONVERTED_FROM_KEY),
             reference_model=stored.get(REFERENCE_MODEL_KEY),
             lora_base=stored.get(LORA_BASE_KEY),
+            rollouts=stored.get(ROLLOUTS_KEY),
             format_version=integer(FORMAT_VERSION_KEY),
         )
 

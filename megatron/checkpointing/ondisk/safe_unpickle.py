@@ -15,11 +15,15 @@ ones (fp32, bf16, fp16; ZeRO 0-3; CPU offload) and reading them weights-only:
 * Older Megatron runs pickled their settings as an ``argparse.Namespace``.
 
 Each of these only stores the values it is built from; none imports or calls anything else.
+
+plain_values() is the stricter decoder for pickles from elsewhere (GPT-NeoX's REINFORCE data server replies
+with one): lists, dicts, numbers, strings and None only, no class at all, so nothing in the bytes can run.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import pickle
 import re
@@ -121,3 +125,33 @@ def _refused_what(err: pickle.UnpicklingError) -> str:
 
 def _first_line(err: Exception) -> str:
     return next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+
+
+_PLAIN_TYPES = (list, dict, int, float, str, type(None))
+
+
+class _NoClassesUnpickler(pickle.Unpickler):
+    """Builds containers and plain values; every class or function the stream names is refused unbuilt."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"a reference to {module}.{name}")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("a persistent object reference")
+
+
+def plain_values(data: bytes) -> Any:
+    """The lists, dicts, numbers and strings `data` pickles; pickle.UnpicklingError naming the first other thing
+    (a class or function reference is refused before anything is built from it, so nothing of it runs)."""
+    value = _NoClassesUnpickler(io.BytesIO(data)).load()
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if not isinstance(item, _PLAIN_TYPES):
+            raise pickle.UnpicklingError(f"a {type(item).__name__}")
+        if isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+    return value

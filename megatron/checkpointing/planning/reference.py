@@ -1,5 +1,6 @@
-"""The frozen reference model of DPO and KTO: which weights it is, decided with the policy's load plan and
-recorded in every save, so a resumed run compares against exactly the model it started from.
+"""The frozen reference model of DPO, KTO and REINFORCE (kl_div_beta > 0): which weights it is, decided with
+the policy's load plan and recorded in every save, so a resumed run compares against exactly the model it started
+from.
 
 | the policy's load      | the reference                                                                   |
 | `finetune: true`       | what `load` names (the tag the policy loads, or the Hugging Face folder)         |
@@ -24,6 +25,8 @@ TRAIN_IMPLS_WITH_REFERENCE = ("dpo", "kto")
 
 def needs_reference(args) -> bool:
     """The objective compares the policy with a live frozen reference model."""
+    if args.train_impl == "reinforce":
+        return args.kl_div_beta > 0
     if args.train_impl not in TRAIN_IMPLS_WITH_REFERENCE:
         return False
     return not (args.precompute_model_name or (args.train_impl == "dpo" and args.dpo_reference_free))
