@@ -230,64 +230,76 @@ def spec_from_hf_config(hf: dict[str, Any], source: str = "config.json") -> HFMo
     }
     if is_reward_model_config(hf):
         settings["train_impl"] = "rm"
-    act = hf.get("hidden_act", "gelu" if family == "gpt_neox" else "silu")
     width = _require(hf, "intermediate_size", source)
     if family == "gpt_neox":
-        if act not in GPT_NEOX_ACTIVATIONS:
-            raise HFConversionError(
-                f"{source}: hidden_act {act!r} is not supported for gpt_neox; supported are "
-                f"{', '.join(GPT_NEOX_ACTIVATIONS)}"
-            )
-        activation, tanh_gelu = GPT_NEOX_ACTIVATIONS[act]
-        settings.update(intermediate_settings(width, False, source))
-        settings.update(
-            num_kv_heads=None,
-            gpt_j_residual=bool(hf.get("use_parallel_residual", True)),
-            norm="layernorm",
-            layernorm_epsilon=float(hf.get("layer_norm_eps", 1e-5)),
-            activation=activation,
-            bias_gelu_fusion=tanh_gelu,
-            use_bias_in_norms=True,
-            use_bias_in_attn_linear=bool(hf.get("attention_bias", True)),
-            use_bias_in_mlp=True,
-            hidden_dropout=float(hf.get("hidden_dropout") or 0.0),
-        )
+        settings.update(_gpt_neox_layer(hf, width, source))
     else:
-        if act != "silu":
-            raise HFConversionError(f"{source}: hidden_act {act!r} is not supported for {family}; only 'silu' (SwiGLU)")
-        if rotary_pct != 1.0:
-            raise HFConversionError(f"{source}: partial_rotary_factor={rotary_pct} is not supported for {family}")
-        head_dim = hf.get("head_dim") or hidden // heads
-        settings.update(intermediate_settings(width, True, source))
-        settings.update(
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            kv_channels=None if head_dim * heads == hidden else head_dim,
-            gpt_j_residual=False,
-            norm="rmsnorm",
-            rms_norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
-            activation="swiglu",
-            use_bias_in_norms=False,
-            # Qwen2 has biases on q/k/v alone; Mistral none; Llama and Qwen3 say so in attention_bias
-            use_bias_in_attn_linear=family in ("llama", "qwen3", "qwen3_moe", "olmoe")
-            and bool(hf.get("attention_bias", False)),
-            add_qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
-            use_bias_in_mlp=family == "llama" and bool(hf.get("mlp_bias", False)),
-            qk_layernorm=family in PER_HEAD_QK_NORM,
-            qk_layernorm_across_heads=family == "olmoe",
-            sliding_window_width=_sliding_window_width(hf, family, source),
-            hidden_dropout=0.0,
-        )
-        if family in MIXTURES_OF_EXPERTS:
-            settings.update(_experts(hf, family, source))
-        if family == "olmoe" and hf.get("clip_qkv") is not None:
-            raise HFConversionError(f"{source}: clip_qkv={hf['clip_qkv']} clamps the queries, keys and values, which "
-                                    "is not built; only clip_qkv: null is supported")
+        settings.update(_llama_like_layer(hf, family, heads, hidden, rotary_pct, width, source))
     spec = HFModelSpec(family, settings, _require(hf, "vocab_size", source))
     try:
         spec.architecture()
     except (ModelConfigError, ConfigError) as err:
         raise HFConversionError(f"{source}: the model it describes is not valid for us: {err}") from None
     return spec
+
+
+def _gpt_neox_layer(hf: dict[str, Any], width: int, source: str) -> dict[str, Any]:
+    act = hf.get("hidden_act", "gelu")
+    if act not in GPT_NEOX_ACTIVATIONS:
+        raise HFConversionError(
+            f"{source}: hidden_act {act!r} is not supported for gpt_neox; supported are "
+            f"{', '.join(GPT_NEOX_ACTIVATIONS)}"
+        )
+    activation, tanh_gelu = GPT_NEOX_ACTIVATIONS[act]
+    return {
+        **intermediate_settings(width, False, source),
+        "num_kv_heads": None,
+        "gpt_j_residual": bool(hf.get("use_parallel_residual", True)),
+        "norm": "layernorm",
+        "layernorm_epsilon": float(hf.get("layer_norm_eps", 1e-5)),
+        "activation": activation,
+        "bias_gelu_fusion": tanh_gelu,
+        "use_bias_in_norms": True,
+        "use_bias_in_attn_linear": bool(hf.get("attention_bias", True)),
+        "use_bias_in_mlp": True,
+        "hidden_dropout": float(hf.get("hidden_dropout") or 0.0),
+    }
+
+
+def _llama_like_layer(hf: dict[str, Any], family: str, heads: int, hidden: int, rotary_pct: float, width: int,
+                      source: str) -> dict[str, Any]:
+    """The layer settings of the SwiGLU/RMSNorm families (Llama, Mistral, Qwen, OLMoE and their experts)."""
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise HFConversionError(f"{source}: hidden_act {act!r} is not supported for {family}; only 'silu' (SwiGLU)")
+    if rotary_pct != 1.0:
+        raise HFConversionError(f"{source}: partial_rotary_factor={rotary_pct} is not supported for {family}")
+    if family == "olmoe" and hf.get("clip_qkv") is not None:
+        raise HFConversionError(f"{source}: clip_qkv={hf['clip_qkv']} clamps the queries, keys and values, which "
+                                "is not built; only clip_qkv: null is supported")
+    head_dim = hf.get("head_dim") or hidden // heads
+    settings = {
+        **intermediate_settings(width, True, source),
+        "num_kv_heads": hf.get("num_key_value_heads") or heads,
+        "kv_channels": None if head_dim * heads == hidden else head_dim,
+        "gpt_j_residual": False,
+        "norm": "rmsnorm",
+        "rms_norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
+        "activation": "swiglu",
+        "use_bias_in_norms": False,
+        # Qwen2 has biases on q/k/v alone; Mistral none; Llama and Qwen3 say so in attention_bias
+        "use_bias_in_attn_linear": family in ("llama", "qwen3", "qwen3_moe", "olmoe")
+        and bool(hf.get("attention_bias", False)),
+        "add_qkv_bias": family == "qwen2" or (family == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
+        "use_bias_in_mlp": family == "llama" and bool(hf.get("mlp_bias", False)),
+        "qk_layernorm": family in PER_HEAD_QK_NORM,
+        "qk_layernorm_across_heads": family == "olmoe",
+        "sliding_window_width": _sliding_window_width(hf, family, source),
+        "hidden_dropout": 0.0,
+    }
+    if family in MIXTURES_OF_EXPERTS:
+        settings.update(_experts(hf, family, source))
+    return settings
 
 
 def unrepresentable(arch: Architecture, family: str) -> list[str]:

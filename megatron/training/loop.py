@@ -217,25 +217,11 @@ def _stop_after_signal(args, engine, state: TrainState, signum: int, saved_at: i
 
 def setup(args):
     """Everything before the first step; returns (engine, state, iterators)."""
-    import deepspeed
-
-    from megatron.checkpointing import (
-        check_save_dir,
-        checks_beside_use,
-        describe_reference,
-        load_checkpoint,
-        needs_reference,
-        plan_load,
-        plan_reference,
-    )
+    from megatron.checkpointing import check_save_dir, checks_beside_use, load_checkpoint, plan_load
     from megatron.data.builders import build_checked_datasets, data_iterators, samples_per_split
     from megatron.hf import HF_FOLDER
-    from megatron.model import build_model
-    from megatron.model.lora import BaseWithoutAdapters
     from megatron.neox_arguments import ConfigError, NeoXArgs
-    from megatron.objectives.precomputed_reference import precomputed_reference
     from megatron.tokenizer import build_tokenizer
-    from megatron.training.pipe_engine import build_pipeline_engine
 
     if not args.requires_run_settings:  # files for generate.py / eval.py: what training needs was not required of them
         NeoXArgs.from_dict(args.given, "the config files (text_gen_type or eval_tasks is set, as for generate.py "
@@ -256,33 +242,9 @@ def setup(args):
     # the block ends with their checks, before any step
     with checks_beside_use():
         plan = plan_load(args, dp_size, hf_source=HF_FOLDER)
-        reference_plan = None
-        if needs_reference(args):
-            reference_plan, identity = plan_reference(args, plan, dp_size, hf_source=HF_FOLDER)
-            get_logger().info(describe_reference(identity, resumed=reference_plan is not plan,
-                                                 adapters_off=args.lora_rank > 0))
-        precomputed = precomputed_reference(args, plan, dp_size, hf_source=HF_FOLDER)
-        if precomputed is not None:
-            get_logger().info(f"precomputed reference log-probabilities ({args.precompute_model_name}) of "
-                              f"{precomputed.path}, checksum {precomputed.checksum}: this run's reference; "
-                              "recorded in every save")
+        reference_plan, reference_identity = _planned_reference(args, plan, dp_size)
         check_save_dir(args)
-
-        set_seeds(args.seed)
-        ds_config = args.deepspeed_config()
-        # Under ZeRO-3 no rank ever holds the whole model: it is built partitioned over the data-parallel group.
-        partitioned_by = zero3_construction(ds_config) if args.zero_stage == 3 else None
-        with slow_stage("building the model and its DeepSpeed engine (a first run also builds DeepSpeed's optimizer op)"):
-            if args.pipe_parallel_size > 1:
-                engine = build_pipeline_engine(args, ds_config)
-            else:
-                model = build_model(args.architecture(), args.seed, partitioned_by=partitioned_by, lora=args.lora())
-                engine, _, _, _ = deepspeed.initialize(model=model,
-                                                       model_parameters=build_param_groups(model, args.weight_decay),
-                                                       config=ds_config, mpu=ModelParallelUnit())
-        _log_model(args, engine.module, args.zero_stage, dp_size, args.pipe_parallel_size)
-        if args.torch_compile:
-            engine.compile()  # compiles the module in place: parameter and checkpoint names stay as they are
+        engine = _built_engine(args, dp_size)
         state = TrainState(schedule=Schedule.from_args(args))
         restored_rng = False
         saved_rollouts = None
@@ -292,12 +254,7 @@ def setup(args):
                 state = state_after_load(outcome, args)
                 restored_rng = outcome.restored_rng
                 saved_rollouts = outcome.client_state.rollouts if restored_rng else None
-        if reference_plan is not None and args.lora_rank:
-            state.reference = ReferenceModel(BaseWithoutAdapters(engine), identity)
-        elif reference_plan is not None:
-            state.reference = ReferenceModel(_frozen_reference(args, reference_plan), identity)
-        elif precomputed is not None:
-            state.reference = ReferenceModel(None, precomputed)
+        state.reference = _reference_model(args, engine, reference_plan, reference_identity)
     if not restored_rng:
         # Same weights on every rank came from the shared seed above; dropout differs per rank.
         set_seeds(args.seed + 1 + dp_rank)
@@ -306,6 +263,65 @@ def setup(args):
     if args.train_impl == "reinforce":
         iterators = _rollouts(args, engine, iterators, state, saved_rollouts, dp_rank, dp_size)
     return engine, state, iterators
+
+
+def _planned_reference(args, plan, dp_size: int):
+    """The DPO/KTO/REINFORCE reference this run compares against: (its load plan, its identity), said in one line;
+    (None, identity) for precomputed log-probabilities; (None, None) without a reference."""
+    from megatron.checkpointing import describe_reference, needs_reference, plan_reference
+    from megatron.hf import HF_FOLDER
+    from megatron.objectives.precomputed_reference import precomputed_reference
+
+    if needs_reference(args):
+        reference_plan, identity = plan_reference(args, plan, dp_size, hf_source=HF_FOLDER)
+        get_logger().info(describe_reference(identity, resumed=reference_plan is not plan,
+                                             adapters_off=args.lora_rank > 0))
+        return reference_plan, identity
+    precomputed = precomputed_reference(args, plan, dp_size, hf_source=HF_FOLDER)
+    if precomputed is not None:
+        get_logger().info(f"precomputed reference log-probabilities ({args.precompute_model_name}) of "
+                          f"{precomputed.path}, checksum {precomputed.checksum}: this run's reference; "
+                          "recorded in every save")
+    return None, precomputed
+
+
+def _reference_model(args, engine, reference_plan, identity) -> ReferenceModel | None:
+    """The frozen reference: with LoRA the run's own base with its adapters off, else a model of its own;
+    precomputed log-probabilities need none."""
+    from megatron.model.lora import BaseWithoutAdapters
+
+    if identity is None:
+        return None
+    if reference_plan is None:
+        return ReferenceModel(None, identity)
+    if args.lora_rank:
+        return ReferenceModel(BaseWithoutAdapters(engine), identity)
+    return ReferenceModel(_frozen_reference(args, reference_plan), identity)
+
+
+def _built_engine(args, dp_size: int):
+    """The model and its DeepSpeed engine (the pipe engine with pipeline stages), from the shared seed."""
+    import deepspeed
+
+    from megatron.model import build_model
+    from megatron.training.pipe_engine import build_pipeline_engine
+
+    set_seeds(args.seed)
+    ds_config = args.deepspeed_config()
+    # Under ZeRO-3 no rank ever holds the whole model: it is built partitioned over the data-parallel group.
+    partitioned_by = zero3_construction(ds_config) if args.zero_stage == 3 else None
+    with slow_stage("building the model and its DeepSpeed engine (a first run also builds DeepSpeed's optimizer op)"):
+        if args.pipe_parallel_size > 1:
+            engine = build_pipeline_engine(args, ds_config)
+        else:
+            model = build_model(args.architecture(), args.seed, partitioned_by=partitioned_by, lora=args.lora())
+            engine, _, _, _ = deepspeed.initialize(model=model,
+                                                   model_parameters=build_param_groups(model, args.weight_decay),
+                                                   config=ds_config, mpu=ModelParallelUnit())
+    _log_model(args, engine.module, args.zero_stage, dp_size, args.pipe_parallel_size)
+    if args.torch_compile:
+        engine.compile()  # compiles the module in place: parameter and checkpoint names stay as they are
+    return engine
 
 
 def _rollouts(args, engine, iterators, state: TrainState, saved: list | None, dp_rank: int, dp_size: int):

@@ -166,3 +166,12 @@ def test_the_training_loop_is_the_top_floor_of_a_rank():
                  if area(module) not in ("megatron.training", "megatron.launch")
                  and any(area(t) == "megatron.training" for t in targets)}
     assert importers == set()
+
+
+def test_no_function_is_longer_than_80_lines():
+    # a function that long does several jobs: give each its name
+    sources = [*PACKAGE_ROOT.rglob("*.py"), *ENTRY_POINTS]
+    long_ones = {f"{path.relative_to(PACKAGE_ROOT.parent)}:{node.name}": node.end_lineno - node.lineno + 1
+                 for path in sources for node in ast.walk(ast.parse(path.read_text(), str(path)))
+                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 80}
+    assert long_ones == {}
