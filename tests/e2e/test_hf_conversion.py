@@ -228,7 +228,8 @@ def test_convert_hf_to_neox_cli_writes_a_module_only_checkpoint(fmt, tmp_path):
     assert result.returncode == 0, result.stderr
     assert (out / "latest").read_text() == "global_step0"
     tag_dir = out / "global_step0"
-    assert sorted(p.name for p in tag_dir.iterdir()) == ["mp_rank_00_model_states.pt"]  # no optimizer files
+    # no optimizer files; the manifest of a tag committed as a save is
+    assert sorted(p.name for p in tag_dir.iterdir()) == ["manifest.json", "mp_rank_00_model_states.pt"]
     client = stored_client_state(tag_dir)
     assert client["iteration"] == 0 and client["args"]["padded_vocab_size"] == VOCAB
     spec = spec_from_hf_config(model.config.to_dict())
@@ -511,7 +512,7 @@ def test_convert_hf_to_neox_writes_gpt_neox_layer_files_for_a_pipeline_that_conv
     positions = [0, *range(2, layers + 2), layers + 3, layers + 4]
     expected_files = {f"layer_{i:02d}-model_{mp:02d}-model_states.pt" for i in positions for mp in (0, 1)}
     expected_files |= {f"mp_rank_{rank:02d}_model_states.pt" for rank in range(2 * pipe_parallel_size)}
-    assert {p.name for p in tag_dir.iterdir()} == expected_files
+    assert {p.name for p in tag_dir.iterdir()} == expected_files | {"manifest.json"}
     assert all(torch.load(tag_dir / f"mp_rank_{rank:02d}_model_states.pt", weights_only=True)["module"] is None
                for rank in range(2 * pipe_parallel_size))
     convert_hf_to_neox(hf_dir, tmp_path / "plain", model_parallel_size=2)
