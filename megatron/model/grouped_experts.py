@@ -15,13 +15,13 @@ import functools
 
 import torch
 
-from megatron.ranks import global_rank
+from megatron.logging import get_logger
 
 
 @functools.cache
 def grouped_matmul_runs(device: torch.device, dtype: torch.dtype, hidden: int, width: int) -> bool:
     """Whether ``torch._grouped_mm`` runs, with its gradient, on two groups of rows ``hidden`` -> ``width`` ->
-    ``hidden`` wide on ``device`` in ``dtype``. Announced once per combination (rank 0)."""
+    ``hidden`` wide on ``device`` in ``dtype``. Said once per combination (rank 0)."""
     runs = hasattr(torch, "_grouped_mm")
     if runs:
         try:
@@ -33,9 +33,8 @@ def grouped_matmul_runs(device: torch.device, dtype: torch.dtype, hidden: int, w
             out.backward(torch.ones_like(out))  # a whole gradient, as the weighing of the outputs passes back
         except (RuntimeError, NotImplementedError):
             runs = False
-    if global_rank() == 0:
-        path = "grouped (torch._grouped_mm)" if runs else "one expert after another (no grouped matmul here)"
-        print(f"mixture of experts: the experts run {path} on {device.type} in {dtype}", flush=True)
+    path = "grouped (torch._grouped_mm)" if runs else "one expert after another (no grouped matmul here)"
+    get_logger().info(f"mixture of experts: the experts run {path} on {device.type} in {dtype}")
     return runs
 
 
