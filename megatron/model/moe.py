@@ -17,8 +17,10 @@ by the sigmoid of their logits (top_k 1) or their softmax (top_k > 1), in the lo
 chooses each token's experts by the top_k of ``sinkhorn(logits)``, which balances the experts' load over the
 micro batch; in evaluation and generation by the top_k of those weights, as GPT-NeoX does.
 
-The experts run one after the other on the tokens routed to each (a plain-PyTorch grouped computation
-that runs anywhere): megatron-core's MoE layer needs its CUDA kernels and token dispatchers for the same.
+The experts run as one grouped computation (megatron/model/grouped_experts.py): the routed (token, expert)
+pairs sorted by expert, each projection one ``torch._grouped_mm`` over the stacked weights, on CPU and GPU
+alike. Where that grouped matmul does not run (decided once per device, dtype and shape, and printed), the
+experts run one after the other on the tokens routed to each, with the same results.
 
 With ``moe_shared_expert_intermediate_size`` the layer has Qwen2-MoE's shared expert beside the routed ones
 (``SharedExpert``): every token's output from the experts gets the shared expert's output added, times the
@@ -47,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.contract.architecture import Architecture
+from megatron.model.grouped_experts import grouped_experts, grouped_matmul_runs
 from megatron.model.mlp import MLP, elementwise_activation
 from megatron.model.parallel_layers import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from megatron.model.partitioning import local_experts
@@ -180,17 +183,27 @@ class MixtureOfExperts(torch.nn.Module):
         # reaching it is too: megatron-core's all-reduce of a non-contiguous gradient sums a copy and drops it
         weights_by_choice = copy_to_tensor_parallel_region(weights.t().contiguous())
         chosen_by_choice, expert_input = chosen.t(), copy_to_tensor_parallel_region(tokens)
-        out = torch.zeros_like(tokens)
+        if grouped_matmul_runs(tokens.device, tokens.dtype, tokens.shape[-1], self.experts.mlp.width):
+            out = grouped_experts(self.experts.mlp, expert_input, weights_by_choice, chosen_by_choice, tokens.dtype)
+        else:
+            out = self._experts_one_by_one(expert_input, weights_by_choice, chosen_by_choice)
+        out = reduce_from_tensor_parallel_region(out)
+        if self.shared_expert is not None:  # split over the ranks as the dense MLP, which sums its own parts
+            out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert.mlp(tokens)
+        return out.reshape(hidden.shape)
+
+    def _experts_one_by_one(self, expert_input: torch.Tensor, weights_by_choice: torch.Tensor,
+                            chosen_by_choice: torch.Tensor) -> torch.Tensor:
+        """``grouped_experts``'s result where the grouped matmul does not run: each local expert in turn on its
+        tokens."""
+        out = torch.zeros_like(expert_input)
         # an expert without tokens still computes (on none): the copy regions' backward, a collective, then
         # runs on every rank, also where no local expert got a token
         for expert in self.experts.mlp.local:
             choice, token = torch.where(chosen_by_choice == expert)
             expert_out = self.experts.mlp(expert, expert_input[token]) * weights_by_choice[choice, token, None]
             out.index_add_(0, token, expert_out.to(out.dtype))
-        out = reduce_from_tensor_parallel_region(out)
-        if self.shared_expert is not None:  # split over the ranks as the dense MLP, which sums its own parts
-            out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert.mlp(tokens)
-        return out.reshape(hidden.shape)
+        return out
 
 
 def load_balancing_sums(logits: torch.Tensor, num_experts: int, top_k: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ process builds a Llama-family GPTModel in a DeepSpeed engine with Adam, takes on
 
 Memory: each process's peak RSS (VmHWM) above its RSS before the model was built, so weights, gradients, fp32
 masters and optimizer state all count. Ratios: `moe/dense step_seconds` (the price of routing and of running the
-experts one after the other), `moe/dense peak_rss` (the experts' extra weights and optimizer state), and
+experts grouped by expert), `moe/dense peak_rss` (the experts' extra weights and optimizer state), and
 `moe-tp2/moe peak_rss per rank` (what splitting the experts saves each rank).
 """
 
