@@ -82,7 +82,7 @@ def derive_all(v: dict[str, Any], sources: dict[str, str], require_run_settings:
     _check_profiling(v, sources)
     _check_train_impl(v, sources)
     _check_pipeline(v, sources)
-    _check_sequence_parallel(v, sources)
+    _check_sequence_parallel(v, sources, notices if notices is not None else [])
     _check_mixture_of_experts(v, sources)
     _check_lora(v, sources)
     if require_run_settings:
@@ -701,9 +701,13 @@ def _check_pipeline(v: dict[str, Any], sources: dict[str, str]) -> None:
                         "pipe_parallel_size 1")
 
 
-def _check_sequence_parallel(v: dict[str, Any], sources: dict[str, str]) -> None:
-    """Sequence parallelism gives each tensor-parallel rank an equal part of every sequence."""
+def _check_sequence_parallel(v: dict[str, Any], sources: dict[str, str], notices: list[str]) -> None:
+    """Sequence parallelism gives each tensor-parallel rank an equal part of every sequence; at one rank it has
+    no effect, which is said as a GPT-NeoX setting without effect is."""
     tp = v["model_parallel_size"]
+    if v["sequence_parallel"] and tp == 1 and "sequence_parallel" in sources:
+        notices.append(f"notice: {where(sources, 'sequence_parallel')} has no effect here (only matters at a "
+                       "tensor-parallel size above 1, and model_parallel_size is 1)")
     if v["sequence_parallel"] and tp > 1 and v["seq_length"] and v["seq_length"] % tp:
         raise _fail(sources, "sequence_parallel", f"splits each sequence over the {tp} tensor-parallel ranks, but "
                     f"seq_length {v['seq_length']} is no multiple of {tp}; set a seq_length that is one, or "

@@ -330,7 +330,13 @@ def test_sequence_parallel_is_built_and_needs_a_sequence_the_ranks_share_equally
         return NeoXArgs.from_dict({**TINY_RUN, "sequence_parallel": True, "padded_vocab_size": 128, **more}
                                   ).architecture().splits_sequence
     assert splits(model_parallel_size=2, num_gpus=2)
-    assert not splits()  # one rank: nothing to split
+    assert not splits()  # one rank: nothing to split, and the run says so
+    one_rank = run_args(tmp_path, sequence_parallel=True)
+    assert [n for n in one_rank.notices if "sequence_parallel" in n] == [
+        f"notice: {tmp_path / 'run.yml'}: sequence_parallel has no effect here (only matters at a tensor-parallel "
+        "size above 1, and model_parallel_size is 1)"]
+    assert not [n for n in run_args(tmp_path, sequence_parallel=True, model_parallel_size=2, num_gpus=2).notices
+                if "sequence_parallel" in n]
     message = config_error(tmp_path, sequence_parallel=True, model_parallel_size=2, num_gpus=2, seq_length=33)
     assert "run.yml: sequence_parallel" in message and "seq_length 33 is no multiple of 2" in message
     assert "\n" not in message
