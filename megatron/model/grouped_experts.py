@@ -24,13 +24,18 @@ def grouped_matmul_runs(device: torch.device, dtype: torch.dtype, hidden: int, w
     ``hidden`` wide on ``device`` in ``dtype``. Said once per combination (rank 0)."""
     runs = hasattr(torch, "_grouped_mm")
     if runs:
+        # The first expert layer may ask inside activation recomputation's forward (whose saved-tensor hooks would
+        # recompute the layer when the probe's backward unpacks them) or under no_grad (evaluation, generation):
+        # the probe keeps its own tensors and its own gradient.
+        keep = (lambda tensor: tensor, lambda tensor: tensor)
         try:
-            rows = torch.ones(4, hidden, device=device, dtype=dtype, requires_grad=True)
-            up = torch.ones(2 * width, hidden, device=device, dtype=dtype, requires_grad=True)
-            offsets = torch.tensor([1, 4], device=device, dtype=torch.int32)
-            inner = torch._grouped_mm(rows, up.view(2, width, hidden).transpose(1, 2), offs=offsets)
-            out = torch._grouped_mm(inner, up.view(2, width, hidden), offs=offsets)
-            out.backward(torch.ones_like(out))  # a whole gradient, as the weighing of the outputs passes back
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(*keep):
+                rows = torch.ones(4, hidden, device=device, dtype=dtype, requires_grad=True)
+                up = torch.ones(2 * width, hidden, device=device, dtype=dtype, requires_grad=True)
+                offsets = torch.tensor([1, 4], device=device, dtype=torch.int32)
+                inner = torch._grouped_mm(rows, up.view(2, width, hidden).transpose(1, 2), offs=offsets)
+                out = torch._grouped_mm(inner, up.view(2, width, hidden), offs=offsets)
+                out.backward(torch.ones_like(out))  # a whole gradient, as the weighing of the outputs passes back
         except (RuntimeError, NotImplementedError):
             runs = False
     path = "grouped (torch._grouped_mm)" if runs else "one expert after another (no grouped matmul here)"

@@ -87,3 +87,24 @@ def test_a_rank_whose_experts_get_no_tokens_adds_zeros_and_gradients_of_zero():
     out.sum().backward()
     assert torch.equal(out, torch.zeros_like(out)) and torch.equal(tokens.grad, torch.zeros_like(tokens))
     assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in layer.experts.mlp.parameters())
+
+
+def test_the_first_layer_to_ask_inside_activation_recomputation_is_recorded_once():
+    # the probe's own backward must not unpack the recomputation's saved tensors (that re-runs the layer, whose
+    # router then records its choices twice: the objective's expert loads no longer match the expert layers)
+    layer = experts_layer("swiglu")
+    grouped_matmul_runs.cache_clear()
+    hidden = torch.randn(2, TOKENS // 2, HIDDEN, requires_grad=True)
+    routing = []
+    out = torch.utils.checkpoint.checkpoint(layer, hidden, routing, use_reentrant=False)
+    assert len(routing) == 1
+    out.sum().backward()
+    assert hidden.grad is not None
+
+
+def test_a_first_question_asked_without_gradients_gets_the_answer_training_gets():
+    grouped_matmul_runs.cache_clear()
+    with torch.no_grad():  # evaluation or generation may run the first expert layer
+        without_gradients = grouped_matmul_runs(torch.device("cpu"), torch.float32, HIDDEN, WIDTH)
+    grouped_matmul_runs.cache_clear()
+    assert without_gradients == grouped_matmul_runs(torch.device("cpu"), torch.float32, HIDDEN, WIDTH)
