@@ -131,7 +131,8 @@ def test_convert_hf_to_neox_refuses_a_run_s_save_folder_unless_told_to_replace_i
 
     # --overwrite replaces the run as a whole: no tag of it is left beside the converted one
     assert convert(capsys, "convert_hf_to_neox", "--input", hf_dir, "--output", run, "--overwrite")[0] == 0
-    assert sorted(files_of(run)) == ["global_step0/mp_rank_00_model_states.pt", "latest", "notes.txt", "tokenizer.json"]
+    assert sorted(files_of(run)) == ["global_step0/manifest.json", "global_step0/mp_rank_00_model_states.pt", "latest",
+                                     "notes.txt", "tokenizer.json"]
     assert (run / "latest").read_text() == "global_step0" and (run / "notes.txt").read_bytes() == before["notes.txt"]
     converted = read_module_weights(run / "global_step0")
     assert torch.equal(converted["sequential.0.word_embeddings.weight"],
