@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import random
 import socket
 import sys
 from pathlib import Path
@@ -139,7 +140,22 @@ def port_is_free(port: int) -> bool:
     return True
 
 
+# Ports the system hands out for outgoing connections (gloo's, a browser's): a port picked from that
+# range may be taken by one of them in the seconds before rank 0 binds it.
+EPHEMERAL_PORTS_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PICKED_PORT = 20000
+
+
 def free_port() -> int:
+    """A free port below the system's ephemeral range, at random so that runs started together differ."""
+    try:
+        ephemeral_low = int(EPHEMERAL_PORTS_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    candidates = range(LOWEST_PICKED_PORT, max(ephemeral_low, LOWEST_PICKED_PORT + 1000))
+    for port in random.sample(candidates, 64):
+        if port_is_free(port):
+            return port
     with socket.socket() as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]

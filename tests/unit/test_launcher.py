@@ -10,7 +10,7 @@ import pytest
 from deepspeed.launcher import runner
 from deepspeed.launcher.multinode_runner import MVAPICHRunner, OpenMPIRunner, PDSHRunner, SlurmRunner
 
-from megatron.launch.launcher import launch_command, rendezvous_port, runner_arguments
+from megatron.launch.launcher import free_port, launch_command, rendezvous_port, runner_arguments
 from megatron.neox_arguments import ConfigError, NeoXArgs, load_args_on_rank
 from megatron.neox_arguments.handover import HANDOVER_FLAG, handover_argv
 from tests.unit.test_neox_args import TINY_RUN
@@ -288,3 +288,12 @@ def test_the_ranks_find_this_package_first_on_their_path():
     first = Path(launcher_environment({}, cpu_only=True)["PYTHONPATH"].split(os.pathsep)[0])
     assert first == Path(PACKAGE_PARENT)
     assert (first / "megatron" / "launch" / "entry.py").is_file()
+
+
+def test_a_picked_port_lies_below_the_ports_handed_to_outgoing_connections():
+    # A port from the ephemeral range can be taken by another job's gloo connection in the seconds
+    # before rank 0 binds it (a CI run saw "master_port ... already in use" that way).
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(8)}
+    assert all(20000 <= port < ephemeral_low for port in ports), ports
+    assert len(ports) > 1  # runs started together do not all pick one port
