@@ -53,12 +53,15 @@ from megatron.checkpointing.ondisk.safe_unpickle import plain_values
 from megatron.checkpointing.ondisk.verified_files import checks_beside_use, forget_checked_files
 from megatron.checkpointing.planning.data_position import samples_per_evaluation
 from megatron.checkpointing.planning.lineage import Lineage
+from megatron.checkpointing.planning.load_settings import LoadSettings
 from megatron.checkpointing.planning.plan import (
     LoadMode,
     LoadPlan,
     build_load_plan,
     lora_base_plan,
+    plan_for,
     plan_load,
+    plan_load_for,
 )
 from megatron.checkpointing.planning.reference import (
     TRAIN_IMPLS_WITH_REFERENCE,
@@ -94,12 +97,12 @@ def __getattr__(name: str):
 
 __all__ = [
     "LATEST_FILE", "LORA_BASE_FILE", "TRAIN_IMPLS_WITH_REFERENCE", "CheckpointError", "CheckpointInventory",
-    "ClientState", "Lineage", "LoadMode", "LoadOutcome", "LoadPlan", "LoraBase",
+    "ClientState", "Lineage", "LoadMode", "LoadOutcome", "LoadPlan", "LoadSettings", "LoraBase",
     "ReferenceIdentity", "TagInventory", "build_load_plan", "check_save_dir", "check_save_in_flight",
     "checks_beside_use", "describe_reference", "files_checksum", "forget_checked_files", "inventory_checkpoint",
     "is_legacy_buffer_key", "layer_file_name", "layer_states", "load_checkpoint", "load_file_weights_only",
-    "load_module_only", "load_weights_only", "lora_base_plan", "model_states_name", "needs_reference", "plain_values", "plan_load",
-    "plan_reference", "newest_tag_size", "read_full_module_weights", "read_module_weights", "run_entries",
+    "load_module_only", "load_weights_only", "lora_base_plan", "model_states_name", "needs_reference", "plain_values", "plan_for",
+    "plan_load", "plan_load_for", "plan_reference", "newest_tag_size", "read_full_module_weights", "read_module_weights", "run_entries",
     "samples_per_evaluation", "save_checkpoint",
     "save_engine_checkpoint", "save_in_flight", "saves_waited_for", "tag_for_iteration", "translate_legacy_key",
     "verify_files", "verify_master_weights", "wait_for_save_in_flight", "write_lora_base_file", "write_tag",

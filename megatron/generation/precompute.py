@@ -28,9 +28,10 @@ def _documents(data, seq_length: int, start: int, stop: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def write_reference_log_probs(model, args, identity, rank: int, log) -> list[str]:
+def write_reference_log_probs(model, settings, identity, rank: int, log) -> list[str]:
     """Write the `{prefix}_{precompute_model_name}` files `model` (whose weights `identity` names, recorded beside
-    each file) has to write (precomputed_reference.files_to_write decides which); the prefixes written."""
+    each file) has to write (precomputed_reference.files_to_write decides which, from `settings`, a
+    PrecomputeSettings); the prefixes written."""
     from megatron.data import MMapIndexedDataset, MMapIndexedDatasetBuilder
     from megatron.data.indexed_dataset import data_file_path, index_file_path
     from megatron.model import token_log_probs
@@ -38,13 +39,13 @@ def write_reference_log_probs(model, args, identity, rank: int, log) -> list[str
     from megatron.runtime.initialize import current_device
 
     written = []
-    batch_size = args.train_micro_batch_size_per_gpu or 1
-    for prefix, target in files_to_write(args, identity, log).items():
+    batch_size = settings.train_micro_batch_size_per_gpu or 1
+    for prefix, target in files_to_write(settings, identity, log).items():
         data = MMapIndexedDataset(prefix, setting="precompute")
         partial = f"{target}.partial"
         builder = MMapIndexedDatasetBuilder(data_file_path(partial), dtype=np.float32) if rank == 0 else None
         for start in range(0, len(data), batch_size):
-            text = _documents(data, args.seq_length, start, min(start + batch_size, len(data))).to(current_device())
+            text = _documents(data, settings.seq_length, start, min(start + batch_size, len(data))).to(current_device())
             logits = model(text[:, :-1], parallel_output=True)
             log_probs = token_log_probs(logits, text[:, 1:], vocab_parallel=True, fp32=True).cpu()
             if builder is not None:
@@ -57,7 +58,7 @@ def write_reference_log_probs(model, args, identity, rank: int, log) -> list[str
             os.replace(data_file_path(partial), data_file_path(target))
             os.replace(index_file_path(partial), index_file_path(target))
             write_identity(target, identity)
-        log.info(f"precompute: wrote {target} ({len(data)} documents x {args.seq_length} log-probabilities) from "
+        log.info(f"precompute: wrote {target} ({len(data)} documents x {settings.seq_length} log-probabilities) from "
                  f"{identity.path}")
         written.append(target)
     return written

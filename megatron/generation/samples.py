@@ -130,13 +130,14 @@ def _interactive(model, tokenizer, args, rank: int, log) -> int:
 def generate_samples(model, tokenizer, args, rank: int, log) -> list[dict[str, Any]]:
     """Run `args.text_gen_type` on `model`; the records written (none for interactive)."""
     if args.text_gen_type == "precompute":
+        from megatron.checkpointing import LoadSettings
         from megatron.generation.precompute import write_reference_log_probs
         from megatron.hf import HF_FOLDER
-        from megatron.objectives.precomputed_reference import identity_of_load
+        from megatron.objectives.precomputed_reference import PrecomputeSettings, identity_of_load
         from megatron.ranks import data_parallel_rank_and_size
 
-        identity = identity_of_load(args, data_parallel_rank_and_size()[1], HF_FOLDER)
-        write_reference_log_probs(model, args, identity, rank, log)
+        identity = identity_of_load(LoadSettings.from_args(args), data_parallel_rank_and_size()[1], HF_FOLDER)
+        write_reference_log_probs(model, PrecomputeSettings.from_args(args), identity, rank, log)
         return []
     if args.text_gen_type == "interactive":
         log.info(f"interactive generation ended after {_interactive(model, tokenizer, args, rank, log)} prompt(s)")

@@ -14,6 +14,7 @@ import yaml
 from megatron.checkpointing import (
     CheckpointError,
     ClientState,
+    LoadSettings,
     LoraBase,
     TagInventory,
     files_checksum,
@@ -368,7 +369,7 @@ def _peft_base_record(tag: TagInventory, base_folder: str) -> LoraBase:
 def _base_weights(tag: TagInventory, settings: dict[str, Any], arch: Architecture) -> dict[str, torch.Tensor]:
     """The frozen base under the adapters of an adapter-only ``tag``, read from the base it recorded through the
     load's own checked plan: a base that is gone or changed is refused in one line."""
-    plan = lora_base_plan(NeoXArgs.from_saved(settings, str(tag.path)), tag, 1, HF_FOLDER)
+    plan = lora_base_plan(LoadSettings.from_args(NeoXArgs.from_saved(settings, str(tag.path))), tag, 1, HF_FOLDER)
     if plan.hf_source is not None:
         weights = plan.hf_source.read_weights(plan.load_dir, arch)
     else:

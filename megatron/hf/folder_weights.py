@@ -3,11 +3,13 @@ PEFT LoRA adapter folder with the model folder it names (megatron/hf/peft.py).""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from megatron.contract.architecture import Architecture, architecture_mismatches
+from megatron.contract.lora_settings import LoraSettings
 from megatron.hf.config import HFModelSpec, is_reward_model_config, spec_from_hf_config
 from megatron.hf.errors import HFConversionError
 from megatron.hf.io import CONFIG_NAME, is_hf_model_dir, iter_hf_tensors, read_hf_config, weight_files
@@ -100,9 +102,9 @@ class HFFolder:
     def adapter_base(self, path: Path) -> Path | None:
         return read_peft_folder(path).base_folder() if is_peft_dir(path) else None
 
-    def check_adapters(self, path: Path, args) -> None:
+    def check_adapters(self, path: Path, lora: LoraSettings | None, source_of: Callable[[str], str]) -> None:
         if is_peft_dir(path):
-            check_run_lora(read_peft_folder(path), args.lora(), args.source_of)
+            check_run_lora(read_peft_folder(path), lora, source_of)
 
 
 HF_FOLDER = HFFolder()

@@ -46,19 +46,25 @@ def check_run_files(args: NeoXArgs) -> None:
     made by the same functions without building sample indices (check_data_files; precomputed_reference for the precomputed log-probabilities'
     model), so a dry run refuses what the start would. Nothing to check for generate.py / eval.py settings, or
     for the embedded corpus, which this framework writes itself."""
-    from megatron.checkpointing import plan_load
+    from megatron.checkpointing import LoadSettings, plan_load_for
     from megatron.data.builders import check_data_files, samples_per_split
     from megatron.hf import HF_FOLDER
-    from megatron.objectives.precomputed_reference import precomputed_reference, uses_precomputed_reference
+    from megatron.objectives.precomputed_reference import (
+        PrecomputeSettings,
+        precomputed_reference,
+        uses_precomputed_reference,
+    )
     from megatron.tokenizer import build_tokenizer
 
     if not args.requires_run_settings or args.embedded_corpus:
         return
     args = resolve_run_settings(args)
     check_data_files(args, build_tokenizer(args).vocab_size, samples_per_split(args))
-    if uses_precomputed_reference(args):
-        plan = plan_load(args, args.data_parallel_size, hf_source=HF_FOLDER)
-        precomputed_reference(args, plan, args.data_parallel_size, hf_source=HF_FOLDER)
+    precompute = PrecomputeSettings.from_args(args)
+    if uses_precomputed_reference(precompute):
+        load_settings = LoadSettings.from_args(args)
+        plan = plan_load_for(load_settings, args.data_parallel_size, hf_source=HF_FOLDER)
+        precomputed_reference(precompute, load_settings, plan, args.data_parallel_size, hf_source=HF_FOLDER)
 
 
 # What a run that names a checkpoint but not the model's shape takes from the checkpoint: every

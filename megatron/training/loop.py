@@ -217,7 +217,13 @@ def _stop_after_signal(args, engine, state: TrainState, signum: int, saved_at: i
 
 def setup(args):
     """Everything before the first step; returns (engine, state, iterators)."""
-    from megatron.checkpointing import check_save_dir, checks_beside_use, load_checkpoint, plan_load
+    from megatron.checkpointing import (
+        LoadSettings,
+        check_save_dir,
+        checks_beside_use,
+        load_checkpoint,
+        plan_load_for,
+    )
     from megatron.data.builders import build_checked_datasets, data_iterators, samples_per_split
     from megatron.hf import HF_FOLDER
     from megatron.neox_arguments import ConfigError, NeoXArgs
@@ -241,8 +247,9 @@ def setup(args):
     # the checkpoint files read from here on are checked in a thread while the engine is built and loaded;
     # the block ends with their checks, before any step
     with checks_beside_use():
-        plan = plan_load(args, dp_size, hf_source=HF_FOLDER)
-        reference_plan, reference_identity = _planned_reference(args, plan, dp_size)
+        load_settings = LoadSettings.from_args(args)
+        plan = plan_load_for(load_settings, dp_size, hf_source=HF_FOLDER)
+        reference_plan, reference_identity = _planned_reference(args, load_settings, plan, dp_size)
         check_save_dir(args)
         engine = _built_engine(args, dp_size)
         state = TrainState(schedule=Schedule.from_args(args))
@@ -265,19 +272,19 @@ def setup(args):
     return engine, state, iterators
 
 
-def _planned_reference(args, plan, dp_size: int):
+def _planned_reference(args, load_settings, plan, dp_size: int):
     """The DPO/KTO/REINFORCE reference this run compares against: (its load plan, its identity), said in one line;
     (None, identity) for precomputed log-probabilities; (None, None) without a reference."""
     from megatron.checkpointing import describe_reference, needs_reference, plan_reference
     from megatron.hf import HF_FOLDER
-    from megatron.objectives.precomputed_reference import precomputed_reference
+    from megatron.objectives.precomputed_reference import PrecomputeSettings, precomputed_reference
 
     if needs_reference(args):
-        reference_plan, identity = plan_reference(args, plan, dp_size, hf_source=HF_FOLDER)
+        reference_plan, identity = plan_reference(load_settings, plan, dp_size, hf_source=HF_FOLDER)
         get_logger().info(describe_reference(identity, resumed=reference_plan is not plan,
                                              adapters_off=args.lora_rank > 0))
         return reference_plan, identity
-    precomputed = precomputed_reference(args, plan, dp_size, hf_source=HF_FOLDER)
+    precomputed = precomputed_reference(PrecomputeSettings.from_args(args), load_settings, plan, dp_size, hf_source=HF_FOLDER)
     if precomputed is not None:
         get_logger().info(f"precomputed reference log-probabilities ({args.precompute_model_name}) of "
                           f"{precomputed.path}, checksum {precomputed.checksum}: this run's reference; "
@@ -396,7 +403,7 @@ def setup_for_inference(args):
     """
     import deepspeed
 
-    from megatron.checkpointing import load_checkpoint, plan_load
+    from megatron.checkpointing import LoadSettings, load_checkpoint, plan_load_for
     from megatron.hf import HF_FOLDER
     from megatron.model import build_model
     from megatron.neox_arguments import ConfigError
@@ -409,9 +416,11 @@ def setup_for_inference(args):
         raise ConfigError("padded_vocab_size is not resolved: start generate.py / eval.py through deepy.py, which resolves the "
                           "tokenizer once (megatron.launch.run_context.resolve_run_settings)")
     initialize_distributed(args)
-    weights_only = args.with_values({"finetune": True, "no_load_optim": False},
-                                    "generate.py / eval.py (loads the weights only)")
-    plan = plan_load(weights_only, data_parallel_rank_and_size()[1], hf_source=HF_FOLDER)
+    stated_by = "generate.py / eval.py (loads the weights only)"
+    if not args.load:
+        raise ConfigError(f"{stated_by}: finetune: set but `load` is not; say which checkpoint to load")
+    weights_only = LoadSettings.from_args(args).weights_only(stated_by)
+    plan = plan_load_for(weights_only, data_parallel_rank_and_size()[1], hf_source=HF_FOLDER)
     set_seeds(args.seed)
     model = build_model(args.architecture(), args.seed, lora=args.lora())
     _log_model(args, model, 0, data_parallel_rank_and_size()[1], pipeline_stages=1)  # every rank runs the whole model
@@ -505,7 +514,7 @@ def _one_step(args, engine, state: TrainState, take_step, watchers: StepWatchers
 
 def _validate(args, engine, state: TrainState, valid_iterator, objective, evaluate_on, watchers: StepWatchers) -> float:
     loss, metrics = evaluate_on(engine, valid_iterator, args.eval_iters, objective)
-    state.consumed_valid_samples += samples_per_evaluation(args)
+    state.consumed_valid_samples += samples_per_evaluation(args.eval_iters, args.train_batch_size)
     watchers.evaluation(state.iteration, _evaluation_scalars("valid", loss, metrics, objective),
                         f"validation at iteration {state.iteration}: {_evaluation_line(loss, metrics, objective)}")
     return loss

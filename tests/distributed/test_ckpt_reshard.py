@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from megatron.checkpointing.ondisk.client_state import ClientState
-from megatron.checkpointing.planning.data_position import data_position
+from megatron.checkpointing.planning.data_position import PositionSettings, data_position
 from megatron.checkpointing.planning.shape import Shape, ShapeChange
 from megatron.data.samplers import DistributedBatchSampler
 from tests.ckpt_engines import make_args
@@ -46,7 +46,7 @@ def test_a_resume_at_another_data_parallel_size_reads_the_samples_the_unbroken_r
                                            train_batch_size=GLOBAL_BATCH, num_gpus=2).to_dict())
     args = make_args(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=GLOBAL_BATCH // (micro * data_parallel),
                      train_batch_size=GLOBAL_BATCH, num_gpus=data_parallel)
-    position = data_position(saved, 3, args)
+    position = data_position(saved, 3, PositionSettings.from_args(args))
     assert samples_per_step(position.consumed_train_samples, micro, data_parallel, 3) == unbroken[3:]
 
 

@@ -20,7 +20,14 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from megatron.checkpointing import CheckpointError, LoraBase, load_checkpoint, plan_load, plan_reference
+from megatron.checkpointing import (
+    CheckpointError,
+    LoadSettings,
+    LoraBase,
+    load_checkpoint,
+    plan_load,
+    plan_reference,
+)
 from megatron.contract.lora_settings import lora_settings
 from megatron.hf import HF_FOLDER, HFConversionError
 from megatron.hf.convert import convert_hf_to_neox
@@ -121,11 +128,11 @@ def test_the_reference_identity_of_a_start_from_a_peft_folder_covers_the_base_fi
     """What DPO/KTO record of the model they start from (reference.py), here with the base outside the folder."""
     args = run_settings(tmp_path, load=str(llama_adapter))
     plan = plan_load(args, 1, hf_source=HF_FOLDER)
-    _, identity = plan_reference(args, plan, 1, hf_source=HF_FOLDER)
+    _, identity = plan_reference(LoadSettings.from_args(args), plan, 1, hf_source=HF_FOLDER)
     base = HF_FOLDER.adapter_base(llama_adapter)
     (base / "config.json").write_text((base / "config.json").read_text() + " ")  # the base changes
     replanned = plan_load(args, 1, hf_source=HF_FOLDER)  # as the next start plans it (a plan sums its files once)
-    assert plan_reference(args, replanned, 1, hf_source=HF_FOLDER)[1].checksum != identity.checksum
+    assert plan_reference(LoadSettings.from_args(args), replanned, 1, hf_source=HF_FOLDER)[1].checksum != identity.checksum
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from megatron.data.builders import reference_log_probs_prefix
 from megatron.generation.precompute import write_reference_log_probs
 from megatron.model import build_model
 from megatron.objectives import objective_for
+from megatron.objectives.precomputed_reference import PrecomputeSettings
 from tests.e2e.test_preprocess_chat import make_chat_tokenizer, run, write_jsonl
 from tests.unit.test_data_gpt_dataset import make_args
 
@@ -63,14 +64,14 @@ def test_dpo_on_precomputed_log_probs_has_the_live_references_loss(tmp_path):
         build_train_valid_test_datasets(args, (4, 0, 0))
 
     reference = build_model(args.architecture(), seed=1).eval()
-    written = write_reference_log_probs(reference, args, IDENTITY, 0, logging.getLogger("test"))
+    written = write_reference_log_probs(reference, PrecomputeSettings.from_args(args), IDENTITY, 0, logging.getLogger("test"))
     assert written == [reference_log_probs_prefix(str(tmp_path / f"dpo_{side}_document"), "sft")
                        for side in ("chosen", "rejected")]
     stored = MMapIndexedDataset(written[0])
     chosen = MMapIndexedDataset(tmp_path / "dpo_chosen_document")
     assert stored.dtype == np.float32 and len(stored) == len(chosen)
     assert all(len(stored[i]) == SEQ for i in range(len(stored)))
-    assert write_reference_log_probs(reference, args, IDENTITY, 0, logging.getLogger("test")) == []  # kept, not rewritten
+    assert write_reference_log_probs(reference, PrecomputeSettings.from_args(args), IDENTITY, 0, logging.getLogger("test")) == []  # kept, not rewritten
 
     train, _, _ = build_train_valid_test_datasets(args, (4, 0, 0))
     samples = collated(train, 4)
@@ -109,7 +110,7 @@ def test_kto_on_precomputed_log_probs_has_the_live_references_loss(kto_data, tmp
     shutil.copytree(kto_data, folder)
     args = kto_args(folder, precompute_model_name="sft")
     reference = build_model(args.architecture(), seed=1).eval()
-    written = write_reference_log_probs(reference, args, IDENTITY, 0, logging.getLogger("test"))
+    written = write_reference_log_probs(reference, PrecomputeSettings.from_args(args), IDENTITY, 0, logging.getLogger("test"))
     assert written == [reference_log_probs_prefix(str(folder / "kto_messages_document"), "sft")]  # train = valid
     assert all(len(MMapIndexedDataset(written[0])[i]) == SEQ for i in range(len(PAIRS) * 2))
 
@@ -180,21 +181,24 @@ def two_models(tmp_path):
 
 def precompute_from(hf_dir, args) -> list[str]:
     """What generate.py's text_gen_type precompute does with `load` naming `hf_dir`."""
+    from megatron.checkpointing import LoadSettings
     from megatron.hf import HF_FOLDER
     from megatron.hf.folder_weights import load_hf_module_weights
     from megatron.objectives.precomputed_reference import identity_of_load
 
     model = build_model(args.architecture(), seed=0).eval()
     model.load_state_dict(load_hf_module_weights(hf_dir, args.architecture()))
-    return write_reference_log_probs(model, args, identity_of_load(args, 1, HF_FOLDER), 0, logging.getLogger("test"))
+    identity = identity_of_load(LoadSettings.from_args(args), 1, HF_FOLDER)
+    return write_reference_log_probs(model, PrecomputeSettings.from_args(args), identity, 0, logging.getLogger("test"))
 
 
 def check_at_start(args):
-    from megatron.checkpointing import plan_load
+    from megatron.checkpointing import LoadSettings, plan_load
     from megatron.hf import HF_FOLDER
     from megatron.objectives.precomputed_reference import precomputed_reference
 
-    return precomputed_reference(args, plan_load(args, 1, hf_source=HF_FOLDER), 1, hf_source=HF_FOLDER)
+    return precomputed_reference(PrecomputeSettings.from_args(args), LoadSettings.from_args(args),
+                                 plan_load(args, 1, hf_source=HF_FOLDER), 1, hf_source=HF_FOLDER)
 
 
 def test_a_run_refuses_log_probabilities_another_model_precomputed(tmp_path, two_models):

@@ -7,6 +7,7 @@ plan then treats such a folder as one more checkpoint format, whose weights load
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from megatron.contract.architecture import Architecture
+    from megatron.contract.lora_settings import LoraSettings
 
 
 class WeightsSource(Protocol):
@@ -36,6 +38,6 @@ class WeightsSource(Protocol):
         """For a folder of LoRA adapters, the model folder they sit on (whose weights read_weights includes);
         None for a model folder."""
 
-    def check_adapters(self, path: Path, args) -> None:
-        """Raise a CheckpointError naming the setting and the folder's key where the run's LoRA settings differ
-        from the folder's adapters (a model folder: none to differ from)."""
+    def check_adapters(self, path: Path, lora: LoraSettings | None, source_of: Callable[[str], str]) -> None:
+        """Raise a CheckpointError naming the setting (`source_of` names its file) and the folder's key where the
+        run's LoRA settings `lora` differ from the folder's adapters (a model folder: none to differ from)."""

@@ -66,6 +66,7 @@ from megatron.checkpointing.ondisk.inventory import (
 )
 from megatron.checkpointing.planning import preflight, shape
 from megatron.checkpointing.planning.data_position import DataPosition, data_position, resume_change_notes
+from megatron.checkpointing.planning.load_settings import LoadSettings
 from megatron.contract.architecture import Architecture, ModelConfigError, describe_model
 
 # Parameter-name endings of a language model's output layer and of a reward model's head.
@@ -223,18 +224,16 @@ def _relative(path: Path, root: Path) -> str:
         return str(path)
 
 
-def recorded_weights_plan(args, recorded: ReferenceIdentity, where: str, way_out: str, data_parallel_size: int,
-                          hf_source: WeightsSource | None) -> LoadPlan:
+def recorded_weights_plan(settings: LoadSettings, recorded: ReferenceIdentity, where: str, way_out: str,
+                          data_parallel_size: int, hf_source: WeightsSource | None) -> LoadPlan:
     """The module-only plan of weights a save recorded (`recorded`: a DPO/KTO reference, a LoRA run's base);
     CheckpointError in one line, `where` naming them, when they are gone, unloadable or changed."""
     if not recorded.path.exists():
         raise CheckpointError(f"{where}, is gone. {way_out}")
     iteration = layout.iteration_of_tag(recorded.tag) if recorded.tag else None
-    settings = args.with_values({"load": recorded.source, "finetune": True, "no_load_optim": False,
-                                 "iteration": iteration}, where)
+    weights = settings.weights_only(where, load=recorded.source, iteration=iteration)
     try:
-        plan = build_load_plan(settings, inventory_checkpoint(recorded.source, hf_source), data_parallel_size,
-                               hf_source)
+        plan = plan_for(weights, inventory_checkpoint(recorded.source, hf_source), data_parallel_size, hf_source)
     except CheckpointError as err:
         raise CheckpointError(f"{where} cannot be loaded: {err}") from None
     checksum = plan.weights_checksum
@@ -244,18 +243,19 @@ def recorded_weights_plan(args, recorded: ReferenceIdentity, where: str, way_out
     return plan
 
 
-def lora_base_plan(args, tag: TagInventory, data_parallel_size: int, hf_source: WeightsSource | None) -> LoadPlan | None:
+def lora_base_plan(settings: LoadSettings, tag: TagInventory, data_parallel_size: int,
+                   hf_source: WeightsSource | None) -> LoadPlan | None:
     """The module-only plan of the base under an adapter-only tag (the module docstring); None for a full tag."""
     recorded = tag.saved_layout.lora_base
     if recorded is None:
         return None
-    if not args.lora_rank:
+    if not settings.lora_rank:
         saved = (tag.metadata.saved_args or {}).get("lora_rank")
         raise CheckpointError(
             f"{tag.path} holds LoRA adapters only (over the base {recorded.path}), but this run has no adapters "
             f"(lora_rank 0). Set the lora_* settings of the run that saved it (lora_rank {saved}).")
     return recorded_weights_plan(
-        args, recorded, f"the base model of the LoRA adapters in {tag.path}, {recorded.path}", "The adapters were "
+        settings, recorded, f"the base model of the LoRA adapters in {tag.path}, {recorded.path}", "The adapters were "
         "trained over exactly those weights: restore them at that path.", data_parallel_size, hf_source)
 
 
@@ -267,17 +267,17 @@ def schedule_start(mode: LoadMode, saved_iteration: int | None, client: ClientSt
     return int(saved_iteration or 0) if mode is LoadMode.NO_LOAD_OPTIM else 0
 
 
-def _contract(args) -> dict:
+def _contract(settings: LoadSettings) -> dict:
     """What a load takes from the settings besides the choice of files."""
-    return dict(strict=bool(args.load_module_strict), allow_random=tuple(args.load_module_allow_random or ()),
-                precision=args.precision, run_architecture=args.architecture,
-                saves_here=layout.same_directory(args.load, args.save))
+    return dict(strict=bool(settings.load_module_strict), allow_random=settings.load_module_allow_random,
+                precision=settings.precision, run_architecture=settings.architecture,
+                saves_here=layout.same_directory(settings.load, settings.save))
 
 
-def requested_mode(args) -> LoadMode:
-    if args.finetune:
+def requested_mode(settings: LoadSettings) -> LoadMode:
+    if settings.finetune:
         return LoadMode.FINETUNE
-    if args.no_load_optim:
+    if settings.no_load_optim:
         return LoadMode.NO_LOAD_OPTIM
     return LoadMode.RESUME
 
@@ -325,10 +325,10 @@ def _resume_files(tag: TagInventory, universal: bool) -> tuple[Path, ...]:
     return tuple(sorted(files))
 
 
-def _rng_decision(args, mode: LoadMode, tag: TagInventory, world_size: int) -> tuple[bool, list[str]]:
+def _rng_decision(no_load_rng: bool, mode: LoadMode, tag: TagInventory, world_size: int) -> tuple[bool, list[str]]:
     if mode is LoadMode.FINETUNE:
         return False, []
-    if args.no_load_rng:
+    if no_load_rng:
         return False, ["RNG states not restored: no_load_rng is set"]
     saved = tag.metadata.client_state.rng_states if tag.metadata else None
     if not saved:
@@ -338,26 +338,26 @@ def _rng_decision(args, mode: LoadMode, tag: TagInventory, world_size: int) -> t
     return True, []
 
 
-def _hf_plan(args, inventory: CheckpointInventory, mode: LoadMode) -> LoadPlan:
+def _hf_plan(settings: LoadSettings, inventory: CheckpointInventory, mode: LoadMode) -> LoadPlan:
     root = inventory.root
-    if mode is not LoadMode.FINETUNE or args.iteration is not None:
+    if mode is not LoadMode.FINETUNE or settings.iteration is not None:
         raise CheckpointError(
             f"`load: {root}` is a Hugging Face model folder: it holds weights only, no optimizer states, "
             "iteration or RNG states. Set `finetune: true` (and leave `iteration` unset) to start from its weights."
         )
     source = inventory.hf_source
-    source.check_architecture(root, args.architecture())
-    source.check_adapters(root, args)
+    source.check_architecture(root, settings.architecture())
+    source.check_adapters(root, settings.lora, settings.source_of)
     adapter_base = source.adapter_base(root)
     unchecked = f"no {layout.MANIFEST_FILE} in a Hugging Face folder: its files are not checksummed"
     adapters = [] if adapter_base is None else [f"LoRA adapters of PEFT's folder {root} over their base model "
                                                 f"{adapter_base}, both loaded", _peft_base_checked(root, adapter_base,
                                                                                                     source)]
-    return LoadPlan(mode=mode, load_dir=root, source_format=FORMAT_HF, **_contract(args),
-                    files=inventory.hf_files, hf_source=source, model=_model(args),
-                    notes=(*_model_from_checkpoint_note(args, root), *adapters, unchecked),
-                    fresh_reward_head=args.train_impl == "rm" and not source.is_reward_model(root),
-                    fresh_adapters=args.lora_rank > 0 and adapter_base is None)
+    return LoadPlan(mode=mode, load_dir=root, source_format=FORMAT_HF, **_contract(settings),
+                    files=inventory.hf_files, hf_source=source, model=_model(settings),
+                    notes=(*_model_from_checkpoint_note(settings.sources, root), *adapters, unchecked),
+                    fresh_reward_head=settings.train_impl == "rm" and not source.is_reward_model(root),
+                    fresh_adapters=settings.lora_rank > 0 and adapter_base is None)
 
 
 def _peft_base_checked(root: Path, base: Path, source: WeightsSource) -> str:
@@ -377,31 +377,30 @@ def _peft_base_checked(root: Path, base: Path, source: WeightsSource) -> str:
     return f"base {base} checked against {root / LORA_BASE_FILE}: the model the adapters were trained over"
 
 
-def _model(args) -> str | None:
+def _model(settings: LoadSettings) -> str | None:
     """The model's family and variants; None before the settings describe a whole model (no padded_vocab_size
     yet: the compatibility checks say what is missing when it matters)."""
     try:
-        return describe_model(args.architecture(), args.hf_model_type)
+        return describe_model(settings.architecture(), settings.hf_model_type)
     except ModelConfigError:
         return None
 
 
-def _model_from_checkpoint_note(args, root: Path) -> list[str]:
+def _model_from_checkpoint_note(sources: dict[str, str], root: Path) -> list[str]:
     """Which settings came from the checkpoint itself (megatron.launch.run_context.settings_for_run)."""
-    sources = getattr(args, "sources", {})
     taken = [name for name, source in sources.items() if str(source).startswith(str(root))]
     if not taken:
         return []
     return [f"model settings taken from {sources[taken[0]]}, as no config file sets them: {', '.join(taken)}"]
 
 
-def _check_iterations_left(plan: LoadPlan, args) -> None:
+def _check_iterations_left(plan: LoadPlan, settings: LoadSettings) -> None:
     """A run that continues the checkpoint's iteration count must have steps left to train."""
-    if not plan.iteration_from_checkpoint or args.train_iters is None or plan.saved_iteration is None:
+    if not plan.iteration_from_checkpoint or settings.train_iters is None or plan.saved_iteration is None:
         return
-    if args.train_iters <= plan.saved_iteration:
+    if settings.train_iters <= plan.saved_iteration:
         raise CheckpointError(
-            f"{args.source_of('train_iters')}: train_iters is {args.train_iters}, but {plan.tag_dir} was saved at "
+            f"{settings.source_of('train_iters')}: train_iters is {settings.train_iters}, but {plan.tag_dir} was saved at "
             f"iteration {plan.saved_iteration}, so there is nothing left to train. Raise train_iters above "
             f"{plan.saved_iteration} to train further, load an earlier tag with `iteration: N`, or set "
             "`finetune: true` to train its weights from iteration 0."
@@ -416,17 +415,23 @@ def _skipped_notes(inventory: CheckpointInventory) -> list[str]:
 
 def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: int,
                     hf_source: WeightsSource | None = None) -> LoadPlan:
+    """`plan_for` with the load settings of the run's settings `args`."""
+    return plan_for(LoadSettings.from_args(args), inventory, data_parallel_size, hf_source)
+
+
+def plan_for(settings: LoadSettings, inventory: CheckpointInventory, data_parallel_size: int,
+             hf_source: WeightsSource | None = None) -> LoadPlan:
     """Decide what to load from `inventory` for these settings; CheckpointError when it cannot be done.
     `hf_source` reads the base of an adapter-only tag when that is a Hugging Face folder."""
-    mode = requested_mode(args)
+    mode = requested_mode(settings)
     root = inventory.root
     if inventory.is_hf:
-        return _hf_plan(args, inventory, mode)
+        return _hf_plan(settings, inventory, mode)
     skipped = _skipped_notes(inventory)
-    first_run = _first_run(args, inventory, mode, skipped)
+    first_run = _first_run(settings, inventory, mode, skipped)
     if first_run is not None:
         return first_run
-    tag = _complete_tag(inventory, args)
+    tag = _complete_tag(inventory, settings.iteration)
     has_manifest = tag.manifest is not None  # refuses a damaged, empty or incomplete one
     fresh_optimizer = []
     if mode is LoadMode.RESUME and _saved_without_optimizer(tag):
@@ -434,19 +439,20 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         fresh_optimizer.append(f"optimizer starts fresh: {tag.path} was saved with no_save_optim (weights only), "
                                "so this resume loads as with no_load_optim")
     load_optimizer = mode is LoadMode.RESUME
-    universal = preflight.loads_universal(tag, args)
-    layout_change = shape.layout_change(tag, args, data_parallel_size,
+    universal = preflight.loads_universal(tag, settings.deepspeed_extra_args)
+    layout_change = shape.layout_change(tag, settings, data_parallel_size,
                                         load_optimizer and tag.metadata is not None and not universal)
     files = _files_read(tag, layout_change, load_optimizer, universal)
-    world_size = data_parallel_size * max(args.model_parallel_size or 1, 1) * max(args.pipe_parallel_size or 1, 1)
-    restore_rng, rng_notes = _rng_decision(args, mode, tag, world_size)
+    world_size = (data_parallel_size * max(settings.model_parallel_size or 1, 1)
+                  * max(settings.pipe_parallel_size or 1, 1))
+    restore_rng, rng_notes = _rng_decision(settings.no_load_rng, mode, tag, world_size)
     client = tag.metadata.client_state if tag.metadata else ClientState(format_version=None)
     client.check_readable(tag.metadata_file)
     saved_iteration = _saved_iteration(tag, client, mode)
-    position = data_position(client, saved_iteration, args) if mode is not LoadMode.FINETUNE else None
+    position = data_position(client, saved_iteration, settings.position) if mode is not LoadMode.FINETUNE else None
     notes = [*(layout_change.resume.notes() if layout_change.resume else ()), *fresh_optimizer, *rng_notes]
     if position is not None:
-        notes += [*position.notes, *resume_change_notes(args, client, tag.tag, tag.iteration, position)]
+        notes += [*position.notes, *resume_change_notes(settings.position, client, tag.tag, tag.iteration, position)]
     notes += _layout_notes(tag, layout_change, load_optimizer, has_manifest) + skipped
     plan = LoadPlan(
         mode=mode,
@@ -460,27 +466,28 @@ def build_load_plan(args, inventory: CheckpointInventory, data_parallel_size: in
         restore_rng=restore_rng,
         data_position=position,
         files=files,
-        notes=tuple(_model_from_checkpoint_note(args, root) + notes),
-        **_contract(args),
+        notes=tuple(_model_from_checkpoint_note(settings.sources, root) + notes),
+        **_contract(settings),
         layout_change=layout_change,
-        validate_forward=bool(args.checkpoint_validation_with_forward_pass),
+        validate_forward=bool(settings.checkpoint_validation_with_forward_pass),
         lr_schedule_start=schedule_start(mode, saved_iteration, client),
         tag_inventory=tag,
-        model=_model(args),
-        fresh_reward_head=_fresh_reward_head(args, client, tag, load_optimizer),
-        fresh_adapters=_fresh_adapters(args, client, tag, load_optimizer),
-        base=lora_base_plan(args, tag, data_parallel_size, hf_source),
+        model=_model(settings),
+        fresh_reward_head=_fresh_reward_head(settings.train_impl, client, tag, load_optimizer),
+        fresh_adapters=_fresh_adapters(settings.lora_rank, client, tag, load_optimizer),
+        base=lora_base_plan(settings, tag, data_parallel_size, hf_source),
     )
-    _check_iterations_left(plan, args)
-    preflight.check_plan(files, load_optimizer, tag, args, layout_change)
+    _check_iterations_left(plan, settings)
+    preflight.check_plan(files, load_optimizer, tag, settings, layout_change)
     return plan
 
 
-def _first_run(args, inventory: CheckpointInventory, mode: LoadMode, skipped: list[str]) -> LoadPlan | None:
+def _first_run(settings: LoadSettings, inventory: CheckpointInventory, mode: LoadMode, skipped: list[str]) -> LoadPlan | None:
     """The plan of an auto-resuming job's first run (nothing to load yet), None where there is a checkpoint to
     load; CheckpointError where `load` names no checkpoint and the run does not save there."""
     root = inventory.root
-    auto_resume = layout.same_directory(args.load, args.save) and mode is LoadMode.RESUME and args.iteration is None
+    auto_resume = (layout.same_directory(settings.load, settings.save) and mode is LoadMode.RESUME
+                   and settings.iteration is None)
     if auto_resume and inventory.latest is None and inventory.tags and all(
             tag.format == FORMAT_INCOMPLETE for tag in inventory.tags.values()):
         skipped.append(f"skipped {', '.join(inventory.tags)}: incomplete (no model-states file) and not named by "
@@ -497,13 +504,13 @@ def _first_run(args, inventory: CheckpointInventory, mode: LoadMode, skipped: li
     else:
         where = f"{root} holds no checkpoint (no global_step<N> folders, no `{layout.LATEST_FILE}` file)"
     raise CheckpointError(
-        f"`load: {args.load}` is set but {where}. Fix the path; unset `load` to train from scratch; "
+        f"`load: {settings.load}` is set but {where}. Fix the path; unset `load` to train from scratch; "
         "or set `load` and `save` to the same directory to resume automatically when a checkpoint exists."
     )
 
 
-def _complete_tag(inventory: CheckpointInventory, args) -> TagInventory:
-    tag = inventory.chosen_tag(iteration=args.iteration)
+def _complete_tag(inventory: CheckpointInventory, iteration: int | None) -> TagInventory:
+    tag = inventory.chosen_tag(iteration=iteration)
     if tag.format == FORMAT_INCOMPLETE:
         raise CheckpointError(
             f"{tag.path} is incomplete: it holds no model-states file ({layout.model_states_name(0)}, "
@@ -545,10 +552,10 @@ def _layout_notes(tag: TagInventory, change: shape.LayoutChange, load_optimizer:
     return notes
 
 
-def _fresh_reward_head(args, client: ClientState, tag: TagInventory, load_optimizer: bool) -> bool:
+def _fresh_reward_head(train_impl: str, client: ClientState, tag: TagInventory, load_optimizer: bool) -> bool:
     """Whether a reward-model run starts its head fresh from this tag (the module docstring)."""
     saved_rm = (client.settings or {}).get("train_impl") == "rm"
-    if args.train_impl != "rm" or saved_rm:
+    if train_impl != "rm" or saved_rm:
         return False
     if load_optimizer:
         raise CheckpointError(
@@ -558,9 +565,9 @@ def _fresh_reward_head(args, client: ClientState, tag: TagInventory, load_optimi
     return True
 
 
-def _fresh_adapters(args, client: ClientState, tag: TagInventory, load_optimizer: bool) -> bool:
+def _fresh_adapters(lora_rank: int, client: ClientState, tag: TagInventory, load_optimizer: bool) -> bool:
     """Whether a LoRA run starts its adapters fresh over this tag's weights (the module docstring)."""
-    if not args.lora_rank or (client.settings or {}).get("lora_rank"):
+    if not lora_rank or (client.settings or {}).get("lora_rank"):
         return False
     if load_optimizer:
         raise CheckpointError(
@@ -570,14 +577,20 @@ def _fresh_adapters(args, client: ClientState, tag: TagInventory, load_optimizer
 
 
 def plan_load(args, data_parallel_size: int, hf_source: WeightsSource | None = None) -> LoadPlan | None:
-    """Inspect `args.load` and decide what to load; call before deepspeed.initialize so bad loads fail fast.
+    """`plan_load_for` with the load settings of the run's settings `args`."""
+    return plan_load_for(LoadSettings.from_args(args), data_parallel_size, hf_source)
+
+
+def plan_load_for(settings: LoadSettings, data_parallel_size: int,
+                  hf_source: WeightsSource | None = None) -> LoadPlan | None:
+    """Inspect `settings.load` and decide what to load; call before deepspeed.initialize so bad loads fail fast.
 
     None when `load` is unset. Raises CheckpointError when the plan cannot be carried out. With
     `hf_source` (megatron.hf.HF_FOLDER) `load` may name a Hugging Face model folder.
     """
-    if not args.load:
+    if not settings.load:
         return None
-    plan = build_load_plan(args, inventory_checkpoint(args.load, hf_source), data_parallel_size, hf_source)
+    plan = plan_for(settings, inventory_checkpoint(settings.load, hf_source), data_parallel_size, hf_source)
     from megatron.logging import get_logger
 
     get_logger().info(plan.describe())

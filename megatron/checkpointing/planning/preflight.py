@@ -15,6 +15,7 @@ from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.ondisk import layout
 from megatron.checkpointing.ondisk.inventory import FORMAT_PIPELINE, TagInventory
 from megatron.checkpointing.planning import shape
+from megatron.checkpointing.planning.load_settings import LoadSettings
 from megatron.contract.architecture import architecture_mismatches, fields_of_settings
 
 _SHOWN_MISMATCHES = 3
@@ -22,7 +23,8 @@ _MODULE_ONLY_HINT = ("set `no_load_optim: true` (keep iteration and data positio
                      "or `finetune: true` (weights only, start at iteration 0)")
 
 
-def _check_tensor_parallel(tag: TagInventory, args, change: shape.LayoutChange, load_optimizer: bool) -> None:
+def _check_tensor_parallel(tag: TagInventory, padded_vocab_size: int | None, change: shape.LayoutChange,
+                           load_optimizer: bool) -> None:
     """A module-only load re-splits the weights to this run's size; optimizer shards cannot be re-split."""
     if not change.tensor_parallel_changed:
         return
@@ -35,7 +37,7 @@ def _check_tensor_parallel(tag: TagInventory, args, change: shape.LayoutChange, 
             "re-split while loading)."
         )
     saved_args = (tag.metadata.saved_args if tag.metadata else None) or {}
-    saved_vocab, vocab = saved_args.get("padded_vocab_size"), args.padded_vocab_size
+    saved_vocab, vocab = saved_args.get("padded_vocab_size"), padded_vocab_size
     if saved_vocab and vocab and saved_vocab != vocab:
         multiple = (saved_args.get("make_vocab_size_divisible_by") or 1) * saved
         hint = (f"set `make_vocab_size_divisible_by: {multiple // wanted}` so this run pads the same way"
@@ -46,11 +48,11 @@ def _check_tensor_parallel(tag: TagInventory, args, change: shape.LayoutChange, 
         )
 
 
-def _check_architecture(tag: TagInventory, args) -> None:
+def _check_architecture(tag: TagInventory, settings: LoadSettings) -> None:
     saved_settings = tag.metadata.saved_args if tag.metadata else None  # in today's meaning (client_state.py)
-    if not saved_settings or not args.load_module_strict:
+    if not saved_settings or not settings.load_module_strict:
         return
-    mismatches = architecture_mismatches(fields_of_settings(saved_settings), fields_of_settings(args.to_dict()))
+    mismatches = architecture_mismatches(fields_of_settings(saved_settings), settings.architecture_fields)
     if mismatches:
         shown = "; ".join(m.describe() for m in mismatches[:_SHOWN_MISMATCHES])
         more = f" (and {len(mismatches) - _SHOWN_MISMATCHES} more)" if len(mismatches) > _SHOWN_MISMATCHES else ""
@@ -68,13 +70,13 @@ def _expected_optimizer_files(tag: TagInventory, saved_dp: int) -> dict[tuple[in
             for mp in (tag.engine_mp_ranks or (0,)) for dp in range(saved_dp)}
 
 
-def loads_universal(tag: TagInventory, args) -> bool:
+def loads_universal(tag: TagInventory, deepspeed_extra_args: dict | None) -> bool:
     """A full resume of `tag` reads its universal checkpoint (ds_to_universal's zero/ folder) instead of the shards."""
-    return tag.universal and bool(((args.deepspeed_extra_args or {}).get("checkpoint") or {}).get("load_universal"))
+    return tag.universal and bool(((deepspeed_extra_args or {}).get("checkpoint") or {}).get("load_universal"))
 
 
-def _check_resume(tag: TagInventory, args, change: shape.ShapeChange | None) -> None:
-    _check_pipeline_stages(tag, args)
+def _check_resume(tag: TagInventory, settings: LoadSettings, change: shape.ShapeChange | None) -> None:
+    _check_pipeline_stages(tag, settings.pipe_parallel_size)
     if not tag.has_optimizer_states:
         raise CheckpointError(
             f"full resume asks for optimizer states, but {tag.path} holds none (no "
@@ -84,7 +86,7 @@ def _check_resume(tag: TagInventory, args, change: shape.ShapeChange | None) -> 
     meta = tag.metadata
     if meta.zero_stage != 0:  # else the whole optimizer state sits in the model-states file
         _check_shards_complete(tag)
-    problem = change and shape.refusal(tag, args, _MODULE_ONLY_HINT)
+    problem = change and shape.refusal(tag, settings, _MODULE_ONLY_HINT)
     if change and tag.format == FORMAT_PIPELINE:
         problem = (f"{tag.path} is a pipeline checkpoint saved at {change.saved.describe()}, this run is "
                    f"{change.run.describe()}; a pipeline's optimizer shards resume at their own shape only. "
@@ -93,9 +95,9 @@ def _check_resume(tag: TagInventory, args, change: shape.ShapeChange | None) -> 
         raise CheckpointError(problem)
 
 
-def _check_pipeline_stages(tag: TagInventory, args) -> None:
+def _check_pipeline_stages(tag: TagInventory, pipe_parallel_size: int | None) -> None:
     """A pipeline tag resumes in DeepSpeed's pipe engine at its number of stages, any other tag outside it."""
-    pipelined_tag, stages = tag.format == FORMAT_PIPELINE, args.pipe_parallel_size or 0
+    pipelined_tag, stages = tag.format == FORMAT_PIPELINE, pipe_parallel_size or 0
     if pipelined_tag == (stages > 1) and (not pipelined_tag or tag.saved_pp_size == stages):
         return
     if pipelined_tag:
@@ -149,29 +151,29 @@ def check_files_intact(paths) -> None:
             )
 
 
-def _check_masters_loaded(tag: TagInventory, args) -> None:
+def _check_masters_loaded(tag: TagInventory, settings: LoadSettings) -> None:
     """DeepSpeed's ZeRO optimizers (stage 1-3) load a 16-bit run's fp32 master weights from the saved fp32 copies
     unless zero_optimization.load_from_fp32_weights is false; then they round the 16-bit weights up instead, and
     the resume is no longer exact. A full resume promises exactness, so it is refused rather than run so."""
-    extra = (args.deepspeed_extra_args or {}).get("zero_optimization") or {}  # merged into the section
-    zero = {**(args.zero_optimization or {}), **extra}
-    if args.zero_stage < 1 or args.precision not in ("fp16", "bf16") or zero.get("load_from_fp32_weights", True):
+    extra = (settings.deepspeed_extra_args or {}).get("zero_optimization") or {}  # merged into the section
+    zero = {**(settings.zero_optimization or {}), **extra}
+    if settings.zero_stage < 1 or settings.precision not in ("fp16", "bf16") or zero.get("load_from_fp32_weights", True):
         return
     setting = "deepspeed_extra_args" if "load_from_fp32_weights" in extra else "zero_optimization"
     raise CheckpointError(
-        f"{args.source_of(setting)}: zero_optimization.load_from_fp32_weights is false, so this full "
-        f"resume of {tag.path} would rebuild the fp32 master weights from the {args.precision} weights instead of "
+        f"{settings.source_of(setting)}: zero_optimization.load_from_fp32_weights is false, so this full "
+        f"resume of {tag.path} would rebuild the fp32 master weights from the {settings.precision} weights instead of "
         "loading the saved fp32 copies, and the resume would not be exact; remove the key (DeepSpeed's default is "
         f"true), or {_MODULE_ONLY_HINT}")
 
 
-def check_plan(files: Iterable[Path], load_optimizer: bool, tag: TagInventory, args,
+def check_plan(files: Iterable[Path], load_optimizer: bool, tag: TagInventory, settings: LoadSettings,
                change: shape.LayoutChange) -> None:
     """Raise CheckpointError when a plan reading `files` (and the optimizer states when `load_optimizer`, at
     the shape change the plan decided) cannot be carried out with these settings."""
     check_files_intact(files)
-    _check_tensor_parallel(tag, args, change, load_optimizer)
-    _check_architecture(tag, args)
+    _check_tensor_parallel(tag, settings.padded_vocab_size, change, load_optimizer)
+    _check_architecture(tag, settings)
     if load_optimizer:
-        _check_resume(tag, args, change.resume)
-        _check_masters_loaded(tag, args)
+        _check_resume(tag, settings, change.resume)
+        _check_masters_loaded(tag, settings)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.formats.weights_source import WeightsSource
 from megatron.checkpointing.ondisk.identity import ReferenceIdentity
+from megatron.checkpointing.planning.load_settings import LoadSettings
 from megatron.checkpointing.planning.plan import LoadMode, LoadPlan, recorded_weights_plan
 
 TRAIN_IMPLS_WITH_REFERENCE = ("dpo", "kto")
@@ -32,16 +33,16 @@ def needs_reference(args) -> bool:
     return not (args.precompute_model_name or (args.train_impl == "dpo" and args.dpo_reference_free))
 
 
-def plan_reference(args, policy_plan: LoadPlan | None, data_parallel_size: int,
+def plan_reference(settings: LoadSettings, policy_plan: LoadPlan | None, data_parallel_size: int,
                    hf_source: WeightsSource | None = None) -> tuple[LoadPlan, ReferenceIdentity]:
     """The module-only plan that loads the reference model and the identity every save records;
     CheckpointError (one line) when there is no reference to load or the recorded one is gone or changed."""
     if policy_plan is None or policy_plan.nothing_to_load:
         raise CheckpointError(
-            f"train_impl {args.train_impl} compares the policy with the model it starts from, but "
+            f"train_impl {settings.train_impl} compares the policy with the model it starts from, but "
             f"{'`load` is not set' if policy_plan is None else f'{policy_plan.load_dir} holds no checkpoint yet'}. "
             "Set `load` to the checkpoint or Hugging Face folder to start from, with `finetune: true`"
-            + (", or set `dpo_reference_free: true`." if args.train_impl == "dpo" else "."))
+            + (", or set `dpo_reference_free: true`." if settings.train_impl == "dpo" else "."))
     if policy_plan.mode is LoadMode.FINETUNE:
         return policy_plan, ReferenceIdentity(str(policy_plan.load_dir), policy_plan.tag,
                                               policy_plan.weights_checksum)
@@ -50,10 +51,10 @@ def plan_reference(args, policy_plan: LoadPlan | None, data_parallel_size: int,
         raise CheckpointError(
             f"{policy_plan.tag_dir} records no reference model (saved by a run without a live one: another "
             "train_impl, dpo_reference_free or precompute_model_name; or by another program), so this resume cannot "
-            f"know which model {args.train_impl} compares against. Set `finetune: true` to start from its weights "
+            f"know which model {settings.train_impl} compares against. Set `finetune: true` to start from its weights "
             "(they become the reference).")
     where = f"the reference model of this run, {recorded.path} (recorded in {policy_plan.tag_dir})"
-    plan = recorded_weights_plan(args, recorded, where, "A resume never takes the reference from the resumed policy: "
+    plan = recorded_weights_plan(settings, recorded, where, "A resume never takes the reference from the resumed policy: "
                                  "restore it at that path, or start a new run with `finetune: true`.",
                                  data_parallel_size, hf_source)
     return plan, recorded

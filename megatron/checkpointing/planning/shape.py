@@ -15,6 +15,7 @@ from pathlib import Path
 
 from megatron.checkpointing.ondisk import layout
 from megatron.checkpointing.ondisk.inventory import SavedLayout, TagInventory
+from megatron.checkpointing.planning.load_settings import LoadSettings
 from megatron.contract.architecture import experts_per_rank
 from megatron.optim.optimizer_layout import precision_of, zero_stage_of
 
@@ -77,10 +78,10 @@ class LayoutChange:
         return notes
 
 
-def layout_change(tag: TagInventory, args, data_parallel_size: int, resume: bool) -> LayoutChange:
+def layout_change(tag: TagInventory, settings: LoadSettings, data_parallel_size: int, resume: bool) -> LayoutChange:
     """The change between `tag`'s saved layout and this run's; `resume`: a full resume through the shards."""
-    return LayoutChange(tag.saved_layout, args.model_parallel_size or 1, args.moe_num_experts,
-                        shape_change(tag, args, data_parallel_size) if resume else None)
+    return LayoutChange(tag.saved_layout, settings.model_parallel_size or 1, settings.moe_num_experts,
+                        shape_change(tag, settings, data_parallel_size) if resume else None)
 
 
 def saved_shape(tag: TagInventory) -> Shape:
@@ -88,18 +89,19 @@ def saved_shape(tag: TagInventory) -> Shape:
     return Shape(saved.data_parallel, saved.tensor_parallel, saved.zero_stage, saved.precision)
 
 
-def run_shape(args, data_parallel_size: int) -> Shape:
-    return Shape(data_parallel_size, args.model_parallel_size or 1, zero_stage_of(args.zero_optimization, args.zero_stage),
-                 precision_of(args.precision, args.fp16, args.bf16))
+def run_shape(settings: LoadSettings, data_parallel_size: int) -> Shape:
+    return Shape(data_parallel_size, settings.model_parallel_size or 1,
+                 zero_stage_of(settings.zero_optimization, settings.zero_stage),
+                 precision_of(settings.precision, settings.fp16, settings.bf16))
 
 
-def shape_change(tag: TagInventory, args, data_parallel_size: int) -> ShapeChange | None:
+def shape_change(tag: TagInventory, settings: LoadSettings, data_parallel_size: int) -> ShapeChange | None:
     """The change between the shape `tag` was saved at and this run's; None when a same-shape resume does.
 
     Without ZeRO the whole optimizer state sits in the model-states file, which DeepSpeed loads at
     any data-parallel size: a data-parallel change alone is no change there.
     """
-    saved, run = saved_shape(tag), run_shape(args, data_parallel_size)
+    saved, run = saved_shape(tag), run_shape(settings, data_parallel_size)
     if saved.zero_stage == run.zero_stage == 0:
         saved = Shape(run.data_parallel, saved.tensor_parallel, saved.zero_stage, saved.precision)
     if saved == run:
@@ -107,14 +109,14 @@ def shape_change(tag: TagInventory, args, data_parallel_size: int) -> ShapeChang
     return ShapeChange(saved, run)
 
 
-def refusal(tag: TagInventory, args, way_out: str) -> str | None:
+def refusal(tag: TagInventory, settings: LoadSettings, way_out: str) -> str | None:
     """Why `tag`'s optimizer state cannot be resharded into this run (one line), or None."""
     if not tag.optimizer_files:
         return (f"{tag.path} keeps its optimizer state inside {layout.model_states_name(0)} (ZeRO stage 0 in "
                 f"{tag.metadata.precision}), which DeepSpeed's universal checkpoint cannot read, so it resumes "
                 f"only at its own shape (ZeRO stage 0, {tag.metadata.precision}, the same tensor-parallel size). "
                 f"Resume there, or {way_out}.")
-    if run_shape(args, 1).zero_stage == 0:
+    if run_shape(settings, 1).zero_stage == 0:
         return (f"a full resume of {tag.path} at another shape writes the Adam moments through DeepSpeed's "
                 "per-parameter optimizer-state API, which its optimizers without ZeRO do not offer. Set "
                 f"zero_optimization.stage to 1, 2 or 3 (or to {tag.metadata.zero_stage} at the saved shape), or {way_out}.")
