@@ -11,7 +11,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from megatron.data.blendable_dataset import BlendableDataset, normalize_weights, samples_per_dataset
-from megatron.data.data_vocabulary import check_data_vocabulary
+from megatron.data.data_settings import DataSettings
+from megatron.data.data_vocabulary import check_vocabulary
 from megatron.data.errors import DataError
 from megatron.data.gpt_dataset import GPTDataset, check_gpt_files
 from megatron.data.indexed_dataset import MMapIndexedDataset, data_file_path, index_file_path
@@ -40,17 +41,17 @@ def split_document_ranges(split: str, num_documents: int) -> list[tuple[int, int
     return [(int(bounds[i]), int(bounds[i + 1])) for i in range(3)]
 
 
-def _gpt_dataset(args, name: str, data: MMapIndexedDataset, documents: np.ndarray, num_samples: int,
+def _gpt_dataset(settings: DataSettings, name: str, data: MMapIndexedDataset, documents: np.ndarray, num_samples: int,
                  label_data: MMapIndexedDataset | None = None, reward_data: MMapIndexedDataset | None = None,
                  reference_data: MMapIndexedDataset | None = None) -> GPTDataset:
-    return GPTDataset(name, data, documents, num_samples, args.seq_length, args.seed, pack_impl=args.pack_impl,
-                      allow_chopped=args.allow_chopped, label_dataset=label_data, reward_dataset=reward_data,
+    return GPTDataset(name, data, documents, num_samples, settings.seq_length, settings.seed, pack_impl=settings.pack_impl,
+                      allow_chopped=settings.allow_chopped, label_dataset=label_data, reward_dataset=reward_data,
                       reference_dataset=reference_data)
 
 
-def _companion_paths(args, setting: str, paths: Sequence[str], of: str) -> list[str | None]:
+def _companion_paths(settings: DataSettings, setting: str, paths: Sequence[str], of: str) -> list[str | None]:
     """The prefixes of `setting` (label or reward files), one per entry of `of`, or None each when unset."""
-    companions = getattr(args, setting)
+    companions = getattr(settings, setting)
     if not companions:
         return [None] * len(paths)
     if len(companions) != len(paths):
@@ -68,153 +69,158 @@ def reference_log_probs_prefix(data_prefix: str, name: str) -> str:
     return f"{data_prefix}_{name}"
 
 
-def _reference_log_probs(args, data_prefix: str, setting: str) -> MMapIndexedDataset | None:
+def _reference_log_probs(settings: DataSettings, data_prefix: str, setting: str) -> MMapIndexedDataset | None:
     """The precomputed reference log-probabilities of `data_prefix` (precompute_model_name), if it is set."""
-    if not args.precompute_model_name:
+    if not settings.precompute_model_name:
         return None
-    prefix = reference_log_probs_prefix(data_prefix, args.precompute_model_name)
+    prefix = reference_log_probs_prefix(data_prefix, settings.precompute_model_name)
     missing = [path for path in (data_file_path(prefix), index_file_path(prefix)) if not Path(path).is_file()]
     if missing:
-        raise DataError(f"{setting}: precompute_model_name is {args.precompute_model_name!r} but {missing[0]} does "
+        raise DataError(f"{setting}: precompute_model_name is {settings.precompute_model_name!r} but {missing[0]} does "
                         "not exist; write it with generate.py (text_gen_type: precompute, load: the reference "
                         "model), or unset precompute_model_name to run the reference model live")
     return MMapIndexedDataset(prefix, setting=f"precompute_model_name ({setting})")
 
 
-def _index_samples(args, count: int, num_samples: int, weight: float) -> int:
+def _index_samples(settings: DataSettings, count: int, num_samples: int, weight: float) -> int:
     # Whole-document samples are indexed for as many samples as GPT-NeoX asks of each dataset (0.5 % more
     # than its share), because that number seeds their order: the same files give the same samples.
-    return int(count) if args.pack_impl == "packed" else math.ceil(num_samples * weight * 1.005)
+    return int(count) if settings.pack_impl == "packed" else math.ceil(num_samples * weight * 1.005)
 
 
-def _split_files(args, name: str) -> list[dict[str, MMapIndexedDataset | None]]:
+def _split_files(settings: DataSettings, name: str) -> list[dict[str, MMapIndexedDataset | None]]:
     """Every file of split `name` opened, one dict per data path, keyed as the split's dataset takes them
     (gpt2: data, labels, rewards, reference; pairwise: pos, neg, pos_label, neg_label, pos_ref, neg_ref)."""
-    if args.dataset_impl == "pairwise":
-        pos_paths, of = getattr(args, f"pos_{name}_data_paths"), f"pos_{name}_data_paths"
-        if not getattr(args, f"neg_{name}_data_paths"):
+    if settings.dataset_impl == "pairwise":
+        pos_paths, of = getattr(settings, f"pos_{name}_data_paths"), f"pos_{name}_data_paths"
+        if not getattr(settings, f"neg_{name}_data_paths"):
             raise DataError(f"{of} needs neg_{name}_data_paths beside it (chosen prefix k pairs with rejected prefix k)")
-        columns = [pos_paths, *(_companion_paths(args, setting, pos_paths, of) for setting in
+        columns = [pos_paths, *(_companion_paths(settings, setting, pos_paths, of) for setting in
                                 (f"neg_{name}_data_paths", f"pos_{name}_label_data_paths", f"neg_{name}_label_data_paths"))]
         return [{"pos": _open(pos, f"pos_{name}_data_paths[{i}]"), "neg": _open(neg, f"neg_{name}_data_paths[{i}]"),
                  "pos_label": _open(pos_label, f"pos_{name}_label_data_paths[{i}]"),
                  "neg_label": _open(neg_label, f"neg_{name}_label_data_paths[{i}]"),
-                 "pos_ref": _reference_log_probs(args, pos, f"pos_{name}_data_paths[{i}]"),
-                 "neg_ref": _reference_log_probs(args, neg, f"neg_{name}_data_paths[{i}]")}
+                 "pos_ref": _reference_log_probs(settings, pos, f"pos_{name}_data_paths[{i}]"),
+                 "neg_ref": _reference_log_probs(settings, neg, f"neg_{name}_data_paths[{i}]")}
                 for i, (pos, neg, pos_label, neg_label) in enumerate(zip(*columns, strict=True))]
-    paths = getattr(args, f"{name}_data_paths")
-    columns = [paths, *(_companion_paths(args, f"{name}_{kind}_data_paths", paths, f"{name}_data_paths")
+    paths = getattr(settings, f"{name}_data_paths")
+    columns = [paths, *(_companion_paths(settings, f"{name}_{kind}_data_paths", paths, f"{name}_data_paths")
                         for kind in ("label", "reward"))]
     return [{"data": MMapIndexedDataset(path, setting=f"{name}_data_paths[{i}]"),
              "labels": _open(label, f"{name}_label_data_paths[{i}]"),
              "rewards": _open(reward, f"{name}_reward_data_paths[{i}]"),
-             "reference": _reference_log_probs(args, path, f"{name}_data_paths[{i}]")}
+             "reference": _reference_log_probs(settings, path, f"{name}_data_paths[{i}]")}
             for i, (path, label, reward) in enumerate(zip(*columns, strict=True))]
 
 
-def _split_datasets(args, name: str, num_samples: int, normalised: np.ndarray) -> list:
+def _split_datasets(settings: DataSettings, name: str, num_samples: int, normalised: np.ndarray) -> list:
     """One dataset per data path of split `name` (gpt2: {name}_data_paths; pairwise: pos_/neg_{name}_data_paths)."""
     counts = samples_per_dataset(normalised, num_samples)
     datasets = []
-    for i, files in enumerate(_split_files(args, name)):
-        samples = _index_samples(args, counts[i], num_samples, normalised[i])
-        if args.dataset_impl == "pairwise":
+    for i, files in enumerate(_split_files(settings, name)):
+        samples = _index_samples(settings, counts[i], num_samples, normalised[i])
+        if settings.dataset_impl == "pairwise":
             datasets.append(PairwiseDataset(name, files["pos"], files["neg"], np.arange(len(files["pos"])), samples,
-                                            args.seq_length, args.seed, pack_impl=args.pack_impl,
-                                            allow_chopped=args.allow_chopped, pos_label=files["pos_label"],
+                                            settings.seq_length, settings.seed, pack_impl=settings.pack_impl,
+                                            allow_chopped=settings.allow_chopped, pos_label=files["pos_label"],
                                             neg_label=files["neg_label"], pos_ref=files["pos_ref"],
                                             neg_ref=files["neg_ref"]))
         else:
-            datasets.append(_gpt_dataset(args, name, files["data"], np.arange(len(files["data"])), samples,
+            datasets.append(_gpt_dataset(settings, name, files["data"], np.arange(len(files["data"])), samples,
                                          files["labels"], files["rewards"], files["reference"]))
     return datasets
 
 
-def _blended_dataset(args, name: str, paths: Sequence[str], weights, num_samples: int):
+def _blended_dataset(settings: DataSettings, name: str, paths: Sequence[str], weights, num_samples: int):
     if weights is None:
         weights = [1.0] * len(paths)
     normalised = normalize_weights(weights, paths, f"{name}_data_weights")
-    datasets = _split_datasets(args, name, num_samples, normalised)
+    datasets = _split_datasets(settings, name, num_samples, normalised)
     if len(datasets) == 1:
         return datasets[0]
     return BlendableDataset(datasets, normalised, num_samples)
 
 
 def build_train_valid_test_datasets(args, train_valid_test_num_samples: tuple[int, int, int]):
+    """`datasets_for` the data settings of the run's settings `args`."""
+    return datasets_for(DataSettings.from_args(args), train_valid_test_num_samples)
+
+
+def datasets_for(settings: DataSettings, train_valid_test_num_samples: tuple[int, int, int]):
     """(train, valid, test) datasets of {"text": int64[seq_length + 1]} items (pairwise: {"pos", "neg", ...});
     a split without data or without requested samples is None."""
-    if args.seq_length is None or args.seq_length < 1:
+    if settings.seq_length is None or settings.seq_length < 1:
         raise DataError("seq_length must be set to a positive number of tokens to build GPT samples")
     for name in SPLIT_NAMES:
-        if getattr(args, f"{name}_label_data_paths") and not getattr(args, f"{name}_data_paths"):
+        if getattr(settings, f"{name}_label_data_paths") and not getattr(settings, f"{name}_data_paths"):
             raise DataError(f"{name}_label_data_paths needs {name}_data_paths (label files pair with data paths "
                             f"one to one, as in GPT-NeoX); set {name}_data_paths")
-    prefix = "pos_" if args.dataset_impl == "pairwise" else ""
-    if getattr(args, f"{prefix}train_data_paths"):
-        paths = {name: getattr(args, f"{prefix}{name}_data_paths") for name in SPLIT_NAMES}
-        weights = {"train": args.train_data_weights, "valid": args.valid_data_weights,
-                   "test": args.test_data_weights}
+    prefix = "pos_" if settings.dataset_impl == "pairwise" else ""
+    if getattr(settings, f"{prefix}train_data_paths"):
+        paths = {name: getattr(settings, f"{prefix}{name}_data_paths") for name in SPLIT_NAMES}
+        weights = {"train": settings.train_data_weights, "valid": settings.valid_data_weights,
+                   "test": settings.test_data_weights}
         return tuple(
-            _blended_dataset(args, name, paths[name], weights[name], int(num_samples))
+            _blended_dataset(settings, name, paths[name], weights[name], int(num_samples))
             if paths[name] and num_samples > 0 else None
             for name, num_samples in zip(SPLIT_NAMES, train_valid_test_num_samples, strict=True)
         )
-    if args.data_path:
-        data = MMapIndexedDataset(args.data_path, setting="data_path")
+    if settings.data_path:
+        data = MMapIndexedDataset(settings.data_path, setting="data_path")
         return tuple(
-            None if documents is None else _gpt_dataset(args, name, data, documents, int(num_samples))
-            for name, documents, num_samples in zip(SPLIT_NAMES, _data_path_splits(args, data, train_valid_test_num_samples),
+            None if documents is None else _gpt_dataset(settings, name, data, documents, int(num_samples))
+            for name, documents, num_samples in zip(SPLIT_NAMES, _data_path_splits(settings, data, train_valid_test_num_samples),
                                                     train_valid_test_num_samples, strict=True)
         )
     raise DataError("no training data: set data_path (one dataset split by `split`), train_data_paths "
                     "(with valid_data_paths/test_data_paths), or embedded_corpus: true")
 
 
-def _data_path_splits(args, data: MMapIndexedDataset, train_valid_test_num_samples) -> list[np.ndarray | None]:
+def _data_path_splits(settings: DataSettings, data: MMapIndexedDataset, train_valid_test_num_samples) -> list[np.ndarray | None]:
     """The documents of data_path each split reads (by `split`), None for a split without documents or samples."""
-    ranges = split_document_ranges(args.split, len(data))
+    ranges = split_document_ranges(settings.split, len(data))
     (train_start, train_end), train_samples = ranges[0], train_valid_test_num_samples[0]
     if train_samples > 0 and train_end == train_start:
         raise DataError(
-            f"data_path: split {args.split!r} gives the train split none of the {len(data)} documents of "
-            f"{args.data_path}; give it a larger share in `split`, or more documents"
+            f"data_path: split {settings.split!r} gives the train split none of the {len(data)} documents of "
+            f"{settings.data_path}; give it a larger share in `split`, or more documents"
         )
     return [np.arange(start, end) if end > start and num_samples > 0 else None
             for (start, end), num_samples in zip(ranges, train_valid_test_num_samples, strict=True)]
 
 
-def check_data_files(args, tokenizer_vocab_size: int, train_valid_test_num_samples: tuple[int, int, int]) -> None:
+def check_data_files(settings: DataSettings, tokenizer_vocab_size: int, train_valid_test_num_samples: tuple[int, int, int]) -> None:
     """For deepy.py --dry-run: every check start-up makes of the files the run names (build_checked_datasets),
-    without building a sample index; DataError. The vocabulary of the data (check_data_vocabulary), then each data
+    without building a sample index; DataError. The vocabulary of the data (check_vocabulary), then each data
     path opened with its label, reward and precomputed files and checked as its dataset's constructor checks them
     (check_gpt_files, check_pairwise_files), so what the dry run passes, the start passes.
     """
-    check_data_vocabulary(args, tokenizer_vocab_size)
-    if args.data_path:
-        data = MMapIndexedDataset(args.data_path, setting="data_path")
-        for name, documents in zip(SPLIT_NAMES, _data_path_splits(args, data, train_valid_test_num_samples),
+    check_vocabulary(settings, tokenizer_vocab_size)
+    if settings.data_path:
+        data = MMapIndexedDataset(settings.data_path, setting="data_path")
+        for name, documents in zip(SPLIT_NAMES, _data_path_splits(settings, data, train_valid_test_num_samples),
                                    strict=True):
             if documents is not None:
-                check_gpt_files(name, data, documents, args.seq_length, args.pack_impl, allow_chopped=args.allow_chopped)
+                check_gpt_files(name, data, documents, settings.seq_length, settings.pack_impl, allow_chopped=settings.allow_chopped)
         return
-    prefix = "pos_" if args.dataset_impl == "pairwise" else ""
+    prefix = "pos_" if settings.dataset_impl == "pairwise" else ""
     for name, num_samples in zip(SPLIT_NAMES, train_valid_test_num_samples, strict=True):
-        if not getattr(args, f"{prefix}{name}_data_paths") or num_samples <= 0:
+        if not getattr(settings, f"{prefix}{name}_data_paths") or num_samples <= 0:
             continue
-        for files in _split_files(args, name):
-            if args.dataset_impl == "pairwise":
-                check_pairwise_files(name, seq_length=args.seq_length, pack_impl=args.pack_impl,
-                                     allow_chopped=args.allow_chopped, **files)
+        for files in _split_files(settings, name):
+            if settings.dataset_impl == "pairwise":
+                check_pairwise_files(name, seq_length=settings.seq_length, pack_impl=settings.pack_impl,
+                                     allow_chopped=settings.allow_chopped, **files)
             else:
-                check_gpt_files(name, documents=np.arange(len(files["data"])), seq_length=args.seq_length,
-                                pack_impl=args.pack_impl, allow_chopped=args.allow_chopped, **files)
+                check_gpt_files(name, documents=np.arange(len(files["data"])), seq_length=settings.seq_length,
+                                pack_impl=settings.pack_impl, allow_chopped=settings.allow_chopped, **files)
 
 
-def build_checked_datasets(args, tokenizer_vocab_size: int, train_valid_test_num_samples: tuple[int, int, int]):
-    """Start-up's datasets (build_train_valid_test_datasets), after the vocabulary of their files is checked: the
+def build_checked_datasets(settings: DataSettings, tokenizer_vocab_size: int, train_valid_test_num_samples: tuple[int, int, int]):
+    """Start-up's datasets (datasets_for), after the vocabulary of their files is checked: the
     checks check_data_files makes for the dry run, each made once (the constructors check their files)."""
-    check_data_vocabulary(args, tokenizer_vocab_size)
-    return build_train_valid_test_datasets(args, train_valid_test_num_samples)
+    check_vocabulary(settings, tokenizer_vocab_size)
+    return datasets_for(settings, train_valid_test_num_samples)
 
 
 def _loader(dataset, sampler: DistributedBatchSampler, num_workers: int):
@@ -235,14 +241,15 @@ def build_data_iterators(
 
     The train iterator starts at global sample consumed_train_samples and ends with the dataset; the
     valid iterator starts at consumed_valid_samples, the test iterator at 0, and both cycle forever."""
-    return data_iterators(args, build_train_valid_test_datasets(args, train_valid_test_num_samples), data_parallel_rank,
+    settings = DataSettings.from_args(args)
+    return data_iterators(settings, datasets_for(settings, train_valid_test_num_samples), data_parallel_rank,
                           data_parallel_size, consumed_train_samples, consumed_valid_samples)
 
 
-def data_iterators(args, datasets, data_parallel_rank: int, data_parallel_size: int, consumed_train_samples: int = 0,
+def data_iterators(settings: DataSettings, datasets, data_parallel_rank: int, data_parallel_size: int, consumed_train_samples: int = 0,
                    consumed_valid_samples: int = 0):
     """build_data_iterators over (train, valid, test) datasets built already."""
-    micro = args.train_micro_batch_size_per_gpu
+    micro = settings.train_micro_batch_size_per_gpu
     if not micro:
         raise DataError("train_micro_batch_size_per_gpu must be set to build data iterators")
     start = {"train": consumed_train_samples, "valid": consumed_valid_samples, "test": 0}
@@ -259,15 +266,15 @@ def data_iterators(args, datasets, data_parallel_rank: int, data_parallel_size: 
             data_parallel_size,
             cycle=name != "train",
         )
-        iterators.append(_loader(dataset, sampler, args.num_workers))
+        iterators.append(_loader(dataset, sampler, settings.num_workers))
     return tuple(iterators)
 
 
-def samples_per_split(args) -> tuple[int, int, int]:
+def samples_per_split(settings: DataSettings) -> tuple[int, int, int]:
     """Samples each split must provide: every train step, every evaluation, the final test eval."""
-    evaluations = args.train_iters // args.eval_interval + 1
+    evaluations = settings.train_iters // settings.eval_interval + 1
     return (
-        args.train_iters * args.train_batch_size,
-        evaluations * args.eval_iters * args.train_batch_size,
-        args.eval_iters * args.train_batch_size,
+        settings.train_iters * settings.train_batch_size,
+        evaluations * settings.eval_iters * settings.train_batch_size,
+        settings.eval_iters * settings.train_batch_size,
     )

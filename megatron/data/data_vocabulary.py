@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron.data.data_settings import DataSettings
 from megatron.data.errors import DataError
 from megatron.data.index_cache import data_fingerprint, load_or_build
 from megatron.data.indexed_dataset import MMapIndexedDataset, index_file_path
@@ -58,33 +59,38 @@ def token_id_range(data: MMapIndexedDataset) -> tuple[int, int, int | None]:
     return smallest, largest, None
 
 
-def dataset_prefixes(args) -> list[tuple[str, str]]:
+def dataset_prefixes(settings: DataSettings) -> list[tuple[str, str]]:
     """(setting, prefix) of every dataset of token ids the run reads."""
-    if args.data_path:
-        return [("data_path", args.data_path)]
-    return _prefixes_of(args, "data_paths")
+    if settings.data_path:
+        return [("data_path", settings.data_path)]
+    return _prefixes_of(settings, "data_paths")
 
 
-def label_prefixes(args) -> list[tuple[str, str]]:
+def label_prefixes(settings: DataSettings) -> list[tuple[str, str]]:
     """(setting, prefix) of every label file the run reads."""
-    return _prefixes_of(args, "label_data_paths")
+    return _prefixes_of(settings, "label_data_paths")
 
 
-def _prefixes_of(args, suffix: str) -> list[tuple[str, str]]:
-    settings = [f"{sign}{split}_{suffix}" for split in ("train", "valid", "test") for sign in ("", "pos_", "neg_")]
-    return [(f"{setting}[{i}]", prefix) for setting in settings for i, prefix in enumerate(getattr(args, setting) or [])]
+def _prefixes_of(settings: DataSettings, suffix: str) -> list[tuple[str, str]]:
+    names = [f"{sign}{split}_{suffix}" for split in ("train", "valid", "test") for sign in ("", "pos_", "neg_")]
+    return [(f"{name}[{i}]", prefix) for name in names for i, prefix in enumerate(getattr(settings, name) or [])]
 
 
 def check_data_vocabulary(args, tokenizer_vocab_size: int) -> None:
+    """`check_vocabulary` of the data settings of the run's settings `args`."""
+    check_vocabulary(DataSettings.from_args(args), tokenizer_vocab_size)
+
+
+def check_vocabulary(settings: DataSettings, tokenizer_vocab_size: int) -> None:
     """Raise DataError when a dataset is empty, or a dataset or label file was made with another tokenizer or holds
     ids the model has no row for (a negative token id included). Once per file before training: each file's largest id is recorded or cached."""
-    tokenizer = f"the tokenizer ({args.tokenizer_type}, vocab_file {args.vocab_file})"
+    tokenizer = f"the tokenizer ({settings.tokenizer_type}, vocab_file {settings.vocab_file})"
     rebuild = ("the data was made with another tokenizer: train with that one, or rebuild the data with "
                "tools/datasets/preprocess_data.py")
     relabel = ("labels are token ids, negative where the loss is masked: rebuild them with this tokenizer "
                "(tools/datasets/preprocess_data_with_chat_template.py writes the labels with the data)")
-    files = [("dataset", "token id", rebuild, *entry) for entry in dataset_prefixes(args)]
-    files += [("label file", "label id", relabel, *entry) for entry in label_prefixes(args)]
+    files = [("dataset", "token id", rebuild, *entry) for entry in dataset_prefixes(settings)]
+    files += [("label file", "label id", relabel, *entry) for entry in label_prefixes(settings)]
     for kind, id_name, fix, setting, prefix in files:
         data = MMapIndexedDataset(prefix, setting=setting)
         if kind == "dataset" and not data.sizes.sum():
@@ -100,9 +106,9 @@ def check_data_vocabulary(args, tokenizer_vocab_size: int) -> None:
                 "the data was made with, or rebuild the data with tools/datasets/preprocess_data.py and this one"
             )
         low = 0 if kind == "dataset" else None  # a negative label is a masked one
-        if largest < args.padded_vocab_size and (low is None or smallest >= low):
+        if largest < settings.padded_vocab_size and (low is None or smallest >= low):
             continue
-        document, position, value = data.first_id_outside(low, args.padded_vocab_size)
+        document, position, value = data.first_id_outside(low, settings.padded_vocab_size)
         if value < 0:
             raise DataError(
                 f"{setting}: {kind} {prefix} holds {id_name} {value} (document {document}, position {position}); a "
@@ -111,6 +117,6 @@ def check_data_vocabulary(args, tokenizer_vocab_size: int) -> None:
             )
         raise DataError(
             f"{setting}: {kind} {prefix} holds {id_name} {value} (document {document}, position {position}), but "
-            f"the model has {args.padded_vocab_size} vocabulary rows ({tokenizer} has {tokenizer_vocab_size} "
+            f"the model has {settings.padded_vocab_size} vocabulary rows ({tokenizer} has {tokenizer_vocab_size} "
             f"tokens, padded to a multiple of make_vocab_size_divisible_by); {fix}"
         )

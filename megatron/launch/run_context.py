@@ -48,6 +48,7 @@ def check_run_files(args: NeoXArgs) -> None:
     for the embedded corpus, which this framework writes itself."""
     from megatron.checkpointing import LoadSettings, plan_load_for
     from megatron.data.builders import check_data_files, samples_per_split
+    from megatron.data.data_settings import DataSettings
     from megatron.hf import HF_FOLDER
     from megatron.objectives.precomputed_reference import (
         PrecomputeSettings,
@@ -59,7 +60,8 @@ def check_run_files(args: NeoXArgs) -> None:
     if not args.requires_run_settings or args.embedded_corpus:
         return
     args = resolve_run_settings(args)
-    check_data_files(args, build_tokenizer(args).vocab_size, samples_per_split(args))
+    data_settings = DataSettings.from_args(args)
+    check_data_files(data_settings, build_tokenizer(args).vocab_size, samples_per_split(data_settings))
     precompute = PrecomputeSettings.from_args(args)
     if uses_precomputed_reference(precompute):
         load_settings = LoadSettings.from_args(args)

@@ -225,6 +225,7 @@ def setup(args):
         plan_load_for,
     )
     from megatron.data.builders import build_checked_datasets, data_iterators, samples_per_split
+    from megatron.data.data_settings import DataSettings
     from megatron.hf import HF_FOLDER
     from megatron.neox_arguments import ConfigError, NeoXArgs
     from megatron.tokenizer import build_tokenizer
@@ -242,8 +243,9 @@ def setup(args):
         raise ConfigError("padded_vocab_size is not resolved: start training through deepy.py, which resolves the "
                           "tokenizer and the embedded corpus once (megatron.launch.run_context.resolve_run_settings)")
     # before the model: a data file that cannot train stops the run before the slow part of the start
+    data_settings = DataSettings.from_args(args)
     datasets = (None, None, None) if reads_data_server(args) else \
-        build_checked_datasets(args, build_tokenizer(args).vocab_size, samples_per_split(args))
+        build_checked_datasets(data_settings, build_tokenizer(args).vocab_size, samples_per_split(data_settings))
     # the checkpoint files read from here on are checked in a thread while the engine is built and loaded;
     # the block ends with their checks, before any step
     with checks_beside_use():
@@ -265,7 +267,7 @@ def setup(args):
     if not restored_rng:
         # Same weights on every rank came from the shared seed above; dropout differs per rank.
         set_seeds(args.seed + 1 + dp_rank)
-    iterators = data_iterators(args, datasets, dp_rank, dp_size, state.consumed_train_samples,
+    iterators = data_iterators(data_settings, datasets, dp_rank, dp_size, state.consumed_train_samples,
                                state.consumed_valid_samples)
     if args.train_impl == "reinforce":
         iterators = _rollouts(args, engine, iterators, state, saved_rollouts, dp_rank, dp_size)

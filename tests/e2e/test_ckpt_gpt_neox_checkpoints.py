@@ -18,6 +18,7 @@ from megatron.checkpointing.ondisk.module_weights import (
 )
 from megatron.data import build_data_iterators, get_batch
 from megatron.data.builders import samples_per_split
+from megatron.data.data_settings import DataSettings
 from megatron.launch.run_context import resolve_run_settings
 from megatron.model import GPTModel, build_model, causal_lm_loss
 from megatron.neox_arguments import NeoXArgs
@@ -93,7 +94,7 @@ def test_pipeline_layer_files_with_old_mlp_names_fine_tune_from_their_weights(tm
 
     # The model's own loss on the run's first batch, and that of the same model with its MLPs re-drawn
     # (what a load that skipped the old names would train from).
-    train_iterator, _, _ = build_data_iterators(args, samples_per_split(args), 0, 1, 0)
+    train_iterator, _, _ = build_data_iterators(args, samples_per_split(DataSettings.from_args(args)), 0, 1, 0)
     batch = get_batch(next(train_iterator))
     tokens, labels, loss_mask = batch.tokens, batch.labels, batch.loss_mask
     with torch.no_grad():

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from megatron.data import build_data_iterators, build_train_valid_test_datasets
 from megatron.data.builders import samples_per_split
+from megatron.data.data_settings import DataSettings
 from megatron.launch.run_context import resolve_run_settings
 from megatron.model import build_model
 from megatron.neox_arguments import NeoXArgs
@@ -51,7 +52,7 @@ def test_sft_run_trains_and_evaluates_only_the_labelled_tokens(tmp_path):
     result = train(args, engine, state, iterators)
     # lr 1e-12: the weights stay (to 1e-5) those drawn from the seed, so each loss is the masked loss of its samples
     model = build_model(args.architecture(), args.seed).eval()
-    train_data, valid_data, _ = build_train_valid_test_datasets(args, samples_per_split(args))
+    train_data, valid_data, _ = build_train_valid_test_datasets(args, samples_per_split(DataSettings.from_args(args)))
     assert result.last_train_loss == pytest.approx(masked_loss(model, [train_data[0], train_data[1]]), rel=1e-5)
     assert result.last_valid_loss == pytest.approx(masked_loss(model, [valid_data[0], valid_data[1]]), rel=1e-5)
     everything = [{**s, "label": s["text"]} for s in (train_data[0], train_data[1])]
@@ -66,7 +67,7 @@ def test_an_evaluation_reads_eval_iters_batches_of_gradient_accumulation_micro_b
     engine, state, iterators = setup(args)
     result = train(args, engine, state, iterators)
     model = build_model(args.architecture(), args.seed).eval()
-    _, valid_data, _ = build_train_valid_test_datasets(args, samples_per_split(args))
+    _, valid_data, _ = build_train_valid_test_datasets(args, samples_per_split(DataSettings.from_args(args)))
     per_sample = [masked_loss(model, [valid_data[i]]) for i in range(2)]
     assert per_sample[0] != pytest.approx(per_sample[1], rel=1e-3)  # the two samples tell the counts apart
     assert result.last_valid_loss == pytest.approx(sum(per_sample) / 2, rel=1e-5)
@@ -75,7 +76,7 @@ def test_an_evaluation_reads_eval_iters_batches_of_gradient_accumulation_micro_b
 
 def test_a_run_without_validation_data_says_it_will_not_evaluate(tmp_path):
     args = sft_args(tmp_path, valid_data_paths=None, valid_label_data_paths=None)
-    _, valid, test = build_data_iterators(args, samples_per_split(args), 0, 1)
+    _, valid, test = build_data_iterators(args, samples_per_split(DataSettings.from_args(args)), 0, 1)
     assert valid is None and test is not None
     assert missing_evaluation_notes(args, valid, test) == [
         "no validation data (valid_data_paths is not set): no evaluation every 1 steps"]

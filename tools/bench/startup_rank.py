@@ -27,7 +27,7 @@ hide_foreign_notices()  # before the imports below
 PHASES = (
     ("megatron.training.loop", "initialize_distributed", "process group"),
     ("megatron.tokenizer", "build_tokenizer", "tokenizer"),
-    ("megatron.checkpointing", "plan_load", "load plan"),
+    ("megatron.checkpointing", "plan_load_for", "load plan"),
     ("megatron.model", "build_model", "model"),
     ("deepspeed", "initialize", "engine"),
     ("megatron.checkpointing", "load_checkpoint", "load"),
