@@ -35,6 +35,7 @@ from megatron.runtime.initialize import (
 from megatron.runtime.stop_signals import StopSignals, hold_before_save, signal_name
 from megatron.training.divergence import check_weights_finite
 from megatron.training.learning_rates import Schedule, schedule_for_resume, set_learning_rate
+from megatron.training.loop_settings import LoopSettings
 from megatron.training.watchers import StepWatchers
 
 
@@ -70,28 +71,30 @@ class TrainState:
         return self.iteration + 1 - self.lr_schedule_start - self.skipped_steps
 
 
-def state_after_load(outcome, args=None) -> TrainState:
+def state_after_load(outcome, schedule: Schedule | None = None, override_lr_scheduler: bool = False,
+                     use_checkpoint_lr_scheduler: bool = False) -> TrainState:
     """Where training continues after `load_checkpoint`: the plan decided iteration, data position and the
     iteration the LR schedule counts from.
 
-    With `args`, also the LR schedule: a full resume checks the configs' schedule against the one the
-    checkpoint recorded (override_lr_scheduler / use_checkpoint_lr_scheduler decide, as in GPT-NeoX).
+    With the configs' `schedule`, also the LR schedule: a full resume checks it against the one the checkpoint
+    recorded (override_lr_scheduler / use_checkpoint_lr_scheduler decide, as in GPT-NeoX).
     """
-    schedule = Schedule.from_args(args) if args is not None else None
     if outcome.loaded_optimizer and schedule is not None:
-        schedule = _resumed_schedule(args, schedule, outcome.client_state.lr_schedule)
+        schedule = _resumed_schedule(schedule, outcome.client_state.lr_schedule, override_lr_scheduler,
+                                     use_checkpoint_lr_scheduler)
     return TrainState(iteration=outcome.iteration, consumed_train_samples=outcome.consumed_train_samples,
                       consumed_valid_samples=outcome.consumed_valid_samples,
                       lr_schedule_start=outcome.lr_schedule_start, schedule=schedule, lineage=outcome.lineage,
                       lora_base=outcome.lora_base)
 
 
-def _resumed_schedule(args, configured: Schedule, saved: dict | None) -> Schedule:
+def _resumed_schedule(configured: Schedule, saved: dict | None, override_lr_scheduler: bool,
+                      use_checkpoint_lr_scheduler: bool) -> Schedule:
     from megatron.neox_arguments import ConfigError
 
     try:
-        schedule, line = schedule_for_resume(configured, saved, override=args.override_lr_scheduler,
-                                             use_checkpoint=args.use_checkpoint_lr_scheduler)
+        schedule, line = schedule_for_resume(configured, saved, override=override_lr_scheduler,
+                                             use_checkpoint=use_checkpoint_lr_scheduler)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if line:
@@ -150,19 +153,19 @@ def evaluate(engine, iterator, eval_iters: int, objective) -> tuple[float, dict[
     return mean_over_micro_batches_and_ranks(results)
 
 
-def missing_evaluation_notes(args, valid_iterator, test_iterator) -> list[str]:
+def missing_evaluation_notes(loop: LoopSettings, valid_iterator, test_iterator) -> list[str]:
     """What a run that would evaluate cannot, for want of data: said once before the first step, not silently."""
     def why(split: str) -> str:
-        if args.train_impl == "reinforce":
+        if loop.train_impl == "reinforce":
             return "train_impl reinforce does not evaluate yet"
-        if args.data_path:
-            return f"split {args.split!r} of data_path gives it no documents"
+        if loop.data_path:
+            return f"split {loop.split!r} of data_path gives it no documents"
         return f"{split}_data_paths is not set"
 
     notes = []
-    if args.eval_iters > 0 and valid_iterator is None and args.eval_interval <= args.train_iters:
-        notes.append(f"no validation data ({why('valid')}): no evaluation every {args.eval_interval} steps")
-    if args.eval_iters > 0 and test_iterator is None:
+    if loop.eval_iters > 0 and valid_iterator is None and loop.eval_interval <= loop.train_iters:
+        notes.append(f"no validation data ({why('valid')}): no evaluation every {loop.eval_interval} steps")
+    if loop.eval_iters > 0 and test_iterator is None:
         notes.append(f"no test data ({why('test')}): no test evaluation at the end")
     return notes
 
@@ -181,11 +184,11 @@ def _evaluation_line(loss: float, metrics: dict[str, float], objective) -> str:
     return " | ".join(parts)
 
 
-def _should_save(args, iteration: int) -> bool:
-    if not args.save:
+def _should_save(loop: LoopSettings, iteration: int) -> bool:
+    if not loop.save:
         return False
-    every_factor = bool(args.checkpoint_factor) and iteration > 0 and iteration % args.checkpoint_factor == 0
-    return every_factor or iteration in (args.extra_save_iters or ())
+    every_factor = bool(loop.checkpoint_factor) and iteration > 0 and iteration % loop.checkpoint_factor == 0
+    return every_factor or iteration in (loop.extra_save_iters or ())
 
 
 def _save(args, engine, state: TrainState) -> Path:
@@ -222,12 +225,14 @@ def setup(args):
         check_save_dir,
         checks_beside_use,
         load_checkpoint,
+        needs_reference,
         plan_load_for,
     )
     from megatron.data.builders import build_checked_datasets, data_iterators, samples_per_split
     from megatron.data.data_settings import DataSettings
     from megatron.hf import HF_FOLDER
     from megatron.neox_arguments import ConfigError, NeoXArgs
+    from megatron.objectives.precomputed_reference import PrecomputeSettings
     from megatron.tokenizer import build_tokenizer
 
     if not args.requires_run_settings:  # files for generate.py / eval.py: what training needs was not required of them
@@ -244,14 +249,15 @@ def setup(args):
                           "tokenizer and the embedded corpus once (megatron.launch.run_context.resolve_run_settings)")
     # before the model: a data file that cannot train stops the run before the slow part of the start
     data_settings = DataSettings.from_args(args)
-    datasets = (None, None, None) if reads_data_server(args) else \
+    datasets = (None, None, None) if reads_data_server(args.train_impl, args.reward_function) else \
         build_checked_datasets(data_settings, build_tokenizer(args).vocab_size, samples_per_split(data_settings))
     # the checkpoint files read from here on are checked in a thread while the engine is built and loaded;
     # the block ends with their checks, before any step
     with checks_beside_use():
         load_settings = LoadSettings.from_args(args)
         plan = plan_load_for(load_settings, dp_size, hf_source=HF_FOLDER)
-        reference_plan, reference_identity = _planned_reference(args, load_settings, plan, dp_size)
+        reference_plan, reference_identity = _planned_reference(needs_reference(args), load_settings,
+                                                                PrecomputeSettings.from_args(args), plan, dp_size)
         check_save_dir(args)
         engine = _built_engine(args, dp_size)
         state = TrainState(schedule=Schedule.from_args(args))
@@ -260,7 +266,8 @@ def setup(args):
         if plan is not None:
             outcome = load_checkpoint(engine, plan)
             if outcome is not None:
-                state = state_after_load(outcome, args)
+                state = state_after_load(outcome, Schedule.from_args(args), args.override_lr_scheduler,
+                                         args.use_checkpoint_lr_scheduler)
                 restored_rng = outcome.restored_rng
                 saved_rollouts = outcome.client_state.rollouts if restored_rng else None
         state.reference = _reference_model(args, engine, reference_plan, reference_identity)
@@ -274,21 +281,22 @@ def setup(args):
     return engine, state, iterators
 
 
-def _planned_reference(args, load_settings, plan, dp_size: int):
+def _planned_reference(live: bool, load_settings, precompute, plan, dp_size: int):
     """The DPO/KTO/REINFORCE reference this run compares against: (its load plan, its identity), said in one line;
-    (None, identity) for precomputed log-probabilities; (None, None) without a reference."""
-    from megatron.checkpointing import describe_reference, needs_reference, plan_reference
+    (None, identity) for precomputed log-probabilities; (None, None) without a reference. `live`: the objective
+    runs a frozen reference model (needs_reference)."""
+    from megatron.checkpointing import describe_reference, plan_reference
     from megatron.hf import HF_FOLDER
-    from megatron.objectives.precomputed_reference import PrecomputeSettings, precomputed_reference
+    from megatron.objectives.precomputed_reference import precomputed_reference
 
-    if needs_reference(args):
+    if live:
         reference_plan, identity = plan_reference(load_settings, plan, dp_size, hf_source=HF_FOLDER)
         get_logger().info(describe_reference(identity, resumed=reference_plan is not plan,
-                                             adapters_off=args.lora_rank > 0))
+                                             adapters_off=load_settings.lora_rank > 0))
         return reference_plan, identity
-    precomputed = precomputed_reference(PrecomputeSettings.from_args(args), load_settings, plan, dp_size, hf_source=HF_FOLDER)
+    precomputed = precomputed_reference(precompute, load_settings, plan, dp_size, hf_source=HF_FOLDER)
     if precomputed is not None:
-        get_logger().info(f"precomputed reference log-probabilities ({args.precompute_model_name}) of "
+        get_logger().info(f"precomputed reference log-probabilities ({precompute.precompute_model_name}) of "
                           f"{precomputed.path}, checksum {precomputed.checksum}: this run's reference; "
                           "recorded in every save")
     return None, precomputed
@@ -347,9 +355,9 @@ def _rollouts(args, engine, iterators, state: TrainState, saved: list | None, dp
     return iterators
 
 
-def reads_data_server(args) -> bool:
+def reads_data_server(train_impl: str, reward_function) -> bool:
     """REINFORCE's scored completions come from GPT-NeoX's data server: no data files are read."""
-    return args.train_impl == "reinforce" and not args.reward_function
+    return train_impl == "reinforce" and not reward_function
 
 
 def _frozen_reference(args, plan):
@@ -456,26 +464,27 @@ def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals
                           "of this run; nothing to save")
         return RunResult(state.iteration, None, None, None)
     train_iterator, valid_iterator, test_iterator = iterators
-    for note in missing_evaluation_notes(args, valid_iterator, test_iterator):
+    loop = LoopSettings.from_args(args)
+    for note in missing_evaluation_notes(loop, valid_iterator, test_iterator):
         get_logger().info(note)
     objective = objective or objective_for(args, batch_options_for(args),
                                            state.reference.engine if state.reference else None)
     state.schedule = state.schedule or Schedule.from_args(args)
-    if state.iteration == 0 and _should_save(args, 0):
+    if state.iteration == 0 and _should_save(loop, 0):
         _save(args, engine, state)  # extra_save_iters may ask for the untrained model
     start_iteration = state.iteration
     last_train_loss = last_valid_loss = saved_at = None
     watchers = StepWatchers(args, engine, objective.metric_names, state.iteration)
     try:
         engine.train()
-        while state.iteration < args.train_iters and stop is None:
+        while state.iteration < loop.train_iters and stop is None:
             step = state.iteration + 1
-            last_train_loss = _one_step(args, engine, state, lambda: step_on(
+            last_train_loss = _one_step(loop.train_batch_size, engine, state, lambda: step_on(
                 engine, train_iterator, objective, watchers.before_optimizer_step()), watchers)
-            if valid_iterator is not None and args.eval_interval and step % args.eval_interval == 0:
-                last_valid_loss = _validate(args, engine, state, valid_iterator, objective, evaluate_on, watchers)
+            if valid_iterator is not None and loop.eval_interval and step % loop.eval_interval == 0:
+                last_valid_loss = _validate(loop, engine, state, valid_iterator, objective, evaluate_on, watchers)
             check_save_in_flight()
-            if _should_save(args, step) and step != args.train_iters:
+            if _should_save(loop, step) and step != loop.train_iters:
                 _save(args, engine, state)
                 saved_at = step
             faults.fail_point(global_rank(), step)
@@ -484,11 +493,11 @@ def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals
         if stop is not None:
             _stop_after_signal(args, engine, state, stop, saved_at)
             return RunResult(state.iteration, last_train_loss, last_valid_loss, None)
-        if args.save and state.iteration > start_iteration:
+        if loop.save and state.iteration > start_iteration:
             _save(args, engine, state)
         test_loss = None
-        if test_iterator is not None and args.eval_iters > 0:
-            test_loss, test_metrics = evaluate_on(engine, test_iterator, args.eval_iters, objective)
+        if test_iterator is not None and loop.eval_iters > 0:
+            test_loss, test_metrics = evaluate_on(engine, test_iterator, loop.eval_iters, objective)
             watchers.metrics.write(_evaluation_scalars("test", test_loss, test_metrics, objective), state.iteration)
             get_logger().info(f"test: {_evaluation_line(test_loss, test_metrics, objective)}")
         return RunResult(state.iteration, last_train_loss, last_valid_loss, test_loss)
@@ -500,7 +509,7 @@ def _agreed_stop(stop_signals: StopSignals | None, after_iteration: int | None =
     return stop_signals.agreed_stop(after_iteration) if stop_signals is not None else None
 
 
-def _one_step(args, engine, state: TrainState, take_step, watchers: StepWatchers) -> float:
+def _one_step(train_batch_size: int, engine, state: TrainState, take_step, watchers: StepWatchers) -> float:
     """One optimizer step at the schedule's learning rate; the state advanced and the watchers fed."""
     state.skipped_steps = engine.skipped_steps
     lr = state.schedule.lr_at(state.lr_step)
@@ -509,14 +518,15 @@ def _one_step(args, engine, state: TrainState, take_step, watchers: StepWatchers
     watchers.before_step(state.iteration)
     loss, step_metrics = take_step()
     state.iteration += 1
-    state.consumed_train_samples += args.train_batch_size
+    state.consumed_train_samples += train_batch_size
     watchers.after_step(state.iteration, loss, step_metrics, lr, time.perf_counter() - started)
     return loss
 
 
-def _validate(args, engine, state: TrainState, valid_iterator, objective, evaluate_on, watchers: StepWatchers) -> float:
-    loss, metrics = evaluate_on(engine, valid_iterator, args.eval_iters, objective)
-    state.consumed_valid_samples += samples_per_evaluation(args.eval_iters, args.train_batch_size)
+def _validate(loop: LoopSettings, engine, state: TrainState, valid_iterator, objective, evaluate_on,
+              watchers: StepWatchers) -> float:
+    loss, metrics = evaluate_on(engine, valid_iterator, loop.eval_iters, objective)
+    state.consumed_valid_samples += samples_per_evaluation(loop.eval_iters, loop.train_batch_size)
     watchers.evaluation(state.iteration, _evaluation_scalars("valid", loss, metrics, objective),
                         f"validation at iteration {state.iteration}: {_evaluation_line(loss, metrics, objective)}")
     return loss

@@ -14,6 +14,7 @@ from megatron.launch.run_context import resolve_run_settings
 from megatron.model import build_model
 from megatron.neox_arguments import NeoXArgs
 from megatron.training.loop import missing_evaluation_notes, setup, train
+from megatron.training.loop_settings import LoopSettings
 from tests.e2e.test_preprocess_chat import CHAT, make_chat_tokenizer, run, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
@@ -78,5 +79,5 @@ def test_a_run_without_validation_data_says_it_will_not_evaluate(tmp_path):
     args = sft_args(tmp_path, valid_data_paths=None, valid_label_data_paths=None)
     _, valid, test = build_data_iterators(args, samples_per_split(DataSettings.from_args(args)), 0, 1)
     assert valid is None and test is not None
-    assert missing_evaluation_notes(args, valid, test) == [
+    assert missing_evaluation_notes(LoopSettings.from_args(args), valid, test) == [
         "no validation data (valid_data_paths is not set): no evaluation every 1 steps"]

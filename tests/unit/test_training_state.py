@@ -51,9 +51,12 @@ SAVED = {"peak_lr": 0.002, "min_lr": 0.0, "warmup_iters": 10.0, "decay_iters": 1
 
 
 def _resume(args, saved=SAVED):
+    from megatron.training.learning_rates import Schedule
+
     return state_after_load(LoadOutcome(
         iteration=20, consumed_train_samples=160, loaded_optimizer=True, restored_rng=True, tag="global_step20",
-        client_state=ClientState(iteration=20, lr_schedule=saved), lr_schedule_start=0), args)
+        client_state=ClientState(iteration=20, lr_schedule=saved), lr_schedule_start=0), Schedule.from_args(args),
+        args.override_lr_scheduler, args.use_checkpoint_lr_scheduler)
 
 
 def test_resume_with_a_changed_schedule_is_refused_by_default():
