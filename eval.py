@@ -37,7 +37,7 @@ def main() -> None:
         from lm_eval.utils import make_table
 
         print(make_table(results), flush=True)
-        get_logger().info(f"wrote the evaluation results to {write_results(results, args, started)}")
+        get_logger().info(f"wrote the evaluation results to {write_results(results, args.eval_results_prefix, started)}")
 
 
 if __name__ == "__main__":

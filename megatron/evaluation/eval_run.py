@@ -21,8 +21,7 @@ from megatron.evaluation.errors import EvaluationError
 INSTALL_HINT = "pip install -e '.[eval]'"
 
 
-def _include_paths(args) -> list[str]:
-    paths = args.eval_include_path
+def _include_paths(paths: str | list[str] | None) -> list[str]:
     return [] if paths is None else [paths] if isinstance(paths, str) else list(paths)
 
 
@@ -34,7 +33,7 @@ def check_evaluation_settings(args) -> None:
     if not args.load:
         raise EvaluationError("load: not set; eval.py scores a trained model: set `load` to its checkpoint directory "
                               "(or a Hugging Face model folder)")
-    for path in _include_paths(args):
+    for path in _include_paths(args.eval_include_path):
         if not Path(path).is_dir():
             raise EvaluationError(f"eval_include_path: {path!r} is not a directory; set it to directories of task "
                                   "YAML files")
@@ -79,7 +78,7 @@ def evaluate(model, tokenizer, args) -> dict[str, Any] | None:
 
     from megatron.evaluation.harness_model import NeoXLanguageModel
 
-    task_manager = _task_manager(list(args.eval_tasks), _include_paths(args))
+    task_manager = _task_manager(list(args.eval_tasks), _include_paths(args.eval_include_path))
     names = task_names(list(args.eval_tasks), task_manager.all_tasks)
     batch_size = args.train_micro_batch_size_per_gpu or 1
     language_model = NeoXLanguageModel(model, tokenizer, max_length=args.max_position_embeddings,
@@ -101,12 +100,12 @@ def results_path(prefix: str, now: datetime) -> Path:
     return Path(f"{prefix}_{name}" if prefix else name)
 
 
-def write_results(results: dict[str, Any], args, now: datetime) -> Path:
+def write_results(results: dict[str, Any], eval_results_prefix: str | None, now: datetime) -> Path:
     from lm_eval.utils import handle_non_serializable
 
     from megatron.fsio import write_text_atomically
 
-    path = results_path(args.eval_results_prefix, now)
+    path = results_path(eval_results_prefix, now)
     if path.parent != Path():
         path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomically(path, json.dumps(results, indent=4, default=handle_non_serializable))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,27 @@ from megatron.generation.sampling import Sampling
 from megatron.hf.output_folder import check_output_apart
 
 INTERACTIVE_PROMPT = "Context prompt >>> "
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """The settings generate.py's sampling reads (each field the setting of that name; `sampling` holds temperature,
+    top_k and top_p), built once from the run's settings by generate_samples."""
+
+    text_gen_type: str | None
+    seq_length: int
+    maximum_tokens: int
+    recompute: bool
+    prompt_end: str
+    num_samples: int
+    sample_input_file: str | None
+    sample_output_file: str | None
+    sampling: Sampling
+
+    @classmethod
+    def from_args(cls, args) -> GenerationSettings:
+        return cls(args.text_gen_type, args.seq_length, args.maximum_tokens, args.recompute, args.prompt_end,
+                   args.num_samples, args.sample_input_file, args.sample_output_file, Sampling.of(args))
 
 
 def check_generation_settings(args) -> None:
@@ -46,17 +68,17 @@ def check_generation_settings(args) -> None:
         if not Path(args.sample_input_file).is_file():
             raise GenerationError(f"sample_input_file: {args.sample_input_file!r} is not a file; set it to a file "
                                   "of prompts separated by prompt_end")
-    if output_file(args):
-        check_output_apart(output_file(args), [args.sample_input_file, args.load], "sample_output_file",
-                           GenerationError)
+    output = output_file(args.text_gen_type, args.sample_input_file, args.sample_output_file)
+    if output:
+        check_output_apart(output, [args.sample_input_file, args.load], "sample_output_file", GenerationError)
 
 
-def output_file(args) -> str | None:
+def output_file(text_gen_type: str | None, sample_input_file: str | None, sample_output_file: str | None) -> str | None:
     """The file generate.py writes its samples to (none for interactive and precompute)."""
-    if args.text_gen_type == "unconditional":
-        return args.sample_output_file
-    if args.text_gen_type == "input-file":
-        return args.sample_output_file or f"{args.sample_input_file}.output.jsonl"
+    if text_gen_type == "unconditional":
+        return sample_output_file
+    if text_gen_type == "input-file":
+        return sample_output_file or f"{sample_input_file}.output.jsonl"
     return None
 
 
@@ -65,17 +87,17 @@ def read_prompts(path: str, prompt_end: str) -> list[str]:
     return [prompt.strip() for prompt in text.split(prompt_end) if prompt.strip()]
 
 
-def sample(model, tokenizer, args, text: str) -> dict[str, Any]:
+def sample(model, tokenizer, settings: GenerationSettings, text: str) -> dict[str, Any]:
     """GPT-NeoX's record of one completion of `text`."""
     started = time.perf_counter()
     prompt = tokenizer.tokenize(text) if text else [tokenizer.eod]
-    limits = Limits(args.seq_length, args.maximum_tokens, tokenizer.eod)
+    limits = Limits(settings.seq_length, settings.maximum_tokens, tokenizer.eod)
     record: dict[str, Any] = {"context": text, "text": None, "length": 0, "finished": False, "message": None}
-    if len(prompt) >= args.seq_length:
+    if len(prompt) >= settings.seq_length:
         record["message"] = (f"the prompt has {len(prompt)} tokens, which leaves no room within seq_length="
-                             f"{args.seq_length}; shorten it")
+                             f"{settings.seq_length}; shorten it")
     else:
-        completion = complete(model, prompt, limits, Sampling.of(args), recompute=args.recompute)
+        completion = complete(model, prompt, limits, settings.sampling, recompute=settings.recompute)
         unknown = [token for token in completion.tokens if token >= tokenizer.vocab_size]
         record.update(length=len(completion.tokens), finished=completion.finished)
         if unknown:
@@ -112,15 +134,15 @@ def _read_interactive_prompt(prompt_end: str) -> str | None:
         lines.append(line)
 
 
-def _interactive(model, tokenizer, args, rank: int, log) -> int:
+def _interactive(model, tokenizer, settings: GenerationSettings, rank: int, log) -> int:
     from megatron.runtime.collective import decided_by_rank_zero
 
     count = 0
     while True:
-        prompt = decided_by_rank_zero(_read_interactive_prompt(args.prompt_end) if rank == 0 else None)
+        prompt = decided_by_rank_zero(_read_interactive_prompt(settings.prompt_end) if rank == 0 else None)
         if prompt is None:
             return count
-        record = sample(model, tokenizer, args, prompt)
+        record = sample(model, tokenizer, settings, prompt)
         if rank == 0:
             print("Generated Text: " + (record["text"] if record["text"] is not None else record["message"]),
                   file=sys.stdout, flush=True)
@@ -139,16 +161,17 @@ def generate_samples(model, tokenizer, args, rank: int, log) -> list[dict[str, A
         identity = identity_of_load(LoadSettings.from_args(args), data_parallel_rank_and_size()[1], HF_FOLDER)
         write_reference_log_probs(model, PrecomputeSettings.from_args(args), identity, rank, log)
         return []
-    if args.text_gen_type == "interactive":
-        log.info(f"interactive generation ended after {_interactive(model, tokenizer, args, rank, log)} prompt(s)")
+    settings = GenerationSettings.from_args(args)
+    if settings.text_gen_type == "interactive":
+        log.info(f"interactive generation ended after {_interactive(model, tokenizer, settings, rank, log)} prompt(s)")
         return []
-    if args.text_gen_type == "unconditional":
-        prompts = [""] * args.num_samples
+    if settings.text_gen_type == "unconditional":
+        prompts = [""] * settings.num_samples
     else:
-        prompts = read_prompts(args.sample_input_file, args.prompt_end)
-    output = output_file(args)
-    log.info(f"generating {len(prompts)} sample(s) ({args.text_gen_type}); writing them to {output}")
-    records = [sample(model, tokenizer, args, text) for text in prompts]
+        prompts = read_prompts(settings.sample_input_file, settings.prompt_end)
+    output = output_file(settings.text_gen_type, settings.sample_input_file, settings.sample_output_file)
+    log.info(f"generating {len(prompts)} sample(s) ({settings.text_gen_type}); writing them to {output}")
+    records = [sample(model, tokenizer, settings, text) for text in prompts]
     if output:
         _write(records, output, rank)
     log.info(f"wrote {len(records)} sample(s) to {output}")

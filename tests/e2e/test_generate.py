@@ -115,10 +115,11 @@ def test_a_prompt_filling_seq_length_gets_a_message_not_a_completion(tmp_path):
     hf_dir = save_hf(make_hf_model("llama_gqa"), tmp_path / "hf", tokenizer=True)
     args = our_args(hf_dir, load=str(hf_dir), finetune=True, seq_length=8, tokenizer_type="HFTokenizer",
                     vocab_file=str(hf_dir / "tokenizer.json"), text_gen_type="unconditional")
-    from megatron.generation.samples import sample
+    from megatron.generation.samples import GenerationSettings, sample
     from megatron.tokenizer import build_tokenizer
 
-    record = sample(setup_for_inference(args).module, build_tokenizer(args), args, " ".join(TEXT[:4]))
+    record = sample(setup_for_inference(args).module, build_tokenizer(args), GenerationSettings.from_args(args),
+                    " ".join(TEXT[:4]))
     assert record["text"] is None and record["length"] == 0
     assert "leaves no room within seq_length=8" in record["message"]
 
