@@ -23,7 +23,7 @@ def initialize_distributed(args) -> None:
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        _rank_environment_from_launcher(args)
+        _rank_environment_from_launcher(args.deepspeed_mpi, args.deepspeed_slurm, args.master_port)
         init_deepspeed_distributed()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
@@ -81,14 +81,14 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _rank_environment_from_launcher(args) -> None:
+def _rank_environment_from_launcher(deepspeed_mpi: bool, deepspeed_slurm: bool, master_port: int | None) -> None:
     """deepspeed_slurm / deepspeed_mpi: ranks started by srun or mpirun learn rank and world size
     from SLURM's or MPI's environment, as GPT-NeoX sets them up."""
-    if args.deepspeed_mpi:
+    if deepspeed_mpi:
         from deepspeed.comm import mpi_discovery
 
-        mpi_discovery(distributed_port=args.master_port)
-    if args.deepspeed_slurm:
+        mpi_discovery(distributed_port=master_port)
+    if deepspeed_slurm:
         os.environ["LOCAL_RANK"] = os.environ["SLURM_LOCALID"]
         os.environ["RANK"] = os.environ["SLURM_PROCID"]
         os.environ["WORLD_SIZE"] = os.environ.get("SLURM_NTASKS") or str(

@@ -10,6 +10,7 @@ decision, and the weights are checked once more before every save.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -30,19 +31,33 @@ def _finite(value: float | None) -> bool:
     return value is None or math.isfinite(value)
 
 
-def _stop_hint(args) -> str:
-    kept = f"the checkpoints in {args.save} are untouched" if args.save else "nothing was saved"
-    return (f"training stops without saving this state ({kept}). Lower the learning rate (lr {args.lr:g}), "
+@dataclass(frozen=True)
+class DivergenceSettings:
+    """The settings the divergence checks read (each field the setting of that name)."""
+
+    precision: str
+    max_nonfinite_steps: int
+    save: str | None
+    lr: float
+
+    @classmethod
+    def from_args(cls, args) -> DivergenceSettings:
+        return cls(args.precision, args.max_nonfinite_steps, args.save, args.lr)
+
+
+def _stop_hint(settings: DivergenceSettings) -> str:
+    kept = f"the checkpoints in {settings.save} are untouched" if settings.save else "nothing was saved"
+    return (f"training stops without saving this state ({kept}). Lower the learning rate (lr {settings.lr:g}), "
             "check the data, or resume from an earlier checkpoint with other settings.")
 
 
 class NonFiniteWatch:
     """Looks at every optimizer step's loss, gradient norm and whether DeepSpeed applied it."""
 
-    def __init__(self, args):
-        self.args = args
-        self.fp16 = args.precision == "fp16"
-        self.limit = args.max_nonfinite_steps
+    def __init__(self, settings: DivergenceSettings):
+        self.settings = settings
+        self.fp16 = settings.precision == "fp16"
+        self.limit = settings.max_nonfinite_steps
         self.consecutive_skips = 0
 
     def after_step(self, iteration: int, loss: float, grad_norm: float | None, step_applied: bool,
@@ -61,7 +76,7 @@ class NonFiniteWatch:
             raise DivergenceError(
                 f"iterations {first}-{iteration} (fp16): {self.consecutive_skips} steps in a row skipped for "
                 f"overflowing gradients, more than max_nonfinite_steps ({self.limit}); loss scale now "
-                f"{loss_scale:g}, loss {loss:.4g}. The run diverged: {_stop_hint(self.args)}"
+                f"{loss_scale:g}, loss {loss:.4g}. The run diverged: {_stop_hint(self.settings)}"
             )
         seen = [f"loss {loss:.4g}"]
         if grad_norm is not None:
@@ -71,17 +86,18 @@ class NonFiniteWatch:
         if values_finite and step_applied:
             seen.append("another rank saw a non-finite loss or gradient")
         raise DivergenceError(
-            f"iteration {iteration} ({self.args.precision}): {', '.join(seen)}. The run diverged: {_stop_hint(self.args)}"
+            f"iteration {iteration} ({self.settings.precision}): {', '.join(seen)}. The run diverged: "
+            f"{_stop_hint(self.settings)}"
         )
 
 
-def check_weights_finite(engine, iteration: int, args) -> None:
+def check_weights_finite(engine, iteration: int, settings: DivergenceSettings) -> None:
     """The last line of defence before a save: every rank's weights (its ZeRO-3 partition) are finite."""
     bad = next((name for name, param in engine.module.named_parameters()
                 if not bool(torch.isfinite(getattr(param, "ds_tensor", param)).all())), None)
     if any_rank(bad is not None):
         where = f"parameter {bad}" if bad is not None else "another rank's parameters"
         raise DivergenceError(
-            f"iteration {iteration} ({args.precision}): {where} holds NaN or infinity. The run diverged: "
-            f"{_stop_hint(args)}"
+            f"iteration {iteration} ({settings.precision}): {where} holds NaN or infinity. The run diverged: "
+            f"{_stop_hint(settings)}"
         )

@@ -33,7 +33,7 @@ from megatron.runtime.initialize import (
     zero3_construction,
 )
 from megatron.runtime.stop_signals import StopSignals, hold_before_save, signal_name
-from megatron.training.divergence import check_weights_finite
+from megatron.training.divergence import DivergenceSettings, check_weights_finite
 from megatron.training.learning_rates import Schedule, schedule_for_resume, set_learning_rate
 from megatron.training.loop_settings import LoopSettings
 from megatron.training.watchers import StepWatchers
@@ -194,7 +194,7 @@ def _should_save(loop: LoopSettings, iteration: int) -> bool:
 def _save(args, engine, state: TrainState) -> Path:
     from megatron.checkpointing import save_checkpoint
 
-    check_weights_finite(engine, state.iteration, args)
+    check_weights_finite(engine, state.iteration, DivergenceSettings.from_args(args))
     return save_checkpoint(args, engine, state.iteration, state.consumed_train_samples, state.lr_schedule_start,
                            lr_schedule=state.schedule.to_dict(), consumed_valid_samples=state.consumed_valid_samples,
                            lineage=state.lineage,

@@ -14,7 +14,7 @@ from megatron.logging import MetricsWriter, ProgressReporter
 from megatron.objectives.expert_load import ExpertLoadWatch
 from megatron.ranks import global_rank
 from megatron.training.diagnostics import StepProfiler, parameter_norms
-from megatron.training.divergence import NonFiniteWatch
+from megatron.training.divergence import DivergenceSettings, NonFiniteWatch
 
 
 def _loss_scale(engine) -> float | None:
@@ -42,7 +42,7 @@ class StepWatchers:
         self.expert_load = ExpertLoadWatch(args)
         self.progress = ProgressReporter(args, first_iteration=first_iteration,
                                          metric_names=metric_names + self.expert_load.line_names)
-        self.nonfinite = NonFiniteWatch(args)
+        self.nonfinite = NonFiniteWatch(DivergenceSettings.from_args(args))
         self.profiler = StepProfiler(args, global_rank())
         self._norms: dict[str, float] = {}
         self._norm_kinds = {"gradients": args.log_grad_norm, "parameters": args.log_param_norm}

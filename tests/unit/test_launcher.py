@@ -154,7 +154,8 @@ def test_deepspeed_slurm_ranks_take_rank_and_world_size_from_slurm(monkeypatch):
     monkeypatch.delenv("SLURM_NTASKS", raising=False)
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    _rank_environment_from_launcher(launch_args(deepspeed_slurm=True))
+    args = launch_args(deepspeed_slurm=True)
+    _rank_environment_from_launcher(args.deepspeed_mpi, args.deepspeed_slurm, args.master_port)
     assert (os.environ["LOCAL_RANK"], os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("1", "5", "8")
 
 

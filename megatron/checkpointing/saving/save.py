@@ -86,7 +86,7 @@ def save_checkpoint(
     lineage.saved.add(tag)
 
     def committed() -> None:
-        _prune(args, save_dir, tag, lineage)
+        _prune(args.keep_last_n_checkpoints, save_dir, tag, lineage)
 
     def write_files(partial: Path):
         if global_rank() == 0:
@@ -110,14 +110,14 @@ def save_checkpoint(
     return save_dir / tag
 
 
-def _prune(args, save_dir: Path, tag: str, lineage: Lineage) -> None:
+def _prune(keep_last_n_checkpoints: int | None, save_dir: Path, tag: str, lineage: Lineage) -> None:
     message = f"saved checkpoint {save_dir / tag}"
-    if args.keep_last_n_checkpoints is not None:
+    if keep_last_n_checkpoints is not None:
         ours = lineage.tags(save_dir)
-        deleted = layout.prune_checkpoints(save_dir, args.keep_last_n_checkpoints, ours,
+        deleted = layout.prune_checkpoints(save_dir, keep_last_n_checkpoints, ours,
                                            protected=[lineage.loaded_tag] if lineage.loaded_tag else [])
         if deleted:
-            message += f" (deleted older tags {', '.join(deleted)}: keep_last_n_checkpoints is {args.keep_last_n_checkpoints})"
+            message += f" (deleted older tags {', '.join(deleted)}: keep_last_n_checkpoints is {keep_last_n_checkpoints})"
         others = [name for name in layout.list_tags(save_dir) if name not in ours]
         if others:
             message += (f"; kept {', '.join(others)}: not saved by this run nor before the tag it loaded "
