@@ -130,12 +130,14 @@ class ProgressReporter:
     spent in steps only, not in evaluation or saving): one step's rate swings too much to read.
     """
 
-    def __init__(self, args, first_iteration: int, metric_names: tuple[str, ...] = ()):
-        self.train_iters = args.train_iters
+    def __init__(self, train_iters: int, log_interval: int, tokens_per_step: int, first_iteration: int,
+                 metric_names: tuple[str, ...] = ()):
+        """`tokens_per_step`: train_batch_size x seq_length."""
+        self.train_iters = train_iters
         self.metric_names = metric_names
-        self.log_interval = max(args.log_interval, 1)
+        self.log_interval = max(log_interval, 1)
         self.first_iteration = first_iteration
-        self.tokens_per_step = args.train_batch_size * args.seq_length
+        self.tokens_per_step = tokens_per_step
         self.window_seconds = 0.0
         self.window_steps = 0
         self.started = time.perf_counter()
@@ -144,7 +146,7 @@ class ProgressReporter:
         if global_rank() == 0 and sys.stdout.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=args.train_iters, initial=first_iteration, dynamic_ncols=True, leave=False)
+            self.bar = tqdm(total=train_iters, initial=first_iteration, dynamic_ncols=True, leave=False)
 
     def step(self, iteration: int, scalars: dict) -> dict | None:
         """Count one step (``scalars`` holds its ``train/step_seconds``); at a line, return the window's

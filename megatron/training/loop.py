@@ -203,17 +203,18 @@ def _save(args, engine, state: TrainState) -> Path:
                            rollouts=state.rollouts.state_dict() if state.rollouts is not None else None)
 
 
-def _stop_after_signal(args, engine, state: TrainState, signum: int, saved_at: int | None) -> None:
-    """The graceful end of a run stopped by SIGTERM/SIGINT: a checkpoint of this step, one line."""
+def _stop_after_signal(save: str | None, save_now, state: TrainState, signum: int, saved_at: int | None) -> None:
+    """The graceful end of a run stopped by SIGTERM/SIGINT: a checkpoint of this step (`save_now` writes it into
+    `save` and returns its tag's path), one line."""
     from megatron.checkpointing import wait_for_save_in_flight
 
-    if not args.save:
+    if not save:
         outcome = "no checkpoint saved (`save` is not set)"
     elif saved_at == state.iteration:
-        outcome = f"checkpoint saved to {Path(args.save) / tag_for_iteration(state.iteration)}"
+        outcome = f"checkpoint saved to {Path(save) / tag_for_iteration(state.iteration)}"
     else:
         hold_before_save()
-        outcome = f"checkpoint saved to {_save(args, engine, state)}"
+        outcome = f"checkpoint saved to {save_now()}"
     wait_for_save_in_flight()  # the line says saved once the tag is committed
     get_logger().info(f"stopped by {signal_name(signum)} at iteration {state.iteration}; {outcome}")
 
@@ -303,8 +304,9 @@ def _planned_reference(live: bool, load_settings, precompute, plan, dp_size: int
 
 
 def _reference_model(args, engine, reference_plan, identity) -> ReferenceModel | None:
-    """The frozen reference: with LoRA the run's own base with its adapters off, else a model of its own;
-    precomputed log-probabilities need none."""
+    """The frozen reference: with LoRA the run's own base with its adapters off, else a model of its own
+    (`frozen_reference_engine`) loaded by `reference_plan`; precomputed log-probabilities need none."""
+    from megatron.checkpointing import load_weights_only
     from megatron.model.lora import BaseWithoutAdapters
 
     if identity is None:
@@ -313,7 +315,9 @@ def _reference_model(args, engine, reference_plan, identity) -> ReferenceModel |
         return ReferenceModel(None, identity)
     if args.lora_rank:
         return ReferenceModel(BaseWithoutAdapters(engine), identity)
-    return ReferenceModel(_frozen_reference(args, reference_plan), identity)
+    reference = frozen_reference_engine(args)
+    load_weights_only(reference, reference_plan)
+    return ReferenceModel(reference, identity)
 
 
 def _built_engine(args, dp_size: int):
@@ -358,15 +362,6 @@ def _rollouts(args, engine, iterators, state: TrainState, saved: list | None, dp
 def reads_data_server(train_impl: str, reward_function) -> bool:
     """REINFORCE's scored completions come from GPT-NeoX's data server: no data files are read."""
     return train_impl == "reinforce" and not reward_function
-
-
-def _frozen_reference(args, plan):
-    """DPO/KTO's reference (`frozen_reference_engine`) loaded by `plan`."""
-    from megatron.checkpointing import load_weights_only
-
-    engine = frozen_reference_engine(args)
-    load_weights_only(engine, plan)
-    return engine
 
 
 def frozen_reference_engine(args):
@@ -491,7 +486,7 @@ def _train(args, engine, state: TrainState, iterators, stop_signals: StopSignals
             stop = _agreed_stop(stop_signals, step)
         watchers.end_steps()
         if stop is not None:
-            _stop_after_signal(args, engine, state, stop, saved_at)
+            _stop_after_signal(loop.save, lambda: _save(args, engine, state), state, stop, saved_at)
             return RunResult(state.iteration, last_train_loss, last_valid_loss, None)
         if loop.save and state.iteration > start_iteration:
             _save(args, engine, state)

@@ -40,7 +40,8 @@ class StepWatchers:
         self.engine = engine
         self.metrics = MetricsWriter(args)
         self.expert_load = ExpertLoadWatch(args)
-        self.progress = ProgressReporter(args, first_iteration=first_iteration,
+        self.progress = ProgressReporter(args.train_iters, args.log_interval, args.train_batch_size * args.seq_length,
+                                         first_iteration=first_iteration,
                                          metric_names=metric_names + self.expert_load.line_names)
         self.nonfinite = NonFiniteWatch(DivergenceSettings.from_args(args))
         self.profiler = StepProfiler(args, global_rank())

@@ -55,7 +55,8 @@ def test_the_line_averages_throughput_over_the_steps_since_the_previous_line(cap
     """Steps of 1 s, 3 s, then 0.5 s and 0.5 s: each line shows its own window, not the last step."""
     args = NeoXArgs.from_dict({"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "train_iters": 4,
                                "log_interval": 2, "train_micro_batch_size_per_gpu": 2, "seq_length": 50})
-    progress = ProgressReporter(args, first_iteration=0)
+    progress = ProgressReporter(args.train_iters, args.log_interval, args.train_batch_size * args.seq_length,
+                                first_iteration=0)
     windows = [progress.step(i + 1, {**SCALARS, "train/step_seconds": seconds})
                for i, seconds in enumerate([1.0, 3.0, 0.5, 0.5])]
     assert windows[0] is None and windows[2] is None
