@@ -41,15 +41,27 @@ def stdlib_source_files(max_bytes: int, max_files: int | None = None) -> list[Pa
     root = Path(sysconfig.get_paths()["stdlib"])
     chosen: list[Path] = []
     total = 0
-    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
-        if EXCLUDED_DIRECTORIES.intersection(path.relative_to(root).parts[:-1]) or not path.is_file():
-            continue
+    for path in _stdlib_python_files(root):
         size = path.stat().st_size
         if total + size > max_bytes or (max_files is not None and len(chosen) >= max_files):
             break
         chosen.append(path)
         total += size
     return chosen
+
+
+def _stdlib_python_files(root: Path) -> list[Path]:
+    """The .py files under `root` outside the excluded folders, by relative path. The excluded folders are
+    not entered: site-packages alone holds tens of thousands of files, and every start asks for this list."""
+    found: list[tuple[str, Path]] = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name not in EXCLUDED_DIRECTORIES]
+        relative = Path(folder).relative_to(root)
+        for name in names:
+            path = Path(folder, name)
+            if name.endswith(".py") and path.is_file():
+                found.append(((relative / name).as_posix(), path))
+    return [path for _, path in sorted(found)]
 
 
 def _default_cache_dir() -> Path:

@@ -94,3 +94,13 @@ def test_losing_the_rename_race_keeps_the_winners_corpus(tmp_path, monkeypatch):
     assert loser == winner
     assert Path(winner.data_prefix + ".bin").stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [Path(winner.data_prefix).parent.name]
+
+
+def test_the_corpus_files_are_every_stdlib_source_outside_tests_and_installed_packages_in_path_order():
+    root = Path(sysconfig.get_paths()["stdlib"])
+    left_out = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+    expected = sorted((p for p in root.rglob("*.py") if p.is_file() and not left_out & set(p.relative_to(root).parts[:-1])),
+                      key=lambda p: p.relative_to(root).as_posix())
+    assert stdlib_source_files(max_bytes=10**12) == expected
+    first = stdlib_source_files(max_bytes=3_000_000)
+    assert first == expected[:len(first)] and sum(p.stat().st_size for p in first) <= 3_000_000
