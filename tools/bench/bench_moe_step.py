@@ -96,12 +96,14 @@ def measure_rank(rank: int, options: argparse.Namespace, port: int, scratch: str
 
 def measure_variant(options: argparse.Namespace) -> dict:
     """In this process (and, split, one more): ``options.variant``'s slowest rank's step, largest rank's peak."""
-    import bench_world as world
+    # not bench_world's free_port: DeepSpeed's import is a split variant's ranks' to pay, not this process's
     import torch
+
+    from megatron.launch.launcher import free_port
 
     ranks = TENSOR_PARALLEL[options.variant]
     with tempfile.TemporaryDirectory(prefix="bench_moe_") as scratch:
-        port = world.free_port()
+        port = free_port()
         if ranks == 1:
             measure_rank(0, options, port, scratch)
         else:

@@ -75,10 +75,10 @@ def rank_main(rank: int, options: argparse.Namespace, row: str, seq: int, port: 
 
 def measure(options: argparse.Namespace, row: str, seq: int) -> dict:
     """One fresh world of 2 ranks: the larger peak and the slower step of the two."""
-    import bench_world as world
+    from megatron.launch.launcher import free_port  # not bench_world: DeepSpeed's import is the ranks' to pay
 
     with tempfile.TemporaryDirectory(prefix="bench_sequence_parallel_") as scratch:
-        torch.multiprocessing.spawn(rank_main, args=(options, row, seq, world.free_port(), scratch), nprocs=RANKS)
+        torch.multiprocessing.spawn(rank_main, args=(options, row, seq, free_port(), scratch), nprocs=RANKS)
         ranks = [json.loads((Path(scratch) / f"rank{r}.json").read_text()) for r in range(RANKS)]
     return {"peak_mib": max(r["peak_mib"] for r in ranks), "seconds": max(r["seconds"] for r in ranks)}
 
