@@ -2,7 +2,11 @@
 tool give the prompts, the policy samples completions, a reward function in a file scores them. The first step
 (SGD) is checked against autograd on the transformers model, computed from the rollouts the run logged: the
 logged log-probabilities are the model's, the loss line is GPT-NeoX's loss, and the second step's logged
-log-probabilities are those of the transformers model moved by that gradient."""
+log-probabilities are those of the transformers model moved by that gradient.
+
+Runs (9 deepy runs): one per advantage mode and layout of the autograd check; one LoRA run, checked for its
+reference and also the unbroken run whose step 2 tag one resume starts from; the learning run; one data-server
+run per layout and one refused data-server run (at TP 2, where the refusal is also handed between ranks)."""
 
 from __future__ import annotations
 
@@ -85,11 +89,13 @@ def rank_loss(model, records: list[dict], mode: str, beta: float) -> torch.Tenso
     return torch.stack(per_sample).sum() / trained / len(per_sample)  # GPT-NeoX: / trained tokens, / samples
 
 
-@pytest.mark.parametrize("mode, layout", [("leave_one_out", {}), ("group_normalized", {}),
+# the advantages are computed from the rewards alone (megatron/rollouts/advantages.py), the same on any layout:
+# leave_one_out on one rank is covered by rloo-tp2 (the mode) and grpo-1-rank (the layout)
+@pytest.mark.parametrize("mode, layout", [("group_normalized", {}),
                                           ("group_normalized", {"num_gpus": 2, "zero_optimization": {"stage": 1},
                                                                "zero_allow_untested_optimizer": True}),
                                           ("leave_one_out", {"num_gpus": 2, "model_parallel_size": 2})],
-                         ids=["rloo-1-rank", "grpo-1-rank", "grpo-2-ranks-zero1", "rloo-tp2"])
+                         ids=["grpo-1-rank", "grpo-2-ranks-zero1", "rloo-tp2"])
 def test_first_reinforce_step_is_autograd_on_the_hf_model_from_the_logged_rollouts(tmp_path, mode, layout):
     from transformers import LlamaForCausalLM
 
@@ -150,13 +156,22 @@ def test_a_tiny_model_learns_to_say_the_rewarded_token(tmp_path):
     assert last > first + 0.3, rewards  # measured: 0.06 0.03 0.09 0.15 0.31 0.50 0.76 0.73 0.95 0.98
 
 
-def test_a_resume_from_the_step_2_tag_repeats_the_unbroken_runs_rollouts_and_losses(tmp_path):
+def test_with_lora_the_reference_is_the_base_and_a_resume_from_the_step_2_tag_repeats_the_unbroken_run(tmp_path):
+    """One LoRA run of 4 steps saving every 2: its reference is its own base with the adapters off; a resume from
+    its step 2 tag repeats its rollouts and losses (the sampler's generator, the moving-average baseline, the
+    adapters and their optimizer state all restored)."""
     import shutil
 
-    settings = reinforce_settings(tmp_path, reinforce_advantage="moving_average", kl_div_beta=0.0, train_iters=4,
+    settings = reinforce_settings(tmp_path, reinforce_advantage="moving_average", kl_impl="mse", kl_div_beta=0.1,
+                                  lora_rank=4, lora_alpha=8, lora_target_modules="all-linear", train_iters=4,
                                   checkpoint_factor=2, save=str(tmp_path / "unbroken"),
-                                  optimizer={"type": "Adam", "params": {"lr": 0.01}})
+                                  optimizer={"type": "Adam", "params": {"lr": 0.05}})
     unbroken = run_deepy([write_overrides(tmp_path, name="unbroken.yml", **settings)]).stdout
+    assert (f"reference model: {tmp_path / 'hf'} (the model this fine-tune starts from), this run's own frozen base "
+            "with its LoRA adapters switched off, no second model in memory") in unbroken
+    kl = tensorboard_scalars(tmp_path / "tb")["train/kl"]
+    # PEFT's adapters start as a no-op, so the policy is the base at step 1; then they move and the base does not
+    assert kl[1] == 0.0 and kl[3] > 0.0, kl
     losses = {int(m[1]): float(m[2]) for m in LINE.finditer(unbroken)}
     records = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
 
@@ -165,7 +180,7 @@ def test_a_resume_from_the_step_2_tag_repeats_the_unbroken_runs_rollouts_and_los
     shutil.copytree(tmp_path / "unbroken" / "global_step2", saved / "global_step2")
     (saved / "latest").write_text("global_step2")
     resume = {**settings, "load": str(saved), "finetune": False, "save": str(tmp_path / "resumed"),
-              "rollout_log": str(tmp_path / "resumed.jsonl")}
+              "rollout_log": str(tmp_path / "resumed.jsonl"), "tensorboard_dir": None}
     resumed = run_deepy([write_overrides(tmp_path, name="resume.yml", **resume)]).stdout
     assert {int(m[1]): float(m[2]) for m in LINE.finditer(resumed)} == {i: losses[i] for i in (3, 4)}
     again = [json.loads(line) for line in (tmp_path / "resumed.jsonl").read_text().splitlines()]
@@ -174,18 +189,22 @@ def test_a_resume_from_the_step_2_tag_repeats_the_unbroken_runs_rollouts_and_los
     assert any(r["advantage"] != r["reward"] for r in again)  # the baseline the resume restored is not 0
 
 
+def data_server_settings(tmp_path, port: int, **layout) -> dict:
+    return reinforce_settings(tmp_path, reward_function=None, dataset_impl="online", reinforce_leave_one_out=True,
+                              kl_impl="abs", online_dataserver_ips="127.0.0.1", online_dataserver_ports=port,
+                              train_data_paths=None, train_label_data_paths=None, train_micro_batch_size_per_gpu=3,
+                              **layout)
+
+
 @pytest.mark.parametrize("layout", [{}, {"num_gpus": 2, "model_parallel_size": 2}], ids=["1-rank", "tp2"])
-def test_gpt_neox_data_server_trains_a_step_and_one_whose_reply_would_run_code_is_refused(tmp_path, layout):
+def test_gpt_neox_data_server_trains_a_step(tmp_path, layout):
     import pickle
 
-    from tests.unit.test_rollouts import DataServer, RunsCode
+    from tests.unit.test_rollouts import DataServer
 
     groups = [{"prefix": [2, 3, 10, 5, 4], "completions": [[11, 12, 1], [13, 1], [9]], "rewards": [1.0, 0.0, 0.5]}]
     server = DataServer([pickle.dumps(groups)] * 4)
-    settings = reinforce_settings(tmp_path, reward_function=None, dataset_impl="online", reinforce_leave_one_out=True,
-                                  kl_impl="abs", online_dataserver_ips="127.0.0.1",
-                                  online_dataserver_ports=server.port, train_data_paths=None,
-                                  train_label_data_paths=None, train_micro_batch_size_per_gpu=3, **layout)
+    settings = data_server_settings(tmp_path, server.port, **layout)
     output = run_deepy([write_overrides(tmp_path, name="server.yml", **settings)]).stdout
     losses = {int(m[1]): float(m[2]) for m in LINE.finditer(output)}
     # one request a refill: at TP 2 only tensor-parallel rank 0 asks, and hands the groups to rank 1
@@ -194,23 +213,18 @@ def test_gpt_neox_data_server_trains_a_step_and_one_whose_reply_would_run_code_i
     scalars = tensorboard_scalars(tmp_path / "tb")
     assert scalars["train/reward"][1] == pytest.approx(0.5) and scalars["train/kl"][1] == 0.0
 
+
+def test_a_data_server_reply_that_would_run_code_is_refused_on_every_tensor_parallel_rank(tmp_path):
+    """At TP 2 rank 0 decodes the reply and hands its one-line refusal to rank 1 (data_server's
+    from_tensor_parallel_rank_zero); one rank decodes it with the same decoder and raises it directly."""
+    import pickle
+
+    from tests.unit.test_rollouts import DataServer, RunsCode
+
     marker = tmp_path / "ran"
     bad = DataServer([pickle.dumps([{"prefix": [1], "completions": [[2]], "rewards": [RunsCode(marker)]}])])
-    refused = run_deepy([write_overrides(tmp_path, name="bad.yml", **{**settings, "online_dataserver_ports": bad.port,
-                                                                       "tensorboard_dir": None})],
-                        expect_success=False)
+    settings = data_server_settings(tmp_path, bad.port, num_gpus=2, model_parallel_size=2, tensorboard_dir=None)
+    refused = run_deepy([write_overrides(tmp_path, name="bad.yml", **settings)], expect_success=False)
     said = refused.stdout + refused.stderr
     assert refused.returncode != 0 and "nothing of it ran" in said and "Traceback" not in said
     assert not marker.exists()
-
-
-def test_with_lora_the_reference_is_the_base_with_its_adapters_off(tmp_path):
-    settings = reinforce_settings(tmp_path, reinforce_advantage="group_normalized", kl_impl="mse", kl_div_beta=0.1,
-                                  lora_rank=4, lora_alpha=8, lora_target_modules="all-linear", train_iters=3,
-                                  optimizer={"type": "Adam", "params": {"lr": 0.05}})
-    output = run_deepy([write_overrides(tmp_path, name="lora.yml", **settings)]).stdout
-    assert (f"reference model: {tmp_path / 'hf'} (the model this fine-tune starts from), this run's own frozen base "
-            "with its LoRA adapters switched off, no second model in memory") in output
-    kl = tensorboard_scalars(tmp_path / "tb")["train/kl"]
-    # PEFT's adapters start as a no-op, so the policy is the base at step 1; then they move and the base does not
-    assert kl[1] == 0.0 and kl[3] > 0.0, kl
