@@ -351,7 +351,8 @@ def test_deepy_killed_outright_leaves_no_rank_behind(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_pipeline_stages_stop_at_the_same_step_and_save_their_layer_files(tmp_path):
-    """SIGTERM to the last stage only: both stages agree on the step, save GPT-NeoX's layer files, exit 0."""
+    """SIGTERM to the last stage only: both stages agree on the step, save GPT-NeoX's layer files, exit 0.
+    Also the file's case of a signal that reaches one rank alone (see the comment above the first test)."""
     save = tmp_path / "ckpt"
     run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save, num_gpus=2, pipe_parallel_size=2,
                                                      gradient_accumulation_steps=2)])
