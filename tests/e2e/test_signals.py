@@ -4,6 +4,10 @@ The signal goes where a user or a scheduler sends it: deepy.py alone (Ctrl-C, `k
 group a srun-like wrapper put deepy.py in, DeepSpeed's launcher processes, one rank, or every process
 of the run at once (as Slurm or systemd signal every process of a job). Every process of a run
 carries a marker in its environment, so the tests can find them and tell that none is left behind.
+
+Each run costs a start of deepy.py, DeepSpeed's launcher and the ranks (about 25 s), so each recipient
+whose signal takes a path of its own gets one run, and the recipients whose signal takes the same path
+as another's share its run (the comment above the first test says which).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from megatron.launch.supervision import Supervisor
@@ -134,9 +139,7 @@ def send(pids: list[int], signum: int) -> None:
 
 def signal_the_job(run: DeepyRun, receivers: str, signum: int) -> None:
     """Send `signum` to the `receivers` of the run, as the test ids below name them."""
-    if receivers == "deepy.py":
-        run.process.send_signal(signum)
-    elif receivers == "the srun-like wrapper's group":
+    if receivers == "the srun-like wrapper's group":
         run.process.send_signal(signum)  # the wrapper passes it on to its whole group
     elif receivers == "DeepSpeed's launcher":
         send(run.processes(command_has="megatron.launch.entry") + run.processes(command_has="deepspeed.launcher.launch"),
@@ -148,6 +151,19 @@ def signal_the_job(run: DeepyRun, receivers: str, signum: int) -> None:
         send(run.processes(), signum)
     else:
         raise ValueError(receivers)
+
+
+def assert_the_wrappers_group_holds_deepy_alone(run: DeepyRun) -> None:
+    """A signal to the group is then a signal to deepy.py alone, as from `kill` (the two share a test case)."""
+    deepy = psutil.Process(run.process.pid).children()[0].pid
+    in_the_group = []
+    for pid in run.processes():
+        try:
+            if os.getpgid(pid) == os.getpgid(deepy):
+                in_the_group.append(pid)
+        except ProcessLookupError:
+            continue
+    assert in_the_group == [deepy], {pid: processes_with_marker(run.marker).get(pid) for pid in in_the_group}
 
 
 # Long enough never to end before the signal; the resume keeps the LR schedule (lr_decay_iters).
@@ -176,54 +192,45 @@ def assert_graceful_stop(run: DeepyRun, save: Path, signum: int, ranks: int) -> 
     return iteration
 
 
-def assert_resumes_from(tmp_path: Path, save: Path, iteration: int) -> None:
+def assert_resumes_from(tmp_path: Path, save: Path, iteration: int, **settings) -> None:
     config = write_overrides(tmp_path, name="resume.yml", save=str(save), load=str(save),
-                             **{**RUN_SETTINGS, "train_iters": iteration + 2})
+                             **{**RUN_SETTINGS, **settings, "train_iters": iteration + 2})
     run = DeepyRun(["configs/tiny.yml", config])
     assert run.finish() == 0, run.output[-6000:]
     assert train_lines(run.output)[0].iteration == iteration + 1
     assert (save / "latest").read_text().strip() == f"global_step{iteration + 2}"
 
 
-@pytest.mark.parametrize(("receivers", "signum"), [
-    ("deepy.py", signal.SIGINT),
-    ("the srun-like wrapper's group", signal.SIGTERM),
-    ("DeepSpeed's launcher", signal.SIGTERM),
-    ("the last rank", signal.SIGTERM),
-    ("every process", signal.SIGTERM),
-])
+# Which recipients' signals take a path of their own (megatron/launch/entry.py, megatron/launch/supervision.py,
+# megatron/runtime/stop_signals.py), and which run checks each:
+# - DeepSpeed's launcher: the runner (megatron.launch.entry) passes the signal on to deepy.py, the per-node launcher
+#   keeps it blocked; deepy.py then passes it on to every rank as for a signal of its own. So this run also checks
+#   deepy.py alone (`kill`), whose handler takes a signal the same way whoever sent it; and the srun-like wrapper's
+#   group, which holds deepy.py alone (its launcher and watchdog start sessions of their own; the second-SIGINT
+#   test checks that the group holds no other process of the run, then signals deepy.py through it).
+#   The signal is SIGINT here (Ctrl-C), SIGTERM in the other runs: every process handles both alike (STOP_SIGNALS).
+# - every process: copies from the scheduler, the runner and deepy.py reach each rank within moments and count as
+#   one request. With async_save, as the stop must also end only once its checkpoint is committed.
+# - one rank (the last): the rank's own handler notes it and the other rank learns of it only through the
+#   agreement on the step to stop at. The pipeline test below signals the last rank alone: the training loop asks
+#   for that agreement at the same place with or without a pipeline (megatron/training/loop.py), and a one-rank
+#   run's only rank is a last rank that needs no agreement.
+# The two-rank runs cover the one-rank runs of each recipient: the same handlers, with the agreement on top.
 @pytest.mark.slow
-def test_one_rank_stops_with_a_checkpoint_whoever_gets_the_signal(tmp_path, receivers, signum):
+@pytest.mark.distributed
+@pytest.mark.parametrize(("receivers", "signum", "settings"), [
+    ("DeepSpeed's launcher", signal.SIGINT, {}),
+    ("every process", signal.SIGTERM, {"async_save": True}),
+], ids=["DeepSpeed's launcher", "every process, async_save"])
+def test_two_ranks_agree_on_the_step_to_stop_at_and_both_save(tmp_path, receivers, signum, settings):
     save = tmp_path / "ckpt"
-    wrapper = (sys.executable, str(SRUN_LIKE)) if receivers == "the srun-like wrapper's group" else ()
-    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save)], wrapper=wrapper)
+    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save, num_gpus=2, **settings)])
     run.wait_for(r"iteration\s+3/2000")
     signal_the_job(run, receivers, signum)
-    iteration = assert_graceful_stop(run, save, signum, ranks=1)
+    iteration = assert_graceful_stop(run, save, signum, ranks=2)
     assert iteration >= 3
-    if receivers == "the srun-like wrapper's group":
-        assert_resumes_from(tmp_path, save, iteration)
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.parametrize("receivers", ["every process", "DeepSpeed's launcher", "the last rank"])
-def test_two_ranks_agree_on_the_step_to_stop_at_and_both_save(tmp_path, receivers):
-    save = tmp_path / "ckpt"
-    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save, num_gpus=2)])
-    run.wait_for(r"iteration\s+3/2000")
-    signal_the_job(run, receivers, signal.SIGTERM)
-    assert_graceful_stop(run, save, signal.SIGTERM, ranks=2)
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_with_async_save_the_stop_ends_once_the_checkpoint_it_names_is_committed(tmp_path):
-    save = tmp_path / "ckpt"
-    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save, num_gpus=2, async_save=True)])
-    run.wait_for(r"iteration\s+3/2000")
-    signal_the_job(run, "every process", signal.SIGTERM)
-    assert_graceful_stop(run, save, signal.SIGTERM, ranks=2)
+    if receivers == "DeepSpeed's launcher":  # one resume is enough: the checkpoint is written alike whoever stops
+        assert_resumes_from(tmp_path, save, iteration, num_gpus=2)
 
 
 def test_a_signal_to_every_process_while_the_rank_starts_stops_before_the_first_step(tmp_path):
@@ -304,12 +311,17 @@ def test_a_signal_taken_while_the_launcher_is_being_started_is_passed_on_once_it
     assert capfd.readouterr().err.strip() == "deepy.py: stopped by SIGTERM before any rank started; nothing to save"
 
 
-@pytest.mark.parametrize("receivers", ["deepy.py", "every process"])
+# Two paths for the second request: deepy.py kills the launcher's group (Ctrl-C twice: the terminal signals the
+# group, which holds deepy.py alone), or each rank ends itself by it as well (every process).
+@pytest.mark.parametrize("receivers", ["the srun-like wrapper's group", "every process"])
 def test_a_second_sigint_stops_at_once_without_a_traceback_and_latest_unchanged(tmp_path, receivers):
     save = tmp_path / "ckpt"
+    wrapper = (sys.executable, str(SRUN_LIKE)) if receivers == "the srun-like wrapper's group" else ()
     run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save, extra_save_iters=[2])],
-                   extra_env=faults.switched_on(hold_before_stop_save=600))
+                   extra_env=faults.switched_on(hold_before_stop_save=600), wrapper=wrapper)
     run.wait_for(r"iteration\s+3/2000")
+    if wrapper:
+        assert_the_wrappers_group_holds_deepy_alone(run)
     deadline = time.monotonic() + 120  # async_save: the save of step 2 is committed in the background
     while not (save / "latest").is_file() and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -339,7 +351,8 @@ def test_deepy_killed_outright_leaves_no_rank_behind(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_pipeline_stages_stop_at_the_same_step_and_save_their_layer_files(tmp_path):
-    """SIGTERM to the last stage only: both stages agree on the step, save GPT-NeoX's layer files, exit 0."""
+    """SIGTERM to the last stage only: both stages agree on the step, save GPT-NeoX's layer files, exit 0.
+    Also the file's case of a signal that reaches one rank alone (see the comment above the first test)."""
     save = tmp_path / "ckpt"
     run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save, num_gpus=2, pipe_parallel_size=2,
                                                      gradient_accumulation_steps=2)])
