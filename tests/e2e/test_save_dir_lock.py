@@ -170,9 +170,9 @@ def test_two_real_runs_into_one_save_directory(tmp_path):
                                  cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
                                  start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        wait_for(lambda: train_lines_so_far(log) or first.poll() is not None, "the first run's first step")
+        took_over = f"took over {save.resolve() / layout.LOCK_FILE} from pid {killed.pid}"
+        wait_for(lambda: took_over in log.read_text() or first.poll() is not None, "the first run's lock")
         assert first.poll() is None, log.read_text()
-        assert f"took over {save.resolve() / layout.LOCK_FILE} from pid {killed.pid}" in log.read_text()
         holder = json.loads((save / layout.LOCK_FILE).read_text())
         assert holder["pid"] != killed.pid
 
@@ -184,6 +184,8 @@ def test_two_real_runs_into_one_save_directory(tmp_path):
         assert f"pid {holder['pid']} on host {holder['host']}" in refusals[0] and "first.yml" in refusals[0]
         assert "Traceback" not in second.stderr
         assert not layout.list_tags(save)
+        wait_for(lambda: train_lines_so_far(log) or first.poll() is not None, "the first run's first step")
+        assert first.poll() is None, log.read_text()
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(timeout=60)
