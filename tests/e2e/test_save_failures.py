@@ -5,9 +5,10 @@ sigkill_during_save fault point of megatron/runtime/faults.py picks the moment);
 a private mount namespace; a write that fails on one rank only is a real file-size limit (prlimit) set
 on that running rank.
 
-Runs shared: the 2-rank run killed between the rename of global_step4 and `latest` runs once per module
-(`killed_at_rename`); its test resumes a copy of it, and the one-rank write failure tests start from a copy of
-the global_step2 it saved (the settings a resume compares are the same: 2 ranks, lr_decay_iters 6).
+Runs shared, once per module: the 1-rank run killed in its first save and run again (`killed_in_first_save`),
+whose global_step2 the full-disk test resumes; the 2-rank run killed between the rename of global_step4 and
+`latest` (`killed_at_rename`), whose test resumes a copy of it, and from a copy of whose global_step2 the one-rank
+write failure tests start. The settings a resume compares are the same (ranks, lr_decay_iters).
 
 async_save: a kill point or the check of the room before a save sits where both modes run the same code
 (commit.commit_tag, commit.start_writing on the main thread), so those tests run one mode each; a failed write
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -62,26 +64,41 @@ def assert_took_over_the_killed_runs_lock(output: str, save: Path, killed_pid: i
     assert not (save / layout.LOCK_FILE).exists()
 
 
+# the LR schedule of the 1-rank run killed in its first save, and of the full disk's longer run that resumes the
+# global_step2 it saved when it ran again
+ONE_RANK_LR_DECAY_ITERS = 12
+
+
+@pytest.fixture(scope="module")
+def killed_in_first_save(tmp_path_factory):
+    """A 1-rank run killed in its first save, then the same command again: what the kill left, both outputs, and
+    the save directory at the end (the full-disk test copies its global_step2)."""
+    directory = tmp_path_factory.mktemp("killed_in_first_save")
+    save = directory / "ckpt"
+    overrides = write_overrides(directory, save=str(save), load=str(save), train_iters=4,
+                                lr_decay_iters=ONE_RANK_LR_DECAY_ITERS, **QUICK)
+    killed = killed_run(["configs/tiny.yml", overrides], "files_written@2")
+    left = SimpleNamespace(folders=directories(save), latest=(save / "latest").exists(),
+                           lock_pid=lock_holder_pid(save))
+    return SimpleNamespace(save=save, killed=killed, left=left, again=run_deepy(["configs/tiny.yml", overrides]))
+
+
 # One mode: the kill point sits in commit.commit_tag, which a blocking save runs on the main thread and an
 # asynchronous one in its thread, the same code; the SIGKILL ends the process either way. The kill of an
 # asynchronous save is test_kill_between_rename_and_latest_resumes_from_latest_and_continues_the_loss_curve.
 @pytest.mark.slow
-def test_kill_during_the_first_save_then_the_same_command_starts_from_scratch(tmp_path):
-    save = tmp_path / "ckpt"
-    overrides = write_overrides(tmp_path, save=str(save), load=str(save), train_iters=4, **QUICK)
-    killed = killed_run(["configs/tiny.yml", overrides], "files_written@2")
-    assert directories(save) == ["global_step2.partial"] and not (save / "latest").exists()
-    killed_pid = lock_holder_pid(save)
+def test_kill_during_the_first_save_then_the_same_command_starts_from_scratch(killed_in_first_save):
+    runs = killed_in_first_save
+    assert runs.left.folders == ["global_step2.partial"] and not runs.left.latest
 
-    again = run_deepy(["configs/tiny.yml", overrides])
-    assert "skipped global_step2.partial" in again.stdout
-    resumed = losses(again.stdout)
+    assert "skipped global_step2.partial" in runs.again.stdout
+    resumed = losses(runs.again.stdout)
     assert min(resumed) == 1  # from scratch: nothing complete was there
-    before = losses(killed.stdout)
+    before = losses(runs.killed.stdout)
     assert {step: resumed[step] for step in before} == before  # same seed, same data: the same curve
-    assert directories(save) == ["global_step2", "global_step4"]
-    assert (save / "latest").read_text() == "global_step4"
-    assert_took_over_the_killed_runs_lock(again.stdout, save, killed_pid)
+    assert directories(runs.save) == ["global_step2", "global_step4"]
+    assert (runs.save / "latest").read_text() == "global_step4"
+    assert_took_over_the_killed_runs_lock(runs.again.stdout, runs.save, runs.left.lock_pid)
 
 
 # the settings of the killed run and of every run that starts from a copy of its save directory
@@ -131,10 +148,10 @@ def test_kill_between_rename_and_latest_resumes_from_latest_and_continues_the_lo
 
 
 @pytest.mark.slow
-def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_previous_checkpoint(tmp_path, killed_in_first_save):
     """In a private mount namespace: a first save on a 12 MiB tmpfs fails while writing, blocking and with
-    async_save; on a larger one global_step2 is saved; then, during the resumed run, another process fills the disk
-    before its save.
+    async_save; on a larger one global_step2 (of the run killed in its first save, then run again: the same model
+    and LR schedule) is put; then, during a run that resumes it, another process fills the disk before its save.
 
     The tiny disk runs both modes: an asynchronous save writes its files in the save's thread, a blocking one on the
     main thread. The filled disk runs one: the room is checked before the save's folder is made
@@ -143,14 +160,13 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_previous_checkpoint
     save.mkdir()
     logs = tmp_path / "logs"
     logs.mkdir()
-    # one LR schedule (lr_decay_iters) for both lengths, so the longer run may resume the shorter one
     first = {mode: write_overrides(tmp_path, name=f"first_{mode}.yml", save=str(save), load=str(save), train_iters=2,
-                                   lr_decay_iters=12, async_save=mode == "async_save", **QUICK)
+                                   async_save=mode == "async_save", **QUICK)
              for mode in ("synchronous", "async_save")}
     # long enough that the ranks are stopped while the disk fills well before the save at its end, however late
     # this script sees iteration 3 on a busy machine (12 iterations, 0.7 s after it, were once too few)
     longer = write_overrides(tmp_path, name="longer.yml", save=str(save), load=str(save), train_iters=100,
-                             lr_decay_iters=12, checkpoint_factor=1000, eval_interval=1000, eval_iters=1)
+                             lr_decay_iters=ONE_RANK_LR_DECAY_ITERS, checkpoint_factor=1000, eval_interval=1000, eval_iters=1)
     deepy = f"{shlex.quote(sys.executable)} deepy.py train.py configs/tiny.yml"
     verify = (f"{shlex.quote(sys.executable)} -c \"from megatron.checkpointing.ondisk import manifest; "
               f"from pathlib import Path; t = Path('{save}/global_step2'); "
@@ -163,7 +179,7 @@ set -u
 mount -t tmpfs -o size=12m tmpfs {save} || exit 77
 {tiny_disk}
 mount -o remount,size=100m {save}
-{deepy} {first["synchronous"]} > {logs}/first.log 2>&1 || exit 1
+cp -r {killed_in_first_save.save / "global_step2"} {save}/ && printf global_step2 > {save}/latest || exit 1
 {deepy} {longer} > {logs}/filled.log 2>&1 &
 run=$!
 until grep -q "iteration *3/" {logs}/filled.log; do sleep 0.05; kill -0 $run 2>/dev/null || break; done
@@ -185,7 +201,7 @@ cat {save}/latest > {logs}/latest.txt; ls -a {save} > {logs}/after_filled.txt
         pytest.skip("unshare is not installed")
     if result.returncode == 77 or "unshare:" in result.stderr:
         pytest.skip(f"cannot mount a small filesystem here: {result.stderr.strip()}")
-    assert result.returncode == 0, result.stderr + (logs / "first.log").read_text()[-3000:]
+    assert result.returncode == 0, result.stderr
 
     for mode in first:
         tiny = (logs / f"tiny_disk_{mode}.log").read_text()
