@@ -267,7 +267,7 @@ def setup(args):
         if plan is not None:
             outcome = load_checkpoint(engine, plan)
             if outcome is not None:
-                state = state_after_load(outcome, Schedule.from_args(args), args.override_lr_scheduler,
+                state = state_after_load(outcome, state.schedule, args.override_lr_scheduler,
                                          args.use_checkpoint_lr_scheduler)
                 restored_rng = outcome.restored_rng
                 saved_rollouts = outcome.client_state.rollouts if restored_rng else None

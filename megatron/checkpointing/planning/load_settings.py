@@ -18,8 +18,6 @@ from megatron.checkpointing.planning.data_position import PositionSettings
 from megatron.contract.architecture import Architecture, fields_of_settings
 from megatron.contract.lora_settings import LoraSettings
 
-_UNSET_SOURCE = "default"  # NeoXArgs.source_of's answer for a setting no file set
-
 
 @dataclass(frozen=True)
 class LoadSettings:
@@ -52,7 +50,7 @@ class LoadSettings:
     # The run's model (NeoXArgs.architecture), resolved only where it is needed: a plan that is only inspected
     # needs no padded vocabulary.
     architecture: Callable[[], Architecture] = field(repr=False, compare=False)
-    sources: Mapping[str, str] = field(default_factory=dict, repr=False)  # the config file that set each setting
+    sources: Mapping[str, str] = field(repr=False)  # the config file that set each setting
 
     @classmethod
     def from_args(cls, args) -> LoadSettings:
@@ -68,11 +66,11 @@ class LoadSettings:
             moe_num_experts=args.moe_num_experts, padded_vocab_size=args.padded_vocab_size,
             train_iters=args.train_iters, position=PositionSettings.from_args(args), lora=args.lora(),
             architecture_fields=fields_of_settings(args.to_dict()), architecture=args.architecture,
-            sources=getattr(args, "sources", {}))
+            sources=args.sources)
 
     def source_of(self, name: str) -> str:
         """The config file that set `name`, or "default" / "derived" (NeoXArgs.source_of)."""
-        return self.sources.get(name, _UNSET_SOURCE)
+        return self.sources[name]
 
     def weights_only(self, stated_by: str, load: str | None = None, iteration: int | None = None) -> LoadSettings:
         """A load of the weights only, as a fine-tune loads them: of `load` (default: this run's) at `iteration`
