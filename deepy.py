@@ -45,6 +45,7 @@ from megatron.neox_arguments.dry_run import render_dry_run, tokenizer_summary
 from megatron.neox_arguments.handover import HANDOVER_FLAG, handover_argv
 from megatron.neox_arguments.world import accelerator_is_cpu, check_precision_on_cpu
 from megatron.neox_arguments.yaml_files import gpt_neox_config_paths
+from megatron.processes import skip_collection_at_exit
 from megatron.tokenizer import TokenizerError
 
 
@@ -121,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     exit_if_stopped_before_launch()
     shown = [part if not part.startswith(HANDOVER_FLAG) else f"{HANDOVER_FLAG}=<settings>" for part in command]
     print("deepy.py: " + " ".join(shown), file=sys.stderr, flush=True)
-    return Supervisor(command, launcher_environment(dict(os.environ), cpu_only=cpu_only),
-                      one_machine=starts_only_local_ranks(args)).run()
+    status = Supervisor(command, launcher_environment(dict(os.environ), cpu_only=cpu_only),
+                        one_machine=starts_only_local_ranks(args)).run()
+    skip_collection_at_exit()
+    return status
 
 
 if __name__ == "__main__":

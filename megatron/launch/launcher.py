@@ -1,12 +1,18 @@
 """The command that starts every rank: DeepSpeed's launcher, with our launcher settings as its flags.
 
+When every rank this deepy.py starts runs on this machine, the command is DeepSpeed's per-node
+launcher (deepspeed.launcher.launch) run through our entry, handed the hosts and devices its runner
+would hand it: DeepSpeed's runner would only compute them and start that launcher in one more
+interpreter. With ranks on other machines it is DeepSpeed's runner, which starts them its own way.
 Pure functions of the settings, so the exact command is testable without starting anything.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import io
+import json
 import os
 import random
 import socket
@@ -14,9 +20,9 @@ import sys
 from pathlib import Path
 
 from megatron.neox_arguments import ConfigError, NeoXArgs
-from megatron.neox_arguments.world import effective_hostfile
+from megatron.neox_arguments.world import active_hosts, effective_hostfile, visible_device_ids
 
-# The entry that runs DeepSpeed's runner with the stop signals blocked (megatron/launch/entry.py),
+# The entry that runs DeepSpeed's per-node launcher with the stop signals blocked (megatron/launch/entry.py),
 # importable from any working directory through PYTHONPATH.
 LAUNCH_ENTRY_MODULE = "megatron.launch.entry"
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])  # the folder holding megatron/
@@ -49,8 +55,6 @@ def runner_arguments(args: NeoXArgs, user_script: str, user_args: list[str], *, 
     flags += ["--master_port", str(args.master_port)]
     if args.master_addr:
         flags += ["--master_addr", args.master_addr]
-    if args.node_rank is not None:
-        flags += ["--no_ssh", "--node_rank", str(args.node_rank)]
     if args.deepspeed_slurm or args.deepspeed_mpi:
         flags += ["--force_multi"]  # as GPT-NeoX's deepy: the multi-node runner (srun/mpirun) starts the ranks
     flags += ["--launcher", args.launcher]
@@ -71,7 +75,8 @@ def launcher_environment(environ: dict[str, str], *, cpu_only: bool) -> dict[str
 
 
 def runner_accepts_log_level() -> bool:
-    """Whether the installed DeepSpeed runner has --log_level (releases before 0.17 do not), asked of its parser."""
+    """Whether the installed DeepSpeed runner has --log_level, asked of its parser. Releases before 0.18 lack it, and
+    the per-node launcher gained it in the same release."""
     from deepspeed.launcher import runner
 
     with contextlib.redirect_stderr(io.StringIO()):
@@ -91,8 +96,6 @@ def check_multi_node_runner(args: NeoXArgs, runner_argv: list[str]) -> None:
     """What DeepSpeed's multi-node runner refuses (the MPI ones take every slot of every host: no include,
     exclude, num_nodes or num_gpus) it refuses only once the launch has begun, with a traceback; its own
     check, asked here, stops deepy.py with one line instead."""
-    if starts_only_local_ranks(args):
-        return
     from deepspeed.launcher import multinode_runner, runner
 
     parsed = runner.parse_args(runner_argv)
@@ -118,16 +121,45 @@ def starts_only_local_ranks(args: NeoXArgs) -> bool:
     return runs_on_one_machine(args) or args.node_rank is not None
 
 
+def node_hosts(args: NeoXArgs) -> dict[str, list]:
+    """Every node of the job and the devices its ranks use, in node_rank order: what DeepSpeed's runner
+    hands its per-node launcher (the settings counted the ranks from the same resolution)."""
+    num_nodes = None if args.num_nodes == -1 else args.num_nodes
+    hosts = dict(active_hosts(args.num_gpus, num_nodes, args.hostfile, args.include, args.exclude))
+    visible = visible_device_ids()
+    if runs_on_one_machine(args) and visible and not (args.include or args.exclude or args.num_gpus):
+        hosts = {"localhost": visible}  # as the runner does: the ranks run on the GPUs the variable names
+    return hosts
+
+
+def node_launcher_arguments(args: NeoXArgs, user_script: str, user_args: list[str], *,
+                            launcher_takes_log_level: bool = True) -> list[str]:
+    """argv for DeepSpeed's per-node launcher (deepspeed.launcher.launch) that starts this machine's ranks,
+    as DeepSpeed's runner builds it: one machine alone, or this node of a job started node by node."""
+    world_info = base64.urlsafe_b64encode(json.dumps(node_hosts(args)).encode()).decode()
+    if runs_on_one_machine(args):
+        flags = [f"--world_info={world_info}", "--master_addr=127.0.0.1", f"--master_port={args.master_port}"]
+    else:
+        flags = [f"--world_info={world_info}", f"--master_addr={args.master_addr}",
+                 f"--master_port={args.master_port}", f"--node_rank={args.node_rank}"]
+    if launcher_takes_log_level:
+        flags.append(f"--log_level={LAUNCHER_LOG_LEVEL}")
+    return [*flags, user_script, *user_args]
+
+
 def launch_command(args: NeoXArgs, user_script: str, user_args: list[str], *, cpu_only: bool,
                    python: str = sys.executable) -> list[str]:
-    """The full command line: DeepSpeed's runner run by this Python (same environment as deepy). With
-    local ranks only through the entry that starts it with the stop signals blocked; with ranks on
-    other machines as it is, so that its own handler stops them."""
-    module = LAUNCH_ENTRY_MODULE if starts_only_local_ranks(args) else "deepspeed.launcher.runner"
+    """The full command line, run by this Python (same environment as deepy). With local ranks only,
+    DeepSpeed's per-node launcher through the entry that starts it with the stop signals blocked; with
+    ranks on other machines DeepSpeed's runner as it is, so that its own handler stops them."""
+    takes_log_level = runner_accepts_log_level()
+    if starts_only_local_ranks(args):
+        launcher_argv = node_launcher_arguments(args, user_script, user_args, launcher_takes_log_level=takes_log_level)
+        return [python, "-m", LAUNCH_ENTRY_MODULE, *launcher_argv]
     runner_argv = runner_arguments(args, user_script, user_args, cpu_only=cpu_only,
-                                   runner_takes_log_level=runner_accepts_log_level())
+                                   runner_takes_log_level=takes_log_level)
     check_multi_node_runner(args, runner_argv)
-    return [python, "-m", module, *runner_argv]
+    return [python, "-m", "deepspeed.launcher.runner", *runner_argv]
 
 
 def port_is_free(port: int) -> bool:

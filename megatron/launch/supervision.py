@@ -1,10 +1,9 @@
 """deepy.py's watch over a run: DeepSpeed's launcher in its own process group, SIGTERM/SIGINT passed
 on to the ranks, and no process of the run left behind when deepy.py ends.
 
-Whichever processes of the run a SIGTERM or SIGINT reaches (deepy.py, DeepSpeed's runner, a rank,
-all of them at once), the ranks learn of it: DeepSpeed's launcher processes never act on one
-(megatron/launch/entry.py) and its runner passes one on to deepy.py, which passes a first request
-on to the ranks. They finish their step, save and exit 0 (megatron/runtime/stop_signals.py). A second
+Whichever processes of the run a SIGTERM or SIGINT reaches (deepy.py, DeepSpeed's launcher, a rank,
+all of them at once), the ranks learn of it: DeepSpeed's per-node launcher never acts on one and
+passes it on to deepy.py (megatron/launch/entry.py), which passes a first request on to the ranks. They finish their step, save and exit 0 (megatron/runtime/stop_signals.py). A second
 request kills the whole group at once. Before any rank exists there is nothing to save: the group
 is killed and deepy.py exits 0. When the launcher has exited, whatever is left in its group is
 killed. A small watchdog process kills the group when deepy.py itself dies without cleaning up
@@ -27,9 +26,6 @@ from pathlib import Path
 
 from megatron.runtime.rank_errors import RANK_ERRORS_FILE, first_rank_error
 from megatron.runtime.stop_signals import STOP_SIGNALS, StopRequests, signal_name
-
-# The per-node launcher DeepSpeed's runner starts; its children are the ranks.
-NODE_LAUNCHER_MODULE = "deepspeed.launcher.launch"
 
 WATCHDOG = """
 import os, signal, sys
@@ -86,22 +82,13 @@ def exit_if_stopped_before_launch() -> None:
 
 
 def rank_processes(launcher_pid: int) -> list[int]:
-    """Pids of the ranks this machine's DeepSpeed launcher started (children of its per-node launcher)."""
+    """Pids of the ranks DeepSpeed's per-node launcher started on this machine: its children."""
     import psutil
 
     try:
-        tree = psutil.Process(launcher_pid).children(recursive=True)
+        return [process.pid for process in psutil.Process(launcher_pid).children()]
     except psutil.Error:
         return []
-    ranks = []
-    for process in tree:
-        try:
-            parent = process.parent()
-            if parent is not None and NODE_LAUNCHER_MODULE in parent.cmdline():
-                ranks.append(process.pid)
-        except psutil.Error:
-            continue
-    return ranks
 
 
 def _send(pid: int, signum: int) -> None:
@@ -130,7 +117,7 @@ class Supervisor:
         self.launcher: subprocess.Popen | None = None
 
     def run(self) -> int:
-        # On one machine blocked while the launcher starts, so that it starts with them blocked (launch_entry
+        # On one machine blocked while the launcher starts, so that it starts with them blocked (the entry
         # keeps them so).
         blocked = STOP_SIGNALS if self.one_machine else ()
         signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
@@ -177,7 +164,7 @@ class Supervisor:
 
     def _on_signal(self, signum: int, frame) -> None:
         if not self.requests.add(signum):
-            return  # a copy: the scheduler signalled every process, or the runner passed it on
+            return  # a copy: the scheduler signalled every process, or the launcher passed it on
         if self.launcher is None:
             # Blocked in the main thread while the launcher starts, a signal can still reach another thread
             # of deepy.py (one an imported library started), and Python runs this handler in the middle of
@@ -190,7 +177,7 @@ class Supervisor:
         if self.requests.count > 1:
             _send_group(group, signal.SIGKILL)
             return
-        ranks = rank_processes(group)
+        ranks = rank_processes(group) if self.one_machine else []
         if ranks:
             for pid in ranks:
                 _send(pid, signum)

@@ -35,6 +35,18 @@ def check_precision_on_cpu(args) -> None:
     )
 
 
+def visible_device_ids() -> list[str]:
+    """The GPUs the accelerator's visibility variable (CUDA_VISIBLE_DEVICES) names, as written (ids or UUIDs);
+    none on a CPU or when it is unset."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        return []
+    visible = os.environ.get(accelerator.visible_devices_envs()[0], "")
+    return [device.strip() for device in visible.split(",") if device.strip()]
+
+
 def default_local_ranks() -> int:
     """Ranks on this machine when num_gpus is unset: every visible GPU, or 1 CPU rank."""
     from deepspeed.accelerator import get_accelerator
@@ -42,10 +54,7 @@ def default_local_ranks() -> int:
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":
         return 1
-    visible = os.environ.get(accelerator.visible_devices_envs()[0], "")
-    if visible:
-        return len([device for device in visible.split(",") if device.strip()])
-    return accelerator.device_count()
+    return len(visible_device_ids()) or accelerator.device_count()
 
 
 def effective_hostfile(hostfile: str | None) -> str | None:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megatron.errors import ExpectedError
+from megatron.processes import skip_collection_at_exit
 from megatron.ranks import global_rank
 from megatron.runtime.stop_signals import end_child_processes
 
@@ -123,6 +124,7 @@ def run_rank(main: Callable[[], object]) -> int:
             _hand_over(None)
             raise
         _report(line)
+        skip_collection_at_exit()
         return EXIT_EXPECTED_ERROR
     # DeepSpeed's pipe engine keeps the last data iterator it was given, so its data-loader workers outlive
     # `main` and would hold up the exit as above
@@ -130,4 +132,5 @@ def run_rank(main: Callable[[], object]) -> int:
     from megatron.runtime.initialize import leave_process_group
 
     leave_process_group()
+    skip_collection_at_exit()
     return 0

@@ -10,7 +10,7 @@ even when the signal reached them during different steps, or reached only one of
 
 One sender is not a stop request: DeepSpeed's per-node launcher, the rank's parent, sends SIGTERM to
 every rank when one of them has failed. Started by deepy.py on one machine it keeps the stop signals
-blocked (megatron/launch/entry.py), so it never passes a request on: a SIGTERM from a parent that blocks
+blocked (megatron/launch/entry.py), so it never passes a request on to the ranks: a SIGTERM from a parent that blocks
 SIGTERM means another rank failed, and the rank ends at once without a word (the failed rank says why;
 waiting for the step to end could mean waiting in a collective for the failed rank, for ever).
 """

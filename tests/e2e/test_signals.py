@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from megatron.launch.launcher import LAUNCH_ENTRY_MODULE
 from megatron.launch.supervision import Supervisor
 from megatron.runtime import faults
 from megatron.runtime.stop_signals import SAME_REQUEST_SECONDS
@@ -142,8 +143,7 @@ def signal_the_job(run: DeepyRun, receivers: str, signum: int) -> None:
     if receivers == "the srun-like wrapper's group":
         run.process.send_signal(signum)  # the wrapper passes it on to its whole group
     elif receivers == "DeepSpeed's launcher":
-        send(run.processes(command_has="megatron.launch.entry") + run.processes(command_has="deepspeed.launcher.launch"),
-             signum)
+        send(run.processes(command_has=LAUNCH_ENTRY_MODULE), signum)
     elif receivers == "the last rank":
         ranks = run.ranks()
         send([ranks[max(ranks)]], signum)
@@ -164,6 +164,15 @@ def assert_the_wrappers_group_holds_deepy_alone(run: DeepyRun) -> None:
         except ProcessLookupError:
             continue
     assert in_the_group == [deepy], {pid: processes_with_marker(run.marker).get(pid) for pid in in_the_group}
+
+
+def assert_three_processes_deep(run: DeepyRun) -> None:
+    """deepy.py -> DeepSpeed's per-node launcher -> the ranks: no runner process between them (each costs a
+    start and an end of an interpreter that imports torch)."""
+    children = psutil.Process(run.process.pid).children()
+    launchers = [child for child in children if LAUNCH_ENTRY_MODULE in child.cmdline()]
+    assert len(launchers) == 1, [child.cmdline() for child in children]
+    assert sorted(rank.pid for rank in launchers[0].children()) == sorted(run.ranks().values())
 
 
 # Long enough never to end before the signal; the resume keeps the LR schedule (lr_decay_iters).
@@ -203,7 +212,7 @@ def assert_resumes_from(tmp_path: Path, save: Path, iteration: int, **settings) 
 
 # Which recipients' signals take a path of their own (megatron/launch/entry.py, megatron/launch/supervision.py,
 # megatron/runtime/stop_signals.py), and which run checks each:
-# - DeepSpeed's launcher: the runner (megatron.launch.entry) passes the signal on to deepy.py, the per-node launcher
+# - DeepSpeed's launcher: the per-node launcher (run by megatron.launch.entry) passes the signal on to deepy.py and
 #   keeps it blocked; deepy.py then passes it on to every rank as for a signal of its own. So this run also checks
 #   deepy.py alone (`kill`), whose handler takes a signal the same way whoever sent it; and the srun-like wrapper's
 #   group, which holds deepy.py alone (its launcher and watchdog start sessions of their own; the second-SIGINT
@@ -226,6 +235,7 @@ def test_two_ranks_agree_on_the_step_to_stop_at_and_both_save(tmp_path, receiver
     save = tmp_path / "ckpt"
     run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save, num_gpus=2, **settings)])
     run.wait_for(r"iteration\s+3/2000")
+    assert_three_processes_deep(run)
     signal_the_job(run, receivers, signum)
     iteration = assert_graceful_stop(run, save, signum, ranks=2)
     assert iteration >= 3

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
 from deepspeed.launcher import runner
 from deepspeed.launcher.multinode_runner import MVAPICHRunner, OpenMPIRunner, PDSHRunner, SlurmRunner
 
-from megatron.launch.launcher import free_port, launch_command, rendezvous_port, runner_arguments
+from megatron.launch.launcher import (
+    LAUNCH_ENTRY_MODULE,
+    free_port,
+    launch_command,
+    rendezvous_port,
+    runner_arguments,
+)
 from megatron.neox_arguments import ConfigError, NeoXArgs, load_args_on_rank
-from megatron.neox_arguments.handover import HANDOVER_FLAG, handover_argv
+from megatron.neox_arguments.handover import handover_argv
 from tests.unit.test_neox_args import TINY_RUN
 
 HOSTFILE = "worker-0 slots=4\nworker-1 slots=4\n# a comment\nworker-2 slots=2\n"
@@ -43,27 +52,46 @@ def parsed_by_deepspeed(args: NeoXArgs, cpu_only: bool = True):
     return runner.parse_args(argv)
 
 
-def test_single_node_cpu_defaults_to_one_rank():
-    args = launch_args()
-    parsed = parsed_by_deepspeed(args)
-    assert parsed.num_gpus == 1 and args.global_num_gpus == 1
-    assert parsed.user_script == "train.py"
-    assert len(parsed.user_args) == 1 and parsed.user_args[0].startswith(HANDOVER_FLAG + "=")
-    assert parsed.master_port == 29500 and parsed.launcher == "pdsh"
-    assert ranks_deepspeed_would_start(parsed, cpu_only=True) == args.global_num_gpus
+def node_launcher_parse(command: list[str], monkeypatch):
+    """DeepSpeed's per-node launcher's reading of what the launch entry hands it (its parser reads sys.argv)."""
+    from deepspeed.launcher import launch
+
+    monkeypatch.setattr(sys, "argv", ["launch.py", *command[command.index(LAUNCH_ENTRY_MODULE) + 1:]])
+    return launch.parse_args()
 
 
-def test_num_gpus_is_passed_and_counts_ranks():
-    args = launch_args(num_gpus=2, master_port=29611)
-    parsed = parsed_by_deepspeed(args)
-    assert parsed.num_gpus == 2 and parsed.master_port == 29611
-    assert args.global_num_gpus == 2 == ranks_deepspeed_would_start(parsed, cpu_only=True)
-    assert args.train_batch_size == 2  # micro 1 x accumulation 1 x 2 data-parallel ranks
+def world_of(parsed) -> dict[str, list[int]]:
+    return json.loads(base64.urlsafe_b64decode(parsed.world_info))
 
 
-def test_gpu_machine_without_num_gpus_lets_deepspeed_use_every_visible_gpu():
-    argv = runner_arguments(launch_args(), "train.py", [], cpu_only=False)
-    assert "--num_gpus" not in argv
+def world_deepspeeds_runner_would_build(args: NeoXArgs, cpu_only: bool) -> dict[str, list[int]]:
+    """The hosts and slots DeepSpeed's runner resolves from its own flags for these settings and encodes
+    for its per-node launcher (deepspeed.launcher.runner.main, without starting anything)."""
+    parsed = runner.parse_args(runner_arguments(args, "train.py", [], cpu_only=cpu_only))
+    pool = runner.fetch_hostfile(parsed.hostfile) or {"localhost": 1 if cpu_only else 0}
+    active = runner.parse_inclusion_exclusion(pool, parsed.include, parsed.exclude)
+    return dict(runner.apply_num_nodes_and_gpus(active, parsed.num_nodes, parsed.num_gpus))
+
+
+@pytest.mark.parametrize(("settings", "ranks"), [({}, 1), ({"num_gpus": 2}, 2), ({"num_gpus": 3}, 3)])
+def test_one_machine_runs_deepspeeds_node_launcher_with_the_world_its_runner_would_hand_it(monkeypatch, settings,
+                                                                                           ranks):
+    # no runner process between deepy.py and the per-node launcher: the entry runs the launcher itself
+    args = launch_args(master_port=29611, **settings)
+    command = launch_command(args, "train.py", ["--x"], cpu_only=True, python="/usr/bin/python3")
+    assert command[:3] == ["/usr/bin/python3", "-m", LAUNCH_ENTRY_MODULE]
+    parsed = node_launcher_parse(command, monkeypatch)
+    assert (parsed.training_script, parsed.training_script_args) == ("train.py", ["--x"])
+    assert (parsed.master_addr, parsed.master_port, parsed.node_rank) == ("127.0.0.1", 29611, 0)
+    assert parsed.log_level == "critical"
+    assert world_of(parsed) == {"localhost": list(range(ranks))} == world_deepspeeds_runner_would_build(args, True)
+    assert args.global_num_gpus == ranks
+
+
+def test_the_ranks_get_their_settings_through_the_node_launcher(monkeypatch):
+    args = launch_args(num_gpus=2)
+    parsed = node_launcher_parse(launch_command(args, "train.py", handover_argv(args), cpu_only=True), monkeypatch)
+    assert load_args_on_rank([*parsed.training_script_args, "--local_rank=1"]).to_dict() == args.to_dict()
 
 
 @pytest.mark.parametrize(
@@ -85,12 +113,6 @@ def test_hostfile_include_exclude_count_the_ranks_deepspeed_starts(hostfile, set
     assert parsed.include == settings.get("include", "") and parsed.exclude == settings.get("exclude", "")
     assert args.global_num_gpus == expected_ranks
     assert ranks_deepspeed_would_start(parsed, cpu_only=True) == expected_ranks
-
-
-def test_one_machine_starts_deepspeeds_runner_through_the_entry_that_blocks_the_stop_signals():
-    command = launch_command(launch_args(), "train.py", ["--x"], cpu_only=True, python="/usr/bin/python3")
-    assert command[:3] == ["/usr/bin/python3", "-m", "megatron.launch.entry"]
-    assert command[-2:] == ["train.py", "--x"]
 
 
 def test_multi_node_launcher_flags(hostfile):
@@ -163,7 +185,7 @@ def test_a_hostfile_missing_on_a_single_node_runs_here_as_deepspeed_does(tmp_pat
     args = launch_args(hostfile=str(tmp_path / "absent"))
     assert args.hostfile is None and args.global_num_gpus == 1
     assert any("does not exist; running on this machine only" in notice for notice in args.notices)
-    assert "--hostfile" not in runner_arguments(args, "train.py", [], cpu_only=True)
+    assert launch_command(args, "train.py", [], cpu_only=True)[:3] == [sys.executable, "-m", LAUNCH_ENTRY_MODULE]
 
 
 # --- several nodes: DeepSpeed's multi-node runners, and each node started by itself (node_rank) -----------
@@ -240,14 +262,17 @@ def test_a_launcher_stock_deepspeed_lacks_is_a_config_error():
         launch_args(launcher="jsrun")
 
 
-def test_node_rank_starts_this_nodes_ranks_without_ssh(hostfile):
+def test_node_rank_starts_this_nodes_ranks_through_deepspeeds_node_launcher(hostfile, monkeypatch):
     args = launch_args(hostfile=hostfile, num_nodes=2, node_rank=1, master_addr="10.0.0.1", master_port=6000)
-    parsed = parsed_by_deepspeed(args, cpu_only=False)
-    assert parsed.no_ssh and parsed.node_rank == 1 and parsed.master_addr == "10.0.0.1"
-    assert args.global_num_gpus == 8 == ranks_deepspeed_would_start(parsed, cpu_only=False)  # the whole job's
     # this node's ranks only, all local: through the entry that blocks the stop signals, on the port given
     command = launch_command(args, "train.py", [], cpu_only=False, python="/usr/bin/python3")
-    assert command[:3] == ["/usr/bin/python3", "-m", "megatron.launch.entry"]
+    assert command[:3] == ["/usr/bin/python3", "-m", LAUNCH_ENTRY_MODULE]
+    parsed = node_launcher_parse(command, monkeypatch)
+    assert (parsed.node_rank, parsed.master_addr, parsed.master_port) == (1, "10.0.0.1", 6000)
+    # the whole job's nodes, in DeepSpeed's order: the launcher numbers its ranks 4-7 from them
+    assert world_of(parsed) == {"worker-0": [0, 1, 2, 3], "worker-1": [0, 1, 2, 3]}
+    assert world_of(parsed) == world_deepspeeds_runner_would_build(args, cpu_only=False)
+    assert args.global_num_gpus == 8
     assert rendezvous_port(args) == 6000
 
 
