@@ -1,5 +1,9 @@
 """Loading a Hugging Face model directory straight into our parameter names (``load:`` pointing at one), or a
-PEFT LoRA adapter folder with the model folder it names (megatron/hf/peft.py)."""
+PEFT LoRA adapter folder with the model folder it names (megatron/hf/peft.py).
+
+The weight mapping and the PEFT reader import the model, and with it megatron-core (seconds); they are
+imported where weights or adapters are read, so that deepy.py, which only asks whether `load` is such a
+folder and what its config says, starts without them."""
 
 from __future__ import annotations
 
@@ -12,15 +16,15 @@ from megatron.contract.architecture import Architecture, architecture_mismatches
 from megatron.contract.lora_settings import LoraSettings
 from megatron.hf.config import HFModelSpec, is_reward_model_config, spec_from_hf_config
 from megatron.hf.errors import HFConversionError
-from megatron.hf.io import CONFIG_NAME, is_hf_model_dir, iter_hf_tensors, read_hf_config, weight_files
-from megatron.hf.mapping import convert_tensors, hf_to_ours
-from megatron.hf.peft import (
+from megatron.hf.io import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
-    check_run_lora,
+    CONFIG_NAME,
+    is_hf_model_dir,
     is_peft_dir,
-    read_adapters,
-    read_peft_folder,
+    iter_hf_tensors,
+    read_hf_config,
+    weight_files,
 )
 from megatron.hf.shapes import shape_check
 
@@ -29,6 +33,8 @@ def read_hf_model(
     hf_dir: Path, dtype: torch.dtype | None = None, progress: bool = False
 ) -> tuple[HFModelSpec, dict[str, torch.Tensor]]:
     """What config.json describes, and the weights under our names (cast to ``dtype`` when given)."""
+    from megatron.hf.mapping import convert_tensors, hf_to_ours
+
     hf_dir = Path(hf_dir)
     spec = spec_from_hf_config(read_hf_config(hf_dir), str(hf_dir / CONFIG_NAME))
     arch = spec.architecture()
@@ -58,6 +64,9 @@ def load_hf_module_weights(hf_dir: Path, arch: Architecture) -> dict[str, torch.
 
 def _base_and_adapter_weights(peft_dir: Path, arch: Architecture) -> dict[str, torch.Tensor]:
     """The base model's weights and the adapters of ``peft_dir``, our names, fp32, each verified."""
+    from megatron.hf.mapping import convert_tensors, hf_to_ours
+    from megatron.hf.peft import read_adapters, read_peft_folder
+
     folder = read_peft_folder(peft_dir)
     base = folder.base_folder()
     check_hf_settings(base, arch)
@@ -100,10 +109,16 @@ class HFFolder:
         return is_reward_model_config(read_hf_config(self.adapter_base(path) or Path(path)))
 
     def adapter_base(self, path: Path) -> Path | None:
-        return read_peft_folder(path).base_folder() if is_peft_dir(path) else None
+        if not is_peft_dir(path):
+            return None
+        from megatron.hf.peft import read_peft_folder
+
+        return read_peft_folder(path).base_folder()
 
     def check_adapters(self, path: Path, lora: LoraSettings | None, source_of: Callable[[str], str]) -> None:
         if is_peft_dir(path):
+            from megatron.hf.peft import check_run_lora, read_peft_folder
+
             check_run_lora(read_peft_folder(path), lora, source_of)
 
 

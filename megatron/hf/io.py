@@ -27,6 +27,8 @@ CONFIG_NAME = "config.json"
 TOKENIZER_NAME = "tokenizer.json"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
 SAFETENSORS_NAME = "model.safetensors"
+ADAPTER_CONFIG_NAME = "adapter_config.json"  # a PEFT adapter folder's
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
 BIN_NAME = "pytorch_model.bin"
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
@@ -50,6 +52,11 @@ def parse_size(text: str) -> int:
     if size <= 0:
         raise HFConversionError(f"shard size {text!r} must be positive")
     return size
+
+
+def is_peft_dir(path: str | Path) -> bool:
+    """A PEFT adapter folder (its adapter_config.json names the model folder it adapts)."""
+    return (Path(path) / ADAPTER_CONFIG_NAME).is_file()
 
 
 def is_hf_model_dir(path: str | Path) -> bool:

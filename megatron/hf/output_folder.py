@@ -22,6 +22,7 @@ from megatron.errors import ExpectedError
 from megatron.fsio import fsync_path
 from megatron.hf.errors import HFConversionError
 from megatron.hf.io import (
+    ADAPTER_CONFIG_NAME,
     BIN_INDEX_NAME,
     BIN_NAME,
     CONFIG_NAME,
@@ -30,7 +31,6 @@ from megatron.hf.io import (
     TOKENIZER_CONFIG_NAME,
     TOKENIZER_NAME,
 )
-from megatron.hf.peft import ADAPTER_CONFIG_NAME
 
 _MODEL_NAMES = {
     CONFIG_NAME, TOKENIZER_NAME, TOKENIZER_CONFIG_NAME, SAFETENSORS_INDEX_NAME, BIN_INDEX_NAME, BIN_NAME,

@@ -23,22 +23,16 @@ from safetensors.torch import save_file
 from megatron.contract.architecture import ModelConfigError
 from megatron.contract.lora_settings import ALL_LINEAR, LoraSettings, target_modules_of
 from megatron.hf.errors import HFConversionError
-from megatron.hf.io import is_hf_model_dir
+from megatron.hf.io import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, is_hf_model_dir
 from megatron.hf.mapping import hf_linear_module
 from megatron.model.gpt_model import layer_key
 
-ADAPTER_CONFIG_NAME = "adapter_config.json"
-ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
 SIDES = ("A", "B")
 # PEFT options that change what an adapter computes, each with the value of a plain LoRA adapter
 _PLAIN_LORA = {"use_dora": False, "bias": "none", "fan_in_fan_out": False, "lora_bias": False,
                "modules_to_save": None, "layers_to_transform": None, "layer_replication": None,
                "rank_pattern": {}, "alpha_pattern": {}, "target_parameters": None, "trainable_token_indices": None}
-
-
-def is_peft_dir(path: str | Path) -> bool:
-    return (Path(path) / ADAPTER_CONFIG_NAME).is_file()
 
 
 def peft_names(lora: LoraSettings, family: str, num_layers: int) -> dict[str, str]:

@@ -111,10 +111,12 @@ def _check_no_tokenizer_beside_the_embedded_corpus(given: dict[str, Any], source
 def _peft_folder(load: Path):
     """The PEFT adapter folder `load` names, read and checked; None when it names none."""
     from megatron.hf.errors import HFConversionError
-    from megatron.hf.peft import is_peft_dir, read_peft_folder
+    from megatron.hf.io import is_peft_dir
 
     if not is_peft_dir(load):
         return None
+    from megatron.hf.peft import read_peft_folder
+
     try:
         return read_peft_folder(load)
     except HFConversionError as err:

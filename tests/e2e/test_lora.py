@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from megatron.checkpointing import inventory_checkpoint, load_file_weights_only, read_module_weights
 from megatron.checkpointing.ondisk import layout
 from megatron.hf.convert import convert_neox_to_hf
-from megatron.hf.peft import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
+from megatron.hf.io import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 from tests.deepy_runs import TRAIN_LINE, run_deepy, train_lines, write_overrides
 from tests.e2e.test_hf_conversion import run_tool
 from tests.e2e.test_lora_peft import LORA as PEFT_LORA

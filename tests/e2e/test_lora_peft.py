@@ -19,7 +19,7 @@ from megatron.contract.lora_settings import lora_settings
 from megatron.hf import HF_FOLDER
 from megatron.hf.config import architecture_of
 from megatron.hf.convert import convert_hf_to_neox
-from megatron.hf.peft import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
+from megatron.hf.io import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 from megatron.model import build_model
 from tests.ckpt_engines import stored_client_state
 from tests.deepy_runs import REPO_ROOT, run_deepy, train_lines, write_overrides

@@ -31,7 +31,8 @@ from megatron.checkpointing import (
 from megatron.contract.lora_settings import lora_settings
 from megatron.hf import HF_FOLDER, HFConversionError
 from megatron.hf.convert import convert_hf_to_neox
-from megatron.hf.peft import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, peft_names
+from megatron.hf.io import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
+from megatron.hf.peft import peft_names
 from megatron.launch.run_context import settings_for_run
 from megatron.model import build_model
 from megatron.neox_arguments import ConfigError, NeoXArgs

@@ -9,11 +9,13 @@ train.py with each phase of setup() timed where it runs. Phases, rank 0's (the s
 the first step for the total):
 
 * deepy.py: its own work before it starts DeepSpeed's launcher (imports, settings, tokenizer and corpus
-  resolution), measured as ``deepy.py --dry-run`` of the same configs, which does the same and then stops;
-* launcher: the rest of the time until the rank's interpreter runs its first line (DeepSpeed's runner
-  and launch processes, the rank's interpreter start);
+  resolution), up to the line in which it shows the launcher's command;
+* launcher: the rest of the time until the rank's interpreter runs its first line (DeepSpeed's per-node
+  launcher's process, the rank's interpreter start);
 * imports, process group, tokenizer, load plan, model, engine, load, data, first step: as timed in the
-  rank; "other" is the time between them (seeds, checks, logging).
+  rank; "other" is the time between them (seeds, checks, logging);
+* end (not in the total): from the end of the first step to deepy.py's exit: the run's closing (its last
+  evaluation batch) and the ends of the ranks, the launcher and deepy.py.
 
 The baseline, ``floor``: the same deepy.py launch of a rank that only imports torch and DeepSpeed and
 joins the gloo process group. ``RATIO startup/floor wall`` is the whole start-up against it;
@@ -50,35 +52,43 @@ def write_config(path: Path, ranks: int, **settings) -> Path:
     return path
 
 
-def deepy(config: Path, out_dir: Path, floor: bool = False, dry_run: bool = False) -> float:
-    """Run deepy.py on configs/tiny.yml + `config`; the wall seconds of the whole command."""
+def deepy(config: Path, out_dir: Path, floor: bool = False) -> tuple[float, float, float]:
+    """Run deepy.py on configs/tiny.yml + `config`: when it started, showed the launcher's command, exited."""
     env = {**os.environ, "BENCH_STARTUP_DIR": str(out_dir), "PYTHONUNBUFFERED": "1"}
     if floor:
         env["BENCH_STARTUP_FLOOR"] = "1"
-    command = [sys.executable, "deepy.py", RANK_SCRIPT, "configs/tiny.yml", str(config)] + (["--dry-run"] if dry_run else [])
+    command = [sys.executable, "deepy.py", RANK_SCRIPT, "configs/tiny.yml", str(config)]
     start = time.time()
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return start
+    launched = None
+    run = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = []
+    for line in run.stdout:
+        if launched is None and line.startswith(f"deepy.py: {sys.executable} "):
+            launched = time.time()
+        output.append(line)
+    if run.wait(timeout=900) != 0 or launched is None:
+        raise SystemExit(f"{' '.join(command)} exited {run.returncode}:\n{''.join(output)[-6000:]}")
+    return start, launched, time.time()
 
 
-def breakdown(start: float, deepy_seconds: float, ranks: list[dict]) -> dict[str, float]:
-    """Seconds per phase of rank 0, and 'total' to the slowest rank's end of its first step."""
+def breakdown(start: float, launched: float, exited: float, ranks: list[dict]) -> dict[str, float]:
+    """Seconds per phase of rank 0, 'total' to the slowest rank's end of its first step, 'end' from there to
+    deepy.py's exit."""
     rank0 = ranks[0]
-    phases = {"deepy.py": deepy_seconds, "launcher": rank0["started"] - start - deepy_seconds,
+    phases = {"deepy.py": launched - start, "launcher": rank0["started"] - launched,
               "imports": rank0["imported"] - rank0["started"]}
     for name, begin, end in rank0["phases"]:
         phases[name] = phases.get(name, 0.0) + end - begin
     phases["total"] = max(rank["first_step"] for rank in ranks) - start
     phases["other"] = rank0["first_step"] - start - sum(v for k, v in phases.items() if k != "total")
+    phases["end"] = exited - max(rank["first_step"] for rank in ranks)
     return phases
 
 
-def timed_run(config: Path, scratch: Path, ranks: int, deepy_seconds: float, floor: bool) -> dict[str, float]:
+def timed_run(config: Path, scratch: Path, ranks: int, floor: bool) -> dict[str, float]:
     out = Path(tempfile.mkdtemp(dir=scratch))
-    start = deepy(config, out, floor=floor)
-    return breakdown(start, deepy_seconds, [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)])
+    start, launched, exited = deepy(config, out, floor=floor)
+    return breakdown(start, launched, exited, [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,17 +104,15 @@ def main(argv: list[str] | None = None) -> int:
                               iteration=1)
         runs: dict[str, list[dict[str, float]]] = {"startup": [], "floor": []}
         for repeat in range(options.repeats):
-            dry_start = deepy(resume, scratch, dry_run=True)
-            deepy_seconds = time.time() - dry_start
             for kind in in_turn(["startup", "floor"], repeat):
-                runs[kind].append(timed_run(resume, scratch, options.ranks, deepy_seconds, floor=kind == "floor"))
+                runs[kind].append(timed_run(resume, scratch, options.ranks, floor=kind == "floor"))
     load_average = (load_before, os.getloadavg()[0])
     medians = {kind: {key: statistics.median(run[key] for run in samples) for key in samples[0]}
                for kind, samples in runs.items()}
     print(f"tiny model (configs/tiny.yml), {options.ranks} rank(s), resumed from a checkpoint, {options.repeats} "
           f"repeats, {os.cpu_count()} CPUs, load average before {load_average[0]:.2f}, after {load_average[1]:.2f}")
     print(f"{'phase':<14} {'startup s':>10} {'floor s':>8}")
-    for phase in (*ORDER, "total"):
+    for phase in (*ORDER, "total", "end"):
         if phase in medians["startup"]:
             floor_value = medians["floor"].get(phase)
             print(f"{phase:<14} {medians['startup'][phase]:>10.2f} "
