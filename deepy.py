@@ -122,11 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     exit_if_stopped_before_launch()
     shown = [part if not part.startswith(HANDOVER_FLAG) else f"{HANDOVER_FLAG}=<settings>" for part in command]
     print("deepy.py: " + " ".join(shown), file=sys.stderr, flush=True)
-    status = Supervisor(command, launcher_environment(dict(os.environ), cpu_only=cpu_only),
-                        one_machine=starts_only_local_ranks(args)).run()
-    skip_collection_at_exit()
-    return status
+    return Supervisor(command, launcher_environment(dict(os.environ), cpu_only=cpu_only),
+                      one_machine=starts_only_local_ranks(args)).run()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    skip_collection_at_exit()
+    sys.exit(status)

@@ -8,14 +8,12 @@ tasks (`--eval_tasks` overrides the files). Global rank 0 prints the harness's t
 harness: pip install -e '.[eval]'.
 """
 
-import sys
-
 from megatron.foreign_notices import hide_foreign_notices
 
 hide_foreign_notices()  # before the imports below
 
 from megatron.neox_arguments import load_args_on_rank  # noqa: E402
-from megatron.runtime.rank_errors import run_rank  # noqa: E402
+from megatron.runtime.rank_errors import exit_after_rank  # noqa: E402
 
 
 def main() -> None:
@@ -41,4 +39,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_rank(main))
+    exit_after_rank(main)

@@ -7,14 +7,12 @@
 `sample_output_file` and `prompt_end` say what to generate (megatron/generation/samples.py).
 """
 
-import sys
-
 from megatron.foreign_notices import hide_foreign_notices
 
 hide_foreign_notices()  # before the imports below
 
 from megatron.neox_arguments import load_args_on_rank  # noqa: E402
-from megatron.runtime.rank_errors import run_rank  # noqa: E402
+from megatron.runtime.rank_errors import exit_after_rank  # noqa: E402
 
 
 def main() -> None:
@@ -32,4 +30,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_rank(main))
+    exit_after_rank(main)

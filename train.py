@@ -1,7 +1,5 @@
 """Entry point of every rank, started by deepy.py through the DeepSpeed launcher."""
 
-import sys
-
 from megatron.foreign_notices import hide_foreign_notices
 from megatron.logging import slow_stage
 from megatron.runtime.stop_signals import StopSignals
@@ -19,8 +17,8 @@ hide_foreign_notices()  # before the imports below
 
 with slow_stage("starting the rank (importing torch, DeepSpeed and megatron-core)"):
     from megatron.neox_arguments import load_args_on_rank
-    from megatron.runtime.rank_errors import run_rank
+    from megatron.runtime.rank_errors import exit_after_rank
     from megatron.training.loop import pretrain
 
 if __name__ == "__main__":
-    sys.exit(run_rank(lambda: pretrain(load_args_on_rank(), stop_signals)))
+    exit_after_rank(lambda: pretrain(load_args_on_rank(), stop_signals))

@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from megatron.errors import ExpectedError
 from megatron.processes import skip_collection_at_exit
@@ -124,7 +125,6 @@ def run_rank(main: Callable[[], object]) -> int:
             _hand_over(None)
             raise
         _report(line)
-        skip_collection_at_exit()
         return EXIT_EXPECTED_ERROR
     # DeepSpeed's pipe engine keeps the last data iterator it was given, so its data-loader workers outlive
     # `main` and would hold up the exit as above
@@ -132,5 +132,12 @@ def run_rank(main: Callable[[], object]) -> int:
     from megatron.runtime.initialize import leave_process_group
 
     leave_process_group()
-    skip_collection_at_exit()
     return 0
+
+
+def exit_after_rank(main: Callable[[], object]) -> NoReturn:
+    """A rank process's last act: run its `main` (run_rank) and exit with the status, without the interpreter's
+    last garbage collection (megatron.processes.skip_collection_at_exit)."""
+    status = run_rank(main)
+    skip_collection_at_exit()
+    sys.exit(status)

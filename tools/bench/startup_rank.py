@@ -53,7 +53,7 @@ def floor() -> int:
     return 0
 
 
-def train() -> int:
+def train() -> None:
     import importlib
 
     from megatron.runtime.stop_signals import StopSignals
@@ -66,7 +66,7 @@ def train() -> int:
     import deepspeed  # noqa: F401  (setup imports it; here it counts as an import)
 
     from megatron.neox_arguments import load_args_on_rank
-    from megatron.runtime.rank_errors import run_rank
+    from megatron.runtime.rank_errors import exit_after_rank
     from megatron.training import loop as training
 
     moments = {"started": STARTED, "imported": time.time(), "phases": []}
@@ -96,8 +96,10 @@ def train() -> int:
         return result
 
     training.train_step = first_step
-    return run_rank(lambda: training.pretrain(load_args_on_rank(), stop_signals))
+    exit_after_rank(lambda: training.pretrain(load_args_on_rank(), stop_signals))  # as train.py ends
 
 
 if __name__ == "__main__":
-    sys.exit(floor() if os.environ.get("BENCH_STARTUP_FLOOR") else train())
+    if os.environ.get("BENCH_STARTUP_FLOOR"):
+        sys.exit(floor())
+    train()
