@@ -112,13 +112,13 @@ class DeepyRun:
         return [pid for pid, cmdline in processes_with_marker(self.marker).items() if command_has in cmdline]
 
     def ranks(self) -> dict[int, int]:
-        """RANK -> pid of every rank of the run."""
+        """RANK -> pid of every rank of the run: the children of DeepSpeed's per-node launcher (a rank's data-loader
+        workers share its command line and environment)."""
         ranks = {}
-        for pid in self.processes(command_has="train.py"):
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            rank = [entry.split(b"=", 1)[1] for entry in environ if entry.startswith(b"RANK=")]
-            if rank and "deepspeed.launcher" not in processes_with_marker(self.marker).get(pid, ""):
-                ranks[int(rank[0])] = pid
+        for pid in self.processes(command_has=LAUNCH_ENTRY_MODULE):
+            for rank in psutil.Process(pid).children():
+                environ = Path(f"/proc/{rank.pid}/environ").read_bytes().split(b"\0")
+                ranks[int(next(entry for entry in environ if entry.startswith(b"RANK="))[5:])] = rank.pid
         return ranks
 
     @property
@@ -172,7 +172,8 @@ def assert_three_processes_deep(run: DeepyRun) -> None:
     children = psutil.Process(run.process.pid).children()
     launchers = [child for child in children if LAUNCH_ENTRY_MODULE in child.cmdline()]
     assert len(launchers) == 1, [child.cmdline() for child in children]
-    assert sorted(rank.pid for rank in launchers[0].children()) == sorted(run.ranks().values())
+    ranks = launchers[0].children()
+    assert len(ranks) == 2 and all(rank.cmdline()[1:3] == ["-u", "train.py"] for rank in ranks), ranks
 
 
 # Long enough never to end before the signal; the resume keeps the LR schedule (lr_decay_iters).
