@@ -9,10 +9,8 @@ Pure functions of the settings, so the exact command is testable without startin
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import io
-import json
 import os
 import random
 import socket
@@ -136,7 +134,9 @@ def node_launcher_arguments(args: NeoXArgs, user_script: str, user_args: list[st
                             launcher_takes_log_level: bool = True) -> list[str]:
     """argv for DeepSpeed's per-node launcher (deepspeed.launcher.launch) that starts this machine's ranks,
     as DeepSpeed's runner builds it: one machine alone, or this node of a job started node by node."""
-    world_info = base64.urlsafe_b64encode(json.dumps(node_hosts(args)).encode()).decode()
+    from deepspeed.launcher.runner import encode_world_info
+
+    world_info = encode_world_info(node_hosts(args))
     if runs_on_one_machine(args):
         flags = [f"--world_info={world_info}", "--master_addr=127.0.0.1", f"--master_port={args.master_port}"]
     else:
