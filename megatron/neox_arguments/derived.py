@@ -565,6 +565,19 @@ def _check_train_impl(v: dict[str, Any], sources: dict[str, str]) -> None:
                                                                "2 or more")
     if v["train_impl"] == "rm":
         _check_reward_model(v, sources)
+    _check_packed_pairs(v, sources)
+
+
+def _check_packed_pairs(v: dict[str, Any], sources: dict[str, str]) -> None:
+    """Pairs packed several to a row score as the same pairs unpacked only when no document sees another and
+    each counts its positions from 0 (dpo's and rm's losses are per pair)."""
+    if v.get("dataset_impl") != "pairwise" or v.get("pack_impl") != "pack_until_overflow":
+        return
+    for name in ("reset_attention_mask", "reset_position_ids"):
+        if not v[name]:
+            raise _fail(sources, "pack_impl", f"pack_until_overflow packs several pairs into a row, which scores "
+                        f"each pair as it would be alone only with {name}: true; set it (and its sibling "
+                        "reset_attention_mask / reset_position_ids), or pack_impl: unpacked")
 
 
 def _check_reinforce(v: dict[str, Any], sources: dict[str, str]) -> None:
@@ -645,9 +658,9 @@ def _check_reward_model(v: dict[str, Any], sources: dict[str, str]) -> None:
     if v["dataset_impl"] != "pairwise":
         raise _fail(sources, "dataset_impl", "train_impl rm compares a chosen with a rejected sequence; set "
                     "dataset_impl: pairwise with pos_/neg_*_data_paths")
-    if v["pack_impl"] != "unpacked":
-        raise _fail(sources, "pack_impl", f"train_impl rm reads one reward per sample, so each sample must hold one "
-                    f"pair: set pack_impl: unpacked, not {v['pack_impl']}")
+    if v["pack_impl"] == "packed":
+        raise _fail(sources, "pack_impl", "train_impl rm reads one reward per chat, which packed cuts apart: set "
+                    "pack_impl: unpacked, or pack_until_overflow with reset_attention_mask and reset_position_ids")
     if v["eod_mask_loss"]:
         raise _fail(sources, "eod_mask_loss", "train_impl rm reads the reward where the loss mask is on, at an end "
                     "token, which eod_mask_loss would mask; remove it")
