@@ -34,8 +34,8 @@ from megatron.data.gpt_dataset import (
     check_some_document_usable,
     fit,
     label_window,
-    read_pieces,
     read_sample,
+    sample_segments,
     usable_in_every_file,
     whole_document_indices,
 )
@@ -154,10 +154,6 @@ class PairwiseDataset:
                 ref = read_sample(self.refs[side], self.doc_idx, self.sample_idx, sample)
                 item[f"{side}_ref"] = fit(ref, self.seq_length, 0.0, np.float32)
             if self.segmented:
-                item[f"{side}_segment"] = fit(self._segments(side, sample), self.seq_length, -1)
+                segments = sample_segments(self.data[side], self.doc_idx, self.sample_idx, sample)
+                item[f"{side}_segment"] = fit(segments, self.seq_length, -1)
         return item
-
-    def _segments(self, side: str, sample: int) -> np.ndarray:
-        pieces = read_pieces(self.data[side], self.doc_idx, self.sample_idx, sample)
-        owned = int(self.sample_idx[sample + 1][0]) - int(self.sample_idx[sample][0])  # the sample's own documents
-        return np.concatenate([np.full(len(piece), k if k < owned else -1) for k, piece in enumerate(pieces)])

@@ -268,7 +268,7 @@ SETTINGS_LIST: list[Setting] = [
           "reinforce: completions sampled here, or scored ones from GPT-NeoX's data server)",
           choices=("gpt2", "pairwise", "online")),
     *(_data(f"{split}_reward_data_paths", (list, type(None)), None,
-            f"reward files of {split}_data_paths (one value per document, pack_impl unpacked), one per path")
+            f"reward files of {split}_data_paths (one value per document, pack_impl unpacked or pack_until_overflow), one per path")
       for split in ("train", "valid", "test")),
     *(_data(f"{sign}_{split}_{kind}data_paths", (list, type(None)), None,
             f"{'label files of ' if kind else ''}{'chosen' if sign == 'pos' else 'rejected'} {split} documents"

@@ -60,8 +60,11 @@ def test_gpt_neox_preference_recipe_passes_dry_run_at_its_rank_count(recipe, exp
       "reset_attention_mask": True, "pos_train_data_paths": ["a"], "neg_train_data_paths": ["b"],
       "pos_train_label_data_paths": ["al"], "neg_train_label_data_paths": ["bl"]},
      "only with reset_position_ids: true"),
-], ids=["dpo-without-pairs", "precompute-packed", "dpo-packed-without-reset", "rm-packed-without-position-reset", "kto-without-rewards", "kto-precompute-packed", "kto-micro-batch-1",
-        "dpo-precompute-without-labels", "kto-precompute-without-labels"])
+    ({"train_impl": "kto", "pack_impl": "pack_until_overflow", "train_data_paths": ["x"],
+      "train_reward_data_paths": ["y"]}, "only with reset_attention_mask: true"),
+], ids=["dpo-without-pairs", "precompute-packed", "kto-without-rewards", "kto-precompute-packed", "kto-micro-batch-1",
+        "dpo-precompute-without-labels", "kto-precompute-without-labels", "dpo-packed-without-reset",
+        "rm-packed-without-position-reset", "kto-packed-without-reset"])
 def test_preference_settings_that_cannot_run_are_one_line(settings, words):
     from megatron.neox_arguments import ConfigError
     from tests.unit.test_data_gpt_dataset import make_args
