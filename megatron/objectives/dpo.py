@@ -40,7 +40,8 @@ class DirectPreferenceOptimization:
     def __call__(self, engine, samples):
         # chosen and rejected in one forward, split back by halves (GPT-NeoX's layout)
         batch = pairwise_batch(samples, self.batch_options).to(current_device())
-        policy, present = document_sums(target_log_probs(engine, batch, self.fp32).float(), batch)
+        policy, present = document_sums(target_log_probs(engine, batch, self.fp32), batch)
+        policy = policy.float()  # summed in the log-probabilities' own dtype, as unpacked rows always were
         if self.reference_free:
             reference = torch.zeros_like(policy)
         else:
