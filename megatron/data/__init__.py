@@ -16,6 +16,7 @@ _EXPORTS = {
     "BatchOptions": "megatron.data.batches",
     "get_batch": "megatron.data.batches",
     "pairwise_batch": "megatron.data.batches",
+    "document_sums": "megatron.data.batches",
     "DataError": "megatron.data.errors",
     "MMapIndexedDataset": "megatron.data.indexed_dataset",
     "MMapIndexedDatasetBuilder": "megatron.data.indexed_dataset",
@@ -23,7 +24,7 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from megatron.data.batches import Batch, BatchOptions, get_batch, pairwise_batch
+    from megatron.data.batches import Batch, BatchOptions, document_sums, get_batch, pairwise_batch
     from megatron.data.builders import build_data_iterators, build_train_valid_test_datasets
     from megatron.data.data_vocabulary import check_data_vocabulary
     from megatron.data.errors import DataError
@@ -43,6 +44,7 @@ __all__ = [
     "build_data_iterators",
     "build_train_valid_test_datasets",
     "check_data_vocabulary",
+    "document_sums",
     "get_batch",
     "pairwise_batch",
 ]

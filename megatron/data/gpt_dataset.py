@@ -16,8 +16,10 @@ masked is skipped, and with allow_chopped false so is one longer than seq_length
 With a label dataset (aligned with the tokens, negative where the loss is masked) every item has
 "text" and "label"; the non-packed modes always give "label" (the tokens themselves when there is no
 label file), -100 on padding, so padding is never trained. With a reward dataset (one value per document,
-unpacked only) items also have "reward", float32 per token: each token carries its document's value, as
-GPT-NeoX broadcasts it, the borrowed token its own document's, padding 0. With precomputed reference
+unpacked or pack_until_overflow) items also have "reward", float32 per token: each token carries its
+document's value, as GPT-NeoX broadcasts it, the borrowed token its own document's, padding 0; with
+pack_until_overflow also "segment" (which of the sample's documents each token is, -1 on padding and the
+borrowed token), so KTO scores each document as a sample of its own. With precomputed reference
 log-probabilities (precompute_model_name, unpacked only: one document of seq_length values per document)
 items also have "ref", float32, read like the tokens, 0 on padding.
 """
@@ -167,6 +169,7 @@ class GPTDataset:
         self.reference_dataset = reference_dataset
         self.seq_length = seq_length
         self.pads = pack_impl != "packed"
+        self.segmented = pack_impl == "pack_until_overflow"
         settings = {
             "version": INDEX_FORMAT_VERSION,
             "split": name,
@@ -215,6 +218,9 @@ class GPTDataset:
             rewards = np.concatenate([np.full(len(piece), self.reward_dataset.get(int(doc))[0], dtype=np.float32)
                                       for piece, doc in zip(pieces, docs, strict=True)])
             item["reward"] = fit(rewards, self.seq_length, PAD_REWARD, np.float32)
+            if self.segmented:  # packed kto: each document is a sample of its own
+                item["segment"] = fit(sample_segments(self.indexed_dataset, self.doc_idx, self.sample_idx, sample),
+                                      self.seq_length, -1)
         if self.reference_dataset is not None:
             ref = read_sample(self.reference_dataset, self.doc_idx, self.sample_idx, sample)
             item["ref"] = fit(ref, self.seq_length, 0.0, np.float32)
@@ -250,9 +256,10 @@ def check_gpt_files(name: str, data: MMapIndexedDataset, documents: np.ndarray, 
 
 
 def check_rewards(rewards: MMapIndexedDataset, data: MMapIndexedDataset, pack_impl: str) -> None:
-    if pack_impl != "unpacked":
-        raise DataError(f"reward dataset {rewards.prefix!r}: rewards are per document, so they need pack_impl: "
-                        f"unpacked (one document per sample, as GPT-NeoX asserts), not {pack_impl}")
+    if pack_impl == "packed":
+        raise DataError(f"reward dataset {rewards.prefix!r}: rewards are per document, so they need whole documents: "
+                        "pack_impl unpacked (one document per sample, as GPT-NeoX asserts) or pack_until_overflow, "
+                        "not packed")
     if len(rewards) != len(data) or (rewards.sizes != 1).any():
         raise DataError(f"reward dataset {rewards.prefix!r} holds {len(rewards)} documents "
                         f"{'' if (rewards.sizes == 1).all() else 'not all of one value '}for the {len(data)} "
@@ -309,6 +316,14 @@ def read_pieces(data: MMapIndexedDataset, doc_idx: np.ndarray, sample_idx: np.nd
     if last_doc < len(doc_idx):  # the last overflow sample has no next document to borrow from
         pieces.append(data.get(int(doc_idx[last_doc]), 0, min(last_offset + 1, int(data.sizes[doc_idx[last_doc]]))))
     return pieces
+
+
+def sample_segments(data: MMapIndexedDataset, doc_idx: np.ndarray, sample_idx: np.ndarray, sample: int) -> np.ndarray:
+    """Which of a whole-document sample's documents each of its tokens is (0, 1, ...), -1 on the token it
+    takes of the next sample's first document."""
+    pieces = read_pieces(data, doc_idx, sample_idx, sample)
+    owned = int(sample_idx[sample + 1][0]) - int(sample_idx[sample][0])
+    return np.concatenate([np.full(len(piece), k if k < owned else -1) for k, piece in enumerate(pieces)])
 
 
 def read_sample(data: MMapIndexedDataset, doc_idx: np.ndarray, sample_idx: np.ndarray, sample: int) -> np.ndarray:

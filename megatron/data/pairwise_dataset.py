@@ -7,6 +7,11 @@ pack_until_overflow) serves both sides, so a sample holds the same document numb
 usable when both sides are (a trained label, and with allow_chopped false no side longer than
 seq_length + 1), and pack_until_overflow counts the longer side.
 
+pack_until_overflow also gives {"pos_segment", "neg_segment"} (int64[seq_length + 1]): which of the sample's
+documents each token belongs to (0, 1, ...; -1 on padding and on the one token the sample takes of the next
+sample's first document). Document k is the same pair on both sides, so the objectives can score each pair
+apart (megatron.data.batches keeps the documents from seeing each other and restarts their positions).
+
 GPT-NeoX's bugs not copied: its allow_chopped false keeps only the documents that do NOT fit
 (pairwise_dataset.py:258-270); its index cache name ignores allow_chopped and the label files, so
 changing them reused a stale index; unpacked without label files crashed; and its unpacked order cycles
@@ -30,6 +35,7 @@ from megatron.data.gpt_dataset import (
     fit,
     label_window,
     read_sample,
+    sample_segments,
     usable_in_every_file,
     whole_document_indices,
 )
@@ -100,6 +106,7 @@ class PairwiseDataset:
                              allow_chopped)
         self.name = name
         self.seq_length = seq_length
+        self.segmented = pack_impl == "pack_until_overflow"
         self.data = {"pos": pos, "neg": neg}
         self.labels = {"pos": pos_label, "neg": neg_label}
         self.refs = {"pos": pos_ref, "neg": neg_ref}
@@ -146,4 +153,7 @@ class PairwiseDataset:
             if self.refs[side] is not None:
                 ref = read_sample(self.refs[side], self.doc_idx, self.sample_idx, sample)
                 item[f"{side}_ref"] = fit(ref, self.seq_length, 0.0, np.float32)
+            if self.segmented:
+                segments = sample_segments(self.data[side], self.doc_idx, self.sample_idx, sample)
+                item[f"{side}_segment"] = fit(segments, self.seq_length, -1)
         return item

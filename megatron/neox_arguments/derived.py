@@ -565,6 +565,20 @@ def _check_train_impl(v: dict[str, Any], sources: dict[str, str]) -> None:
                                                                "2 or more")
     if v["train_impl"] == "rm":
         _check_reward_model(v, sources)
+    _check_packed_preferences(v, sources)
+
+
+def _check_packed_preferences(v: dict[str, Any], sources: dict[str, str]) -> None:
+    """Pairs (dpo, rm) or kto's rated answers packed several to a row score as the same records unpacked only
+    when no document sees another and each counts its positions from 0 (their losses are per record)."""
+    preference = v.get("dataset_impl") == "pairwise" or v["train_impl"] == "kto"
+    if not preference or v.get("pack_impl") != "pack_until_overflow":
+        return
+    for name in ("reset_attention_mask", "reset_position_ids"):
+        if not v[name]:
+            raise _fail(sources, "pack_impl", f"pack_until_overflow packs several {v['train_impl']} records into a "
+                        f"row, which scores each as it would be alone only with {name}: true; set it (and its "
+                        "sibling reset_attention_mask / reset_position_ids), or pack_impl: unpacked")
 
 
 def _check_reinforce(v: dict[str, Any], sources: dict[str, str]) -> None:
@@ -645,9 +659,9 @@ def _check_reward_model(v: dict[str, Any], sources: dict[str, str]) -> None:
     if v["dataset_impl"] != "pairwise":
         raise _fail(sources, "dataset_impl", "train_impl rm compares a chosen with a rejected sequence; set "
                     "dataset_impl: pairwise with pos_/neg_*_data_paths")
-    if v["pack_impl"] != "unpacked":
-        raise _fail(sources, "pack_impl", f"train_impl rm reads one reward per sample, so each sample must hold one "
-                    f"pair: set pack_impl: unpacked, not {v['pack_impl']}")
+    if v["pack_impl"] == "packed":
+        raise _fail(sources, "pack_impl", "train_impl rm reads one reward per chat, which packed cuts apart: set "
+                    "pack_impl: unpacked, or pack_until_overflow with reset_attention_mask and reset_position_ids")
     if v["eod_mask_loss"]:
         raise _fail(sources, "eod_mask_loss", "train_impl rm reads the reward where the loss mask is on, at an end "
                     "token, which eod_mask_loss would mask; remove it")
@@ -740,9 +754,10 @@ def _check_data(v: dict[str, Any], sources: dict[str, str]) -> None:
             raise _fail(sources, f"{split}_data_weights", f"needs one weight per entry of {data}")
         if weights is not None:
             _check_data_weights(weights, paths, f"{split}_data_weights", sources)
-        if v[f"{split}_reward_data_paths"] and v["pack_impl"] != "unpacked":
-            raise _fail(sources, f"{split}_reward_data_paths", "rewards are per document, so they need pack_impl: "
-                        f"unpacked (one document per sample, as in GPT-NeoX), not {v['pack_impl']}")
+        if v[f"{split}_reward_data_paths"] and v["pack_impl"] == "packed":
+            raise _fail(sources, f"{split}_reward_data_paths", "rewards are per document, so they need whole "
+                        "documents: pack_impl unpacked (one document per sample, as in GPT-NeoX) or "
+                        "pack_until_overflow, not packed")
     if not v["embedded_corpus"]:  # the embedded corpus brings its own tokenizer
         kind = v["tokenizer_type"]
         for name, what in TOKENIZER_FILES.get(kind, {}).items():

@@ -268,7 +268,7 @@ SETTINGS_LIST: list[Setting] = [
           "reinforce: completions sampled here, or scored ones from GPT-NeoX's data server)",
           choices=("gpt2", "pairwise", "online")),
     *(_data(f"{split}_reward_data_paths", (list, type(None)), None,
-            f"reward files of {split}_data_paths (one value per document, pack_impl unpacked), one per path")
+            f"reward files of {split}_data_paths (one value per document, pack_impl unpacked or pack_until_overflow), one per path")
       for split in ("train", "valid", "test")),
     *(_data(f"{sign}_{split}_{kind}data_paths", (list, type(None)), None,
             f"{'label files of ' if kind else ''}{'chosen' if sign == 'pos' else 'rejected'} {split} documents"
@@ -278,9 +278,11 @@ SETTINGS_LIST: list[Setting] = [
           "until the next would overflow) or unpacked (one document per sample)",
           choices=("packed", "pack_until_overflow", "unpacked")),
     _data("eod_mask_loss", bool, False, "do not train the positions whose input token is the tokenizer's eod"),
-    _data("reset_position_ids", bool, False, "Megatron-LM's: positions start again at 0 after every eod token", gpt_neox=False),
+    _data("reset_position_ids", bool, False, "Megatron-LM's: positions start again at 0 after every eod token "
+          "(packed pairs: at each pair's document, as the dataset marks it); packed pairs need it", gpt_neox=False),
     _data("reset_attention_mask", bool, False,
-          "Megatron-LM's: a token attends only to its own document (documents end with the eod token)", gpt_neox=False),
+          "Megatron-LM's: a token attends only to its own document (documents end with the eod token; packed pairs: "
+          "the documents the dataset marks); packed pairs need it", gpt_neox=False),
     _data("allow_chopped", bool, True, "with pack_impl other than packed: keep documents longer than seq_length + 1 "
           "(cut to it); false skips them"),
     _data("data_impl", str, "infer", "dataset format: infer reads it from the .idx header; only mmap files exist here", choices=("infer", "mmap")),

@@ -9,6 +9,10 @@ the implicit rewards r = beta * (log pi - log pi_ref) the loss is mean(-log sigm
 `dpo_reference_free` takes log pi_ref = 0. Metrics (GPT-NeoX's names): chosen_rewards and
 rejected_rewards (means of r), reward_acc (the fraction of pairs with r_chosen > r_rejected, strictly),
 margins (mean of r_chosen - r_rejected).
+
+Packed pairs (pack_until_overflow, whose rows carry their documents' segments): document k of a chosen row
+pairs with document k of its rejected row, each answer's sum is over its own document, and the means run
+over the micro batch's pairs, so a micro batch scores as the same pairs unpacked would.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron.data import BatchOptions, get_batch
+from megatron.data import BatchOptions, document_sums, pairwise_batch
 from megatron.objectives.log_probs import reference_log_probs, target_log_probs
 from megatron.runtime.initialize import current_device
 
@@ -35,19 +39,19 @@ class DirectPreferenceOptimization:
 
     def __call__(self, engine, samples):
         # chosen and rejected in one forward, split back by halves (GPT-NeoX's layout)
-        pairs = {"text": torch.cat([samples["pos"], samples["neg"]]),
-                 "label": torch.cat([samples["pos_label"], samples["neg_label"]])}
-        batch = get_batch(pairs, self.batch_options).to(current_device())
-        policy = target_log_probs(engine, batch, self.fp32).sum(dim=1)
+        batch = pairwise_batch(samples, self.batch_options).to(current_device())
+        policy, present = document_sums(target_log_probs(engine, batch, self.fp32), batch)
+        policy = policy.float()  # summed in the log-probabilities' own dtype, as unpacked rows always were
         if self.reference_free:
             reference = torch.zeros_like(policy)
         else:
             precomputed = torch.cat([samples["pos_ref"], samples["neg_ref"]]) if "pos_ref" in samples else None
-            reference = reference_log_probs(self.reference, batch, self.fp32, precomputed).sum(dim=1)
-        rewards = self.beta * (policy.float() - reference).detach()
-        chosen_rewards, rejected_rewards = rewards.chunk(2)
-        policy_chosen, policy_rejected = policy.float().chunk(2)
-        reference_chosen, reference_rejected = reference.chunk(2)
+            reference = document_sums(reference_log_probs(self.reference, batch, self.fp32, precomputed), batch)[0]
+        pairs = torch.logical_and(*present.chunk(2))
+        rewards = self.beta * (policy - reference).detach()
+        chosen_rewards, rejected_rewards = (side[pairs] for side in rewards.chunk(2))
+        policy_chosen, policy_rejected = (side[pairs] for side in policy.chunk(2))
+        reference_chosen, reference_rejected = (side[pairs] for side in reference.chunk(2))
         logits = self.beta * ((policy_chosen - policy_rejected) - (reference_chosen - reference_rejected))
         loss = -F.logsigmoid(logits).mean()
         return loss, {"chosen_rewards": chosen_rewards.mean(), "rejected_rewards": rejected_rewards.mean(),

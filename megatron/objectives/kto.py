@@ -18,13 +18,16 @@ Log-probabilities come from the vocabulary-parallel cross entropy on each rank's
 it to gathered logits, which gets the gradients wrong under tensor parallelism).
 Metrics: kl (sum of log pi - log pi_ref over all trained targets / their number), reward_acc (the fraction
 of samples whose beta * sign(r) * l is above 0).
+
+Packed rows (pack_until_overflow, with the dataset's segments): each document is a sample, taken row by row
+in its order within the row, so a micro batch scores (halves, means) as those documents unpacked would.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron.data import BatchOptions, get_batch
+from megatron.data import Batch, BatchOptions, document_sums, get_batch
 from megatron.objectives.log_probs import reference_log_probs, target_log_probs
 from megatron.runtime.initialize import current_device
 
@@ -37,6 +40,15 @@ def sample_rewards(reward: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tenso
         return reward.reshape(-1).float()
     per_target = reward[:, 1:loss_mask.shape[1] + 1].float()
     return (per_target * loss_mask).sum(dim=1) / loss_mask.sum(dim=1).clamp(min=1.0)
+
+
+def document_log_ratios_and_rewards(ratios: torch.Tensor, reward: torch.Tensor, batch: Batch):
+    """Packed rows: each document's summed log-ratio and its reward (the mean over its trained targets), [n]
+    both, the documents row by row."""
+    log_ratio, present = document_sums(ratios, batch)
+    trained = document_sums(batch.loss_mask, batch)[0]
+    rewarded = document_sums(reward[:, 1:batch.loss_mask.shape[1] + 1].float() * batch.loss_mask, batch)[0]
+    return log_ratio[present], (rewarded / trained.clamp(min=1.0))[present]
 
 
 class KahnemanTverskyOptimization:
@@ -53,13 +65,16 @@ class KahnemanTverskyOptimization:
         self.reference = reference  # the frozen model; None when precomputed
 
     def __call__(self, engine, samples):
-        batch = get_batch({"text": samples["text"], "label": samples["label"]},
+        batch = get_batch({key: samples[key] for key in ("text", "label", "segment") if key in samples},
                           self.batch_options).to(current_device())
         policy = target_log_probs(engine, batch, self.fp32).float()
         reference = reference_log_probs(self.reference, batch, self.fp32, samples.get("ref"))
         ratios = policy - reference
-        log_ratio = ratios.sum(dim=1)
-        reward = sample_rewards(samples["reward"].to(batch.loss_mask.device), batch.loss_mask)
+        if batch.documents is None:
+            log_ratio = ratios.sum(dim=1)
+            reward = sample_rewards(samples["reward"].to(batch.loss_mask.device), batch.loss_mask)
+        else:
+            log_ratio, reward = document_log_ratios_and_rewards(ratios, samples["reward"].to(ratios.device), batch)
         sign = torch.sign(torch.where(reward.abs() > _NEUTRAL, reward, torch.zeros_like(reward)))
         weight = torch.where(sign > 0, self.desirable_weight, self.undesirable_weight) * sign.abs()
         first, second = log_ratio.detach().clamp(min=0).chunk(2)

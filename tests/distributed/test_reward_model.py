@@ -175,7 +175,8 @@ RUN = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length
     ({"dataset_impl": "gpt2", "pos_train_data_paths": None, "neg_train_data_paths": None,
       "pos_train_label_data_paths": None, "neg_train_label_data_paths": None, "train_data_paths": ["x"]},
      "dataset_impl.*set dataset_impl: pairwise"),
-    ({"pack_impl": "pack_until_overflow"}, "pack_impl.*set pack_impl: unpacked"),
+    ({"pack_impl": "packed"}, "pack_impl.*which packed cuts apart: set pack_impl: unpacked"),
+    ({"pack_impl": "pack_until_overflow"}, "pack_impl.*only with reset_attention_mask: true"),
     ({"eod_mask_loss": True}, "eod_mask_loss.*remove it"),
     ({"pos_train_label_data_paths": None, "neg_train_label_data_paths": None}, "pos_train_data_paths: train_impl rm "
      "reads each reward at the position its labels train"),

@@ -134,3 +134,17 @@ def test_dpo_with_lora_compares_against_its_own_base_and_resumes_with_the_unbrok
     save_llama(hf_dir, seed=1)  # the base the adapters were trained against is not the folder's any more
     changed = run_deepy([write_overrides(tmp_path, name="lora_changed.yml", **resume)], expect_success=False)
     assert changed.returncode != 0 and "changed since the run started" in changed.stdout + changed.stderr
+
+
+def test_packed_dpo_starts_at_ln_2_and_learns(tmp_path):
+    """Several pairs to a row (pack_until_overflow, no document seeing another): the policy is the reference at
+    the first step, so every pair's term, and their mean, is ln 2 exactly as unpacked; then it learns."""
+    settings, _ = dpo_run(tmp_path)
+    packed = {**settings, "pack_impl": "pack_until_overflow", "reset_attention_mask": True,
+              "reset_position_ids": True, "seq_length": 64, "train_micro_batch_size_per_gpu": 1, "save": None,
+              "checkpoint_factor": None, "eval_interval": 4}
+    output = run_deepy([write_overrides(tmp_path, name="packed.yml", **packed)]).stdout
+    assert "block-causal per packed document (reset_attention_mask)" in output
+    lines = dpo_lines(output)
+    assert lines[1][0] == pytest.approx(math.log(2), abs=1e-4) and lines[1][1:] == (0.0, 0.0, 0.0, 0.0)
+    assert all(lines[i][0] < lines[1][0] - 0.05 for i in (3, 4)), lines

@@ -175,7 +175,7 @@ def test_rewards_ride_along_per_token_with_zero_on_padding(rm_data):
         assert item["reward"].tolist() == expected + [0.0] * (SEQ + 1 - len(expected))
     packed = make_args(seq_length=SEQ, train_data_paths=args.train_data_paths,
                        train_reward_data_paths=args.train_reward_data_paths)
-    with pytest.raises(DataError, match="need pack_impl: unpacked"):
+    with pytest.raises(DataError, match="they need whole documents"):
         build_train_valid_test_datasets(packed, (4, 0, 0))
 
 

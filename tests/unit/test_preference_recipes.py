@@ -54,8 +54,17 @@ def test_gpt_neox_preference_recipe_passes_dry_run_at_its_rank_count(recipe, exp
     ({"train_impl": "kto", "pack_impl": "unpacked", "train_data_paths": ["x"], "train_reward_data_paths": ["y"],
       "train_label_data_paths": ["xl"], "valid_data_paths": ["v"], "precompute_model_name": "ref"},
      "needs valid_label_data_paths beside valid_data_paths"),
+    ({"train_impl": "dpo", "dataset_impl": "pairwise", "pack_impl": "pack_until_overflow",
+      "pos_train_data_paths": ["a"], "neg_train_data_paths": ["b"]}, "only with reset_attention_mask: true"),
+    ({"train_impl": "rm", "dataset_impl": "pairwise", "pack_impl": "pack_until_overflow", "no_weight_tying": True,
+      "reset_attention_mask": True, "pos_train_data_paths": ["a"], "neg_train_data_paths": ["b"],
+      "pos_train_label_data_paths": ["al"], "neg_train_label_data_paths": ["bl"]},
+     "only with reset_position_ids: true"),
+    ({"train_impl": "kto", "pack_impl": "pack_until_overflow", "train_data_paths": ["x"],
+      "train_reward_data_paths": ["y"]}, "only with reset_attention_mask: true"),
 ], ids=["dpo-without-pairs", "precompute-packed", "kto-without-rewards", "kto-precompute-packed", "kto-micro-batch-1",
-        "dpo-precompute-without-labels", "kto-precompute-without-labels"])
+        "dpo-precompute-without-labels", "kto-precompute-without-labels", "dpo-packed-without-reset",
+        "rm-packed-without-position-reset", "kto-packed-without-reset"])
 def test_preference_settings_that_cannot_run_are_one_line(settings, words):
     from megatron.neox_arguments import ConfigError
     from tests.unit.test_data_gpt_dataset import make_args

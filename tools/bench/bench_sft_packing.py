@@ -1,11 +1,13 @@
-"""Packed against padded SFT on the same records: trained tokens per second.
+"""Packed against padded SFT or DPO on the same records: trained tokens (SFT) or pairs (DPO) per second.
 
-    python tools/bench/bench_sft_packing.py [--layers 2] [--hidden 128] [--heads 4] [--vocab 1024] [--seq 2048]
-        [--records 64] [--micro 1] [--steps 4] [--repeats 2] [--threads 0] [--json PATH]
+    python tools/bench/bench_sft_packing.py [--objective sft] [--layers 2] [--hidden 128] [--heads 4]
+        [--vocab 1024] [--seq 2048] [--records 64] [--micro 1] [--steps 4] [--repeats 2] [--threads 0] [--json PATH]
 
-The same SFT records (a masked prompt, a trained response and the eod; lengths drawn uniformly from seq/16 to
-seq/2 tokens) are written as token and label files and read the two ways, by the same Llama-family model in one
-DeepSpeed engine (fp32, ZeRO-0, Adam) on one process:
+The same records are written as token and label files and read the two ways, by the same Llama-family model in
+one DeepSpeed engine (fp32, ZeRO-0, Adam) on one process. `--objective sft`: SFT records (a masked prompt, a
+trained response and the eod; lengths drawn uniformly from seq/16 to seq/2 tokens). `--objective dpo`: pairs
+(dataset_impl pairwise) of a shared masked prompt and a chosen and a rejected answer, each side seq/16 to seq/2
+tokens, scored by DPO (beta 0.1) against a frozen reference model of the same shape.
 
 | row      | data                                                                                              |
 | `padded` | pack_impl unpacked: one record per row, padded to seq_length                                     |
@@ -13,7 +15,8 @@ DeepSpeed engine (fp32, ZeRO-0, Adam) on one process:
 
 Each repeat times `--steps` optimizer steps of each (after one untimed warm-up step of each), the order
 alternating. The loss trains the same tokens per record both ways; what differs is how many rows carry them.
-Ratio `packed/padded trained_tokens_per_second`: trained (loss-masked-in) tokens per second.
+Ratio `packed/padded trained_tokens_per_second` (sft): trained (loss-masked-in) tokens per second;
+`packed/padded pairs_per_second` (dpo): pairs scored per second.
 """
 
 from __future__ import annotations
@@ -36,22 +39,61 @@ ROWS = ("padded", "packed")
 EOD, MASKED = 1, -100
 
 
-def write_records(directory: Path, options: argparse.Namespace):
-    """(tokens, labels) indexed datasets of ``options.records`` SFT records."""
+def write_files(directory: Path, records: dict[str, list[np.ndarray]]) -> dict:
+    """Each named list of documents as an indexed dataset in ``directory``."""
     from megatron.data import MMapIndexedDataset, MMapIndexedDatasetBuilder
 
+    for name, documents in records.items():
+        builder = MMapIndexedDatasetBuilder(str(directory / f"{name}.bin"), np.int32)
+        for document in documents:
+            builder.add_item(document)
+            builder.end_document()
+        builder.finalize(str(directory / f"{name}.idx"))
+    return {name: MMapIndexedDataset(str(directory / name)) for name in records}
+
+
+def sft_records(options: argparse.Namespace) -> dict[str, list[np.ndarray]]:
+    """``options.records`` SFT records: text and label documents."""
     rng = np.random.RandomState(0)
-    files = {name: MMapIndexedDatasetBuilder(str(directory / f"{name}.bin"), np.int32) for name in ("text", "label")}
+    records = {"text": [], "label": []}
     for _ in range(options.records):
         length = rng.randint(options.seq // 16, options.seq // 2)
         prompt = rng.randint(2, options.vocab, length // 2)
         response = rng.randint(2, options.vocab, length - len(prompt) - 1)
-        files["text"].add_item(np.concatenate([prompt, response, [EOD]]))
-        files["label"].add_item(np.concatenate([np.full(len(prompt), MASKED), response, [EOD]]))
-    for name, builder in files.items():
-        builder.end_document()
-        builder.finalize(str(directory / f"{name}.idx"))
-    return MMapIndexedDataset(str(directory / "text")), MMapIndexedDataset(str(directory / "label"))
+        records["text"].append(np.concatenate([prompt, response, [EOD]]))
+        records["label"].append(np.concatenate([np.full(len(prompt), MASKED), response, [EOD]]))
+    return records
+
+
+def pair_records(options: argparse.Namespace) -> dict[str, list[np.ndarray]]:
+    """``options.records`` preference pairs: a shared prompt, a chosen and a rejected answer of their own lengths."""
+    rng = np.random.RandomState(0)
+    records = {"pos": [], "neg": [], "pos_label": [], "neg_label": []}
+    for _ in range(options.records):
+        prompt = rng.randint(2, options.vocab, options.seq // 32)
+        for side in ("pos", "neg"):
+            answer = rng.randint(2, options.vocab, rng.randint(options.seq // 16, options.seq // 2) - len(prompt))
+            answer[-1] = EOD
+            records[side].append(np.concatenate([prompt, answer]))
+            records[f"{side}_label"].append(np.concatenate([np.full(len(prompt), MASKED), answer]))
+    return records
+
+
+def datasets(objective: str, files: dict, options: argparse.Namespace, samples: int, scratch: str) -> dict:
+    """The padded and the packed dataset of the same records."""
+    from megatron.data.gpt_dataset import GPTDataset
+    from megatron.data.pairwise_dataset import PairwiseDataset
+
+    made = {}
+    for name, pack_impl in (("padded", "unpacked"), ("packed", "pack_until_overflow")):
+        if objective == "sft":
+            made[name] = GPTDataset(name, files["text"], np.arange(options.records), samples, options.seq, 1234,
+                                    pack_impl=pack_impl, label_dataset=files["label"], index_cache_dir=scratch)
+        else:
+            made[name] = PairwiseDataset(name, files["pos"], files["neg"], np.arange(options.records), samples,
+                                         options.seq, 1234, scratch, pack_impl, pos_label=files["pos_label"],
+                                         neg_label=files["neg_label"])
+    return made
 
 
 def row_batches(dataset, micro: int):
@@ -62,12 +104,22 @@ def row_batches(dataset, micro: int):
     while True:
         rows = [dataset[(index + i) % len(dataset)] for i in range(micro)]
         index += micro
-        yield {key: torch.stack([torch.from_numpy(row[key]) for row in rows]) for key in ("text", "label")}
+        yield {key: torch.stack([torch.from_numpy(row[key]) for row in rows]) for key in rows[0]}
+
+
+def counted(objective: str, batch: dict) -> int:
+    """What a step of ``batch`` does: trained tokens (sft) or pairs scored (dpo)."""
+    if objective == "sft":
+        return int((batch["label"][:, 1:] >= 0).sum())
+    if "pos_segment" in batch:
+        return int((batch["pos_segment"].max(dim=1).values + 1).sum())
+    return batch["pos"].shape[0]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, layers=2, hidden=128, heads=4, vocab=1024, seq=2048, repeats=2)
-    parser.add_argument("--records", type=int, default=64, help="SFT records written")
+    parser.add_argument("--objective", choices=("sft", "dpo"), default="sft", help="what the rows train")
+    parser.add_argument("--records", type=int, default=64, help="SFT records or preference pairs written")
     parser.add_argument("--micro", type=int, default=1, help="micro batch size (rows)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps timed per repeat")
     options = parser.parse_args(argv)
@@ -75,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     import bench_world as world
 
     from megatron.data import BatchOptions
-    from megatron.data.gpt_dataset import GPTDataset
     from megatron.model import build_model
     from megatron.neox_arguments import NeoXArgs
+    from megatron.objectives.dpo import DirectPreferenceOptimization
     from megatron.objectives.language_model import LanguageModelLoss
 
     world.measuring_process(options.threads)
@@ -89,21 +141,25 @@ def main(argv: list[str] | None = None) -> int:
                                 world.deepspeed_config(options.micro, 0, "fp32"))
     options_of = {"padded": BatchOptions(),
                   "packed": BatchOptions(eod=EOD, reset_position_ids=True, reset_attention_mask=True)}
+    if options.objective == "sft":
+        objectives = {name: LanguageModelLoss(batch_options) for name, batch_options in options_of.items()}
+    else:
+        reference = build_model(args.architecture(), args.seed + 1).eval()
+        objectives = {name: DirectPreferenceOptimization(batch_options, 0.1, True, reference)
+                      for name, batch_options in options_of.items()}
+    records = sft_records(options) if options.objective == "sft" else pair_records(options)
     with tempfile.TemporaryDirectory(prefix="bench_sft_packing_") as scratch:
-        text, label = write_records(Path(scratch), options)
+        files = write_files(Path(scratch), records)
         samples = options.micro * (options.steps * options.repeats + 1)
-        batches = {}
-        for name, pack_impl in (("padded", "unpacked"), ("packed", "pack_until_overflow")):
-            dataset = GPTDataset(name, text, np.arange(options.records), samples, options.seq, 1234,
-                                 pack_impl=pack_impl, label_dataset=label, index_cache_dir=scratch)
-            batches[name] = row_batches(dataset, options.micro)
+        batches = {name: row_batches(dataset, options.micro)
+                   for name, dataset in datasets(options.objective, files, options, samples, scratch).items()}
 
         def step(name: str) -> int:
             batch = next(batches[name])
-            loss, _ = LanguageModelLoss(options_of[name])(engine, batch)
+            loss, _ = objectives[name](engine, batch)
             engine.backward(loss)
             engine.step()
-            return int((batch["label"][:, 1:] >= 0).sum())
+            return counted(options.objective, batch)
 
         for name in ROWS:
             step(name)  # warm-up
@@ -115,15 +171,18 @@ def main(argv: list[str] | None = None) -> int:
                     trained += step(name)
                 rates[name].append(trained / (time.perf_counter() - started))
     load_average = (load_before, os.getloadavg()[0])
-    print(f"Llama family, {options.layers} layers, hidden {options.hidden}, fp32, one process; {options.records} "
-          f"records of {options.seq // 16}-{options.seq // 2} tokens, rows of {options.seq}; micro batch "
-          f"{options.micro}; repeats {options.repeats}; load average {load_average[0]:.1f} -> {load_average[1]:.1f}")
-    print(table(["row", "trained tokens/s"], [[name, statistics.median(rates[name])] for name in ROWS]))
+    unit = "trained_tokens_per_second" if options.objective == "sft" else "pairs_per_second"
+    print(f"{options.objective}; Llama family, {options.layers} layers, hidden {options.hidden}, fp32, one process; "
+          f"{options.records} records of {options.seq // 16}-{options.seq // 2} tokens, rows of {options.seq}; micro "
+          f"batch {options.micro}; repeats {options.repeats}; load average {load_average[0]:.1f} -> "
+          f"{load_average[1]:.1f}")
+    print(table(["row", unit.replace("_per_second", "/s").replace("_", " ")],
+                [[name, statistics.median(rates[name])] for name in ROWS]))
     report = Ratios()
-    report.add("packed/padded trained_tokens_per_second", statistics.median(rates["packed"]),
-               statistics.median(rates["padded"]), "SFT throughput of packed rows (block-causal) against padded rows",
+    report.add(f"packed/padded {unit}", statistics.median(rates["packed"]), statistics.median(rates["padded"]),
+               f"{options.objective} throughput of packed rows (block-causal) against padded rows",
                repeat_ratios(rates["packed"], rates["padded"]))
-    write_json(options, __doc__, report, load_average, trained_tokens_per_second=rates)
+    write_json(options, __doc__, report, load_average, **{unit: rates})
     return 0
 
 
