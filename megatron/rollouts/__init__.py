@@ -22,12 +22,14 @@ def rollout_iterators(args, engine, iterators, first_iteration: int, data_parall
     import torch
 
     from megatron.generation import Limits, Sampling
+    from megatron.model import build_model
     from megatron.rollouts.advantages import Advantages, advantage_mode
     from megatron.rollouts.builtin import BuiltInRollouts, RolloutShape
     from megatron.rollouts.data_server import ServerRollouts, server_address
     from megatron.rollouts.reward_function import RewardFunction
     from megatron.rollouts.reward_model_scores import RewardModelScores
     from megatron.rollouts.rollout_log import RolloutLog
+    from megatron.rollouts.sampler_model import SamplerModel
     from megatron.runtime.initialize import current_device
     from megatron.tokenizer import build_tokenizer
 
@@ -45,6 +47,7 @@ def rollout_iterators(args, engine, iterators, first_iteration: int, data_parall
     log = RolloutLog(args.rollout_log, data_parallel_rank) if args.rollout_log and tensor_parallel_rank == 0 else None
     reward = RewardModelScores(reward_model, tokenizer.eod) if args.reward_model else \
         RewardFunction(args.reward_function)
-    train = BuiltInRollouts(engine, iterators[0], tokenizer, reward, advantages, shape,
+    sampler = SamplerModel(engine.module, lambda: build_model(args.architecture(), args.seed, lora=args.lora()))
+    train = BuiltInRollouts(engine, sampler, iterators[0], tokenizer, reward, advantages, shape,
                             generator, first_iteration, data_parallel_rank, log)
     return train, None, None

@@ -1,9 +1,10 @@
 """Rollouts sampled here: each micro batch of chat samples gives its prompts (each cut before its first trained
-label); the policy being trained, as it is now (eval mode: no dropout), samples `completions_per_prompt`
-completions of each with generate.py's settings and KV cache; the reward function or the reward model scores
-them; each prompt's completions get their advantages. With `shown` > 0 the logging rank prints that many of them
-at the first micro batch of every log_interval-th step. A completion ends at the end-of-document token (kept: it is trained, so the
-policy learns where to stop) or after maximum_tokens (or at seq_length)."""
+label); the policy being trained, as it is now (eval mode: no dropout; under ZeRO-3 a whole copy of it,
+sampler_model.py), samples `completions_per_prompt` completions of each with generate.py's settings and KV cache;
+the reward function or the reward model scores them; each prompt's completions get their advantages. A completion
+ends at the end-of-document token (kept: it is trained, so the policy learns where to stop) or after
+maximum_tokens (or at seq_length). With `shown` > 0 the logging rank prints that many of them at the first micro
+batch of every log_interval-th step."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from megatron.generation import Limits, Sampling, complete
 from megatron.rollouts.advantages import Advantages
 from megatron.rollouts.errors import RolloutError
 from megatron.rollouts.rollout_log import RolloutLog
+from megatron.rollouts.sampler_model import SamplerModel
 from megatron.rollouts.scored_samples import ScoredCompletion, prompt_of, samples_of
 
 
@@ -31,9 +33,11 @@ class RolloutShape:
 class BuiltInRollouts:
     """An iterator of the objective's micro batches: micro batch size x completions_per_prompt scored completions."""
 
-    def __init__(self, engine, prompt_batches, tokenizer, reward, advantages: Advantages, shape: RolloutShape,
-                 generator: torch.Generator, first_iteration: int, data_parallel_rank: int, log: RolloutLog | None):
+    def __init__(self, engine, sampler: SamplerModel, prompt_batches, tokenizer, reward, advantages: Advantages,
+                 shape: RolloutShape, generator: torch.Generator, first_iteration: int, data_parallel_rank: int,
+                 log: RolloutLog | None):
         self.engine = engine
+        self.sampler = sampler
         self.prompt_batches = prompt_batches
         self.tokenizer = tokenizer
         self.reward = reward
@@ -60,7 +64,8 @@ class BuiltInRollouts:
         prompts = [self._prompt(text, label) for text, label in zip(samples["text"], samples["label"], strict=True)]
         self.engine.eval()
         try:
-            groups = [[complete(self.engine.module, prompt, self.shape.limits, self.shape.sampling,
+            model = self.sampler.current()
+            groups = [[complete(model, prompt, self.shape.limits, self.shape.sampling,
                                 generator=self.generator) for _ in range(self.shape.completions_per_prompt)]
                       for prompt in prompts]
         finally:

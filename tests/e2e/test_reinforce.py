@@ -4,7 +4,8 @@ tool give the prompts, the policy samples completions, a reward function in a fi
 logged log-probabilities are the model's, the loss line is GPT-NeoX's loss, and the second step's logged
 log-probabilities are those of the transformers model moved by that gradient.
 
-Runs (9 deepy runs): one per advantage mode and layout of the autograd check; one LoRA run, checked for its
+Runs (10 deepy runs): one per advantage mode and layout of the autograd check (ZeRO-3 samples from a whole copy of
+the partitioned policy, megatron/rollouts/sampler_model.py); one LoRA run, checked for its
 reference and also the unbroken run whose step 2 tag one resume starts from; the learning run; one data-server
 run per layout and one refused data-server run (at TP 2, where the refusal is also handed between ranks)."""
 
@@ -94,8 +95,10 @@ def rank_loss(model, records: list[dict], mode: str, beta: float) -> torch.Tenso
 @pytest.mark.parametrize("mode, layout", [("group_normalized", {}),
                                           ("group_normalized", {"num_gpus": 2, "zero_optimization": {"stage": 1},
                                                                "zero_allow_untested_optimizer": True}),
+                                          ("group_normalized", {"num_gpus": 2, "zero_optimization": {"stage": 3},
+                                                               "zero_allow_untested_optimizer": True}),
                                           ("leave_one_out", {"num_gpus": 2, "model_parallel_size": 2})],
-                         ids=["grpo-1-rank", "grpo-2-ranks-zero1", "rloo-tp2"])
+                         ids=["grpo-1-rank", "grpo-2-ranks-zero1", "grpo-2-ranks-zero3", "rloo-tp2"])
 def test_first_reinforce_step_is_autograd_on_the_hf_model_from_the_logged_rollouts(tmp_path, mode, layout):
     from transformers import LlamaForCausalLM
 
