@@ -95,8 +95,13 @@ def rank_loss(model, records: list[dict], mode: str, beta: float) -> torch.Tenso
 @pytest.mark.parametrize("mode, layout", [("group_normalized", {}),
                                           ("group_normalized", {"num_gpus": 2, "zero_optimization": {"stage": 1},
                                                                "zero_allow_untested_optimizer": True}),
-                                          ("group_normalized", {"num_gpus": 2, "zero_optimization": {"stage": 3},
-                                                               "zero_allow_untested_optimizer": True}),
+                                          # every parameter partitioned (none kept whole for being small), and
+                                          # completions up to seq_length: the ranks' prompts differ in length, so
+                                          # do their completions (sampling may run no collective)
+                                          ("group_normalized", {"num_gpus": 2, "zero_allow_untested_optimizer": True,
+                                                               "zero_optimization": {
+                                                                   "stage": 3, "stage3_param_persistence_threshold": 0},
+                                                               "maximum_tokens": 24}),
                                           ("leave_one_out", {"num_gpus": 2, "model_parallel_size": 2})],
                          ids=["grpo-1-rank", "grpo-2-ranks-zero1", "grpo-2-ranks-zero3", "rloo-tp2"])
 def test_first_reinforce_step_is_autograd_on_the_hf_model_from_the_logged_rollouts(tmp_path, mode, layout):
@@ -110,6 +115,8 @@ def test_first_reinforce_step_is_autograd_on_the_hf_model_from_the_logged_rollou
     data_parallel = layout.get("num_gpus", 1) // layout.get("model_parallel_size", 1)
     ranks = rank_records(tmp_path, data_parallel)
     assert all(len([r for r in records if r["iteration"] == i]) == 4 for records in ranks for i in (1, 2))
+    if "maximum_tokens" in layout:  # the ranks sampled different numbers of tokens, so ran different forwards
+        assert len({sum(len(r["completion_ids"]) for r in records) for records in ranks}) == len(ranks), ranks
 
     model = LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
     # DeepSpeed averages the ranks' gradients: the step is that of the mean of the ranks' losses
