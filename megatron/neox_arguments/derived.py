@@ -588,6 +588,9 @@ def _check_reinforce(v: dict[str, Any], sources: dict[str, str]) -> None:
         raise _fail(sources, named[-1], f"{shown} each name the reward; set exactly one of reward_function, "
                                         "reward_model and dataset_impl: online")
     if named == ["dataset_impl"]:
+        if v["rollout_samples_shown"]:
+            raise _fail(sources, "rollout_samples_shown", "shows completions sampled here (reward_function or "
+                                                          "reward_model), not the data server's: set it to 0")
         return
     if v["reward_function"] and ":" not in v["reward_function"]:
         raise _fail(sources, "reward_function", f"{v['reward_function']!r} is not \"path/file.py:name\"; name the "

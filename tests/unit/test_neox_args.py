@@ -606,6 +606,8 @@ def test_reinforce_settings_keep_gpt_neox_defaults_and_refuse_what_cannot_run(tm
     assert "set train_impl: reinforce" in config_error(tmp_path, dataset_impl="online")
     assert "kl_impl" in config_error(tmp_path, **rollouts, kl_impl="k3")
     assert "must not be negative" in config_error(tmp_path, **rollouts, rollout_samples_shown=-1)
+    assert "set it to 0" in config_error(tmp_path, train_impl="reinforce", dataset_impl="online",
+                                         rollout_samples_shown=2)
 
 
 @pytest.mark.parametrize("names", [("reward_function", "reward_model"), ("reward_model", "dataset_impl"),
