@@ -31,6 +31,7 @@ from megatron.checkpointing.ondisk.identity import (
     LORA_BASE_FILE,
     LoraBase,
     ReferenceIdentity,
+    RewardModelIdentity,
     files_checksum,
     write_lora_base_file,
 )
@@ -69,6 +70,8 @@ from megatron.checkpointing.planning.reference import (
     plan_reference,
 )
 from megatron.checkpointing.planning.reference import describe as describe_reference
+from megatron.checkpointing.planning.reward_model_source import describe as describe_reward_model
+from megatron.checkpointing.planning.reward_model_source import plan_reward_model
 from megatron.checkpointing.saving.async_save import (
     check_save_in_flight,
     save_in_flight,
@@ -98,11 +101,11 @@ def __getattr__(name: str):
 __all__ = [
     "LATEST_FILE", "LORA_BASE_FILE", "TRAIN_IMPLS_WITH_REFERENCE", "CheckpointError", "CheckpointInventory",
     "ClientState", "Lineage", "LoadMode", "LoadOutcome", "LoadPlan", "LoadSettings", "LoraBase",
-    "ReferenceIdentity", "TagInventory", "build_load_plan", "check_save_dir", "check_save_in_flight",
-    "checks_beside_use", "describe_reference", "files_checksum", "forget_checked_files", "inventory_checkpoint",
+    "ReferenceIdentity", "RewardModelIdentity", "TagInventory", "build_load_plan", "check_save_dir", "check_save_in_flight",
+    "checks_beside_use", "describe_reference", "describe_reward_model", "files_checksum", "forget_checked_files", "inventory_checkpoint",
     "is_legacy_buffer_key", "layer_file_name", "layer_states", "load_checkpoint", "load_file_weights_only",
     "load_module_only", "load_weights_only", "lora_base_plan", "model_states_name", "needs_reference", "plain_values", "plan_for",
-    "plan_load", "plan_load_for", "plan_reference", "newest_tag_size", "read_full_module_weights", "read_module_weights", "run_entries",
+    "plan_load", "plan_load_for", "plan_reference", "plan_reward_model", "newest_tag_size", "read_full_module_weights", "read_module_weights", "run_entries",
     "samples_per_evaluation", "save_checkpoint",
     "save_engine_checkpoint", "save_in_flight", "saves_waited_for", "tag_for_iteration", "translate_legacy_key",
     "verify_files", "verify_master_weights", "wait_for_save_in_flight", "write_lora_base_file", "write_tag",

@@ -582,22 +582,36 @@ def _check_packed_preferences(v: dict[str, Any], sources: dict[str, str]) -> Non
 
 
 def _check_reinforce(v: dict[str, Any], sources: dict[str, str]) -> None:
-    """REINFORCE samples its completions here (reward_function) or reads scored ones from GPT-NeoX's data server
-    (dataset_impl online); built-in rollouts sample reinforce_num_completions completions of each prompt."""
+    """REINFORCE samples its completions here (scored by reward_function or reward_model) or reads scored ones
+    from GPT-NeoX's data server (dataset_impl online), exactly one of them; built-in rollouts sample reinforce_num_completions completions of each prompt."""
     if v["kl_div_beta"] < 0:
         raise _fail(sources, "kl_div_beta", f"must not be negative (0: no reference, no KL), got {v['kl_div_beta']}")
     if v["reinforce_leave_one_out"] and v["reinforce_advantage"] not in (None, "leave_one_out"):
         raise _fail(sources, "reinforce_advantage", f"{v['reinforce_advantage']} contradicts reinforce_leave_one_out: "
                                                     "true; set one of them")
-    if not v["reward_function"]:
-        if v["dataset_impl"] != "online":
-            raise _fail(sources, "train_impl", "reinforce needs a reward: set reward_function (\"file.py:name\") "
-                                               "to sample and score completions here, or dataset_impl: online to "
-                                               "read scored completions from GPT-NeoX's data server")
+    named = [name for name in ("reward_function", "reward_model") if v[name]] + \
+        (["dataset_impl"] if v["dataset_impl"] == "online" else [])
+    if not named:
+        raise _fail(sources, "train_impl", "reinforce needs a reward: set reward_function (\"file.py:name\") or "
+                                           "reward_model (a train_impl rm checkpoint) to sample and score "
+                                           "completions here, or dataset_impl: online to read scored completions "
+                                           "from GPT-NeoX's data server")
+    if len(named) > 1:
+        shown = " and ".join("dataset_impl online (GPT-NeoX's data server)" if name == "dataset_impl" else name
+                             for name in named)
+        raise _fail(sources, named[-1], f"{shown} each name the reward; set exactly one of reward_function, "
+                                        "reward_model and dataset_impl: online")
+    if named == ["dataset_impl"]:
+        if v["rollout_samples_shown"]:
+            raise _fail(sources, "rollout_samples_shown", "shows completions sampled here (reward_function or "
+                                                          "reward_model), not the data server's: set it to 0")
         return
-    if ":" not in v["reward_function"]:
+    if v["reward_function"] and ":" not in v["reward_function"]:
         raise _fail(sources, "reward_function", f"{v['reward_function']!r} is not \"path/file.py:name\"; name the "
                                                 "file and the function in it")
+    if v["rollout_samples_shown"] < 0:
+        raise _fail(sources, "rollout_samples_shown", f"must not be negative (0: none shown), got "
+                                                      f"{v['rollout_samples_shown']}")
     if v["reinforce_num_completions"] < 1:
         raise _fail(sources, "reinforce_num_completions", f"must be at least 1, got {v['reinforce_num_completions']}")
     advantage = v["reinforce_advantage"] or ("leave_one_out" if v["reinforce_leave_one_out"] else "moving_average")
@@ -611,7 +625,7 @@ def _check_reinforce(v: dict[str, Any], sources: dict[str, str]) -> None:
         raise _fail(sources, "pack_impl", "reinforce's prompts are whole chat records (one per sample): set "
                                           "pack_impl: unpacked")
     if not v["train_data_paths"] or not v["train_label_data_paths"]:
-        raise _fail(sources, "reward_function", "reinforce's prompts are the chats of train_data_paths, cut before "
+        raise _fail(sources, named[0], "reinforce's prompts are the chats of train_data_paths, cut before "
                                                 "each one's first trained label: set train_data_paths and "
                                                 "train_label_data_paths (the chat preprocess tool writes both)")
 
@@ -733,7 +747,7 @@ def _check_data(v: dict[str, Any], sources: dict[str, str]) -> None:
     _check_pairwise_data(v, sources, pairwise)
     given = [name for name in ("data_path", "train_data_paths", "pos_train_data_paths", "embedded_corpus") if v[name]
              and sources.get(name) != EMBEDDED_CORPUS_SOURCE]
-    if not given and v["train_impl"] == "reinforce" and not v["reward_function"]:
+    if not given and v["train_impl"] == "reinforce" and v["dataset_impl"] == "online":
         given = ["online_dataserver_ports"]  # GPT-NeoX's data server gives the data; its data paths are not read
     if not given:
         if pairwise:

@@ -196,7 +196,7 @@ UNSUPPORTED: dict[str, tuple[OffWhen, str]] = {
     "log_gradient_noise_scale": (_falsy, _not_built("the gradient noise scale logger")),
     "serve_model_weights": (_falsy, _not_built("serving the weights to synth-vllm over CUDA IPC", "set "
                                                "serve_model_weights: false; the rollouts are sampled here "
-                                               "(reward_function) or come from the data server "
+                                               "(reward_function or reward_model) or come from the data server "
                                                "(online_dataserver_ips/ports)")),
     "s3_path": (_falsy, _not_built("uploading checkpoints to S3")),
     "no_save_rng": (_falsy, _not_built("saving checkpoints without RNG states")),

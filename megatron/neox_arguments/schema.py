@@ -139,7 +139,16 @@ SETTINGS_LIST: list[Setting] = [
            "the completions sampled here, called as TRL calls one: name(prompts=[...], completions=[...], "
            "completion_ids=[...]) -> one float per completion (texts without special tokens); unset with "
            "dataset_impl online: GPT-NeoX's data server sends scored completions", gpt_neox=False),
-    _train("reinforce_num_completions", int, 4, "train_impl reinforce with reward_function: completions sampled "
+    _train("reward_model", OPT_STR, None, "train_impl reinforce: a checkpoint directory saved by a train_impl rm "
+           "run (its `latest` tag), the scorer of the completions sampled here: a completion's reward is the reward "
+           "model's scalar for prompt + completion read where the rm objective trains it (the first end-of-text "
+           "token after the completion). Loaded weights only and frozen; it has the policy's architecture and "
+           "tokenizer, and its identity goes into every save, so a resume scores with the same model. Set one of "
+           "reward_function, reward_model and dataset_impl online", gpt_neox=False),
+    _train("rollout_samples_shown", int, 0, "train_impl reinforce with reward_function or reward_model: print this "
+           "many of the step's completions (prompt, completion, reward; decoded) every log_interval steps, "
+           "from the logging rank; 0 prints none", gpt_neox=False),
+    _train("reinforce_num_completions", int, 4, "train_impl reinforce with reward_function or reward_model: completions sampled "
            "per prompt; a micro batch holds train_micro_batch_size_per_gpu prompts' completions", gpt_neox=False),
     _train("rollout_log", OPT_STR, None, "train_impl reinforce: append every completion trained on to this file, "
            "one JSON object a line (iteration, rank, micro_batch, group, prompt_ids, completion_ids, reward, "

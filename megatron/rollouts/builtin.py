@@ -1,8 +1,10 @@
 """Rollouts sampled here: each micro batch of chat samples gives its prompts (each cut before its first trained
-label); the policy being trained, as it is now (eval mode: no dropout), samples `completions_per_prompt`
-completions of each with generate.py's settings and KV cache; the reward function scores them; each prompt's
-completions get their advantages. A completion ends at the end-of-document token (kept: it is trained, so the
-policy learns where to stop) or after maximum_tokens (or at seq_length)."""
+label); the policy being trained, as it is now (eval mode: no dropout; under ZeRO-3 a whole copy of it,
+sampler_model.py), samples `completions_per_prompt` completions of each with generate.py's settings and KV cache;
+the reward function or the reward model scores them; each prompt's completions get their advantages. A completion
+ends at the end-of-document token (kept: it is trained, so the policy learns where to stop) or after
+maximum_tokens (or at seq_length). With `shown` > 0 the logging rank prints that many of them at the first micro
+batch of every log_interval-th step."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from megatron.generation import Limits, Sampling, complete
 from megatron.rollouts.advantages import Advantages
 from megatron.rollouts.errors import RolloutError
 from megatron.rollouts.rollout_log import RolloutLog
+from megatron.rollouts.sampler_model import SamplerModel
 from megatron.rollouts.scored_samples import ScoredCompletion, prompt_of, samples_of
 
 
@@ -23,14 +26,18 @@ class RolloutShape:
     limits: Limits
     sampling: Sampling
     gradient_accumulation_steps: int
+    shown: int = 0  # rollout_samples_shown
+    log_interval: int = 1
 
 
 class BuiltInRollouts:
     """An iterator of the objective's micro batches: micro batch size x completions_per_prompt scored completions."""
 
-    def __init__(self, engine, prompt_batches, tokenizer, reward, advantages: Advantages, shape: RolloutShape,
-                 generator: torch.Generator, first_iteration: int, data_parallel_rank: int, log: RolloutLog | None):
+    def __init__(self, engine, sampler: SamplerModel, prompt_batches, tokenizer, reward, advantages: Advantages,
+                 shape: RolloutShape, generator: torch.Generator, first_iteration: int, data_parallel_rank: int,
+                 log: RolloutLog | None):
         self.engine = engine
+        self.sampler = sampler
         self.prompt_batches = prompt_batches
         self.tokenizer = tokenizer
         self.reward = reward
@@ -57,7 +64,8 @@ class BuiltInRollouts:
         prompts = [self._prompt(text, label) for text, label in zip(samples["text"], samples["label"], strict=True)]
         self.engine.eval()
         try:
-            groups = [[complete(self.engine.module, prompt, self.shape.limits, self.shape.sampling,
+            model = self.sampler.current()
+            groups = [[complete(model, prompt, self.shape.limits, self.shape.sampling,
                                 generator=self.generator) for _ in range(self.shape.completions_per_prompt)]
                       for prompt in prompts]
         finally:
@@ -67,7 +75,8 @@ class BuiltInRollouts:
         prompt_ids = [prompt for prompt in prompts for _ in range(self.shape.completions_per_prompt)]
         prompt_texts = [self.tokenizer.readable_text(ids) for ids in prompt_ids]
         texts = [self.tokenizer.readable_text(ids) for ids in completion_ids]
-        rewards = self.reward(prompts=prompt_texts, completions=texts, completion_ids=completion_ids)
+        rewards = self.reward(prompts=prompt_texts, completions=texts, prompt_ids=prompt_ids,
+                              completion_ids=completion_ids)
         k = self.shape.completions_per_prompt
         advantages = [a for start in range(0, len(rewards), k) for a in self.advantages.of_group(rewards[start:start + k])]
         rows = [ScoredCompletion(p, c, r, a) for p, c, r, a in zip(prompt_ids, completion_ids, rewards, advantages,
@@ -75,8 +84,22 @@ class BuiltInRollouts:
         if self.log is not None:
             log_probs = [sum(completion.log_probs) for group in groups for completion in group]
             self.log.write(self._records(rows, log_probs, prompt_texts, texts))
+        self._show(prompt_texts, texts, rewards)
         self.micro_batches += 1
         return samples_of(rows, self.shape.limits.seq_length)
+
+    def _show(self, prompt_texts: list[str], texts: list[str], rewards: list[float]) -> None:
+        gas = self.shape.gradient_accumulation_steps
+        iteration = self.micro_batches // gas + 1
+        if not self.shape.shown or self.micro_batches % gas or iteration % self.shape.log_interval:
+            return
+        from megatron.logging import get_logger
+
+        for index, (prompt, text, reward) in enumerate(zip(prompt_texts, texts, rewards, strict=True)):
+            if index == self.shape.shown:
+                break
+            get_logger().info(f"rollout sample {index + 1} of iteration {iteration} | reward {reward:.4f} | prompt "
+                              f"{prompt!r} | completion {text!r}")
 
     def _prompt(self, text: torch.Tensor, label: torch.Tensor) -> list[int]:
         prompt = prompt_of(text, label)

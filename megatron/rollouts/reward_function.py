@@ -29,7 +29,8 @@ class RewardFunction:
         if not callable(self.function):
             raise RolloutError(f"{self.where}: {path} has no function {name!r}")
 
-    def __call__(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]]) -> list[float]:
+    def __call__(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+                 **token_ids) -> list[float]:
         try:
             rewards = self.function(prompts=prompts, completions=completions, completion_ids=completion_ids)
         except Exception as err:

@@ -41,7 +41,8 @@ from megatron.training.watchers import StepWatchers
 
 @dataclass
 class ReferenceModel:
-    """The frozen model DPO and KTO compare the policy with, and which weights it is (every save records them)."""
+    """A frozen model and which weights it is (every save records them): the reference DPO, KTO and REINFORCE
+    compare the policy with, or the reward model scoring REINFORCE's completions."""
 
     engine: Any  # called as a forward-only engine, eval mode, no parameter requires grad; None: precomputed
     identity: ReferenceIdentity
@@ -64,6 +65,7 @@ class TrainState:
     reference: ReferenceModel | None = None  # DPO/KTO's frozen reference; its identity goes into every save
     lora_base: LoraBase | None = None  # a LoRA run's frozen base: set, its saves are adapter-only and name it
     rollouts: Any = None  # REINFORCE's rollout source (megatron.rollouts): its state goes into every save
+    reward_model: ReferenceModel | None = None  # REINFORCE's scorer (`reward_model`); its identity goes into every save
 
     @property
     def lr_step(self) -> int:
@@ -200,7 +202,8 @@ def _save(args, engine, state: TrainState) -> Path:
                            lineage=state.lineage,
                            reference_model=state.reference.identity.to_dict() if state.reference else None,
                            lora_base=state.lora_base.to_dict() if state.lora_base else None,
-                           rollouts=state.rollouts.state_dict() if state.rollouts is not None else None)
+                           rollouts=state.rollouts.state_dict() if state.rollouts is not None else None,
+                           reward_model=state.reward_model.identity.to_dict() if state.reward_model else None)
 
 
 def _stop_after_signal(save: str | None, save_now, state: TrainState, signum: int, saved_at: int | None) -> None:
@@ -250,7 +253,7 @@ def setup(args):
                           "tokenizer and the embedded corpus once (megatron.launch.run_context.resolve_run_settings)")
     # before the model: a data file that cannot train stops the run before the slow part of the start
     data_settings = DataSettings.from_args(args)
-    datasets = (None, None, None) if reads_data_server(args.train_impl, args.reward_function) else \
+    datasets = (None, None, None) if reads_data_server(args.train_impl, args.dataset_impl) else \
         build_checked_datasets(data_settings, build_tokenizer(args).vocab_size, samples_per_split(data_settings))
     # the checkpoint files read from here on are checked in a thread while the engine is built and loaded;
     # the block ends with their checks, before any step
@@ -259,6 +262,7 @@ def setup(args):
         plan = plan_load_for(load_settings, dp_size, hf_source=HF_FOLDER)
         reference_plan, reference_identity = _planned_reference(needs_reference(args), load_settings,
                                                                 PrecomputeSettings.from_args(args), plan, dp_size)
+        reward_plan, reward_identity = _planned_reward_model(args, load_settings, plan, dp_size)
         check_save_dir(args)
         engine = _built_engine(args, dp_size)
         state = TrainState(schedule=Schedule.from_args(args))
@@ -272,6 +276,7 @@ def setup(args):
                 restored_rng = outcome.restored_rng
                 saved_rollouts = outcome.client_state.rollouts if restored_rng else None
         state.reference = _reference_model(args, engine, reference_plan, reference_identity)
+        state.reward_model = _reward_model(args, reward_plan, reward_identity)
     if not restored_rng:
         # Same weights on every rank came from the shared seed above; dropout differs per rank.
         set_seeds(args.seed + 1 + dp_rank)
@@ -320,6 +325,37 @@ def _reference_model(args, engine, reference_plan, identity) -> ReferenceModel |
     return ReferenceModel(reference, identity)
 
 
+def _planned_reward_model(args, load_settings, plan, dp_size: int):
+    """(its load plan, its identity) of the reward model scoring REINFORCE's completions; (None, None) without one."""
+    from megatron.checkpointing import describe_reward_model, plan_reward_model
+    from megatron.hf import HF_FOLDER
+
+    if args.train_impl != "reinforce" or not args.reward_model:
+        return None, None
+    reward_plan, identity = plan_reward_model(load_settings, args.reward_model, _reward_model_architecture(args),
+                                              args.tokenizer_type, plan, dp_size, hf_source=HF_FOLDER)
+    get_logger().info(describe_reward_model(identity))
+    return reward_plan, identity
+
+
+def _reward_model_architecture(args):
+    """The policy's model with the scalar head of train_impl rm in place of its output layer."""
+    import dataclasses
+
+    return dataclasses.replace(args.architecture(), reward_head=True)
+
+
+def _reward_model(args, reward_plan, identity) -> ReferenceModel | None:
+    """The reward model, built and loaded as a frozen reference is (`frozen_reference_engine`)."""
+    from megatron.checkpointing import load_weights_only
+
+    if reward_plan is None:
+        return None
+    engine = frozen_reference_engine(args, _reward_model_architecture(args))
+    load_weights_only(engine, reward_plan)
+    return ReferenceModel(engine, identity)
+
+
 def _built_engine(args, dp_size: int):
     """The model and its DeepSpeed engine (the pipe engine with pipeline stages), from the shared seed."""
     import deepspeed
@@ -349,7 +385,8 @@ def _rollouts(args, engine, iterators, state: TrainState, saved: list | None, dp
     """REINFORCE's iterators; a full resume at the saving run's rank count continues its rollout state."""
     from megatron.rollouts import rollout_iterators
 
-    iterators = rollout_iterators(args, engine, iterators, state.iteration, dp_rank, dp_size, tensor_parallel_rank())
+    iterators = rollout_iterators(args, engine, iterators, state.iteration, dp_rank, dp_size, tensor_parallel_rank(),
+                                  state.reward_model.engine if state.reward_model else None)
     state.rollouts = iterators[0]
     if saved is not None and len(saved) == torch.distributed.get_world_size():
         state.rollouts.load_state_dict(saved[global_rank()])
@@ -359,15 +396,15 @@ def _rollouts(args, engine, iterators, state: TrainState, saved: list | None, dp
     return iterators
 
 
-def reads_data_server(train_impl: str, reward_function) -> bool:
+def reads_data_server(train_impl: str, dataset_impl: str) -> bool:
     """REINFORCE's scored completions come from GPT-NeoX's data server: no data files are read."""
-    return train_impl == "reinforce" and not reward_function
+    return train_impl == "reinforce" and dataset_impl == "online"
 
 
-def frozen_reference_engine(args):
-    """The policy's model built again (the same tensor-parallel layout, partitioned under ZeRO-3 as the policy
-    is, its random layers drawn from the same seed), frozen, in a forward-only engine of the run's precision,
-    in eval mode; its weights are loaded after."""
+def frozen_reference_engine(args, architecture=None):
+    """The policy's model (or `architecture`: the reward model's) built again (the same tensor-parallel layout,
+    partitioned under ZeRO-3 as the policy is, its random layers drawn from the same seed), frozen, in a
+    forward-only engine of the run's precision, in eval mode; its weights are loaded after."""
     import deepspeed
 
     from megatron.model import build_model
@@ -376,7 +413,7 @@ def frozen_reference_engine(args):
     partitioned = args.zero_stage == 3
     config = build_inference_deepspeed_config(args.to_dict(), partitioned=partitioned)
     with torch.random.fork_rng(devices=[]):  # the policy's dropout and data draws stay as without a reference
-        model = build_model(args.architecture(), args.seed,
+        model = build_model(architecture or args.architecture(), args.seed,
                             partitioned_by=zero3_construction(config) if partitioned else None)
     model.requires_grad_(False)
     # Without an optimizer DeepSpeed's ZeRO-3 engine only gathers each layer's partitions for its forward.

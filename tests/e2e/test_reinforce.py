@@ -4,7 +4,8 @@ tool give the prompts, the policy samples completions, a reward function in a fi
 logged log-probabilities are the model's, the loss line is GPT-NeoX's loss, and the second step's logged
 log-probabilities are those of the transformers model moved by that gradient.
 
-Runs (9 deepy runs): one per advantage mode and layout of the autograd check; one LoRA run, checked for its
+Runs (10 deepy runs): one per advantage mode and layout of the autograd check (ZeRO-3 samples from a whole copy of
+the partitioned policy, megatron/rollouts/sampler_model.py); one LoRA run, checked for its
 reference and also the unbroken run whose step 2 tag one resume starts from; the learning run; one data-server
 run per layout and one refused data-server run (at TP 2, where the refusal is also handed between ranks)."""
 
@@ -94,8 +95,15 @@ def rank_loss(model, records: list[dict], mode: str, beta: float) -> torch.Tenso
 @pytest.mark.parametrize("mode, layout", [("group_normalized", {}),
                                           ("group_normalized", {"num_gpus": 2, "zero_optimization": {"stage": 1},
                                                                "zero_allow_untested_optimizer": True}),
+                                          # every parameter partitioned (none kept whole for being small), and
+                                          # completions up to seq_length: the ranks' prompts differ in length, so
+                                          # do their completions (sampling may run no collective)
+                                          ("group_normalized", {"num_gpus": 2, "zero_allow_untested_optimizer": True,
+                                                               "zero_optimization": {
+                                                                   "stage": 3, "stage3_param_persistence_threshold": 0},
+                                                               "maximum_tokens": 24}),
                                           ("leave_one_out", {"num_gpus": 2, "model_parallel_size": 2})],
-                         ids=["grpo-1-rank", "grpo-2-ranks-zero1", "rloo-tp2"])
+                         ids=["grpo-1-rank", "grpo-2-ranks-zero1", "grpo-2-ranks-zero3", "rloo-tp2"])
 def test_first_reinforce_step_is_autograd_on_the_hf_model_from_the_logged_rollouts(tmp_path, mode, layout):
     from transformers import LlamaForCausalLM
 
@@ -107,6 +115,8 @@ def test_first_reinforce_step_is_autograd_on_the_hf_model_from_the_logged_rollou
     data_parallel = layout.get("num_gpus", 1) // layout.get("model_parallel_size", 1)
     ranks = rank_records(tmp_path, data_parallel)
     assert all(len([r for r in records if r["iteration"] == i]) == 4 for records in ranks for i in (1, 2))
+    if "maximum_tokens" in layout:  # the ranks sampled different numbers of tokens, so ran different forwards
+        assert len({sum(len(r["completion_ids"]) for r in records) for records in ranks}) == len(ranks), ranks
 
     model = LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
     # DeepSpeed averages the ranks' gradients: the step is that of the mean of the ranks' losses

@@ -605,6 +605,20 @@ def test_reinforce_settings_keep_gpt_neox_defaults_and_refuse_what_cannot_run(tm
     assert "file.py:name" in config_error(tmp_path, **{**rollouts, "reward_function": "r.py"})
     assert "set train_impl: reinforce" in config_error(tmp_path, dataset_impl="online")
     assert "kl_impl" in config_error(tmp_path, **rollouts, kl_impl="k3")
+    assert "must not be negative" in config_error(tmp_path, **rollouts, rollout_samples_shown=-1)
+    assert "set it to 0" in config_error(tmp_path, train_impl="reinforce", dataset_impl="online",
+                                         rollout_samples_shown=2)
+
+
+@pytest.mark.parametrize("names", [("reward_function", "reward_model"), ("reward_model", "dataset_impl"),
+                                   ("reward_function", "dataset_impl")])
+def test_reinforce_with_more_than_one_reward_is_refused_in_one_line_naming_them(tmp_path, names):
+    values = {"reward_function": "r.py:score", "reward_model": "checkpoints/rm", "dataset_impl": "online"}
+    message = config_error(tmp_path, train_impl="reinforce", pack_impl="unpacked", temperature=1.0,
+                           train_data_paths=["chats"], train_label_data_paths=["chats_label"],
+                           **{name: values[name] for name in names})
+    assert "\n" not in message and "set exactly one of reward_function, reward_model and dataset_impl: online" in message
+    assert all(name in message for name in names)
 
 
 

@@ -18,7 +18,8 @@ written by another program, and is read as far as its keys go):
    lora_base (a LoRA run's adapter-only tag: source, tag and checksum of the frozen base the adapters were
    trained over and the Hugging Face folder holding it, when one does; the tag holds only the parameters that
    train, identity.LoraBase), rollouts (REINFORCE runs sampling here: each global rank's sampler generator
-   state and moving-average baseline, megatron.rollouts).
+   state and moving-average baseline, megatron.rollouts), reward_model (REINFORCE runs scored by a reward model:
+   its source, tag and checksum, identity.RewardModelIdentity).
 2. args: intermediate_size has GPT-NeoX's meaning (the width before GPT-NeoX's MLP rule, see
    megatron/contract/architecture.py); in format 1 it was the MLP width per projection as built, and
    ``settings`` reads it in today's meaning.
@@ -47,6 +48,7 @@ CONVERTED_FROM_KEY = "converted_from"
 REFERENCE_MODEL_KEY = "reference_model"
 LORA_BASE_KEY = "lora_base"
 ROLLOUTS_KEY = "rollouts"
+REWARD_MODEL_KEY = "reward_model"
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class ClientState:
     reference_model: dict[str, Any] | None = None  # megatron.checkpointing.ondisk.identity.ReferenceIdentity.to_dict()
     lora_base: dict[str, Any] | None = None  # identity.LoraBase.to_dict(): set, the tag holds the adapters alone
     rollouts: list[dict[str, Any]] | None = None  # REINFORCE's rollout state (megatron.rollouts), by global rank
+    reward_model: dict[str, Any] | None = None  # identity.RewardModelIdentity.to_dict(): REINFORCE's scorer
     format_version: int | None = FORMAT_VERSION  # None: written by another program or before versions
 
     def to_dict(self) -> dict[str, Any]:
@@ -79,7 +82,7 @@ class ClientState:
         optional = {RNG_STATES_KEY: self.rng_states, FORWARD_VALIDATION_KEY: self.forward_validation,
                     CONVERTED_FROM_KEY: self.converted_from, LR_SCHEDULE_KEY: self.lr_schedule,
                     REFERENCE_MODEL_KEY: self.reference_model, LORA_BASE_KEY: self.lora_base,
-                    ROLLOUTS_KEY: self.rollouts}
+                    ROLLOUTS_KEY: self.rollouts, REWARD_MODEL_KEY: self.reward_model}
         stored.update({key: value for key, value in optional.items() if value is not None})
         return stored
 
@@ -107,6 +110,7 @@ class ClientState:
             reference_model=stored.get(REFERENCE_MODEL_KEY),
             lora_base=stored.get(LORA_BASE_KEY),
             rollouts=stored.get(ROLLOUTS_KEY),
+            reward_model=stored.get(REWARD_MODEL_KEY),
             format_version=integer(FORMAT_VERSION_KEY),
         )
 

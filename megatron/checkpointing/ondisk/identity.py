@@ -1,5 +1,6 @@
 """Which weights a run was made from, as its saves record them: the DPO/KTO reference model
-(ReferenceIdentity), the frozen base under a LoRA run's adapters (LoraBase). A source folder, a tag in it, and
+(ReferenceIdentity), the frozen base under a LoRA run's adapters (LoraBase), the reward model scoring a
+REINFORCE run's completions (RewardModelIdentity). A source folder, a tag in it, and
 a checksum of the files a module-only load of them reads, so a later load can tell that they are still the
 same weights; a LoRA base also names the Hugging Face folder holding exactly those weights, when one does
 (PEFT's base_model_name_or_path in an export of the adapters).
@@ -24,7 +25,7 @@ from typing import Any, ClassVar, Self
 
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.ondisk import manifest
-from megatron.checkpointing.ondisk.client_state import LORA_BASE_KEY, REFERENCE_MODEL_KEY
+from megatron.checkpointing.ondisk.client_state import LORA_BASE_KEY, REFERENCE_MODEL_KEY, REWARD_MODEL_KEY
 
 _UNLISTED_FILE_CHECKSUM = "crc32"  # fixed: identities recorded by earlier runs must keep matching
 
@@ -74,6 +75,12 @@ class LoraBase(ReferenceIdentity):
 
     RECORD: ClassVar[tuple[str, str, str]] = (
         LORA_BASE_KEY, "the base model under its LoRA adapters", "the adapters cannot be checked against their base")
+
+
+@dataclass(frozen=True)
+class RewardModelIdentity(ReferenceIdentity):
+    RECORD: ClassVar[tuple[str, str, str]] = (
+        REWARD_MODEL_KEY, "the reward model", "this run cannot know which reward model scored its completions")
 
 
 def files_checksum(files: Iterable[Path], root: Path, records: Mapping[str, manifest.FileRecord] | None) -> str:

@@ -40,6 +40,7 @@ def save_checkpoint(
     args, engine, iteration: int, consumed_train_samples: int, lr_schedule_start: int = 0,
     lr_schedule: dict | None = None, consumed_valid_samples: int = 0, lineage: Lineage | None = None,
     reference_model: dict | None = None, lora_base: dict | None = None, rollouts: dict | None = None,
+    reward_model: dict | None = None,
 ) -> Path:
     """Save tag global_step<iteration> under `args.save`; all ranks call it (DeepSpeed's save is collective).
 
@@ -50,6 +51,7 @@ def save_checkpoint(
     With `lora_base`, the identity of a LoRA run's frozen base (LoadOutcome.lora_base), the tag is adapter-only:
     it holds the parameters that train, their optimizer states and the run's state, and names that base.
     `rollouts` is this rank's REINFORCE rollout state (every rank passes one or none); the tag holds them all.
+    `reward_model` is the identity of the reward model scoring a REINFORCE run's completions (reward_model_source.py).
 
     With `async_save`, inside `saves_waited_for` (the training loop), it returns once the state is copied to
     host memory, and the files, the manifest, `latest` and the pruning follow in the background
@@ -76,6 +78,7 @@ def save_checkpoint(
         reference_model=reference_model,
         lora_base=lora_base,
         rollouts=all_gather(rollouts) if rollouts is not None else None,
+        reward_model=reward_model,
         forward_validation=(forward_validation.capture(engine, args)
                             if args.checkpoint_validation_with_forward_pass else None),
     )
