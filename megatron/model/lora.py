@@ -61,24 +61,28 @@ class LoraAdapter(torch.nn.Module):
     """One PEFT adapter: B A dropout(x), into ``rows`` of the layer's output (all of it when None).
 
     ``input_is_parallel``: the layer is row-parallel, so x and A are this rank's columns (module docstring).
+    ``layer_width``: the layer's output width on this rank, which ``rows`` index.
     """
 
     def __init__(self, in_features: int, out_features: int, rank: int, dropout: float, rows: torch.Tensor | None,
-                 input_is_parallel: bool):
+                 layer_width: int, input_is_parallel: bool):
         super().__init__()
         self.lora_A = torch.nn.Parameter(torch.empty(rank, in_features))
         self.lora_B = torch.nn.Parameter(torch.zeros(out_features, rank))
         self.dropout = dropout
+        self.layer_width = layer_width
         self.input_is_parallel = input_is_parallel
         self.register_buffer("rows", rows, persistent=False)
 
-    def forward(self, x: torch.Tensor, split: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A dropout(x), B placed at its rows of the layer's output: layer width x r, zero elsewhere).
+
+        Both are new tensors made here, where ZeRO-3 has gathered the parameters."""
         low_rank = F.linear(F.dropout(x, self.dropout, self.training), self.lora_A)
-        if self.input_is_parallel:
-            low_rank = reduce_scatter_sequence(low_rank) if split else reduce_from_tensor_parallel_region(low_rank)
-        else:
-            low_rank = gather_sequence(low_rank) if split else copy_to_tensor_parallel_region(low_rank)
-        return F.linear(low_rank, self.lora_B)
+        if self.rows is None:
+            return low_rank, self.lora_B.clone()
+        return low_rank, self.lora_B.new_zeros(self.layer_width, self.lora_B.shape[1]).index_copy(0, self.rows,
+                                                                                                  self.lora_B)
 
     def parameter_on_sequence_parts(self) -> torch.nn.Parameter:
         """The matrix a split sequence applies to this rank's part only (module docstring)."""
@@ -88,16 +92,25 @@ class LoraAdapter(torch.nn.Module):
 class LinearAdapters(torch.nn.ModuleDict):
     """The adapters of one linear layer, by their HF module's name."""
 
-    def __init__(self, adapters: dict[str, LoraAdapter], scaling: float):
+    def __init__(self, adapters: dict[str, LoraAdapter], scaling: float, input_is_parallel: bool):
         super().__init__(adapters)
         self.scaling = scaling
+        self.input_is_parallel = input_is_parallel
         self.switched_on = True
 
     def forward(self, x: torch.Tensor, out: torch.Tensor, split: bool = False) -> torch.Tensor:
-        for adapter in self.values():
-            delta = adapter(x, split) * self.scaling
-            out = out + delta if adapter.rows is None else out.index_add(-1, adapter.rows, delta)
-        return out
+        # The adapters of a fused layer in one product: each B is placed at its rows and zero elsewhere, so every
+        # row gets its own adapter's B A dropout(x) and the output is added to once (an index_add per adapter
+        # copied the whole output each time). The A outputs enter the tensor-parallel region joined: the gradient
+        # that comes back is then one contiguous tensor (megatron-core's copy region leaves a non-contiguous
+        # gradient, such as a slice of a join's, unreduced).
+        low_ranks, placed = zip(*(adapter(x) for adapter in self.values()))
+        low_rank = torch.cat(low_ranks, dim=-1)
+        if self.input_is_parallel:
+            low_rank = reduce_scatter_sequence(low_rank) if split else reduce_from_tensor_parallel_region(low_rank)
+        else:
+            low_rank = gather_sequence(low_rank) if split else copy_to_tensor_parallel_region(low_rank)
+        return out + F.linear(low_rank, torch.cat(placed, dim=1)) * self.scaling
 
 
 def _add_adapter_output(linear: torch.nn.Module, inputs: tuple, output: tuple) -> tuple:
@@ -169,7 +182,7 @@ def add_layer_adapters(layer: torch.nn.Module, arch: Architecture, lora: LoraSet
         for name, part in parts.items():
             rows = None if part is None else rows_of_part[part]
             width = out_features if rows is None else len(rows)
-            adapter = LoraAdapter(in_features, width, lora.rank, lora.dropout, rows,
+            adapter = LoraAdapter(in_features, width, lora.rank, lora.dropout, rows, out_features,
                                   isinstance(linear, RowParallelLinear))
             if part in ("key", "value") and arch.num_kv_heads < size:
                 shared_head = tensor_parallel_rank() * arch.num_kv_heads // size
@@ -178,7 +191,7 @@ def add_layer_adapters(layer: torch.nn.Module, arch: Architecture, lora: LoraSet
             if arch.splits_sequence:
                 sum_gradient_over_sequence_parts(adapter.parameter_on_sequence_parts())
             adapters[name] = adapter
-        linear.lora = LinearAdapters(adapters, lora.scaling)
+        linear.lora = LinearAdapters(adapters, lora.scaling, isinstance(linear, RowParallelLinear))
         linear.register_forward_hook(_add_adapter_output)
 
 
