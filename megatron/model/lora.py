@@ -104,7 +104,7 @@ class LinearAdapters(torch.nn.ModuleDict):
         # copied the whole output each time). The A outputs enter the tensor-parallel region joined: the gradient
         # that comes back is then one contiguous tensor (megatron-core's copy region leaves a non-contiguous
         # gradient, such as a slice of a join's, unreduced).
-        low_ranks, placed = zip(*(adapter(x) for adapter in self.values()))
+        low_ranks, placed = zip(*(adapter(x) for adapter in self.values()), strict=True)
         low_rank = torch.cat(low_ranks, dim=-1)
         if self.input_is_parallel:
             low_rank = reduce_scatter_sequence(low_rank) if split else reduce_from_tensor_parallel_region(low_rank)

@@ -605,6 +605,9 @@ def _check_reinforce(v: dict[str, Any], sources: dict[str, str]) -> None:
         if v["rollout_samples_shown"]:
             raise _fail(sources, "rollout_samples_shown", "shows completions sampled here (reward_function or "
                                                           "reward_model), not the data server's: set it to 0")
+        if v["rollout_log"]:
+            raise _fail(sources, "rollout_log", "logs completions sampled here (reward_function or reward_model), "
+                                                "not the data server's, which keeps its own: remove rollout_log")
         return
     if v["reward_function"] and ":" not in v["reward_function"]:
         raise _fail(sources, "reward_function", f"{v['reward_function']!r} is not \"path/file.py:name\"; name the "

@@ -150,9 +150,10 @@ SETTINGS_LIST: list[Setting] = [
            "from the logging rank; 0 prints none", gpt_neox=False),
     _train("reinforce_num_completions", int, 4, "train_impl reinforce with reward_function or reward_model: completions sampled "
            "per prompt; a micro batch holds train_micro_batch_size_per_gpu prompts' completions", gpt_neox=False),
-    _train("rollout_log", OPT_STR, None, "train_impl reinforce: append every completion trained on to this file, "
-           "one JSON object a line (iteration, rank, micro_batch, group, prompt_ids, completion_ids, reward, "
-           "advantage, logp, prompt, completion); a rank above 0 writes PATH.rank<N>", gpt_neox=False),
+    _train("rollout_log", OPT_STR, None, "train_impl reinforce with reward_function or reward_model: append every "
+           "completion trained on to this file, one JSON object a line (iteration, rank, micro_batch, group, "
+           "prompt_ids, completion_ids, reward, advantage, logp, prompt, completion); a rank above 0 writes "
+           "PATH.rank<N>", gpt_neox=False),
     _train("online_dataserver_ips", (str, list), "localhost", "dataset_impl online: the data server's host, or "
            "one per data-parallel rank"),
     _train("online_dataserver_ports", (int, list), 10000, "dataset_impl online: the data server's port (the same "

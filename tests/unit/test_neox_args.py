@@ -608,6 +608,8 @@ def test_reinforce_settings_keep_gpt_neox_defaults_and_refuse_what_cannot_run(tm
     assert "must not be negative" in config_error(tmp_path, **rollouts, rollout_samples_shown=-1)
     assert "set it to 0" in config_error(tmp_path, train_impl="reinforce", dataset_impl="online",
                                          rollout_samples_shown=2)
+    assert "remove rollout_log" in config_error(tmp_path, train_impl="reinforce", dataset_impl="online",
+                                                rollout_log=str(tmp_path / "rollouts.jsonl"))
 
 
 @pytest.mark.parametrize("names", [("reward_function", "reward_model"), ("reward_model", "dataset_impl"),
