@@ -140,6 +140,21 @@ def test_moe_step_bench_prints_its_ratios():
     assert_ratios(ratios, {"moe/dense step_seconds", "moe/dense peak_rss", "moe-tp2/moe peak_rss per rank"})
 
 
+@pytest.mark.parametrize(("script", "flags", "peer"), [
+    ("bench_lora_peft.py", ("--lora-rank", "2"), "peft"),
+    ("bench_moe_transformers.py", ("--experts", "4", "--expert-width", "32"), "transformers"),
+])
+@pytest.mark.slow
+def test_a_peer_bench_trains_the_same_model_on_both_sides(script, flags, peer, tmp_path):
+    """Both sides start from the one Hugging Face folder and take the same batch: in fp32 their first losses agree,
+    which says ours built the folder's model and loss as the peer did (not only that the ratios printed)."""
+    ratios = run_bench(script, "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "8",
+                       "--precision", "fp32", "--steps", "1", "--repeats", "1", *flags, "--json", str(tmp_path / "r.json"))
+    assert_ratios(ratios, {f"ours/{peer} step_seconds", f"ours/{peer} peak_rss"})
+    first_loss = json.loads((tmp_path / "r.json").read_text())["first_loss"]
+    assert first_loss["ours"][0] == pytest.approx(first_loss[peer][0], rel=1e-5), first_loss
+
+
 LEAVING = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
