@@ -61,9 +61,10 @@ def _offload(tmp_path) -> dict:
 # The first half is the unbroken run's own tag at the stop (extra_save_iters), resumed into another directory
 # with the same settings: unpacked SFT samples are ordered by how many samples the run asks for (as GPT-NeoX
 # orders them), so a first half trained with fewer train_iters would have trained on other samples.
+# Two cases, each run twice: two ranks with ZeRO-Offload's optimizer (the data position and RNG of every rank,
+# DeepSpeedCPUAdam's state), one rank of SFT chat data with FusedAdam (the label datasets' position).
 @pytest.mark.parametrize("num_gpus, settings_in", [
-    pytest.param(2, lambda tmp_path: {}, id="2", marks=pytest.mark.distributed),
-    pytest.param(1, _offload, id="1-zero_offload"),
+    pytest.param(2, _offload, id="2-zero_offload", marks=pytest.mark.distributed),
     pytest.param(1, _chat_data, id="1-sft"),
 ])
 @pytest.mark.slow
