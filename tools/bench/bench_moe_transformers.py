@@ -25,14 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
-from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Ratios, bench_parser, repeat_ratios, step_table, variants_in_fresh_processes, write_json  # noqa: E402
+from harness import bench_parser  # noqa: E402
 
 VARIANTS = ("ours", "transformers")
 
@@ -49,33 +47,17 @@ def mixtral_config(options: argparse.Namespace):
 
 def measure_variant(options: argparse.Namespace) -> dict:
     """In this process: build ``options.variant``'s engine from the folder, time its steps, read its peak memory."""
-    import bench_world as world
     import peer_models
     import transformers
-    from procmem import status_kib
 
-    import megatron.model  # noqa: F401  (both sides start with every library imported)
-
-    world.measuring_process(options.threads)
-    world.init_world()
-    before_kib = status_kib("VmRSS")
-    with tempfile.TemporaryDirectory(prefix="bench_moe_transformers_") as scratch:
-        if options.variant == "ours":
-            engine = peer_models.our_engine(Path(options.folder), options, Path(scratch))
-            loss_of = peer_models.our_loss
-        else:
-            model = transformers.AutoModelForCausalLM.from_pretrained(options.folder)
-            engine, loss_of = peer_models.their_engine(model, options), peer_models.their_loss
-        first_loss, seconds = peer_models.timed_steps(engine, loss_of, peer_models.batch(options, options.vocab),
-                                                      options.steps)
-    return {"step_seconds": seconds, "peak_mib": (status_kib("VmHWM") - before_kib) / 1024,
-            "first_loss": first_loss, "parameters": sum(p.numel() for p in engine.module.parameters())}
+    return peer_models.measure(options, {}, transformers.AutoModelForCausalLM.from_pretrained)
 
 
-def _shared_flags(options: argparse.Namespace) -> list[str]:
-    return [flag for name in ("layers", "hidden", "heads", "seq", "vocab", "precision", "zero_stage", "experts",
-                              "top_k", "expert_width", "micro_batch", "steps", "threads", "folder")
-            for flag in (f"--{name.replace('_', '-')}", str(getattr(options, name)))]
+def _shapes(options: argparse.Namespace, ours: dict) -> str:
+    return (f"shapes: Mixtral, {ours['parameters'] / 1e6:.1f}M parameters ({options.layers} layers, hidden "
+            f"{options.hidden}, {options.experts} experts {options.expert_width} wide, top {options.top_k}, vocab "
+            f"{options.vocab}), {options.precision}, ZeRO stage {options.zero_stage}, Adam; micro batch "
+            f"{options.micro_batch} x {options.seq} tokens")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,27 +77,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import peer_models
 
-    with tempfile.TemporaryDirectory(prefix="bench_moe_transformers_") as scratch:
-        options.folder = str(peer_models.save_folder(mixtral_config(options), Path(scratch) / "mixtral"))
-        results, load_average = variants_in_fresh_processes(__file__, VARIANTS, options.repeats,
-                                                             _shared_flags(options))
-    times = {variant: [r["step_seconds"] for r in runs] for variant, runs in results.items()}
-    peaks = {variant: [r["peak_mib"] for r in runs] for variant, runs in results.items()}
-    ours, theirs = results["ours"][0], results["transformers"][0]
-    print(f"shapes: Mixtral, {ours['parameters'] / 1e6:.1f}M parameters ({options.layers} layers, hidden "
-          f"{options.hidden}, {options.experts} experts {options.expert_width} wide, top {options.top_k}, vocab "
-          f"{options.vocab}), {options.precision}, ZeRO stage {options.zero_stage}, Adam; micro batch "
-          f"{options.micro_batch} x {options.seq} tokens; repeats {options.repeats}; load average {load_average[1]:.2f}")
-    print(f"first loss: ours {ours['first_loss']:.6f}, transformers {theirs['first_loss']:.6f}")
-    print(step_table(times, peaks, VARIANTS))
-    report = Ratios()
-    report.add("ours/transformers step_seconds", median(times["ours"]), median(times["transformers"]),
-               "our MoE step against transformers' Mixtral (goal <= 1.0)",
-               repeat_ratios(times["ours"], times["transformers"]))
-    report.add("ours/transformers peak_rss", median(peaks["ours"]), median(peaks["transformers"]),
-               "our MoE run's peak memory against transformers'", repeat_ratios(peaks["ours"], peaks["transformers"]))
-    write_json(options, __doc__, report, load_average, step_seconds=times, peak_mib=peaks,
-               first_loss={variant: [r["first_loss"] for r in runs] for variant, runs in results.items()})
+    flags = [flag for name in ("layers", "hidden", "heads", "seq", "vocab", "precision", "zero_stage", "experts",
+                               "top_k", "expert_width", "micro_batch", "steps", "threads")
+             for flag in (f"--{name.replace('_', '-')}", str(getattr(options, name)))]
+    peer_models.compare(__file__, __doc__, options, mixtral_config(options), "transformers", flags,
+                        ("our MoE step against transformers' Mixtral (goal <= 1.0)",
+                         "our MoE run's peak memory against transformers'"),
+                        lambda ours, theirs: _shapes(options, ours))
     return 0
 
 

@@ -10,11 +10,14 @@ first loss, and a bench prints both, which shows the two sides computed the same
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from statistics import median
 
 import yaml
+from harness import Ratios, repeat_ratios, step_table, variants_in_fresh_processes, write_json
 
 
 def save_folder(config, directory: Path, seed: int = 1234) -> Path:
@@ -102,3 +105,54 @@ def timed_steps(engine, loss_of, tokens, steps: int) -> tuple[float, float]:
         step()
         seconds.append(time.perf_counter() - started)
     return first_loss, median(seconds)
+
+
+def measure(options: argparse.Namespace, our_settings: dict, their_model: Callable[[str], object]) -> dict:
+    """In this process (the bench imported its libraries): ``options.variant``'s engine of the folder (ours with
+    ``our_settings``, or ``their_model(folder)``), its timed steps and its peak memory above the RSS before the
+    model was built."""
+    import bench_world as world
+    from procmem import status_kib
+
+    import megatron.model  # noqa: F401  (both sides start with every library imported)
+
+    world.measuring_process(options.threads)
+    world.init_world()
+    before_kib = status_kib("VmRSS")
+    with tempfile.TemporaryDirectory(prefix="bench_peer_") as scratch:
+        if options.variant == "ours":
+            engine, loss_of = our_engine(Path(options.folder), options, Path(scratch), **our_settings), our_loss
+        else:
+            engine, loss_of = their_engine(their_model(options.folder), options), their_loss
+        first_loss, seconds = timed_steps(engine, loss_of, batch(options, options.vocab), options.steps)
+    parameters = list(engine.module.parameters())
+    return {"step_seconds": seconds, "peak_mib": (status_kib("VmHWM") - before_kib) / 1024,
+            "first_loss": first_loss, "parameters": sum(p.numel() for p in parameters),
+            "trained": sum(p.numel() for p in parameters if p.requires_grad)}
+
+
+def compare(script: str, doc: str, options: argparse.Namespace, config, peer: str, flags: list[str],
+            meanings: tuple[str, str], shapes: Callable[[dict, dict], str]) -> None:
+    """The parent's part of a peer bench: write the folder of ``config``, measure ``ours`` and ``peer`` in fresh
+    processes in turn (``script --variant V flags --folder F``), print the shapes (``shapes(ours, theirs)`` of
+    the first records), both first losses, the step table and the two ratios (their ``meanings``: step, memory),
+    and write them to ``--json``."""
+    variants = ("ours", peer)
+    with tempfile.TemporaryDirectory(prefix="bench_peer_") as scratch:
+        folder = save_folder(config, Path(scratch) / "hf")
+        results, load_average = variants_in_fresh_processes(script, variants, options.repeats,
+                                                             [*flags, "--folder", str(folder)])
+    times = {variant: [r["step_seconds"] for r in runs] for variant, runs in results.items()}
+    peaks = {variant: [r["peak_mib"] for r in runs] for variant, runs in results.items()}
+    first_losses = {variant: [r["first_loss"] for r in runs] for variant, runs in results.items()}
+    print(f"{shapes(results['ours'][0], results[peer][0])}; repeats {options.repeats}; load average "
+          f"{load_average[1]:.2f}")
+    print(f"first loss: ours {first_losses['ours'][0]:.6f}, {peer} {first_losses[peer][0]:.6f}")
+    print(step_table(times, peaks, variants))
+    report = Ratios()
+    report.add(f"ours/{peer} step_seconds", median(times["ours"]), median(times[peer]), meanings[0],
+               repeat_ratios(times["ours"], times[peer]))
+    report.add(f"ours/{peer} peak_rss", median(peaks["ours"]), median(peaks[peer]), meanings[1],
+               repeat_ratios(peaks["ours"], peaks[peer]))
+    write_json(options, doc, report, load_average, step_seconds=times, peak_mib=peaks, first_loss=first_losses,
+               trained_parameters={variant: runs[0]["trained"] for variant, runs in results.items()})
