@@ -203,7 +203,7 @@ def data_server_settings(tmp_path, port: int, **layout) -> dict:
     return reinforce_settings(tmp_path, reward_function=None, dataset_impl="online", reinforce_leave_one_out=True,
                               kl_impl="abs", online_dataserver_ips="127.0.0.1", online_dataserver_ports=port,
                               train_data_paths=None, train_label_data_paths=None, train_micro_batch_size_per_gpu=3,
-                              **layout)
+                              rollout_log=None, **layout)  # the server's completions are not logged here
 
 
 @pytest.mark.parametrize("layout", [{}, {"num_gpus": 2, "model_parallel_size": 2}], ids=["1-rank", "tp2"])
