@@ -219,8 +219,7 @@ class GPTDataset:
                                       for piece, doc in zip(pieces, docs, strict=True)])
             item["reward"] = fit(rewards, self.seq_length, PAD_REWARD, np.float32)
             if self.segmented:  # packed kto: each document is a sample of its own
-                item["segment"] = fit(sample_segments(self.indexed_dataset, self.doc_idx, self.sample_idx, sample),
-                                      self.seq_length, -1)
+                item["segment"] = fit(sample_segments(pieces, self.sample_idx, sample), self.seq_length, -1)
         if self.reference_dataset is not None:
             ref = read_sample(self.reference_dataset, self.doc_idx, self.sample_idx, sample)
             item["ref"] = fit(ref, self.seq_length, 0.0, np.float32)
@@ -318,10 +317,9 @@ def read_pieces(data: MMapIndexedDataset, doc_idx: np.ndarray, sample_idx: np.nd
     return pieces
 
 
-def sample_segments(data: MMapIndexedDataset, doc_idx: np.ndarray, sample_idx: np.ndarray, sample: int) -> np.ndarray:
+def sample_segments(pieces: list[np.ndarray], sample_idx: np.ndarray, sample: int) -> np.ndarray:
     """Which of a whole-document sample's documents each of its tokens is (0, 1, ...), -1 on the token it
-    takes of the next sample's first document."""
-    pieces = read_pieces(data, doc_idx, sample_idx, sample)
+    takes of the next sample's first document; ``pieces``: the sample's read_pieces."""
     owned = int(sample_idx[sample + 1][0]) - int(sample_idx[sample][0])
     return np.concatenate([np.full(len(piece), k if k < owned else -1) for k, piece in enumerate(pieces)])
 

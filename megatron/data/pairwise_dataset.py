@@ -34,6 +34,7 @@ from megatron.data.gpt_dataset import (
     check_some_document_usable,
     fit,
     label_window,
+    read_pieces,
     read_sample,
     sample_segments,
     usable_in_every_file,
@@ -145,7 +146,8 @@ class PairwiseDataset:
         sample = int(self.shuffle_idx[idx])
         item = {}
         for side in SIDES:
-            text = read_sample(self.data[side], self.doc_idx, self.sample_idx, sample)
+            pieces = read_pieces(self.data[side], self.doc_idx, self.sample_idx, sample)
+            text = np.concatenate(pieces)
             labels = text if self.labels[side] is None else read_sample(self.labels[side], self.doc_idx,
                                                                         self.sample_idx, sample)
             item[side] = fit(text, self.seq_length, PAD_TOKEN)
@@ -154,6 +156,5 @@ class PairwiseDataset:
                 ref = read_sample(self.refs[side], self.doc_idx, self.sample_idx, sample)
                 item[f"{side}_ref"] = fit(ref, self.seq_length, 0.0, np.float32)
             if self.segmented:
-                segments = sample_segments(self.data[side], self.doc_idx, self.sample_idx, sample)
-                item[f"{side}_segment"] = fit(segments, self.seq_length, -1)
+                item[f"{side}_segment"] = fit(sample_segments(pieces, self.sample_idx, sample), self.seq_length, -1)
         return item
