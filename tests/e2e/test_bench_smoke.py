@@ -130,8 +130,8 @@ def test_preference_step_bench_prints_its_ratios(objective):
 
 def test_lora_step_bench_prints_its_ratios():
     ratios = run_bench("bench_lora_step.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
-                       "--seq", "8", "--lora-rank", "2", "--steps", "1", "--repeats", "1")
-    assert_ratios(ratios, {"lora/full step_seconds", "lora/full peak_rss"})
+                       "--seq", "8", "--lora-rank", "2", "--steps", "1", "--repeats", "1", "--larger", "2x64")
+    assert_ratios(ratios, {"lora/full step_seconds", "lora/full peak_rss", "lora/full peak_rss at 2x64"})
 
 
 def test_moe_step_bench_prints_its_ratios():

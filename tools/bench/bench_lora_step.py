@@ -2,7 +2,7 @@
 
     python tools/bench/bench_lora_step.py [--layers 4] [--hidden 512] [--heads 8] [--seq 256] [--vocab 8192]
         [--precision bf16|fp32] [--zero-stage 1] [--lora-rank 16] [--micro-batch 2] [--steps 4] [--repeats 3]
-        [--threads N] [--json PATH]
+        [--larger 8x1024] [--threads N] [--json PATH]
 
 Each measurement is a fresh process (so one variant's freed memory cannot hide the other's), the two variants
 alternating every repeat. A process builds a Llama-family GPTModel in a DeepSpeed engine with Adam, takes one
@@ -15,6 +15,10 @@ warm-up step and times `--steps` optimizer steps (forward, loss, backward, step)
 Memory: the process's peak RSS (VmHWM) above its RSS before the model was built, so weights, gradients, fp32
 masters and optimizer state all count. For scale the output also gives the base's weights at the run's
 precision and the adapters' share of the parameters. Ratios: `lora/full step_seconds`, `lora/full peak_rss`.
+
+`--larger LAYERSxHIDDEN` measures both variants again at a second, larger model (heads keeping their width),
+so the trend of the memory ratio with the model's size shows: `lora/full peak_rss at LAYERSxHIDDEN`
+(`--larger none`: only the first size).
 """
 
 from __future__ import annotations
@@ -71,11 +75,34 @@ def measure_variant(options: argparse.Namespace) -> dict:
             * (2 if options.precision == "bf16" else 4) / 2**20}
 
 
-def _shared_flags(options: argparse.Namespace) -> list[str]:
-    return ["--layers", str(options.layers), "--hidden", str(options.hidden), "--heads", str(options.heads),
+def _shared_flags(options: argparse.Namespace, layers: int, hidden: int, heads: int) -> list[str]:
+    return ["--layers", str(layers), "--hidden", str(hidden), "--heads", str(heads),
             "--seq", str(options.seq), "--vocab", str(options.vocab), "--precision", options.precision,
             "--zero-stage", str(options.zero_stage), "--lora-rank", str(options.lora_rank),
             "--micro-batch", str(options.micro_batch), "--steps", str(options.steps), "--threads", str(options.threads)]
+
+
+def _larger_size(text: str) -> tuple[int, int] | None:
+    if text == "none":
+        return None
+    layers, _, hidden = text.partition("x")
+    if not (layers.isdigit() and hidden.isdigit()):
+        raise argparse.ArgumentTypeError(f"--larger takes LAYERSxHIDDEN (such as 8x1024) or none, not {text!r}")
+    return int(layers), int(hidden)
+
+
+def _measure_size(options: argparse.Namespace, layers: int, hidden: int, heads: int) -> tuple[dict, tuple]:
+    """Both variants at one model size: their records (full and lora each as a list over repeats), the load."""
+    results, load_average = variants_in_fresh_processes(__file__, VARIANTS, options.repeats,
+                                                         _shared_flags(options, layers, hidden, heads))
+    full, lora = results["full"][0], results["lora"][0]
+    print(f"shapes: Llama family, {full['parameters'] / 1e6:.1f}M parameters ({layers} layers, hidden "
+          f"{hidden}, vocab {options.vocab}), {options.precision}, ZeRO stage {options.zero_stage}, Adam; "
+          f"micro batch {options.micro_batch} x {options.seq} tokens; LoRA rank {options.lora_rank} on all-linear: "
+          f"{lora['trained']:,} trained parameters ({100 * lora['trained'] / lora['parameters']:.2f}%); base weights "
+          f"at {options.precision}: {lora['base_mib']:.1f} MiB; repeats {options.repeats}; load average "
+          f"{load_average[1]:.2f}")
+    return results, load_average
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,23 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per process (their median is its time)")
+    parser.add_argument("--larger", type=_larger_size, default="8x1024",
+                        help="a second model size, LAYERSxHIDDEN, for the memory ratio's trend (none: skip it)")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # one measuring process
     options = parser.parse_args(argv)
     if options.variant:
         print(json.dumps(measure_variant(options)))
         return 0
 
-    results, load_average = variants_in_fresh_processes(__file__, VARIANTS, options.repeats,
-                                                         _shared_flags(options))
-    times = {variant: [r["step_seconds"] for r in runs] for variant, runs in results.items()}
-    peaks = {variant: [r["peak_mib"] for r in runs] for variant, runs in results.items()}
-    full, lora = results["full"][0], results["lora"][0]
-    print(f"shapes: Llama family, {full['parameters'] / 1e6:.1f}M parameters ({options.layers} layers, hidden "
-          f"{options.hidden}, vocab {options.vocab}), {options.precision}, ZeRO stage {options.zero_stage}, Adam; "
-          f"micro batch {options.micro_batch} x {options.seq} tokens; LoRA rank {options.lora_rank} on all-linear: "
-          f"{lora['trained']:,} trained parameters ({100 * lora['trained'] / lora['parameters']:.2f}%); base weights "
-          f"at {options.precision}: {lora['base_mib']:.1f} MiB; repeats {options.repeats}; load average "
-          f"{load_average[1]:.2f}")
+    first, load_average = _measure_size(options, options.layers, options.hidden, options.heads)
+    times = {variant: [r["step_seconds"] for r in runs] for variant, runs in first.items()}
+    peaks = {variant: [r["peak_mib"] for r in runs] for variant, runs in first.items()}
     print(step_table(times, peaks, VARIANTS))
     report = Ratios()
     report.add("lora/full step_seconds", median(times["lora"]), median(times["full"]),
@@ -108,8 +129,19 @@ def main(argv: list[str] | None = None) -> int:
                                                                                           times["full"]))
     report.add("lora/full peak_rss", median(peaks["lora"]), median(peaks["full"]),
                "peak memory of the LoRA run against the full fine-tune", repeat_ratios(peaks["lora"], peaks["full"]))
+    larger = {}
+    if options.larger:
+        layers, hidden = options.larger
+        heads = max(hidden // (options.hidden // options.heads), 1)
+        results, load_average = _measure_size(options, layers, hidden, heads)
+        larger = {variant: [r["peak_mib"] for r in runs] for variant, runs in results.items()}
+        print(step_table({v: [r["step_seconds"] for r in runs] for v, runs in results.items()}, larger, VARIANTS))
+        report.add(f"lora/full peak_rss at {layers}x{hidden}", median(larger["lora"]), median(larger["full"]),
+                   f"the same at {results['full'][0]['parameters'] / 1e6:.0f}M parameters",
+                   repeat_ratios(larger["lora"], larger["full"]))
     write_json(options, __doc__, report, load_average, step_seconds=times, peak_mib=peaks,
-               base_mib=lora["base_mib"], trained_parameters=lora["trained"], parameters=lora["parameters"])
+               base_mib=first["lora"][0]["base_mib"], trained_parameters=first["lora"][0]["trained"],
+               parameters=first["lora"][0]["parameters"], larger_peak_mib=larger)
     return 0
 
 
