@@ -30,12 +30,14 @@ def _on_two_ranks(phase: str, root: Path) -> None:
     assert len(reported(records, phase=phase, ok=True)) == 2, records
 
 
+@pytest.mark.slow
 def test_fp32_zero0_on_two_ranks_finetunes_in_bf16_zero3_on_one(single_rank_world, tmp_path):
     _on_two_ranks("save fp32 zero0", tmp_path)
     expected = torch.load(tmp_path / EXPECTED)
     finetune_and_check(make_args(stage=3, precision="bf16", load=str(tmp_path), finetune=True), 1, expected)
 
 
+@pytest.mark.slow
 def test_bf16_zero2_on_one_rank_finetunes_in_fp16_zero1_on_two(single_rank_world, tmp_path):
     expected = save_trained(make_args(stage=2, precision="bf16", save=str(tmp_path)))
     torch.save(expected, tmp_path / EXPECTED)

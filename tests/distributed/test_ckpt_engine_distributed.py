@@ -47,6 +47,7 @@ def two_rank_checkpoints(tmp_path_factory):
     ],
     ids=["zero2-to-zero2", "zero3-to-zero3", "zero3-to-zero1", "zero3-shards-to-zero3"],
 )
+@pytest.mark.slow
 def test_dp2_checkpoint_loads_into_dp1(two_rank_checkpoints, saved, tag_parent, stage):
     expected = torch.load(two_rank_checkpoints / f"{saved}-expected.pt", weights_only=True)
     tag_dir = two_rank_checkpoints / tag_parent / "global_step1"

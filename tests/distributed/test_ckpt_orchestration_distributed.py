@@ -14,6 +14,7 @@ pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("orchestration_worker.py")
 
 
+@pytest.mark.slow
 def test_two_rank_resume_restores_each_ranks_rng_and_shards(tmp_path):
     records = run_rank_worker(WORKER, str(tmp_path / "checkpoints"))
     assert {record["rank"] for record in reported(records, case="resumed step", bit_identical=True)} == {0, 1}

@@ -22,6 +22,7 @@ def run_worker(check: str, work_dir: Path) -> list[dict]:
     return records
 
 
+@pytest.mark.slow
 def test_tp2_draws_the_adapters_of_tp1_and_its_first_step_moves_them_as_tp1(tmp_path):
     """Both families, grouped-query and multi-query (the key/value head on both ranks) attention: A whole and B
     split on column-parallel layers, A split and B whole on row-parallel ones; the base does not move. Each rank
@@ -32,12 +33,14 @@ def test_tp2_draws_the_adapters_of_tp1_and_its_first_step_moves_them_as_tp1(tmp_
         assert case["adapters"] > 0 and case["swapped_split_caught"] > 0, case
 
 
+@pytest.mark.slow
 def test_zero3_partitions_the_adapters_steps_as_zero0_and_saves_them_full(tmp_path):
     records = run_worker("zero3", tmp_path)
     (case,) = reported(records, case="zero3")
     assert case["partitioned"] > 0 and case["saved_adapter_bytes"] > 1000, case
 
 
+@pytest.mark.slow
 def test_a_tp2_lora_tag_loads_at_tp1_under_zero3_with_the_saved_adapters(tmp_path):
     records = run_worker("reshard", tmp_path)
     assert reported(records, case="tp2 -> tp1 zero3"), records

@@ -20,6 +20,7 @@ def run_worker(check: str, work_dir: Path, ranks: int = 2) -> list[dict]:
     return records
 
 
+@pytest.mark.slow
 def test_tp2_builds_the_same_model_and_gives_the_same_loss_and_gradients_as_tp1(tmp_path):
     """Both families (and tied embeddings with learned positions, and Qwen3's variants): the full weights drawn
     at TP 2 equal TP 1's bit for bit, and the loss (vocab-parallel cross entropy), logits and gradients agree."""
@@ -28,6 +29,7 @@ def test_tp2_builds_the_same_model_and_gives_the_same_loss_and_gradients_as_tp1(
         assert reported(records, case=family), records
 
 
+@pytest.mark.slow
 def test_tp2_deepspeed_step_clips_by_the_whole_model_norm_and_matches_tp1(tmp_path):
     """DeepSpeed with the megatron-core mpu: ZeRO 0 and 1 at TP 2 take the same clipped step as TP 1; a Qwen3
     folder fine-tuned at TP 2 through the load plan has transformers' loss and gradients."""

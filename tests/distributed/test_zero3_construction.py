@@ -14,6 +14,7 @@ pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("zero3_construction_worker.py")
 
 
+@pytest.mark.slow
 def test_partitioned_build_holds_only_partitions_and_draws_the_seeds_weights_at_tp1_and_tp2():
     """2 ranks: fp32 and bf16, tied/learned-position and Llama/GQA models, tensor-parallel sizes 1 and 2;
     every parameter is a partition from the start, gathered it equals a whole build's, and a ZeRO-3

@@ -66,6 +66,7 @@ def assert_one_line(result, *fragments: str) -> str:
          ["overrides.yml: weight_decay (0.01) and", "optimizer.params.weight_decay (0.02) disagree"]),
     ],
 )
+@pytest.mark.slow
 def test_settings_mistakes_are_one_line_before_anything_starts(tmp_path, settings, fragments):
     result = run_deepy(["configs/tiny.yml", write_overrides(tmp_path, **settings)], expect_success=False)
     assert result.returncode == 2
@@ -108,6 +109,7 @@ def test_a_user_master_port_is_kept_when_free():
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_a_load_that_is_a_file_is_one_line_from_rank_zero_of_two(tmp_path):
     not_a_directory = tmp_path / "model.pt"
     not_a_directory.write_bytes(b"weights?")
@@ -149,6 +151,7 @@ zero_optimization: {stage: 1, reduce_bucket_size: 5e8, allgather_bucket_size: 5e
 """
 
 
+@pytest.mark.slow
 def test_a_run_trains_with_numbers_pyyaml_reads_as_strings(tmp_path):
     """`lr: 5e-3` and `eps: 1e-8` are strings to PyYAML: the run trains at those values (a real 1-rank run)."""
     save = tmp_path / "ckpt"
@@ -186,6 +189,7 @@ def _same_sized_data_of_a_larger_vocabulary(prefix, vocab_size):
     ],
     ids=["empty dataset", "stale meta.json"],
 )
+@pytest.mark.slow
 def test_bad_data_stops_the_run_before_the_first_step_with_one_line(tmp_path, make_data):
     """Without these checks: an empty train split, or ids past the embedding, end in a traceback at step 1."""
     from megatron.tokenizer import build_tokenizer, train_bpe_tokenizer

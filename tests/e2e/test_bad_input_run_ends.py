@@ -156,6 +156,7 @@ def test_when_one_rank_fails_the_run_ends_within_seconds_with_its_line_last(tmp_
     assert not any("stopping after this iteration" in text for text in printed)
 
 
+@pytest.mark.slow
 def test_label_ids_past_the_vocabulary_are_refused_before_the_first_step_in_one_line(tmp_path):
     """The issue's run: before, it trained until the batch holding the label, then raised IndexError and hung."""
     tokenizer = _tokenizer(tmp_path)

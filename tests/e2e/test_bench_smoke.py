@@ -34,6 +34,7 @@ def assert_ratios(ratios: dict[str, float], expected: set[str]) -> None:
 
 
 @pytest.mark.parametrize("zero_stage", ["1", "3"])
+@pytest.mark.slow
 def test_module_only_load_bench_prints_its_ratios(zero_stage):
     ratios = run_bench(
         "bench_module_only_load.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
@@ -56,6 +57,7 @@ def test_module_only_load_bench_runs_two_ranks_with_the_files_evicted_before_eac
     assert "read_evicted/read_cached wall" in ratios
 
 
+@pytest.mark.slow
 def test_module_only_load_bench_measures_a_change_of_tensor_parallel_size():
     ratios = run_bench(
         "bench_module_only_load.py", "--ranks", "2", "--tp", "2", "--saved-tp", "1", "--layers", "1", "--hidden", "32",
@@ -72,6 +74,7 @@ def test_zero3_build_bench_prints_its_ratios():
                            "partitioned/whole build+load", "save peak/fp32 model", "partitioned/whole build wall"})
 
 
+@pytest.mark.slow
 def test_mmap_read_bench_prints_its_ratios():
     ratios = run_bench("bench_mmap_read.py", "--size-mb", "8")
     assert_ratios(ratios, {
@@ -80,6 +83,7 @@ def test_mmap_read_bench_prints_its_ratios():
     })
 
 
+@pytest.mark.slow
 def test_train_step_bench_prints_its_ratios(tmp_path):
     ratios = run_bench(
         "bench_train_step.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1",
@@ -121,6 +125,7 @@ def test_reference_zero3_bench_prints_its_ratios():
 
 
 @pytest.mark.parametrize("objective", ["dpo", "kto"])
+@pytest.mark.slow
 def test_preference_step_bench_prints_its_ratios(objective):
     ratios = run_bench("bench_dpo_step.py", "--objective", objective, "--layers", "1", "--hidden", "32", "--heads",
                        "2", "--vocab", "64", "--seq", "8", "--repeats", "1")
@@ -128,12 +133,14 @@ def test_preference_step_bench_prints_its_ratios(objective):
                            f"{objective}/sft peak_rss", f"{objective}_precomputed/{objective} peak_rss"})
 
 
+@pytest.mark.slow
 def test_lora_step_bench_prints_its_ratios():
     ratios = run_bench("bench_lora_step.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
                        "--seq", "8", "--lora-rank", "2", "--steps", "1", "--repeats", "1", "--larger", "2x64")
     assert_ratios(ratios, {"lora/full step_seconds", "lora/full peak_rss", "lora/full peak_rss at 2x64"})
 
 
+@pytest.mark.slow
 def test_moe_step_bench_prints_its_ratios():
     ratios = run_bench("bench_moe_step.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
                        "--seq", "8", "--experts", "4", "--expert-width", "32", "--steps", "1", "--repeats", "1")
@@ -203,6 +210,7 @@ def test_sft_packing_bench_prints_its_ratio():
     assert_ratios(ratios, {"packed/padded trained_tokens_per_second"})
 
 
+@pytest.mark.slow
 def test_rollout_step_bench_prints_its_ratios():
     ratios = run_bench("bench_rollout_step.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
                        "--seq", "32", "--prompts", "2", "--completions", "2", "--prompt-tokens", "4",

@@ -77,6 +77,7 @@ def write_gpt_neox_pipeline_checkpoint(model: GPTModel, root: Path, rename=old_m
 
 @pytest.mark.e2e
 @pytest.mark.usefixtures("single_rank_world")
+@pytest.mark.slow
 def test_pipeline_layer_files_with_old_mlp_names_fine_tune_from_their_weights(tmp_path):
     overrides = write_overrides(tmp_path, "finetune.yml", load=str(tmp_path / "neox"), save=str(tmp_path / "ours"),
                                 finetune=True, train_iters=2, checkpoint_factor=2, eval_interval=1000)

@@ -160,6 +160,7 @@ def test_inert_settings_print_one_notice_line_each(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_launch_two_cpu_ranks_that_receive_identical_settings(tmp_path):
     config = write_yaml(tmp_path, "two_ranks.yml", {**TINY_RUN, "num_gpus": 2, "master_port": free_port()})
     result = run_deepy(RANK_ECHO, str(config), timeout=300)

@@ -63,6 +63,7 @@ def test_finetune_in_bf16_zero2_starts_from_the_loaded_weights(pretrained, tmp_p
     assert (tmp_path / "finetuned" / "latest").read_text().strip() == "global_step5"
 
 
+@pytest.mark.slow
 def test_full_resume_of_a_checkpoint_without_optimizer_files_is_refused(pretrained, tmp_path):
     save, _ = pretrained
     overrides = write_overrides(tmp_path, load=str(save), save=str(tmp_path / "resumed"), train_iters=70)
@@ -73,6 +74,7 @@ def test_full_resume_of_a_checkpoint_without_optimizer_files_is_refused(pretrain
     assert TRAIN_LINE.search(output) is None
 
 
+@pytest.mark.slow
 def test_load_pointing_at_nothing_is_an_error_not_a_fresh_start(tmp_path):
     missing = tmp_path / "no-such-checkpoint"
     overrides = write_overrides(tmp_path, load=str(missing), save=str(tmp_path / "out"), train_iters=5)
@@ -106,6 +108,7 @@ def test_one_short_finetune_file_takes_the_model_from_the_checkpoint(pretrained,
     assert TRAIN_LINE.search(output) is None
 
 
+@pytest.mark.slow
 def test_one_short_finetune_file_takes_the_model_from_a_hugging_face_folder(tmp_path):
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
@@ -135,6 +138,7 @@ def expert_loads(scalars: dict, layer: int, step: int) -> list[float]:
     return [scalars[f"train/expert_load/layer_{layer}/expert_{expert}"][step] for expert in range(4)]
 
 
+@pytest.mark.slow
 def test_a_mixtral_folder_fine_tunes_with_its_load_balancing_loss_and_expert_load_in_the_log(tmp_path):
     model = tiny_mixtral()
     hf_dir = tmp_path / "hf"
@@ -172,6 +176,7 @@ def test_a_mixtral_folder_fine_tunes_with_its_load_balancing_loss_and_expert_loa
                 assert not torch.equal(before, after), f"{key}: an expert did not train"
 
 
+@pytest.mark.slow
 def test_a_router_sending_every_token_to_one_expert_is_reported_in_one_line(tmp_path):
     """Layer 0 made to route every token to expert 2: its attention adds nothing, every token's embedding is
     positive in one coordinate, the norm before the experts keeps only that coordinate, and the router's

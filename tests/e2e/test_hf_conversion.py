@@ -238,6 +238,7 @@ def test_every_hf_weight_format_reads_the_same_tensors(fmt, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "sharded", "bin"])
+@pytest.mark.slow
 def test_convert_hf_to_neox_cli_writes_a_module_only_checkpoint(fmt, tmp_path):
     model = make_hf_model("llama_gqa")
     hf_dir = save_hf(model, tmp_path / "hf", fmt, tokenizer=True)
@@ -300,6 +301,7 @@ def test_settings_that_disagree_with_config_json_are_an_error_naming_both_values
         (dict(hidden_act="gelu_10"), "hidden_act 'gelu_10'"),
     ],
 )
+@pytest.mark.slow
 def test_unsupported_architectures_are_refused(change, expected, tmp_path):
     hf_dir = save_hf(make_hf_model("neox_parallel"), tmp_path / "hf")
     config = json.loads((hf_dir / "config.json").read_text())
@@ -375,6 +377,7 @@ def test_hf_to_ours_to_hf_folders_are_bit_exact_and_load_in_transformers(kind, t
         torch.testing.assert_close(reloaded(tokens()).logits, model(tokens()).logits, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_convert_neox_to_hf_cli_in_bf16_sharded(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -456,6 +459,7 @@ def write_pipeline_checkpoint(module: dict[str, torch.Tensor], root: Path, legac
 
 
 @pytest.mark.parametrize("legacy_mlp_names", [False, True])
+@pytest.mark.slow
 def test_gpt_neox_pipeline_checkpoint_converts_with_a_config_yaml(legacy_mlp_names, tmp_path):
     model = make_hf_model("neox_parallel")
     hf_dir = save_hf(model, tmp_path / "hf")
@@ -481,6 +485,7 @@ def test_pipeline_checkpoint_without_settings_asks_for_a_config(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["neox_parallel", "llama_gqa", "llama_mqa", "qwen3"])
+@pytest.mark.slow
 def test_a_tensor_parallel_checkpoint_exports_to_hf_with_the_same_weights_and_logits(kind, tmp_path):
     """HF -> ours split for 2 tensor-parallel ranks (the CLI's --model-parallel-size) -> HF: every tensor
     comes back bit for bit, and transformers computes the same logits from it."""

@@ -201,6 +201,7 @@ def test_module_only_reads_refuse_a_payload_in_the_module_a_layer_file_or_a_zero
     assert not any((tmp_path / marker).exists() for marker in ("m1", "m2", "m3"))
 
 
+@pytest.mark.slow
 def test_a_payload_in_an_hf_bin_file_is_refused_by_the_load_and_convert_hf_to_neox(hf_model, tmp_path):
     hf_dir = save_hf(hf_model, tmp_path / "hf", fmt="bin")
     path = plant(hf_dir / "pytorch_model.bin", in_weights, tmp_path / "marker")
@@ -213,6 +214,7 @@ def test_a_payload_in_an_hf_bin_file_is_refused_by_the_load_and_convert_hf_to_ne
     assert not (tmp_path / "marker").exists()
 
 
+@pytest.mark.slow
 def test_tools_and_deepy_dry_run_refuse_a_payload_in_the_client_state_or_a_layer_file(zero2_run, zero3_run,
                                                                                        tmp_path):
     run = copy_run(zero2_run, tmp_path)
@@ -301,6 +303,7 @@ def test_a_gpt_neox_model_states_file_with_its_rng_states_and_an_older_megatron_
     assert state["np_rng_state"][1].dtype == np.uint32 and state["args"].num_layers == 2
 
 
+@pytest.mark.slow
 def test_a_training_rank_refuses_it_in_the_load_plan_with_one_line(zero2_run, tmp_path):
     """The config gives the model's shape, so deepy.py reads nothing of the checkpoint: the rank's load plan does."""
     run = copy_run(zero2_run, tmp_path)

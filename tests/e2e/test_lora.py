@@ -40,6 +40,7 @@ def _tag_bytes(tag_dir) -> int:
 
 
 @pytest.mark.usefixtures("single_rank_world")  # our_logits builds the model in-process
+@pytest.mark.slow
 def test_a_lora_finetune_saves_adapter_only_tags_that_resume_bit_identically(base, tmp_path):
     out = tmp_path / "lora"
     unbroken = run_deepy(["configs/tiny.yml", write_overrides(tmp_path, load=str(base), save=str(out), finetune=True,
@@ -107,6 +108,7 @@ def test_a_lora_finetune_saves_adapter_only_tags_that_resume_bit_identically(bas
     assert "lacks 16 of the model's trainable parameters" in output and "Traceback" not in output
 
 
+@pytest.mark.slow
 def test_a_full_resume_of_a_checkpoint_without_adapters_into_a_lora_run_is_refused(base, tmp_path):
     result = run_deepy(["configs/tiny.yml", write_overrides(tmp_path, load=str(base), save=str(tmp_path / "out"),
                                                             train_iters=3, **LORA)], expect_success=False)
@@ -144,6 +146,7 @@ def test_an_adapter_only_tag_of_two_ranks_resumes_bit_identically_and_at_another
 
 @pytest.mark.distributed
 @pytest.mark.usefixtures("single_rank_world")
+@pytest.mark.slow
 def test_a_tp2_zero3_lora_finetune_of_a_hugging_face_llama_resumes_with_the_same_losses(tmp_path):
     """2 ranks at model_parallel_size 2 under ZeRO-3 (adapters and base partitioned, none kept whole) fine-tune a Llama folder with
     grouped-query attention; the tag at step 2 holds each rank's adapter slices whole, and resumed from it the run

@@ -95,6 +95,7 @@ def hf_logits(model, batch: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.usefixtures("single_rank_world")
+@pytest.mark.slow
 def test_the_peft_export_loads_in_peft_model_and_gives_our_logits(lora_run, tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -121,6 +122,7 @@ def test_the_peft_export_loads_in_peft_model_and_gives_our_logits(lora_run, tmp_
 
 
 @pytest.mark.usefixtures("single_rank_world")
+@pytest.mark.slow
 def test_the_merged_export_gives_our_logits_and_rounds_the_fp32_merge_once(lora_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -141,6 +143,7 @@ def test_the_merged_export_gives_our_logits_and_rounds_the_fp32_merge_once(lora_
     assert not torch.equal(in_bf16, bf16[name])
 
 
+@pytest.mark.slow
 def test_the_merged_export_reads_the_recorded_base_checked_and_the_peft_export_needs_only_the_adapters(lora_run,
                                                                                                       tmp_path):
     hf_dir, tag_dir = lora_run
@@ -177,6 +180,7 @@ def test_peft_export_of_a_tag_without_adapters_is_refused_in_one_line(lora_run, 
     assert not (tmp_path / "adapter").exists()
 
 
+@pytest.mark.slow
 def test_a_run_starts_from_the_peft_folder_over_its_base_and_records_it(lora_run, tmp_path):
     hf_dir, tag_dir = lora_run
     adapter = tmp_path / "adapter"

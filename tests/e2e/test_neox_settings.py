@@ -15,6 +15,7 @@ from tests.deepy_runs import run_deepy, tensorboard_scalars, train_lines, write_
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.slow
 def test_extra_saves_norms_profiler_memory_snapshot_and_log_dir(tmp_path):
     save, tensorboard, snapshots, logs = (tmp_path / name for name in ("ckpt", "tb", "mem", "logs"))
     overrides = write_overrides(

@@ -30,6 +30,7 @@ def run(command: list[str], **environment: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("command", [DRY_RUN, TOOL_HELP, ["generate.py", "--help"]],
                          ids=["deepy-dry-run", "converter-help", "generate"])
+@pytest.mark.slow
 def test_commands_print_no_foreign_notices(command):
     result = run(command)
     assert foreign_notices(result.stdout + result.stderr) == []
@@ -37,6 +38,7 @@ def test_commands_print_no_foreign_notices(command):
     assert result.returncode == 0 or "start this script through deepy.py" in result.stderr, result.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_verbose_shows_them_in_the_tools_and_deepy():
     tool = run(TOOL_HELP, NEOX_VERBOSE="1")
     assert tool.returncode == 0 and CORE_NOTICE in tool.stderr

@@ -244,6 +244,7 @@ def test_two_ranks_agree_on_the_step_to_stop_at_and_both_save(tmp_path, receiver
         assert_resumes_from(tmp_path, save, iteration, num_gpus=2)
 
 
+@pytest.mark.slow
 def test_a_signal_to_every_process_while_the_rank_starts_stops_before_the_first_step(tmp_path):
     save = tmp_path / "ckpt"
     run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save)], extra_env=faults.switched_on(hold_before_first_step=300))
@@ -325,6 +326,7 @@ def test_a_signal_taken_while_the_launcher_is_being_started_is_passed_on_once_it
 # Two paths for the second request: deepy.py kills the launcher's group (Ctrl-C twice: the terminal signals the
 # group, which holds deepy.py alone), or each rank ends itself by it as well (every process).
 @pytest.mark.parametrize("receivers", ["the srun-like wrapper's group", "every process"])
+@pytest.mark.slow
 def test_a_second_sigint_stops_at_once_without_a_traceback_and_latest_unchanged(tmp_path, receivers):
     save = tmp_path / "ckpt"
     wrapper = (sys.executable, str(SRUN_LIKE)) if receivers == "the srun-like wrapper's group" else ()

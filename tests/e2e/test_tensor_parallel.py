@@ -40,6 +40,7 @@ def tp2_run(tmp_path_factory):
     return work, save, train_lines(result.stdout)
 
 
+@pytest.mark.slow
 def test_tp2_zero1_bf16_saves_one_model_file_and_optimizer_shard_per_tensor_parallel_rank(tp2_run):
     _, save, lines = tp2_run
     assert lines[-1].iteration == 6 and lines[-1].loss < lines[0].loss
@@ -57,6 +58,7 @@ def test_tp2_zero1_bf16_saves_one_model_file_and_optimizer_shard_per_tensor_para
     assert json.loads(report.stdout)["tensor_parallel_size"] == 2
 
 
+@pytest.mark.slow
 def test_tp2_resume_continues_the_loss_curve_exactly(tp2_run):
     work, save, lines = tp2_run
     resumed = write_overrides(work, name="resume.yml", save=str(work / "resumed"), load=str(save), iteration=3,

@@ -153,6 +153,7 @@ def test_resume_and_no_load_optim_continue_at_the_next_iteration_with_the_schedu
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_two_ranks_stop_together_at_the_first_nonfinite_step_and_keep_the_last_good_checkpoint(tmp_path):
     save = tmp_path / "ckpt"
     overrides = write_overrides(
@@ -169,6 +170,7 @@ def test_two_ranks_stop_together_at_the_first_nonfinite_step_and_keep_the_last_g
     assert (save / "latest").read_text().strip() == f"global_step{diverged - 1}"
 
 
+@pytest.mark.slow
 def test_a_scaled_down_gpt_neox_dmoe_trains_with_sinkhorn_routing_and_reports_its_experts_load(tmp_path):
     """configs/tiny.yml with GPT-NeoX's 125M-dmoe.yml's expert settings (8 experts behind its default router,
     sinkhorn, with activation recomputation) in every other layer; the layers between keep their biased MLP."""

@@ -106,6 +106,7 @@ def _assert_engine_holds(engine, expected_fp32):
 
 
 @pytest.mark.parametrize("precision,stage,extra,optimizer_classes", MATRIX, ids=[_ids(c) for c in MATRIX])
+@pytest.mark.slow
 def test_module_only_load_survives_a_step(tmp_path, precision, stage, extra, optimizer_classes):
     config = _config(precision, stage, extra)
     engine_a, tag_dir, saved = _save_trained(tmp_path, config)

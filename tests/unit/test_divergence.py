@@ -56,6 +56,7 @@ def assert_saved_tags_are_finite_and_older_than(save, iteration: int) -> None:
 
 
 @pytest.mark.parametrize(("precision", "stage"), [("fp32", 1), ("fp32", 0), ("bf16", 0), ("bf16", 1)])
+@pytest.mark.slow
 def test_bf16_and_fp32_stop_at_the_first_nonfinite_step_without_saving_it(tmp_path, precision, stage):
     save = tmp_path / "ckpt"
     message = train_until_stopped(run_settings(save, precision, stage))
@@ -97,6 +98,7 @@ def test_fp16_stops_after_more_than_max_nonfinite_steps_skipped_in_a_row(tmp_pat
 
 
 @pytest.mark.usefixtures("fp16_capable_cpu")
+@pytest.mark.slow
 def test_fp16_skips_while_the_loss_scale_settles_are_counted_and_training_goes_on(tmp_path):
     args = run_settings(tmp_path / "ckpt", "fp16", lr=1e-3, train_iters=12, checkpoint_factor=None,
                         tensorboard_dir=str(tmp_path / "tb"), fp16={"enabled": True, "initial_scale_power": 24})

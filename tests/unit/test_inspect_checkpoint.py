@@ -78,6 +78,7 @@ def test_zero2_engine_checkpoint_can_resume(tmp_path):
         "zero_stages_and_precisions": [f"ZeRO-{z} {p}" for z in (1, 2, 3) for p in ("fp32", "fp16", "bf16")]}
 
 
+@pytest.mark.slow
 def test_pipeline_checkpoint_and_diff(tmp_path):
     hf_dir = save_hf(make_hf_model("neox_parallel"), tmp_path / "hf")
     convert_hf_to_neox(hf_dir, tmp_path / "ckpt")
