@@ -29,12 +29,12 @@ TARGETS = ["q_proj", "experts.gate_up_proj", "experts.down_proj"]
 _PEFT_NAME = re.compile(r"layers\.(\d+)\.(self_attn\.q_proj|mlp\.experts(?:\.base_layer)?)\.lora_([AB])\.default\.weight$")
 
 
-def save_mixtral(folder):
+def save_mixtral(folder, vocab: int = VOCAB):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
     model = MixtralForCausalLM(MixtralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=WIDTH, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=32, intermediate_size=WIDTH, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, max_position_embeddings=64,
         tie_word_embeddings=False))
     with torch.no_grad():
