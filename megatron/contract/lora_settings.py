@@ -12,7 +12,8 @@ hidden] (gate then up) and ``down_proj`` [experts, hidden, width], which PEFT ad
 ``target_parameters``. Named here ``experts.gate_up_proj`` and ``experts.down_proj`` (as a PEFT user targets
 them), each gives every expert an adapter pair of its own over that expert's slice of the parameter; on such
 a model the dense MLP's names (``gate_proj``...) name nothing, and ``all-linear`` is the attention's
-projections, as PEFT's is (it adapts nn.Linear modules only).
+projections, as PEFT's is (it adapts nn.Linear modules only). A GPT-NeoX-shaped model with experts (no HF
+family has its ungated experts) adapts its attention only.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ def expert_target_of(peft_name: str) -> str | None:
 
 def _known_targets(gpt_neox: bool, experts: bool) -> dict[str, LoraTarget]:
     """The targets a model of the family has, in the model's order: with experts, the attention's and the experts'."""
-    if gpt_neox:
-        return _GPT_NEOX_TARGETS
+    if gpt_neox:  # its experts (not gated) are no HF model's: the attention's targets only
+        return {name: _GPT_NEOX_TARGETS[name] for name in ("query_key_value", "dense")} if experts else _GPT_NEOX_TARGETS
     if experts:
         return {**{name: _LLAMA_TARGETS[name] for name in _ATTENTION}, **_EXPERT_TARGETS}
     return _LLAMA_TARGETS
