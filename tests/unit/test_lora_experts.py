@@ -168,3 +168,15 @@ def test_bad_expert_targets_get_one_line(model, settings, message):
     with pytest.raises(ConfigError) as caught:
         NeoXArgs.from_dict({**model, **settings}, "run.yml")
     assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_gpt_neox_shaped_model_with_experts_adapts_its_attention():
+    args = NeoXArgs.from_dict({"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": SEQ,
+                               "moe_num_experts": EXPERTS, "moe_top_k": TOP_K, "moe_router_type": "topk",
+                               "use_bias_in_mlp": False, "lora_rank": RANK, "lora_target_modules": "all-linear",
+                               "padded_vocab_size": VOCAB})
+    assert args.lora().target_modules == ("query_key_value", "dense")
+    model = build_model(args.architecture(), seed=1, lora=args.lora())
+    trained = [name for name, param in model.named_parameters() if param.requires_grad]
+    assert len(trained) == 2 * 2 * 2 and all(".attention." in name and ".lora." in name for name in trained)
+    assert model(torch.randint(0, VOCAB, (2, SEQ))).shape == (2, SEQ, VOCAB)
