@@ -43,7 +43,19 @@ from megatron.hf.folder_weights import HF_FOLDER, check_hf_settings, read_hf_mod
 from megatron.hf.io import DEFAULT_MAX_SHARD_BYTES, TOKENIZER_NAME, is_hf_model_dir, write_hf_dir
 from megatron.hf.mapping import convert_tensors, ours_to_hf
 from megatron.hf.output_folder import check_output_apart, check_output_folder, staged_output
-from megatron.hf.peft import adapter_config, merge_into, peft_names, write_peft_dir
+from megatron.hf.peft import (
+    SIDES,
+    adapter_config,
+    expert_layers,
+    merge_into,
+    our_layout,
+    peft_layout,
+    peft_names,
+    write_peft_dir,
+)
+from megatron.model.gpt_model import layer_key
+from megatron.model.lora import ExpertAdapter
+from megatron.model.moe import with_expert_deltas
 from megatron.model.partitioning import partition, partitioning
 from megatron.neox_arguments import SETTINGS, NeoXArgs
 from megatron.neox_arguments.derived import tensor_parallel_split_problem
@@ -252,6 +264,8 @@ def convert_neox_to_hf(
                                   {name: tensor.to(target) for name, tensor in adapters.items()})
     if adapters_only:
         module = {**_base_weights(tag_inventory, settings, arch), **module}
+    if lora is not None and lora.adapts_experts:
+        _merge_expert_adapters(module, adapters, lora, family, arch)
     tensors = convert_tensors(module.items(), ours_to_hf(family, arch), str(tag_dir))
     if adapters:
         merge_into(tensors, adapters, lora.scaling)
@@ -292,7 +306,8 @@ def _lora_of(settings: dict[str, Any], arch: Architecture, tag_dir: Path) -> Lor
     """The LoRA of the saved settings (a lora_* setting they predate at its default); None without."""
     values = {name: settings.get(name, SETTINGS[name].default) for name in LORA_SETTINGS}
     try:
-        return lora_settings({**values, "norm": arch.norm, "activation": arch.activation})
+        return lora_settings({**values, "norm": arch.norm, "activation": arch.activation,
+                              "moe_num_experts": arch.moe_num_experts})
     except ModelConfigError as err:
         raise HFConversionError(f"{tag_dir}: the saved settings' lora_target_modules: {err}") from None
 
@@ -302,13 +317,32 @@ def _adapters_of(module: dict[str, torch.Tensor], lora: LoraSettings | None, fam
     """The adapters of ``lora``, taken out of ``module`` and keyed by their PEFT names; none without LoRA."""
     if lora is None:
         return {}
-    names = peft_names(lora, family, arch.num_layers)
+    names = peft_names(lora, family, arch.num_layers, expert_layers(arch))
     missing = [ours for ours in names if ours not in module]
     if missing:
         raise HFConversionError(f"{tag_dir}: {missing[0]} is missing ({len(missing)} adapter weights missing for the "
                                 f"saved LoRA settings, lora_target_modules {', '.join(lora.target_modules)}); "
                                 "the tag is incomplete: export another tag")
-    return {peft: module.pop(ours) for ours, peft in names.items()}
+    return {peft: peft_layout(ours, module.pop(ours), arch.moe_num_experts) for ours, peft in names.items()}
+
+
+def _merge_expert_adapters(module: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], lora: LoraSettings,
+                           family: str, arch: Architecture) -> None:
+    """Each expert weight of ``module`` (our names) plus its experts' scaled B A, in fp32; the expert parameters'
+    adapters taken out of ``adapters`` (PEFT keys and layout)."""
+    names = peft_names(lora, family, arch.num_layers, expert_layers(arch))
+    for layer in expert_layers(arch):
+        prefix = f"sequential.{layer_key(layer)}.mlp.experts.mlp."
+        deltas = {}
+        for parameter in ("gate_up_proj", "down_proj"):
+            a, b = (f"{prefix}lora.{parameter}.lora_{side}" for side in SIDES)
+            if a in names:
+                a, b = adapters.pop(names[a]).float(), our_layout(b, adapters.pop(names[b]).float(), arch.moe_num_experts)
+                deltas[parameter] = ExpertAdapter.product(a, b, arch.moe_num_experts) * lora.scaling
+        weights = tuple(module[f"{prefix}{w}"].float() for w in ("w1", "w3", "w2"))
+        for name, merged in zip(("w1", "w3", "w2"), with_expert_deltas(weights, deltas, arch.moe_intermediate_size),
+                                strict=True):
+            module[f"{prefix}{name}"] = merged
 
 
 def _peft_base(tag: TagInventory, lora: LoraSettings | None, arch: Architecture, base_model: Path | None) -> str:

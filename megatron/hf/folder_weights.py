@@ -80,7 +80,7 @@ def _base_and_adapter_weights(peft_dir: Path, arch: Architecture) -> dict[str, t
 
     weights = convert_tensors(noting_shapes(iter_hf_tensors(base, check=shape_check(spec.architecture()))),
                               hf_to_ours(spec.family, arch), str(base), torch.float32)
-    adapters = read_adapters(folder, folder.lora(spec.family == "gpt_neox"), spec.family, arch.num_layers, shapes)
+    adapters = read_adapters(folder, folder.lora(spec.family == "gpt_neox", arch.moe), spec.family, arch, shapes)
     return {**weights, **adapters}
 
 

@@ -199,6 +199,8 @@ _LINEAR_MODULES = {
     **{f"{x}_proj": f"mlp.{x}_proj" for x in ("gate", "up", "down")},
     "query_key_value": "attention.query_key_value", "dense": "attention.dense",
     "dense_h_to_4h": "mlp.dense_h_to_4h", "dense_4h_to_h": "mlp.dense_4h_to_h",
+    # transformers (5.x) holds a layer's experts as 3-D parameters of one module, whichever way its files store them
+    "experts.gate_up_proj": "mlp.experts", "experts.down_proj": "mlp.experts",
 }
 
 

@@ -4,7 +4,14 @@ A folder holds ``adapter_config.json`` (PEFT's LoraConfig) and ``adapter_model.s
 are the PEFT model's parameter names without the adapter's name: ``base_model.model.`` + the HF module
 (``model.layers.0.self_attn.q_proj``, ``gpt_neox.layers.0.attention.query_key_value``) + ``.lora_A.weight``
 or ``.lora_B.weight``. Each of our adapters is one HF module's (megatron/model/lora.py), so the tensors
-are ours as they are, under another name. Only safetensors and json are read or written: a folder loads
+are ours as they are, under another name.
+
+Adapters of expert parameters are PEFT's ``target_parameters`` (listed there, not in target_modules): one
+wrapper per parameter around the layer's ``mlp.experts`` module, so their keys are that module's; with both
+parameters adapted PEFT wraps ``gate_up_proj`` (declared first) first, and its wrapper, now inside
+``down_proj``'s, is under ``.base_layer``. PEFT holds every expert's pair in one A [experts x r, in], expert by
+expert as ours, and one B [out, r x experts] whose column ``i x experts + e`` is column i of expert e's B (ours
+is [experts x out, r]): B is rearranged on the way out and in. Only safetensors and json are read or written: a folder loads
 and exports without PEFT installed, and no byte of it is unpickled.
 """
 
@@ -20,8 +27,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from megatron.contract.architecture import ModelConfigError
-from megatron.contract.lora_settings import ALL_LINEAR, LoraSettings, target_modules_of
+from megatron.contract.architecture import Architecture, ModelConfigError
+from megatron.contract.lora_settings import (
+    ALL_LINEAR,
+    LoraSettings,
+    adapter_key,
+    expert_target_of,
+    target_modules_of,
+    target_shapes,
+)
 from megatron.hf.errors import HFConversionError
 from megatron.hf.io import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, is_hf_model_dir
 from megatron.hf.mapping import hf_linear_module
@@ -32,21 +46,51 @@ SIDES = ("A", "B")
 # PEFT options that change what an adapter computes, each with the value of a plain LoRA adapter
 _PLAIN_LORA = {"use_dora": False, "bias": "none", "fan_in_fan_out": False, "lora_bias": False,
                "modules_to_save": None, "layers_to_transform": None, "layer_replication": None,
-               "rank_pattern": {}, "alpha_pattern": {}, "target_parameters": None, "trainable_token_indices": None}
+               "rank_pattern": {}, "alpha_pattern": {}, "trainable_token_indices": None}
 
 
-def peft_names(lora: LoraSettings, family: str, num_layers: int) -> dict[str, str]:
-    """Our name of each adapter weight -> its key in a PEFT folder of the HF model ``family``."""
+def peft_names(lora: LoraSettings, family: str, num_layers: int, expert_layers: range | list[int] = ()) -> dict[str, str]:
+    """Our name of each adapter weight -> its key in a PEFT folder of the HF model ``family``; expert targets
+    adapt the layers ``expert_layers``."""
     if lora.gpt_neox != (family == "gpt_neox"):
         raise HFConversionError(f"LoRA targets {', '.join(lora.target_modules)} are not module names of Hugging "
                                 f"Face {family}; export the model with the family its architecture implies")
     names = {}
     for layer in range(num_layers):
         for module, target in lora.targets().items():
+            if target.experts and layer not in expert_layers:
+                continue
+            hf_module = hf_linear_module(family, layer, module)
+            if module == "experts.gate_up_proj" and "experts.down_proj" in lora.target_modules:
+                hf_module += ".base_layer"  # inside down_proj's wrapper (module docstring)
             for side in SIDES:
-                ours = f"sequential.{layer_key(layer)}.{target.linear}.lora.{module}.lora_{side}"
-                names[ours] = f"{_PEFT_PREFIX}{hf_linear_module(family, layer, module)}.lora_{side}.weight"
+                ours = f"sequential.{layer_key(layer)}.{target.linear}.lora.{adapter_key(module)}.lora_{side}"
+                names[ours] = f"{_PEFT_PREFIX}{hf_module}.lora_{side}.weight"
     return names
+
+
+def expert_layers(arch: Architecture) -> list[int]:
+    return [layer for layer in range(arch.num_layers) if arch.has_experts(layer)]
+
+
+def _is_expert_b(ours: str) -> bool:
+    return ".experts.mlp.lora." in ours and ours.endswith(".lora_B")
+
+
+def peft_layout(ours: str, tensor: torch.Tensor, experts: int) -> torch.Tensor:
+    """Our adapter weight ``ours`` as PEFT holds it (an expert parameter's B rearranged: module docstring)."""
+    if not _is_expert_b(ours):
+        return tensor
+    rank = tensor.shape[1]
+    return tensor.view(experts, -1, rank).permute(1, 2, 0).reshape(-1, rank * experts)
+
+
+def our_layout(ours: str, tensor: torch.Tensor, experts: int) -> torch.Tensor:
+    """``peft_layout``'s inverse."""
+    if not _is_expert_b(ours):
+        return tensor
+    rank = tensor.shape[1] // experts
+    return tensor.view(-1, rank, experts).permute(2, 0, 1).reshape(-1, rank)
 
 
 def _module_and_side(peft_key: str) -> tuple[str, str]:
@@ -69,9 +113,11 @@ def merge_into(hf_weights: dict[str, torch.Tensor], adapters: dict[str, torch.Te
 
 def adapter_config(lora: LoraSettings, base_model: str) -> dict[str, Any]:
     """PEFT's LoraConfig of these adapters, over the HF model folder ``base_model``."""
+    experts = [name for name, target in lora.targets().items() if target.experts]
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": lora.rank, "lora_alpha": int(lora.alpha) if lora.alpha.is_integer() else lora.alpha,
-            "lora_dropout": lora.dropout, "target_modules": list(lora.target_modules), "use_rslora": lora.use_rslora,
+            "lora_dropout": lora.dropout, "target_modules": [name for name in lora.target_modules if name not in experts],
+            "target_parameters": experts or None, "use_rslora": lora.use_rslora,
             "init_lora_weights": True, "inference_mode": True, **_PLAIN_LORA}
 
 
@@ -111,13 +157,13 @@ class PeftFolder:
                                     "to it")
         return folder
 
-    def lora(self, gpt_neox: bool) -> LoraSettings:
-        """The adapters' LoRA on a model of GPT-NeoX's family (else Llama's); ModelConfigError for a target
-        module that model lacks."""
+    def lora(self, gpt_neox: bool, experts: bool = False) -> LoraSettings:
+        """The adapters' LoRA on a model of GPT-NeoX's family (else Llama's), with ``experts`` or without;
+        ModelConfigError for a target module that model lacks."""
         values = self.settings
         return LoraSettings(values["lora_rank"], values["lora_alpha"], values["lora_dropout"],
-                            target_modules_of(values["lora_target_modules"], gpt_neox), values["lora_use_rslora"],
-                            gpt_neox)
+                            target_modules_of(values["lora_target_modules"], gpt_neox, experts),
+                            values["lora_use_rslora"], gpt_neox, experts)
 
 
 def _config_problem(config: dict[str, Any]) -> tuple[str, str] | None:
@@ -136,10 +182,14 @@ def _config_problem(config: dict[str, Any]) -> tuple[str, str] | None:
         if not (value is None or value == plain or value in ({}, [])):
             return key, (f"is {value!r}; only plain LoRA adapters on the linear layers load here (train without "
                          f"this option: {key} {plain!r})")
+    parameters = config.get("target_parameters") or []
+    if not (isinstance(parameters, list) and all(isinstance(p, str) and expert_target_of(p) for p in parameters)):
+        return "target_parameters", (f"is {parameters!r}; only the experts' gate_up_proj and down_proj (transformers' "
+                                     "fused expert parameters) load here")
     targets = config.get("target_modules")
     if isinstance(targets, str) and targets != ALL_LINEAR:
         return "target_modules", f"is the pattern {targets!r}; list the module names instead (q_proj, ...)"
-    if not isinstance(targets, str) and not (isinstance(targets, list) and targets
+    if not isinstance(targets, str) and not (isinstance(targets, list) and (targets or parameters)
                                              and all(isinstance(t, str) for t in targets)):
         return "target_modules", f"is {targets!r}; it must list module names"
     return None
@@ -160,6 +210,9 @@ def read_peft_folder(path: str | Path) -> PeftFolder:
     targets = config["target_modules"]
     # PEFT writes the full module paths it adapted ('model.layers.0.self_attn.q_proj') when asked for all-linear
     names = targets if isinstance(targets, str) else sorted({name.rsplit(".", 1)[-1] for name in targets})
+    experts = [expert_target_of(name) for name in config.get("target_parameters") or []]
+    if experts:
+        names = [*([names] if isinstance(names, str) else names), *dict.fromkeys(experts)]
     settings = {"lora_rank": config["r"], "lora_alpha": float(config["lora_alpha"]),
                 "lora_dropout": float(config.get("lora_dropout", 0.0)), "lora_target_modules": names,
                 "lora_use_rslora": bool(config.get("use_rslora", False))}
@@ -172,7 +225,7 @@ def check_run_lora(folder: PeftFolder, lora: LoraSettings | None, source_of) -> 
         raise HFConversionError(f"{source_of('lora_rank')}: lora_rank is 0, but `load` {folder.path} is a PEFT LoRA "
                                 "adapter folder; leave lora_rank unset to take the folder's LoRA settings")
     try:
-        theirs = folder.lora(lora.gpt_neox)
+        theirs = folder.lora(lora.gpt_neox, lora.experts)
     except ModelConfigError as err:
         raise HFConversionError(f"{folder.config_file}: target_modules: {err}") from None
     pairs = (("lora_rank", "r", lora.rank, theirs.rank), ("lora_alpha", "lora_alpha", lora.alpha, theirs.alpha),
@@ -188,11 +241,25 @@ def check_run_lora(folder: PeftFolder, lora: LoraSettings | None, source_of) -> 
                 "to take the folder's value")
 
 
-def read_adapters(folder: PeftFolder, lora: LoraSettings, family: str, num_layers: int,
+def _expected_shape(key: str, ours: str, lora: LoraSettings, arch: Architecture,
+                    module_shapes: dict[str, torch.Size]) -> tuple[int, int]:
+    """The shape PEFT gives adapter weight ``key`` (ours ``ours``) over this base."""
+    module, side = _module_and_side(key)
+    experts = 1
+    if ".experts.mlp.lora." in ours:  # one expert's slice of the parameter, PEFT's pairs of every expert together
+        experts = arch.moe_num_experts
+        shapes = target_shapes(arch.hidden_size, 1, 1, 1, 1, arch.moe_intermediate_size)
+        out_features, in_features = shapes[f"experts.{ours.split('.')[-2]}"]
+    else:
+        out_features, in_features = module_shapes[f"{module}.weight"]
+    return (experts * lora.rank, in_features) if side == "A" else (out_features, lora.rank * experts)
+
+
+def read_adapters(folder: PeftFolder, lora: LoraSettings, family: str, arch: Architecture,
                   module_shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """The folder's adapters under our names, fp32, verified: exactly the keys ``lora`` has, each shaped for
-    its HF module (``module_shapes``: HF weight name -> shape of the base) and finite."""
-    names = {peft: ours for ours, peft in peft_names(lora, family, num_layers).items()}
+    """The folder's adapters under our names and in our layout, fp32, verified: exactly the keys ``lora`` has,
+    each shaped for its HF module (``module_shapes``: HF weight name -> shape of the base) and finite."""
+    names = {peft: ours for ours, peft in peft_names(lora, family, arch.num_layers, expert_layers(arch)).items()}
     source = folder.weights_file
     try:
         with safe_open(str(source), framework="pt") as handle:
@@ -203,21 +270,18 @@ def read_adapters(folder: PeftFolder, lora: LoraSettings, family: str, num_layer
                 key, what = (missing[0], "is missing") if missing else (unexpected[0], "is no adapter of the run's LoRA")
                 raise HFConversionError(f"{source}: {key} {what} ({len(missing)} missing, {len(unexpected)} "
                                         f"unexpected keys for target_modules {', '.join(lora.target_modules)} over "
-                                        f"{num_layers} layers); the folder does not hold these adapters")
+                                        f"{arch.num_layers} layers); the folder does not hold these adapters")
             adapters = {}
             for key in keys:
                 tensor = handle.get_tensor(key)
-                module, side = _module_and_side(key)
-                out_features, in_features = module_shapes[f"{module}.weight"]
-                shape = (lora.rank, in_features) if side == "A" else (out_features, lora.rank)
+                shape = _expected_shape(key, names[key], lora, arch, module_shapes)
                 if tuple(tensor.shape) != shape:
                     raise HFConversionError(f"{source}: {key} has shape {tuple(tensor.shape)}, the base's module and "
                                             f"r {lora.rank} give {shape}; the adapter is not for this base model")
                 if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
                     raise HFConversionError(f"{source}: {key} holds values that are not finite floating-point "
                                             f"numbers ({tensor.dtype}); the adapter is damaged: export it again")
-                adapters[names[key]] = tensor.float()
+                adapters[names[key]] = our_layout(names[key], tensor.float(), arch.moe_num_experts)
     except (OSError, SafetensorError) as err:
         raise HFConversionError(f"{source}: cannot be read as safetensors ({err}); restore the adapter folder") from None
     return adapters
-

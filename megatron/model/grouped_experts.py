@@ -66,11 +66,11 @@ def grouped_experts(mlp, tokens: torch.Tensor, weights_by_choice: torch.Tensor, 
     pairs, offsets = sort_by_expert(chosen_by_choice.reshape(-1), mlp.local)
     rows = tokens[pairs % count]
     experts, width, hidden = len(mlp.local), mlp.width, tokens.shape[-1]
-    inner = mlp.activation(torch._grouped_mm(rows, mlp.w1.view(experts, width, hidden).transpose(1, 2),
-                                             offs=offsets))
+    w1, w3, w2 = mlp.weights()  # with LoRA on the experts, their adapters added
+    inner = mlp.activation(torch._grouped_mm(rows, w1.view(experts, width, hidden).transpose(1, 2), offs=offsets))
     if mlp.gated:
-        inner = inner * torch._grouped_mm(rows, mlp.w3.view(experts, width, hidden).transpose(1, 2), offs=offsets)
-    outputs = torch._grouped_mm(inner, mlp.w2.view(experts, width, hidden), offs=offsets)
+        inner = inner * torch._grouped_mm(rows, w3.view(experts, width, hidden).transpose(1, 2), offs=offsets)
+    outputs = torch._grouped_mm(inner, w2.view(experts, width, hidden), offs=offsets)
     weighted = (outputs * weights_by_choice.reshape(-1)[pairs, None]).to(out_dtype)
     # pairs of other ranks' experts add nothing here: zero, as the loop leaves them
     by_pair = weighted.new_zeros(top_k * count, hidden).index_copy(0, pairs, weighted).view(top_k, count, hidden)

@@ -25,6 +25,14 @@ whole, as at size 1, and each rank keeps its part, so the adapters are the same 
 lora_dropout the masks at size 2 are other draws than at size 1 (every tensor-parallel rank draws from the
 same state, as the base's dropout does), so runs are equal across sizes without dropout.
 
+The experts of a mixture-of-experts layer (``experts.gate_up_proj``, ``experts.down_proj``: PEFT's
+``target_parameters`` on transformers' fused 3-D expert parameters) get an adapter pair per expert
+(``ExpertAdapters``, the child ``lora`` of the layer's ExpertWeights): A [experts x r, in] and B [experts x out, r],
+each expert's rows together, so that tensor-parallel ranks, which hold whole experts, split them as the expert
+weights. Each expert's scaled B A is added to its slice of the weight before the experts run (as PEFT
+parametrizes the parameter), so the grouped and the one-by-one expert paths both compute with the adapted
+weights, and no collective is needed: the ranks' experts and adapters are disjoint.
+
 Under sequence parallelism (megatron/model/sequence_parallel.py) a column-parallel layer's input is this rank's
 part of the sequence: A runs on it and its low-rank output is gathered (A's gradient then covers the part only
 and is summed over the ranks); a row-parallel layer's output is this rank's part: the ranks' A outputs are
@@ -42,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.contract.architecture import Architecture
-from megatron.contract.lora_settings import LoraSettings
+from megatron.contract.lora_settings import LoraSettings, adapter_key
 from megatron.model.attention import query_key_value_rows
 from megatron.model.init_methods import full_shape, local_shape, set_value
 from megatron.model.parallel_layers import (
@@ -113,6 +121,38 @@ class LinearAdapters(torch.nn.ModuleDict):
         return out + F.linear(low_rank, torch.cat(placed, dim=1)) * self.scaling
 
 
+class ExpertAdapter(torch.nn.Module):
+    """One expert parameter's adapters, a pair per local expert: A [experts x r, in], B [experts x out, r]."""
+
+    def __init__(self, experts: int, in_features: int, out_features: int, rank: int):
+        super().__init__()
+        self.experts = experts
+        self.lora_A = torch.nn.Parameter(torch.empty(experts * rank, in_features))
+        self.lora_B = torch.nn.Parameter(torch.zeros(experts * out_features, rank))
+
+    def delta(self) -> torch.Tensor:
+        """Each expert's B A, [experts, out, in]."""
+        return self.product(self.lora_A, self.lora_B, self.experts)
+
+    @staticmethod
+    def product(lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int) -> torch.Tensor:
+        rank = lora_a.shape[0] // experts
+        return torch.bmm(lora_b.view(experts, -1, rank), lora_a.view(experts, rank, -1))
+
+
+class ExpertAdapters(torch.nn.ModuleDict):
+    """The adapters of one layer's expert parameters, by the parameter's name (gate_up_proj, down_proj)."""
+
+    def __init__(self, adapters: dict[str, ExpertAdapter], scaling: float):
+        super().__init__(adapters)
+        self.scaling = scaling
+        self.switched_on = True
+
+    def deltas(self) -> dict[str, torch.Tensor]:
+        """What each parameter gets added, per expert: scaling B A, [experts, out, in]."""
+        return {name: adapter.delta() * self.scaling for name, adapter in self.items()}
+
+
 def _add_adapter_output(linear: torch.nn.Module, inputs: tuple, output: tuple) -> tuple:
     if not linear.lora.switched_on:
         return output
@@ -123,7 +163,7 @@ def _add_adapter_output(linear: torch.nn.Module, inputs: tuple, output: tuple) -
 @contextmanager
 def adapters_switched_off(model: torch.nn.Module):
     """Within the block ``model`` computes as its base, as if it had no adapters."""
-    adapters = [module for module in model.modules() if isinstance(module, LinearAdapters)]
+    adapters = [module for module in model.modules() if isinstance(module, LinearAdapters | ExpertAdapters)]
     for layer_adapters in adapters:
         layer_adapters.switched_on = False
     try:
@@ -173,8 +213,14 @@ def add_layer_adapters(layer: torch.nn.Module, arch: Architecture, lora: LoraSet
     size = tensor_parallel_size()
     rows_of_part = _rows_of_parts(arch, size)
     by_linear: dict[str, dict[str, str | None]] = defaultdict(dict)
+    expert_targets = []
     for name, target in lora.targets().items():
-        by_linear[target.linear][name] = target.part
+        if target.experts:
+            expert_targets.append(name)
+        else:
+            by_linear[target.linear][name] = target.part
+    if expert_targets and hasattr(layer.mlp, "experts"):  # a layer between expert layers has none
+        add_expert_adapters(layer.mlp.experts.mlp, expert_targets, lora)
     for linear_name, parts in by_linear.items():
         linear = layer.get_submodule(linear_name)
         out_features, in_features = local_shape(linear.weight)
@@ -193,6 +239,17 @@ def add_layer_adapters(layer: torch.nn.Module, arch: Architecture, lora: LoraSet
             adapters[name] = adapter
         linear.lora = LinearAdapters(adapters, lora.scaling, isinstance(linear, RowParallelLinear))
         linear.register_forward_hook(_add_adapter_output)
+
+
+def add_expert_adapters(mlp: torch.nn.Module, targets: list[str], lora: LoraSettings) -> None:
+    """Give a layer's ExpertWeights ``mlp`` the adapters of the expert parameters ``targets`` names."""
+    experts, width, hidden = len(mlp.local), mlp.width, mlp.w1.shape[1]
+    shapes = {"gate_up_proj": (2 * width, hidden), "down_proj": (hidden, width)}  # (out, in) of each expert's slice
+    adapters = {}
+    for name in targets:
+        out_features, in_features = shapes[adapter_key(name)]
+        adapters[adapter_key(name)] = ExpertAdapter(experts, in_features, out_features, lora.rank)
+    mlp.lora = ExpertAdapters(adapters, lora.scaling)
 
 
 def initialise_adapters(model: torch.nn.Module, arch: Architecture) -> None:

@@ -88,15 +88,41 @@ class ExpertWeights(torch.nn.Module):
             self.w3 = torch.nn.Parameter(torch.empty(shape))
         self.w2 = torch.nn.Parameter(torch.empty(shape))
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(w1, w3 or None, w2) as the experts compute with them: with LoRA adapters on the experts (a child
+        ``lora``, megatron/model/lora.py) each expert's slice plus its adapters' scaled B A, as PEFT's
+        ``target_parameters`` adds them to the parameter."""
+        w1, w3, w2 = self.w1, self.w3 if self.gated else None, self.w2
+        adapters = getattr(self, "lora", None)
+        if adapters is None or not adapters.switched_on:
+            return w1, w3, w2
+        return with_expert_deltas((w1, w3, w2), adapters.deltas(), self.width)
+
     def rows(self, weight: torch.Tensor, expert: int) -> torch.Tensor:
         return weight.narrow(0, (expert - self.local.start) * self.width, self.width)
 
-    def forward(self, expert: int, tokens: torch.Tensor) -> torch.Tensor:
-        """Expert ``expert``'s output (one of ``self.local``) for ``tokens`` [n, hidden]."""
-        inner = self.activation(F.linear(tokens, self.rows(self.w1, expert)))
+    def forward(self, expert: int, tokens: torch.Tensor, weights: tuple | None = None) -> torch.Tensor:
+        """Expert ``expert``'s output (one of ``self.local``) for ``tokens`` [n, hidden]; ``weights``: those of
+        ``self.weights()``, when the caller has them for several experts."""
+        w1, w3, w2 = weights or self.weights()
+        inner = self.activation(F.linear(tokens, self.rows(w1, expert)))
         if self.gated:
-            inner = inner * F.linear(tokens, self.rows(self.w3, expert))
-        return inner @ self.rows(self.w2, expert)
+            inner = inner * F.linear(tokens, self.rows(w3, expert))
+        return inner @ self.rows(w2, expert)
+
+
+def with_expert_deltas(weights: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+                       deltas: dict[str, torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Stacked expert weights (w1, w3, w2) plus ``deltas`` by transformers' parameter name, each [experts, out, in]
+    as its 3-D parameter is: ``gate_up_proj``'s gate rows go to w1, its up rows to w3, ``down_proj``'s
+    transposes to w2."""
+    w1, w3, w2 = weights
+    if "gate_up_proj" in deltas:
+        gate, up = deltas["gate_up_proj"].split(width, dim=1)
+        w1, w3 = w1 + gate.reshape(w1.shape), w3 + up.reshape(w3.shape)
+    if "down_proj" in deltas:
+        w2 = w2 + deltas["down_proj"].transpose(1, 2).reshape(w2.shape)
+    return w1, w3, w2
 
 
 class Experts(torch.nn.Module):
@@ -196,12 +222,12 @@ class MixtureOfExperts(torch.nn.Module):
                             chosen_by_choice: torch.Tensor) -> torch.Tensor:
         """``grouped_experts``'s result where the grouped matmul does not run: each local expert in turn on its
         tokens."""
-        out = torch.zeros_like(expert_input)
+        out, weights = torch.zeros_like(expert_input), self.experts.mlp.weights()
         # an expert without tokens still computes (on none): the copy regions' backward, a collective, then
         # runs on every rank, also where no local expert got a token
         for expert in self.experts.mlp.local:
             choice, token = torch.where(chosen_by_choice == expert)
-            expert_out = self.experts.mlp(expert, expert_input[token]) * weights_by_choice[choice, token, None]
+            expert_out = self.experts.mlp(expert, expert_input[token], weights) * weights_by_choice[choice, token, None]
             out.index_add_(0, token, expert_out.to(out.dtype))
         return out
 

@@ -22,7 +22,8 @@ every block (GPT-NeoX's per-partition layouts):
 
 LoRA's adapters (megatron/model/lora.py) split to match the layer they adapt: on a column-parallel
 layer A is whole and B split as the rows of the layer's output it adds into (a fused layer's part as
-that part's rows are split); on a row-parallel layer A is split by input columns and B is whole.
+that part's rows are split); on a row-parallel layer A is split by input columns and B is whole. An
+expert parameter's adapters (A [experts x r, in], B [experts x out, r]) split as the experts' weights, by experts.
 
 With one key/value head per query head, ``query_key_value`` is per head [q, k, v] and a plain
 split gives each rank whole heads. The full tensor is the one a tensor-parallel size of 1 holds.
@@ -131,8 +132,8 @@ def local_experts(arch: Architecture, rank: int, size: int) -> range:
 def missing_experts(name: str, part: torch.Tensor, arch: Architecture, rank: int, size: int) -> str | None:
     """What rank ``rank`` of ``size``'s part of parameter ``name`` lacks of its experts (a phrase), None when the part
     holds the rows of all of them (or ``name`` holds no experts)."""
-    if not partitioning(name, arch).experts:
-        return None
+    if not partitioning(name, arch).experts or ".lora." in name:  # an adapter's rows per expert are r or its
+        return None  # output width, which the settings give: its shape is checked where it loads
     held, width = local_experts(arch, rank, size), arch.moe_intermediate_size
     rows = part.shape[0]
     if rows == len(held) * width:
@@ -151,6 +152,8 @@ def _adapter_partitioning(name: str, arch: Architecture) -> Partitioning:
     """A LoRA adapter's A or B (module docstring); ``name`` is ``<linear>.lora.<HF module>.lora_<A or B>``."""
     linear, _, adapter = name.rpartition(".lora.")
     module, side = adapter.split(".")
+    if linear.endswith("mlp.experts.mlp"):  # an expert parameter's: each expert's rows together, as its weights
+        return Partitioning(0, (arch.moe_num_experts,), experts=True)
     layer = partitioning(f"{linear}.weight", arch)
     column_parallel = layer.dim == 0
     if side == "lora_A":

@@ -14,6 +14,7 @@ from typing import Any
 from megatron.contract.architecture import (
     ModelConfigError,
     built_intermediate_size,
+    expert_width,
     gelu_approximation,
     gpt_neox_shaped,
     mixture_of_experts_problem,
@@ -21,7 +22,7 @@ from megatron.contract.architecture import (
     rope_scaling_of,
     tensor_parallel_split_problem,
 )
-from megatron.contract.lora_settings import target_modules_of, target_shapes
+from megatron.contract.lora_settings import target_modules_of, target_of, target_shapes
 from megatron.neox_arguments.errors import ConfigError, where
 from megatron.neox_arguments.numbers import INT64_MAX, deepspeed_sections
 from megatron.neox_arguments.schema import SETTINGS
@@ -642,15 +643,16 @@ def _check_lora(v: dict[str, Any], sources: dict[str, str]) -> None:
         raise _fail(sources, "lora_alpha", f"must be positive, got {v['lora_alpha']}")
     if not 0 <= v["lora_dropout"] < 1:
         raise _fail(sources, "lora_dropout", f"must be in [0, 1), got {v['lora_dropout']}")
+    experts = (v["moe_num_experts"] or 1) > 1
     try:
-        targets = target_modules_of(v["lora_target_modules"], gpt_neox_shaped(v["norm"], v["activation"]))
+        targets = target_modules_of(v["lora_target_modules"], gpt_neox_shaped(v["norm"], v["activation"]), experts)
     except ModelConfigError as err:
         raise _fail(sources, "lora_target_modules", str(err)) from None
+    if v["lora_dropout"] and any(target_of(name).experts for name in targets):
+        raise _fail(sources, "lora_dropout", f"is {v['lora_dropout']}, but an expert parameter's adapter adds to the "
+                    "weight, where no dropout of the input applies (PEFT refuses it too); set lora_dropout: 0")
     if all(v[name] is not None for name in MODEL_REQUIRED):
         _check_lora_rank_fits(v, sources, targets)
-    if (v["moe_num_experts"] or 1) > 1:
-        raise _fail(sources, "moe_num_experts", "LoRA (lora_rank > 0) runs so far without experts; set "
-                                                "moe_num_experts to 1 or lora_rank: 0")
 
 
 def _check_lora_rank_fits(v: dict[str, Any], sources: dict[str, str], targets: tuple[str, ...]) -> None:
@@ -659,7 +661,8 @@ def _check_lora_rank_fits(v: dict[str, Any], sources: dict[str, str], targets: t
     hidden = v["hidden_size"]
     width = built_intermediate_size(hidden, v["intermediate_size"], v["activation"], v["mlp_multiple_of"])
     shapes = target_shapes(hidden, v["num_attention_heads"], v["num_kv_heads"],
-                           v["kv_channels"] or hidden // v["num_attention_heads"], width)
+                           v["kv_channels"] or hidden // v["num_attention_heads"], width,
+                           expert_width(hidden, v["moe_intermediate_size"], v["intermediate_size"], v["activation"]))
     module, (rows, columns) = min(((name, shapes[name]) for name in targets), key=lambda item: min(item[1]))
     if v["lora_rank"] > min(rows, columns):
         raise _fail(sources, "lora_rank", f"{v['lora_rank']} is above {min(rows, columns)}, the smaller side of the "

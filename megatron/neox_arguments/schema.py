@@ -166,7 +166,10 @@ SETTINGS_LIST: list[Setting] = [
     _train("lora_target_modules", (list, str, type(None)), None, "LoRA (PEFT's target_modules): the Hugging Face "
            "modules adapted, named as in the HF model (Llama family: q_proj, k_proj, v_proj, o_proj, gate_proj, "
            "up_proj, down_proj; GPT-NeoX: query_key_value, dense, dense_h_to_4h, dense_4h_to_h) or all-linear; "
-           "unset: PEFT's default (q_proj and v_proj; GPT-NeoX: query_key_value)", gpt_neox=False),
+           "unset: PEFT's default (q_proj and v_proj; GPT-NeoX: query_key_value). With experts (moe_num_experts > 1) "
+           "the attention's and the experts' fused parameters, experts.gate_up_proj and experts.down_proj (PEFT's "
+           "target_parameters; an adapter pair per expert, lora_dropout 0); all-linear is the attention's",
+           gpt_neox=False),
     _train("lora_use_rslora", bool, False, "LoRA (PEFT's use_rslora): scale by lora_alpha / sqrt(lora_rank)",
            gpt_neox=False),
     _train("optimizer", (dict, type(None)), None, "optimizer as {type: Adam|AdamW|SGD, params: {lr, betas, eps, ...}}"),

@@ -227,8 +227,45 @@ def tensor_parallel_2_tag_resumes_at_1_under_zero3(work_dir: Path) -> None:
         report(case="tp2 -> tp1 zero3", tensors=len(saved))
 
 
+# a Mixtral-like model, 4 experts (2 per rank at TP 2), 2 per token, its attention and experts adapted
+EXPERTS = dict(moe_num_experts=4, moe_top_k=2, moe_intermediate_size=32,
+               lora_target_modules=["q_proj", "experts.gate_up_proj", "experts.down_proj"])
+
+
+def experts_split_over_2_ranks_step_as_1(work_dir: Path) -> None:
+    """With the experts split over 2 tensor-parallel ranks (each its experts' adapters), the first step moves every
+    A and B as at TP 1 and no base weight; given each other's experts' adapters, the ranks' step differs. The TP 2
+    tag loads weights-only at TP 1 (2 data-parallel ranks) with every adapter whole and as trained."""
+    step1 = first_step(lora_args("llama", 1, 0, **EXPERTS))
+    args = lora_args("llama", 2, 0, save=str(work_dir), **EXPERTS)
+    engine, fresh = engine_of(args, random=True)
+    before = whole_weights(engine.module)
+    tokens, labels = batch()
+    engine.backward(causal_lm_loss(engine(tokens, parallel_output=True), labels, vocab_parallel=True))
+    engine.step()
+    step2 = (fresh, before, whole_weights(engine.module))
+    experts = [name for name in step1[2] if ".experts.mlp.lora." in name]
+    check(len(experts) == 8 and all(not torch.equal(step1[2][n], step1[1][n]) for n in experts),
+          "the experts' adapters are not all there, or did not move")
+    wrong = mismatches(step1, step2)
+    check(not wrong, f"TP 2's step of the experts' adapters differs from TP 1's: {wrong[:3]}")
+    swapped = mismatches(step1, first_step(lora_args("llama", 2, 0, **EXPERTS), swap_slices=True))
+    check(any(".experts." in line for line in swapped), "the experts' adapters split the wrong way took TP 1's step")
+
+    save_checkpoint(args, engine, iteration=1, consumed_train_samples=6)
+    load_args = lora_args("llama", 1, 0, load=str(work_dir), finetune=True, **EXPERTS)
+    loaded, _ = engine_of(load_args)
+    load_checkpoint(loaded, plan_load(load_args, dist.get_world_size()))
+    found = whole_weights(loaded.module)
+    for name, value in step2[2].items():
+        check(torch.equal(found[name], value), f"{name} differs after loading the TP 2 tag at TP 1")
+    if dist.get_rank() == 0:
+        report(case="experts tp2", expert_adapters=len(experts), swapped_split_caught=len(swapped),
+               largest_update_offset=max(update_offsets(step1, step2).values()))
+
+
 CHECKS = {"tp2": tensor_parallel_2_steps_as_1, "zero3": zero3_steps_and_saves_as_zero0,
-          "reshard": tensor_parallel_2_tag_resumes_at_1_under_zero3}
+          "reshard": tensor_parallel_2_tag_resumes_at_1_under_zero3, "experts": experts_split_over_2_ranks_step_as_1}
 
 
 if __name__ == "__main__":

@@ -44,3 +44,11 @@ def test_zero3_partitions_the_adapters_steps_as_zero0_and_saves_them_full(tmp_pa
 def test_a_tp2_lora_tag_loads_at_tp1_under_zero3_with_the_saved_adapters(tmp_path):
     records = run_worker("reshard", tmp_path)
     assert reported(records, case="tp2 -> tp1 zero3"), records
+
+
+@pytest.mark.slow
+def test_adapters_on_experts_split_over_tp2_step_as_tp1_and_load_back_at_tp1(tmp_path):
+    """The experts' adapters (PEFT's target_parameters) split with their experts; see lora_worker.py."""
+    records = run_worker("experts", tmp_path)
+    (case,) = reported(records, case="experts tp2")
+    assert case["expert_adapters"] == 8 and case["swapped_split_caught"] > 0, case

@@ -191,6 +191,10 @@ BAD_CONFIGS = [
      "base_model_name_or_path 'meta-llama/Llama-3.2-1B' is no local Hugging Face model folder"),
     ({"target_modules": ["q_proj", "query_key_value"]},
      "lora_target_modules: 'query_key_value' names no linear module of this Llama-family model"),
+    ({"target_parameters": ["mlp.experts.w1"]},
+     "target_parameters is ['mlp.experts.w1']; only the experts' gate_up_proj and down_proj"),
+    ({"target_parameters": ["mlp.experts.down_proj"]},  # a dense base: no experts
+     "lora_target_modules: 'experts.down_proj' names no linear module of this Llama-family model"),
 ]
 
 

@@ -247,8 +247,14 @@ def test_saved_settings_of_other_programs_restore_what_this_schema_knows():
         ({"moe_num_experts": 8, "moe_router_type": "topk", "use_bias_in_mlp": False, "moe_top_k": 9}, r"run.yml: moe_top_k: 9 experts per token"),
         ({"moe_num_experts": 6, "moe_router_type": "topk", "use_bias_in_mlp": False, "model_parallel_size": 4, "num_gpus": 4},
          r"run.yml: model_parallel_size: 6 experts \(moe_num_experts\) cannot be split evenly over 4 tensor-parallel"),
-        ({"moe_num_experts": 8, "moe_router_type": "topk", "use_bias_in_mlp": False, "lora_rank": 4},
-         r"run.yml: moe_num_experts: LoRA .* without experts"),
+        ({"moe_num_experts": 8, "moe_router_type": "topk", "use_bias_in_mlp": False, "lora_rank": 4,
+          "lora_target_modules": ["dense_h_to_4h"]},
+         r"run.yml: lora_target_modules: 'dense_h_to_4h' names no linear module of this GPT-NeoX mixture-of-experts "
+         r"model; use some of query_key_value, dense, or 'all-linear'"),
+        ({"moe_num_experts": 8, "moe_router_type": "topk", "use_bias_in_mlp": False, "lora_rank": 4, "norm": "rmsnorm",
+          "activation": "gelu", "lora_target_modules": ["experts.down_proj"]},
+         r"run.yml: lora_target_modules: 'experts.down_proj' names no linear module of this GPT-NeoX mixture-of-experts "
+         r"model"),  # ungated experts (GPT-NeoX-shaped): no HF model has them, nor PEFT's target_parameters
         ({"moe_num_experts": 8, "moe_intermediate_size": 0}, r"run.yml: moe_intermediate_size: must be a positive"),
         ({"moe_num_experts": 8, "moe_shared_expert_intermediate_size": -1},
          r"run.yml: moe_shared_expert_intermediate_size: must be a positive integer when set, got -1"),
