@@ -22,22 +22,37 @@ RUN = dict(norm="rmsnorm", activation="swiglu", num_kv_heads=2, rotary_pct=1.0, 
            gradient_clipping=0.05)
 
 
-def run(tmp_path, name: str, **settings):
-    save = tmp_path / name
-    overrides = write_overrides(tmp_path, name=f"{name}.yml", save=str(save), tensorboard_dir=str(tmp_path / f"tb-{name}"),
+def run(directory, name: str, **settings):
+    save = directory / name
+    overrides = write_overrides(directory, name=f"{name}.yml", save=str(save), tensorboard_dir=str(directory / f"tb-{name}"),
                                 **{**RUN, **settings})
     result = run_deepy(["configs/tiny.yml", overrides])
-    scalars = tensorboard_scalars(tmp_path / f"tb-{name}")
+    scalars = tensorboard_scalars(directory / f"tb-{name}")
     return result.stdout, scalars["train/loss"], scalars["valid/loss"], save
 
 
-def assert_same_run(one, split, iteration: int, tensor_parallel: int = 1):
-    (_, losses, valid, save), (_, losses_cp, valid_cp, save_cp) = one, split
-    assert losses.keys() == losses_cp.keys() and len(losses) == iteration
-    for step, loss in losses.items():
-        assert losses_cp[step] == pytest.approx(loss, rel=1e-5), (step, losses_cp, losses)
-    for step, loss in valid.items():
-        assert valid_cp[step] == pytest.approx(loss, rel=1e-5), (step, valid_cp, valid)
+# Each saves at step 2 as well, which the resumes start from.
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("one"), "one", num_gpus=1, extra_save_iters=[2])
+
+
+@pytest.fixture(scope="module")
+def context_parallel_2(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("cp2"), "cp2", num_gpus=2, context_parallel_size=2, extra_save_iters=[2])
+
+
+def assert_same_steps(one, split, steps: range):
+    (_, losses, valid, _), (_, losses_cp, valid_cp, _) = one, split
+    assert set(losses_cp) == set(steps), losses_cp
+    for step in steps:
+        assert losses_cp[step] == pytest.approx(losses[step], rel=1e-5), (step, losses_cp, losses)
+    assert set(valid_cp) == {step for step in valid if step in steps}
+    for step, loss in valid_cp.items():
+        assert loss == pytest.approx(valid[step], rel=1e-5), (step, valid_cp, valid)
+
+
+def assert_same_weights(save, save_cp, iteration: int, tensor_parallel: int = 1):
     for mp in range(tensor_parallel):
         part, part_cp = (read_module_weights(directory / f"global_step{iteration}", mp) for directory in (save, save_cp))
         assert part.keys() == part_cp.keys()
@@ -47,10 +62,23 @@ def assert_same_run(one, split, iteration: int, tensor_parallel: int = 1):
 
 
 @pytest.mark.slow
-def test_context_parallel_2_trains_as_one_rank(tmp_path):
-    one = run(tmp_path, "one", num_gpus=1)
-    split = run(tmp_path, "cp2", num_gpus=2, context_parallel_size=2)
-    stdout = split[0]
+def test_context_parallel_2_trains_as_one_rank(one_rank, context_parallel_2):
+    stdout = context_parallel_2[0]
     assert "1 data-parallel rank(s) x 1 tensor-parallel x 2 context-parallel" in stdout
     assert "context parallel: each sequence split over 2 ranks" in stdout
-    assert_same_run(one, split, iteration=4)
+    assert_same_steps(one_rank, context_parallel_2, range(1, 5))
+    assert_same_weights(one_rank[3], context_parallel_2[3], iteration=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_by, resume_at", [("context_parallel_2", 1), ("one_rank", 2)])
+def test_a_full_resume_at_another_context_parallel_size_continues_the_unbroken_run(
+        request, tmp_path, saved_by, resume_at):
+    """The ZeRO-1 partitions of the tag are over data x context-parallel ranks: the load plan reshards them as
+    for a data-parallel change; the steps after the resume are the unbroken run's."""
+    unbroken = request.getfixturevalue(saved_by)
+    resumed = run(tmp_path, "resumed", num_gpus=resume_at, context_parallel_size=resume_at, load=str(unbroken[3]),
+                  iteration=2)
+    assert "optimizer state resharded from DP" in resumed[0]
+    assert_same_steps(unbroken, resumed, range(3, 5))
+    assert_same_weights(unbroken[3], resumed[3], iteration=4)
