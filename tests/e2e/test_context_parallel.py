@@ -19,7 +19,7 @@ RUN = dict(norm="rmsnorm", activation="swiglu", num_kv_heads=2, rotary_pct=1.0, 
            num_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=3 * 64, seq_length=64,
            max_position_embeddings=64, train_micro_batch_size_per_gpu=2, train_iters=4, log_interval=1,
            eval_interval=2, eval_iters=1, checkpoint_factor=4, precision="fp32", zero_optimization={"stage": 1},
-           gradient_clipping=0.05)
+           gradient_clipping=0.05, lr_decay_iters=4)  # the schedule of 4 steps also for a run of fewer
 
 
 def run(directory, name: str, **settings):
@@ -82,3 +82,12 @@ def test_a_full_resume_at_another_context_parallel_size_continues_the_unbroken_r
     assert "optimizer state resharded from DP" in resumed[0]
     assert_same_steps(unbroken, resumed, range(3, 5))
     assert_same_weights(unbroken[3], resumed[3], iteration=4)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_by_context_parallel_2_at_4_ranks_trains_as_one_rank(tmp_path, one_rank):
+    """megatron-core's groups in its order tp-cp-dp: ranks 0 and 1 split the layers, 0 and 2 the sequence."""
+    split = run(tmp_path, "tp2-cp2", num_gpus=4, model_parallel_size=2, context_parallel_size=2, train_iters=2,
+                checkpoint_factor=2)
+    assert "1 data-parallel rank(s) x 2 tensor-parallel x 2 context-parallel" in split[0]
+    assert_same_steps(one_rank, split, range(1, 3))
