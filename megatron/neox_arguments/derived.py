@@ -765,8 +765,7 @@ def _check_context_parallel(v: dict[str, Any], sources: dict[str, str]) -> None:
                ("train_impl", v["train_impl"] != "normal", f"train_impl {v['train_impl']} (only normal: pretraining, SFT)"),
                ("moe_num_experts", v["moe_num_experts"] > 1, "experts"),
                ("sequence_parallel", v["sequence_parallel"] and v["model_parallel_size"] > 1, "sequence parallelism"),
-               ("lora_rank", v["lora_rank"] > 0, "LoRA"),
-               ("zero_optimization", v["zero_stage"] == 3, "ZeRO stage 3"))
+               ("lora_rank", v["lora_rank"] > 0, "LoRA"))
     for name, switched_on, what in unbuilt:
         if switched_on:
             raise _fail(sources, name, f"context_parallel_size {cp} is not built with {what}; turn it off or set "

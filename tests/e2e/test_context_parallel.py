@@ -12,14 +12,16 @@ from tests.deepy_runs import run_deepy, tensorboard_scalars, write_overrides
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
 # Llama family (rotary over every dimension, so a token at the wrong position changes the loss) in fp32 with
-# grouped-query attention, gradient clipping on (the norm is the whole gradient's only if the context-parallel
-# ranks' shares are summed), ZeRO-1 (its partitions are over both context-parallel ranks)
+# grouped-query attention, a sliding window shorter than a chunk pair, packed documents apart (positions and the
+# mask per document), gradient clipping on (the norm is the whole gradient's only if the context-parallel ranks'
+# shares are summed), ZeRO-1 (its partitions are over both context-parallel ranks)
 RUN = dict(norm="rmsnorm", activation="swiglu", num_kv_heads=2, rotary_pct=1.0, gpt_j_residual=False,
            use_bias_in_norms=False, use_bias_in_attn_linear=False, use_bias_in_mlp=False, rms_norm_epsilon=1.0e-6,
            num_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=3 * 64, seq_length=64,
            max_position_embeddings=64, train_micro_batch_size_per_gpu=2, train_iters=4, log_interval=1,
            eval_interval=2, eval_iters=1, checkpoint_factor=4, precision="fp32", zero_optimization={"stage": 1},
-           gradient_clipping=0.05, lr_decay_iters=4)  # the schedule of 4 steps also for a run of fewer
+           gradient_clipping=0.05, lr_decay_iters=4, sliding_window_width=12, reset_position_ids=True,
+           reset_attention_mask=True)  # the schedule of 4 steps also for a run of fewer
 
 
 def run(directory, name: str, **settings):
@@ -68,6 +70,14 @@ def test_context_parallel_2_trains_as_one_rank(one_rank, context_parallel_2):
     assert "context parallel: each sequence split over 2 ranks" in stdout
     assert_same_steps(one_rank, context_parallel_2, range(1, 5))
     assert_same_weights(one_rank[3], context_parallel_2[3], iteration=4)
+
+
+@pytest.mark.slow
+def test_context_parallel_2_under_zero_3_trains_as_one_rank(tmp_path, one_rank):
+    """ZeRO-3 builds the model partitioned over the data x context ranks, as its engine keeps it."""
+    split = run(tmp_path, "cp2-zero3", num_gpus=2, context_parallel_size=2, zero_optimization={"stage": 3})
+    assert "ZeRO stage 3, 1 data-parallel rank(s) x 1 tensor-parallel x 2 context-parallel" in split[0]
+    assert_same_steps(one_rank, split, range(1, 5))
 
 
 @pytest.mark.slow
