@@ -18,7 +18,10 @@ collective per layer and exact.
 Loss (``whole_sequence_loss``): each rank's loss is the sum of its tokens' losses divided by the trained tokens
 of the whole sequence (all ranks' count), so the ranks' gradients sum to the sequence's gradient. DeepSpeed
 sums the gradients over the context-parallel ranks (megatron/runtime/initialize.py, ModelParallelUnit); the
-value each rank returns is the whole sequence's loss, so every rank reports the loss of one rank's run.
+value each rank returns is the whole sequence's loss, so every rank reports the loss of one rank's run. DPO
+instead needs each sequence's sum of log-probabilities: ``whole_sequence_values`` gives every rank the whole
+sequence's per-token values (an all-reduce of each rank's tokens' values, zero elsewhere) and passes the
+gradient back unchanged, so every rank computes the whole loss and the ranks' gradients again sum to its gradient.
 
 On NCCL the reduce-scatter is NCCL's; gloo has none, so there it is an all-reduce followed by keeping this
 rank's slice (the same sums, twice the traffic).
@@ -119,6 +122,28 @@ class ContextParallelSplit:
             allowed = allowed & (distance <= sliding_window_width)
         allowed = allowed[None, None]
         return allowed if attention_mask is None else attention_mask.index_select(2, self.indices) & allowed
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Forward: the sum over the context-parallel ranks. Backward: the gradient as it is, for every rank computes
+    the same loss from the sum and DeepSpeed sums the ranks' gradients."""
+
+    @staticmethod
+    def forward(ctx, part: torch.Tensor) -> torch.Tensor:
+        total = part.contiguous().clone()
+        torch.distributed.all_reduce(total, group=_group())
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def whole_sequence_values(own_values: torch.Tensor, share: ContextParallelSplit) -> torch.Tensor:
+    """[b, s] per-token values of the whole sequence on every rank, from this rank's tokens' [b, s / C] (DPO's and
+    KTO's log-probabilities, whose per-sequence sums need every token); the gradient reaches this rank's tokens."""
+    whole = own_values.new_zeros(own_values.shape[0], share.seq_len).index_copy(1, share.indices, own_values)
+    return _SumOverRanks.apply(whole)
 
 
 def whole_sequence_loss(local_sum: torch.Tensor, local_count: torch.Tensor) -> torch.Tensor:

@@ -101,3 +101,19 @@ def test_tensor_parallel_2_by_context_parallel_2_at_4_ranks_trains_as_one_rank(t
                 checkpoint_factor=2)
     assert "1 data-parallel rank(s) x 2 tensor-parallel x 2 context-parallel" in split[0]
     assert_same_steps(one_rank, split, range(1, 3))
+
+
+@pytest.mark.slow
+def test_dpo_at_context_parallel_2_takes_one_ranks_steps(tmp_path):
+    """Each answer's log-probability sums tokens of both context-parallel ranks; the reference model is split too."""
+    from tests.e2e.test_dpo import dpo_lines, dpo_run
+
+    settings, _ = dpo_run(tmp_path)
+    settings.update(save=None, eval_interval=100)
+    one = dpo_lines(run_deepy([write_overrides(tmp_path, name="one.yml", **{**settings, "num_gpus": 1})]).stdout)
+    split = dpo_lines(run_deepy([write_overrides(tmp_path, name="cp2.yml", **settings, context_parallel_size=2)]).stdout)
+    assert one[1][0] == pytest.approx(0.6931, abs=1e-4)  # ln 2: the policy is the reference at the first step
+    assert len({values[0] for values in one.values()}) == 4  # the policy moves away from the reference
+    assert split.keys() == one.keys() == {1, 2, 3, 4}
+    for step, values in one.items():
+        assert split[step] == pytest.approx(values, abs=2e-4), (step, split, one)
