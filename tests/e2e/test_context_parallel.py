@@ -117,3 +117,33 @@ def test_dpo_at_context_parallel_2_takes_one_ranks_steps(tmp_path):
     assert split.keys() == one.keys() == {1, 2, 3, 4}
     for step, values in one.items():
         assert split[step] == pytest.approx(values, abs=2e-4), (step, split, one)
+
+
+@pytest.mark.slow
+def test_kto_at_context_parallel_2_takes_one_ranks_steps(tmp_path):
+    """KTO's log-ratios sum tokens of both context-parallel ranks, as DPO's do."""
+    from tests.e2e.test_dpo import CHOSEN, PROMPTS, REJECTED, chat, save_llama
+    from tests.e2e.test_kto import kto_lines
+    from tests.e2e.test_preprocess_chat import make_chat_tokenizer, write_jsonl
+    from tests.e2e.test_preprocess_chat import run as preprocess
+
+    tokenizer = make_chat_tokenizer(tmp_path / "tok", eos="<|endoftext|>")
+    records = [{"messages": chat(prompt, answer), "score": score} for p, c, r in zip(PROMPTS, CHOSEN, REJECTED, strict=True)
+               for prompt, answer, score in ((p, c, 1.0), (p, r, -1.0))]
+    preprocess("--input", write_jsonl(tmp_path / "scored.jsonl", records), "--tokenizer-path", str(tokenizer),
+               "--jsonl-keys", "messages", "--reward-key", "score", "--output-prefix", str(tmp_path / "kto"))
+    save_llama(tmp_path / "hf", seed=0)
+    settings = dict(load=str(tmp_path / "hf"), finetune=True, train_impl="kto", kto_beta=0.5, pack_impl="unpacked",
+                    **{f"train_{kind}paths": [str(tmp_path / f"kto_messages_{kind.replace('data_', '')}document")]
+                       for kind in ("data_", "label_data_", "reward_data_")},
+                    tokenizer_type="HFTokenizer", vocab_file=str(tokenizer / "tokenizer.json"), seq_length=24,
+                    train_micro_batch_size_per_gpu=4, precision="fp32", zero_optimization={"stage": 1},
+                    optimizer={"type": "Adam", "params": {"lr": 0.01}}, train_iters=3, eval_interval=100,
+                    num_workers=0)
+    one = kto_lines(run_deepy([write_overrides(tmp_path, name="one.yml", **settings, num_gpus=1)]).stdout)
+    split = kto_lines(run_deepy([write_overrides(tmp_path, name="cp2.yml", **settings, num_gpus=2,
+                                                 context_parallel_size=2)]).stdout)
+    assert one[1] == (0.5, 0.0, 0.0) and len({values[0] for values in one.values()}) == 3  # 1 - sigmoid(0), then moves
+    assert split.keys() == one.keys() == {1, 2, 3}
+    for step, values in one.items():
+        assert split[step] == pytest.approx(values, abs=2e-4), (step, split, one)

@@ -354,8 +354,10 @@ def test_context_parallelism_counts_its_ranks_and_refuses_what_it_cannot_split(t
                  "but seq_length 30 is no multiple of 4"),
                 (dict(num_gpus=4, pipe_parallel_size=2), "pipe_parallel_size: context_parallel_size 2 is not built with "
                  "pipeline stages"),
-                (dict(num_gpus=2, train_impl="kto"), "train_impl: context_parallel_size 2 is not built with "
-                 "train_impl kto"),
+                (dict(num_gpus=2, train_impl="rm", no_weight_tying=True, dataset_impl="pairwise",
+                      pack_impl="unpacked"), "train_impl: "
+                 "context_parallel_size 2 is not built with "
+                 "train_impl rm"),
                 (dict(num_gpus=2, lora_rank=4), "lora_rank: context_parallel_size 2 is not built with LoRA"),
                 (dict(num_gpus=2, context_parallel_size=0), "context_parallel_size: must be at least 1, got 0")]
     for settings, expected in refusals:
