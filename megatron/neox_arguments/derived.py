@@ -766,8 +766,7 @@ def _check_context_parallel(v: dict[str, Any], sources: dict[str, str]) -> None:
                 f"train_impl {v['train_impl']} (normal, dpo and kto only)"),
                ("precompute_model_name", bool(v["precompute_model_name"]), "precomputed reference log-probabilities"),
                ("moe_num_experts", v["moe_num_experts"] > 1, "experts"),
-               ("sequence_parallel", v["sequence_parallel"] and v["model_parallel_size"] > 1, "sequence parallelism"),
-               ("lora_rank", v["lora_rank"] > 0, "LoRA"))
+               ("sequence_parallel", v["sequence_parallel"] and v["model_parallel_size"] > 1, "sequence parallelism"))
     for name, switched_on, what in unbuilt:
         if switched_on:
             raise _fail(sources, name, f"context_parallel_size {cp} is not built with {what}; turn it off or set "

@@ -104,6 +104,15 @@ def test_tensor_parallel_2_by_context_parallel_2_at_4_ranks_trains_as_one_rank(t
 
 
 @pytest.mark.slow
+def test_lora_at_context_parallel_2_trains_as_one_rank(tmp_path):
+    """Only the adapters train; their gradients are summed over the context-parallel ranks as any weight's."""
+    one = run(tmp_path, "lora-one", num_gpus=1, lora_rank=4)
+    split = run(tmp_path, "lora-cp2", num_gpus=2, context_parallel_size=2, lora_rank=4)
+    assert "of them train (LoRA adapters" in split[0]
+    assert_same_steps(one, split, range(1, 5))
+
+
+@pytest.mark.slow
 def test_dpo_at_context_parallel_2_takes_one_ranks_steps(tmp_path):
     """Each answer's log-probability sums tokens of both context-parallel ranks; the reference model is split too."""
     from tests.e2e.test_dpo import dpo_lines, dpo_run

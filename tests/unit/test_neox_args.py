@@ -358,7 +358,8 @@ def test_context_parallelism_counts_its_ranks_and_refuses_what_it_cannot_split(t
                       pack_impl="unpacked"), "train_impl: "
                  "context_parallel_size 2 is not built with "
                  "train_impl rm"),
-                (dict(num_gpus=2, lora_rank=4), "lora_rank: context_parallel_size 2 is not built with LoRA"),
+                (dict(num_gpus=4, model_parallel_size=2, sequence_parallel=True), "sequence_parallel: "
+                 "context_parallel_size 2 is not built with sequence parallelism"),
                 (dict(num_gpus=2, context_parallel_size=0), "context_parallel_size: must be at least 1, got 0")]
     for settings, expected in refusals:
         message = config_error(tmp_path, **{"context_parallel_size": 2, **settings})
