@@ -1,4 +1,4 @@
-"""Which rank this process is: in the job, in its data-parallel group, in its tensor-parallel group.
+"""Which rank this process is: in the job, in its data-parallel, tensor-parallel and context-parallel groups.
 
 A leaf: every layer asks here, also before torch.distributed or megatron-core's groups exist (then
 the launcher's RANK, or the answer of a process that is alone).
@@ -46,6 +46,26 @@ def data_parallel_rank_and_size() -> tuple[int, int]:
     if not _model_parallel_groups_exist():
         return 0, 1
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
+def replicas_and_context_parallel_size() -> int:
+    """Ranks holding the same weights: data-parallel x context-parallel, the group ZeRO partitions over and the
+    gradients are reduced over; 1 before megatron-core's groups exist."""
+    from megatron.core import parallel_state
+
+    if not _model_parallel_groups_exist():
+        return 1
+    return parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+
+
+def context_parallel_rank_and_size() -> tuple[int, int]:
+    """(rank, size) in the context-parallel group (the ranks splitting each sequence); (0, 1) before megatron-core's
+    groups exist."""
+    from megatron.core import parallel_state
+
+    if not _model_parallel_groups_exist():
+        return 0, 1
+    return parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_world_size()
 
 
 def tensor_parallel_rank() -> int:

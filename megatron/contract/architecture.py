@@ -134,6 +134,7 @@ class Architecture:
     checkpoint_activations: bool
     model_parallel_size: int = 1
     sequence_parallel: bool = False  # split the residual stream along the sequence over the tensor-parallel ranks
+    context_parallel_size: int = 1  # ranks splitting each sequence (megatron/model/context_parallel.py)
     sliding_window_width: int | None = None  # Mistral: keys at most this many positions back, and the query's own
     kv_channels: int | None = None  # each head's width (Hugging Face's head_dim); None: hidden_size / heads
     qk_layernorm: bool = False  # a norm over each head's query and key, weights per projection (Qwen3)
@@ -418,6 +419,7 @@ def _shape_fields(read: _FieldReader) -> dict[str, Any]:
         "vocab_size": get("padded_vocab_size"),
         "max_position_embeddings": seq_length if max_positions is _MISSING else max_positions,
         "model_parallel_size": values.get("model_parallel_size") or 1,
+        "context_parallel_size": values.get("context_parallel_size") or 1,
         "kv_channels": derive(lambda hidden, heads: hidden // heads, "hidden_size", "num_attention_heads")
         if get("kv_channels") is _MISSING else get("kv_channels"),
         "reward_head": values.get("train_impl") == "rm",

@@ -167,9 +167,9 @@ def _checkpoint_model_settings(load: Path, iteration: int | None, tensor_paralle
         )
     model = NeoXArgs.from_saved(settings, str(tag.path))
     # How the saving run split the model is not part of it: a module-only load re-splits the weights
-    # for this run's model_parallel_size and pipeline stages, and a full resume at another size is
+    # for this run's model_parallel_size and pipeline stages (context parallelism splits no weight), and a full resume at another size is
     # refused with the way out.
-    split = ("model_parallel_size", "pipe_parallel_size", "pipe_partition_method")
+    split = ("model_parallel_size", "context_parallel_size", "pipe_parallel_size", "pipe_partition_method")
     names = [name for name, setting in SETTINGS.items() if setting.group == "model" and name not in split]
     taken = {name: getattr(model, name) for name in names if model.source_of(name) == str(tag.path)}
     taken.update({name: settings[name] for name in TOKENIZER_SETTINGS if settings.get(name) is not None})

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.contract.architecture import Architecture
+from megatron.model.context_parallel import gather_keys_values
 from megatron.model.kv_cache import LayerKeysValues
 from megatron.model.norms import RMSNormOverTensorParallelRanks, build_norm
 from megatron.model.parallel_layers import (
@@ -68,6 +69,9 @@ def attention_path(arch: Architecture, block_causal: bool) -> str:
     if arch.sliding_window_width is not None:
         masks.append(f"a sliding window of {arch.sliding_window_width} keys where the sequence is longer")
     line = "attention: torch scaled_dot_product_attention, " + ("; ".join(masks) if masks else "causal (is_causal)")
+    if arch.context_parallel_size > 1:
+        line += (f"; context parallel: each sequence split over {arch.context_parallel_size} ranks (load-balanced "
+                 "causal chunks), keys and values all-gathered, a mask of each rank's query rows")
     if arch.splits_sequence:
         line += (f"; sequence parallel: the residual stream split over {arch.model_parallel_size} tensor-parallel "
                  "ranks, gathered before attention and the MLP")
@@ -91,6 +95,7 @@ class SelfAttention(torch.nn.Module):
         self.grouped_layout = arch.num_kv_heads < arch.num_attention_heads
         self.dropout = arch.attention_dropout
         self.sliding_window_width = arch.sliding_window_width
+        self.context_parallel = arch.context_parallel_size > 1
         # megatron-core gives each rank fused_width / tp: its query heads and its key and value heads
         fused_width = (arch.num_attention_heads + 2 * max(arch.num_kv_heads, tp)) * arch.head_dim
         self.query_key_value = ColumnParallelLinear(
@@ -174,8 +179,10 @@ class SelfAttention(torch.nn.Module):
             past = kv_cache.length
             k, v = kv_cache.extend(k, v)
         mask = attention_mask
+        if self.context_parallel:  # the mask holds this rank's rows, window included (GPTModel)
+            k, v = gather_keys_values(k, v)
         # with cached keys is_causal would align the queries with the first keys, not the last
-        if past or (self.sliding_window_width is not None and self.sliding_window_width < q.shape[2] - 1):
+        elif past or (self.sliding_window_width is not None and self.sliding_window_width < q.shape[2] - 1):
             window = sliding_window_mask(q.shape[2], self.sliding_window_width, q.device, past)
             mask = window if mask is None else mask & window
         context = F.scaled_dot_product_attention(

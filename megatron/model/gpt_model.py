@@ -23,6 +23,7 @@ from deepspeed.accelerator import get_accelerator
 
 from megatron.contract.architecture import Architecture, ModelConfigError
 from megatron.contract.lora_settings import LoraSettings
+from megatron.model.context_parallel import ContextParallelSplit
 from megatron.model.embedding import Embedding
 from megatron.model.init_methods import init_std, initialise_parameters, normal_init
 from megatron.model.kv_cache import KVCache
@@ -176,6 +177,8 @@ class GPTModel(torch.nn.Module):
         positions after theirs; their keys and values are added to it.
         With ``routing`` (a list) each expert layer appends its router's logits and choices, in layer order,
         for the load-balancing loss and the experts' load (megatron/model/moe.py).
+        With ``context_parallel_size`` > 1 the inputs are the whole sequence and the logits this rank's tokens'
+        only, in ``ContextParallelSplit.own``'s order (megatron/model/context_parallel.py).
         """
         seq_len = input_ids.shape[1]
         past = kv_cache.length if kv_cache is not None else 0
@@ -188,6 +191,10 @@ class GPTModel(torch.nn.Module):
                     "of the learned position embedding; shorten the input or raise max_position_embeddings"
                 )
             position_ids = torch.arange(past, past + seq_len, device=input_ids.device).unsqueeze(0)
+        if self.arch.context_parallel_size > 1:
+            input_ids, position_ids, attention_mask = self._context_parallel_share(
+                input_ids, position_ids, attention_mask, kv_cache)
+            standard_positions = False
         split = self._splits(seq_len, kv_cache)
         hidden = self.embedding(input_ids, position_ids)
         if split:
@@ -214,6 +221,20 @@ class GPTModel(torch.nn.Module):
         else:
             logits = self.sequential[str(self.arch.num_layers + 4)](hidden)
         return logits if parallel_output else gather_last_dim(logits)
+
+    def _context_parallel_share(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                                attention_mask: torch.Tensor | None, kv_cache: KVCache | None):
+        """This context-parallel rank's inputs, their global positions and its queries' rows of the mask
+        (megatron/model/context_parallel.py); the attention layers gather the keys and values."""
+        seq_len = input_ids.shape[1]
+        if kv_cache is not None or seq_len % (2 * self.arch.context_parallel_size):
+            raise ModelConfigError(f"context_parallel_size {self.arch.context_parallel_size} splits whole sequences "
+                                   f"of a multiple of {2 * self.arch.context_parallel_size} tokens, not {seq_len} "
+                                   + ("with a key/value cache" if kv_cache is not None else "tokens") +
+                                   "; generate and evaluate with context_parallel_size: 1")
+        share = ContextParallelSplit.of_this_rank(seq_len, input_ids.device)
+        return (share.own(input_ids), share.own(position_ids),
+                share.query_mask(attention_mask, self.arch.sliding_window_width))
 
     def _splits(self, seq_len: int, kv_cache: KVCache | None) -> bool:
         """Whether this forward splits the sequence over the tensor-parallel ranks (sequence parallelism): always

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from megatron.model.context_parallel import ContextParallelSplit, whole_sequence_loss
 from megatron.ranks import tensor_parallel_size
 
 
@@ -30,6 +31,7 @@ def causal_lm_loss(
     labels: torch.Tensor,
     loss_mask: torch.Tensor | None = None,
     vocab_parallel: bool = False,
+    context_parallel: bool = False,
 ) -> torch.Tensor:
     """Mean token cross entropy in fp32.
 
@@ -37,16 +39,24 @@ def causal_lm_loss(
     with ``loss_mask`` [b, s] the mean runs over the tokens where the mask is 1. With
     ``vocab_parallel`` the logits are this tensor-parallel rank's vocabulary slice
     (``GPTModel(..., parallel_output=True)``) and megatron-core's vocab-parallel cross entropy
-    computes the loss; it overwrites fp32 logits in place.
+    computes the loss; it overwrites fp32 logits in place. With ``context_parallel`` the logits are this
+    context-parallel rank's tokens (GPTModel), the labels and mask the whole sequence's, and the mean runs over
+    the whole sequence (megatron/model/context_parallel.py, ``whole_sequence_loss``).
     """
+    mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask.float()
+    if context_parallel:
+        share = ContextParallelSplit.of_this_rank(labels.shape[1], labels.device)
+        labels, mask = share.own(labels), share.own(mask)
     if vocab_parallel and tensor_parallel_size() > 1:
         losses = vocab_parallel_cross_entropy(logits.float(), labels).reshape(-1)
     else:
         losses = F.cross_entropy(
             logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
         )
+    mask = mask.reshape(-1)
+    if context_parallel:
+        return whole_sequence_loss((losses * mask).sum(), mask.sum())
     if loss_mask is None:
         return losses.mean()
-    mask = loss_mask.reshape(-1).float()
     # A micro batch with nothing to train (every label masked) contributes 0, not 0 / 0.
     return (losses * mask).sum() / mask.sum().clamp(min=1.0)

@@ -84,6 +84,7 @@ def derive_all(v: dict[str, Any], sources: dict[str, str], require_run_settings:
     _check_train_impl(v, sources)
     _check_pipeline(v, sources)
     _check_sequence_parallel(v, sources, notices if notices is not None else [])
+    _check_context_parallel(v, sources)
     _check_mixture_of_experts(v, sources)
     _check_lora(v, sources)
     if require_run_settings:
@@ -346,7 +347,14 @@ def _derive_world(v: dict[str, Any], sources: dict[str, str], notices: list[str]
                     f"(num_gpus/num_nodes/hostfile/include/exclude) start {ranks} rank(s); remove global_num_gpus "
                     "or make them agree")
     v["global_num_gpus"] = ranks
+    if v["context_parallel_size"] < 1:
+        raise _fail(sources, "context_parallel_size", f"must be at least 1, got {v['context_parallel_size']}")
     model_ranks = v["model_parallel_size"] * max(v["pipe_parallel_size"], 1)
+    if v["context_parallel_size"] > 1 and ranks % (model_ranks * v["context_parallel_size"]):
+        raise _fail(sources, "context_parallel_size", f"{v['context_parallel_size']} x model_parallel_size "
+                    f"{v['model_parallel_size']} x pipeline stages {max(v['pipe_parallel_size'], 1)} does not divide the "
+                    f"{ranks} ranks (num_gpus x nodes); start a multiple of it or choose sizes whose product divides it")
+    model_ranks *= v["context_parallel_size"]
     if v["pipe_parallel_size"] > 1 and ranks % model_ranks:
         raise _fail(sources, "pipe_parallel_size", f"{v['pipe_parallel_size']} stages x model_parallel_size "
                     f"{v['model_parallel_size']} = {model_ranks} ranks per model replica do not divide the {ranks} "
@@ -746,6 +754,26 @@ def _check_sequence_parallel(v: dict[str, Any], sources: dict[str, str], notices
         raise _fail(sources, "sequence_parallel", f"splits each sequence over the {tp} tensor-parallel ranks, but "
                     f"seq_length {v['seq_length']} is no multiple of {tp}; set a seq_length that is one, or "
                     "sequence_parallel: false")
+
+
+def _check_context_parallel(v: dict[str, Any], sources: dict[str, str]) -> None:
+    """Context parallelism cuts every sequence into 2 x size equal chunks; what it is not built with is refused."""
+    cp = v["context_parallel_size"]
+    if cp == 1:
+        return
+    if v["seq_length"] and v["seq_length"] % (2 * cp):
+        raise _fail(sources, "context_parallel_size", f"{cp} cuts each sequence into {2 * cp} equal chunks, but "
+                    f"seq_length {v['seq_length']} is no multiple of {2 * cp}; set a seq_length that is one")
+    unbuilt = (("pipe_parallel_size", v["pipe_parallel_size"] > 1, "pipeline stages"),
+               ("train_impl", v["train_impl"] not in ("normal", "dpo", "kto"),
+                f"train_impl {v['train_impl']} (normal, dpo and kto only)"),
+               ("precompute_model_name", bool(v["precompute_model_name"]), "precomputed reference log-probabilities"),
+               ("moe_num_experts", v["moe_num_experts"] > 1, "experts"),
+               ("sequence_parallel", v["sequence_parallel"] and v["model_parallel_size"] > 1, "sequence parallelism"))
+    for name, switched_on, what in unbuilt:
+        if switched_on:
+            raise _fail(sources, name, f"context_parallel_size {cp} is not built with {what}; turn it off or set "
+                        "context_parallel_size: 1")
 
 
 def _check_data(v: dict[str, Any], sources: dict[str, str]) -> None:

@@ -98,6 +98,10 @@ SETTINGS_LIST: list[Setting] = [
     _model("sequence_parallel", bool, False, "at model_parallel_size > 1: split the norms, dropout and residual "
            "stream along the sequence over the tensor-parallel ranks (Megatron's sequence parallelism: less "
            "activation memory, the same steps); seq_length must be a multiple of model_parallel_size"),
+    _model("context_parallel_size", int, 1, "context-parallel size (megatron-core's name): ranks that split each "
+           "sequence between them, Megatron's load-balanced causal chunks, keys and values all-gathered for an exact "
+           "attention; seq_length must be a multiple of 2 x context_parallel_size (docs/configuration.md)",
+           gpt_neox=False),
     _model("pipe_parallel_size", int, 0, "pipeline stages (DeepSpeed's pipe engine); 0 or 1: no pipeline, the "
            "model trains as one module (GPT-NeoX's to_sequential)"),
     _model("pipe_partition_method", str, "type:transformer|mlp", "how layers are spread over the pipeline stages: "
@@ -323,7 +327,7 @@ SETTINGS_LIST: list[Setting] = [
     _derived("config_files", (dict, type(None)), None, "the YAML files the run was started with: name -> text", derived=True),
     _derived("zero_stage", int, 0, "ZeRO stage, from zero_optimization.stage", derived=True),
     _launch("global_num_gpus", OPT_INT, None, "ranks in the whole run; derived from num_gpus x num_nodes or hostfile/include/exclude, and an error when set to anything else"),
-    _derived("data_parallel_size", OPT_INT, None, "data-parallel ranks: global_num_gpus / (model_parallel_size x pipeline stages)", derived=True, gpt_neox=False),
+    _derived("data_parallel_size", OPT_INT, None, "data-parallel ranks: global_num_gpus / (model_parallel_size x context_parallel_size x pipeline stages)", derived=True, gpt_neox=False),
     _derived("warmup_iters", OPT_FLOAT, None, "warmup length in iterations: warmup x lr_decay_iters (not rounded)", derived=True, gpt_neox=False),
 ]
 

@@ -19,18 +19,21 @@ from megatron.runtime.initialize import current_device
 
 
 def forward_loss(engine, samples: dict[str, torch.Tensor], batch_options: BatchOptions | None = None,
-                 routing: list[Routing] | None = None) -> torch.Tensor:
+                 routing: list[Routing] | None = None, context_parallel: bool = False) -> torch.Tensor:
     """The loss of one micro batch: the mean over the targets its loss mask trains. With ``routing``
-    (a list) the expert layers append what their routers did to it."""
+    (a list) the expert layers append what their routers did to it. With ``context_parallel`` this rank computes
+    its share of every sequence (megatron/model/context_parallel.py)."""
     batch = get_batch(samples, batch_options or BatchOptions()).to(current_device())
     logits = engine(batch.tokens, position_ids=batch.position_ids, attention_mask=batch.attention_mask,
                     parallel_output=True, routing=routing)
-    return causal_lm_loss(logits, batch.labels, batch.loss_mask, vocab_parallel=True)
+    return causal_lm_loss(logits, batch.labels, batch.loss_mask, vocab_parallel=True,
+                          context_parallel=context_parallel)
 
 
 class LanguageModelLoss:
     def __init__(self, batch_options: BatchOptions, arch: Architecture | None = None):
         self.batch_options = batch_options
+        self.context_parallel = arch is not None and arch.context_parallel_size > 1
         self.experts = arch if arch is not None and arch.moe else None
         self.balanced = self.experts is not None and self.experts.moe_load_balancing_loss
         self.metric_names: tuple[str, ...] = (("lm_loss", "load_balancing_loss") if self.balanced else
@@ -39,7 +42,7 @@ class LanguageModelLoss:
 
     def __call__(self, engine, samples):
         if self.experts is None:
-            return forward_loss(engine, samples, self.batch_options), {}
+            return forward_loss(engine, samples, self.batch_options, context_parallel=self.context_parallel), {}
         routing: list[Routing] = []
         lm_loss = forward_loss(engine, samples, self.batch_options, routing)
         balance = load_balancing_loss([record.logits for record in routing], self.experts.moe_num_experts,

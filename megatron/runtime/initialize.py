@@ -29,16 +29,18 @@ def initialize_distributed(args) -> None:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=args.model_parallel_size,
             pipeline_model_parallel_size=max(args.pipe_parallel_size, 1),
+            context_parallel_size=args.context_parallel_size,
         )
     world = dist.get_world_size()
     stages = max(args.pipe_parallel_size, 1)
-    if args.data_parallel_size is not None and world != args.data_parallel_size * args.model_parallel_size * stages:
+    cp = args.context_parallel_size
+    if args.data_parallel_size is not None and world != args.data_parallel_size * args.model_parallel_size * cp * stages:
         from megatron.neox_arguments import ConfigError
 
         raise ConfigError(
             f"the launcher started {world} ranks but the settings were validated for "
             f"data_parallel_size={args.data_parallel_size} x model_parallel_size={args.model_parallel_size} x "
-            f"pipe_parallel_size={stages}; start the run through deepy.py so both agree"
+            f"context_parallel_size={cp} x pipe_parallel_size={stages}; start the run through deepy.py so both agree"
         )
 
 
@@ -108,6 +110,12 @@ class ModelParallelUnit:
     and reduces gradients over the data-parallel group only, saves one ``mp_rank_<MP>`` file per
     tensor-parallel rank, and sums gradient norms over the tensor-parallel group (split parameters
     carry megatron-core's ``tensor_model_parallel`` attribute; replicated ones count once).
+
+    Context parallelism is DeepSpeed's "sequence parallel" interface (the one its Ulysses uses): the batch size
+    counts the data-parallel ranks, while ZeRO partitions over, and the gradients are summed over the
+    context-parallel ranks and averaged over the data-parallel ranks of, the data x context group
+    (``get_sequence_data_parallel_group``). Each context-parallel rank's loss is its tokens' share of the
+    sequence's loss (megatron/model/context_parallel.py), so the sum is the sequence's gradient.
     """
 
     @staticmethod
@@ -152,14 +160,53 @@ class ModelParallelUnit:
 
         return parallel_state.get_data_parallel_group()
 
+    @staticmethod
+    def get_sequence_parallel_world_size() -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_context_parallel_world_size()
+
+    @staticmethod
+    def get_sequence_parallel_rank() -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_context_parallel_rank()
+
+    @staticmethod
+    def get_sequence_parallel_group():
+        from megatron.core import parallel_state
+
+        return parallel_state.get_context_parallel_group()
+
+    @staticmethod
+    def get_sequence_data_parallel_world_size() -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+
+    @staticmethod
+    def get_sequence_data_parallel_rank() -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank(with_context_parallel=True)
+
+    @staticmethod
+    def get_sequence_data_parallel_group():
+        """The data x context group; the data-parallel group itself without context parallelism."""
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group(
+            with_context_parallel=parallel_state.get_context_parallel_world_size() > 1)
+
 
 def zero3_construction(ds_config: dict):
     """The ``deepspeed.zero.Init`` context a ZeRO-3 model is built in (``build_model(partitioned_by=...)``):
-    every parameter is partitioned over the data-parallel group, as the engine will keep it."""
+    every parameter is partitioned over the data-parallel (x context-parallel) group, as the engine will keep it."""
     import deepspeed
 
     mpu = ModelParallelUnit()
-    return deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=mpu, data_parallel_group=mpu.get_data_parallel_group())
+    return deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=mpu,
+                               data_parallel_group=mpu.get_sequence_data_parallel_group())
 
 
 def current_device() -> torch.device:

@@ -24,7 +24,12 @@ from megatron.logging import (
     tee_output_to,
 )
 from megatron.optim.optimizers import build_param_groups
-from megatron.ranks import data_parallel_rank_and_size, global_rank, tensor_parallel_rank
+from megatron.ranks import (
+    data_parallel_rank_and_size,
+    global_rank,
+    replicas_and_context_parallel_size,
+    tensor_parallel_rank,
+)
 from megatron.runtime import faults
 from megatron.runtime.initialize import (
     ModelParallelUnit,
@@ -247,7 +252,8 @@ def setup(args):
         tee_output_to(args.log_dir)
     quiet_deepspeed()
     initialize_distributed(args)
-    dp_rank, dp_size = data_parallel_rank_and_size()
+    dp_rank, dp_size = data_parallel_rank_and_size()  # the samples: every context-parallel rank reads its replica's
+    partitions = replicas_and_context_parallel_size()  # the ZeRO partitions a checkpoint holds
     if args.padded_vocab_size is None:
         raise ConfigError("padded_vocab_size is not resolved: start training through deepy.py, which resolves the "
                           "tokenizer and the embedded corpus once (megatron.launch.run_context.resolve_run_settings)")
@@ -259,10 +265,10 @@ def setup(args):
     # the block ends with their checks, before any step
     with checks_beside_use():
         load_settings = LoadSettings.from_args(args)
-        plan = plan_load_for(load_settings, dp_size, hf_source=HF_FOLDER)
+        plan = plan_load_for(load_settings, partitions, hf_source=HF_FOLDER)
         reference_plan, reference_identity = _planned_reference(needs_reference(args), load_settings,
-                                                                PrecomputeSettings.from_args(args), plan, dp_size)
-        reward_plan, reward_identity = _planned_reward_model(args, load_settings, plan, dp_size)
+                                                                PrecomputeSettings.from_args(args), plan, partitions)
+        reward_plan, reward_identity = _planned_reward_model(args, load_settings, plan, partitions)
         check_save_dir(args)
         engine = _built_engine(args, dp_size)
         state = TrainState(schedule=Schedule.from_args(args))
@@ -428,6 +434,7 @@ def _log_model(args, model, zero_stage: int, dp_size: int, pipeline_stages: int)
     get_logger().info(f"model: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} parameters per "
                       f"tensor-parallel rank, precision {args.precision}, ZeRO stage {zero_stage}, {dp_size} "
                       f"data-parallel rank(s) x {args.model_parallel_size} tensor-parallel"
+                      + (f" x {args.context_parallel_size} context-parallel" if args.context_parallel_size > 1 else "")
                       + (f" x {pipeline_stages} pipeline stages (the count is the first stage's)"
                          if pipeline_stages > 1 else "")
                       + (f"; {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters() if p.requires_grad):,} "
@@ -457,8 +464,11 @@ def setup_for_inference(args):
     if args.padded_vocab_size is None:
         raise ConfigError("padded_vocab_size is not resolved: start generate.py / eval.py through deepy.py, which resolves the "
                           "tokenizer once (megatron.launch.run_context.resolve_run_settings)")
-    initialize_distributed(args)
     stated_by = "generate.py / eval.py (loads the weights only)"
+    if args.context_parallel_size > 1:
+        raise ConfigError(f"{stated_by}: context_parallel_size {args.context_parallel_size} splits training "
+                          "sequences; set context_parallel_size: 1 (a checkpoint does not depend on it)")
+    initialize_distributed(args)
     if not args.load:
         raise ConfigError(f"{stated_by}: finetune: set but `load` is not; say which checkpoint to load")
     weights_only = LoadSettings.from_args(args).weights_only(stated_by)

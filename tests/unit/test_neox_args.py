@@ -348,6 +348,30 @@ def test_sequence_parallel_is_built_and_needs_a_sequence_the_ranks_share_equally
     assert "\n" not in message
 
 
+def test_context_parallelism_counts_its_ranks_and_refuses_what_it_cannot_split(tmp_path):
+    args = run_args(tmp_path, context_parallel_size=2, model_parallel_size=2, num_gpus=8)
+    assert args.data_parallel_size == 2
+    assert NeoXArgs.from_dict({**TINY_RUN, "context_parallel_size": 2, "num_gpus": 2, "padded_vocab_size": 128}
+                              ).architecture().context_parallel_size == 2
+    assert args.train_batch_size == 2 * args.train_micro_batch_size_per_gpu  # the context ranks read the same samples
+    refusals = [(dict(num_gpus=3), "context_parallel_size: 2 x model_parallel_size 1 x pipeline stages 1 does not "
+                 "divide the 3 ranks"),
+                (dict(num_gpus=2, seq_length=30), "context_parallel_size: 2 cuts each sequence into 4 equal chunks, "
+                 "but seq_length 30 is no multiple of 4"),
+                (dict(num_gpus=4, pipe_parallel_size=2), "pipe_parallel_size: context_parallel_size 2 is not built with "
+                 "pipeline stages"),
+                (dict(num_gpus=2, train_impl="rm", no_weight_tying=True, dataset_impl="pairwise",
+                      pack_impl="unpacked"), "train_impl: "
+                 "context_parallel_size 2 is not built with "
+                 "train_impl rm"),
+                (dict(num_gpus=4, model_parallel_size=2, sequence_parallel=True), "sequence_parallel: "
+                 "context_parallel_size 2 is not built with sequence parallelism"),
+                (dict(num_gpus=2, context_parallel_size=0), "context_parallel_size: must be at least 1, got 0")]
+    for settings, expected in refusals:
+        message = config_error(tmp_path, **{"context_parallel_size": 2, **settings})
+        assert f"run.yml: {expected}" in message and "\n" not in message, message
+
+
 def test_a_checkpoint_saved_with_sequence_parallelism_loads_and_one_with_a_row_output_layer_is_refused():
     saved = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "model_parallel_size": 2}
     # sequence parallelism changed how the saving run ran, not its weights
