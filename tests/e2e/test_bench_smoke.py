@@ -201,7 +201,8 @@ def test_a_bench_rank_leaves_its_process_group_when_it_finished_and_keeps_it_whe
 def test_sequence_parallel_bench_prints_its_ratios():
     ratios = run_bench("bench_sequence_parallel.py", "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab",
                        "64", "--seqs", "16", "--repeats", "1", "--steps", "1")
-    assert_ratios(ratios, {"tp2_sp/tp2 peak_rss@16", "tp2_sp/tp2 tokens_per_second@16"})
+    assert_ratios(ratios, {"tp2_sp/tp2 peak_rss@16", "tp2_sp/tp2 tokens_per_second@16", "cp2/one peak_rss@16",
+                           "cp2/one tokens_per_second@16"})
 
 
 def test_sft_packing_bench_prints_its_ratio():

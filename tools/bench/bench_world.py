@@ -93,8 +93,10 @@ def build_engine(model: torch.nn.Module, config: dict, model_parameters=None, mp
     return engine
 
 
-def train_step(engine, tokens: torch.Tensor) -> None:
-    """Forward, causal language-model loss, backward and optimizer step on ``tokens`` (one extra for the labels)."""
-    loss = causal_lm_loss(engine(tokens[:, :-1], parallel_output=True), tokens[:, 1:], vocab_parallel=True)
+def train_step(engine, tokens: torch.Tensor, context_parallel: bool = False) -> None:
+    """Forward, causal language-model loss, backward and optimizer step on ``tokens`` (one extra for the labels);
+    ``context_parallel``: the model computes this context-parallel rank's share of the sequence."""
+    loss = causal_lm_loss(engine(tokens[:, :-1], parallel_output=True), tokens[:, 1:], vocab_parallel=True,
+                          context_parallel=context_parallel)
     engine.backward(loss)
     engine.step()
