@@ -765,8 +765,8 @@ def _check_context_parallel(v: dict[str, Any], sources: dict[str, str]) -> None:
         raise _fail(sources, "context_parallel_size", f"{cp} cuts each sequence into {2 * cp} equal chunks, but "
                     f"seq_length {v['seq_length']} is no multiple of {2 * cp}; set a seq_length that is one")
     unbuilt = (("pipe_parallel_size", v["pipe_parallel_size"] > 1, "pipeline stages"),
-               ("train_impl", v["train_impl"] not in ("normal", "dpo", "kto"),
-                f"train_impl {v['train_impl']} (normal, dpo and kto only)"),
+               ("train_impl", v["train_impl"] not in ("normal", "dpo", "kto", "rm"),
+                f"train_impl {v['train_impl']} (normal, dpo, kto and rm only)"),
                ("precompute_model_name", bool(v["precompute_model_name"]), "precomputed reference log-probabilities"),
                ("moe_num_experts", v["moe_num_experts"] > 1, "experts"),
                ("sequence_parallel", v["sequence_parallel"] and v["model_parallel_size"] > 1, "sequence parallelism"))

@@ -9,7 +9,9 @@ margin = mean(r_chosen - r_rejected), pos_values / neg_values = mean r_chosen / 
 Unlike GPT-NeoX's (training.py:600-625), a micro batch of one pair works, and a row whose labels train
 more than one position reads the first, not a misaligned gather. Packed pairs (pack_until_overflow with
 segments): each document's reward is read at its own first trained position, document k of a chosen row
-against document k of its rejected row, the means over the micro batch's pairs.
+against document k of its rejected row, the means over the micro batch's pairs. With context parallelism the
+values of every context-parallel rank's tokens are summed into whole rows on each rank, so each rank reads the
+rewards wherever they fall and computes the whole loss (megatron/model/context_parallel.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.data import Batch, BatchOptions, DataError, pairwise_batch
+from megatron.model.context_parallel import ContextParallelSplit, whole_sequence_values
+from megatron.ranks import context_parallel_rank_and_size
 from megatron.runtime.initialize import current_device
 
 
@@ -70,6 +74,9 @@ class RewardModelLoss:
     def __call__(self, engine, samples):
         batch = pairwise_batch(samples, self.batch_options).to(current_device())
         values = engine(batch.tokens, position_ids=batch.position_ids, attention_mask=batch.attention_mask)
+        if context_parallel_rank_and_size()[1] > 1:  # this rank's tokens' values: every rank gets the whole rows'
+            share = ContextParallelSplit.of_this_rank(batch.tokens.shape[1], batch.tokens.device)
+            values = whole_sequence_values(values.reshape(values.shape[:2]), share)
         if batch.documents is None:
             chosen, rejected = rewards_at_first_trained_position(values, batch.loss_mask).chunk(2)
             return reward_model_loss(chosen, rejected, self.z_loss)

@@ -156,3 +156,42 @@ def test_kto_at_context_parallel_2_takes_one_ranks_steps(tmp_path):
     assert split.keys() == one.keys() == {1, 2, 3}
     for step, values in one.items():
         assert split[step] == pytest.approx(values, abs=2e-4), (step, split, one)
+
+
+@pytest.mark.slow
+def test_a_reward_model_at_context_parallel_2_takes_one_ranks_steps(tmp_path):
+    """Each row's reward is read where its chat ends, on whichever context-parallel rank holds that token: the
+    ranks sum their tokens' values into whole rows first."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.e2e.test_preprocess_chat import make_chat_tokenizer, write_jsonl
+    from tests.e2e.test_preprocess_chat import run as preprocess
+    from tests.e2e.test_reward_model import LLAMA
+    from tests.unit.test_data_pairwise import CHOSEN, PROMPTS, REJECTED, chat
+
+    tokenizer = make_chat_tokenizer(tmp_path / "tok", eos="<|endoftext|>")
+    records = [{"chosen": chat(p, c), "rejected": chat(p, r)} for p, c, r in zip(PROMPTS, CHOSEN, REJECTED, strict=True)]
+    preprocess("--input", write_jsonl(tmp_path / "pairs.jsonl", records * 2), "--tokenizer-path", str(tokenizer),
+               "--jsonl-keys", "chosen", "rejected", "--for-rm", "--output-prefix", str(tmp_path / "rm"))
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**LLAMA)).save_pretrained(tmp_path / "hf")
+    paths = {f"{sign}_train_{kind}data_paths": [str(tmp_path / f"rm_{key}_{kind}document")]
+             for sign, key in (("pos", "chosen"), ("neg", "rejected")) for kind in ("", "label_")}
+    settings = dict(load=str(tmp_path / "hf"), finetune=True, tokenizer_type="HFTokenizer",
+                    vocab_file=str(tokenizer / "tokenizer.json"), seq_length=24, train_impl="rm",
+                    dataset_impl="pairwise", pack_impl="unpacked", allow_chopped=False, no_weight_tying=True,
+                    z_loss=0.01, train_micro_batch_size_per_gpu=2, precision="fp32", zero_optimization={"stage": 1},
+                    optimizer={"type": "Adam", "params": {"lr": 0.003}}, train_iters=3, eval_interval=100,
+                    num_workers=0, log_interval=1, **paths)
+    runs = {}
+    for name, ranks in (("one", 1), ("cp2", 2)):
+        overrides = write_overrides(tmp_path, name=f"{name}.yml", num_gpus=ranks, context_parallel_size=ranks,
+                                    tensorboard_dir=str(tmp_path / f"tb-{name}"), **settings)
+        run_deepy([overrides])
+        runs[name] = tensorboard_scalars(tmp_path / f"tb-{name}")
+    one, split = runs["one"], runs["cp2"]
+    assert len({round(loss, 6) for loss in one["train/loss"].values()}) == 3  # it moves
+    for metric in ("train/loss", "train/accuracy", "train/margin", "train/pos_values"):
+        assert split[metric].keys() == one[metric].keys() == {1, 2, 3}, metric
+        for step, value in one[metric].items():
+            assert split[metric][step] == pytest.approx(value, rel=1e-5, abs=1e-6), (metric, step)

@@ -360,10 +360,9 @@ def test_context_parallelism_counts_its_ranks_and_refuses_what_it_cannot_split(t
                  "but seq_length 30 is no multiple of 4"),
                 (dict(num_gpus=4, pipe_parallel_size=2), "pipe_parallel_size: context_parallel_size 2 is not built with "
                  "pipeline stages"),
-                (dict(num_gpus=2, train_impl="rm", no_weight_tying=True, dataset_impl="pairwise",
-                      pack_impl="unpacked"), "train_impl: "
-                 "context_parallel_size 2 is not built with "
-                 "train_impl rm"),
+                (dict(num_gpus=2, train_impl="reinforce", reward_function="rewards.py:score", temperature=1.0,
+                      pack_impl="unpacked", train_data_paths=["d"], train_label_data_paths=["l"]),
+                 "train_impl: context_parallel_size 2 is not built with train_impl reinforce"),
                 (dict(num_gpus=4, model_parallel_size=2, sequence_parallel=True), "sequence_parallel: "
                  "context_parallel_size 2 is not built with sequence parallelism"),
                 (dict(num_gpus=2, context_parallel_size=0), "context_parallel_size: must be at least 1, got 0")]
