@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.contract.architecture import Architecture
-from megatron.model.context_parallel import gather_keys_values
+from megatron.model.context_parallel import causal_chunk_attention, gather_keys_values
 from megatron.model.kv_cache import LayerKeysValues
 from megatron.model.norms import RMSNormOverTensorParallelRanks, build_norm
 from megatron.model.parallel_layers import (
@@ -71,7 +71,8 @@ def attention_path(arch: Architecture, block_causal: bool) -> str:
     line = "attention: torch scaled_dot_product_attention, " + ("; ".join(masks) if masks else "causal (is_causal)")
     if arch.context_parallel_size > 1:
         line += (f"; context parallel: each sequence split over {arch.context_parallel_size} ranks (load-balanced "
-                 "causal chunks), keys and values all-gathered, a mask of each rank's query rows")
+                 "causal chunks), keys and values all-gathered, each chunk causal over the keys up to its end "
+                 "(a mask of each rank's query rows where one is needed)")
     if arch.splits_sequence:
         line += (f"; sequence parallel: the residual stream split over {arch.model_parallel_size} tensor-parallel "
                  "ranks, gathered before attention and the MLP")
@@ -179,22 +180,18 @@ class SelfAttention(torch.nn.Module):
             past = kv_cache.length
             k, v = kv_cache.extend(k, v)
         mask = attention_mask
-        if self.context_parallel:  # the mask holds this rank's rows, window included (GPTModel)
+        attention = dict(dropout_p=self.dropout if self.training else 0.0, scale=self.head_dim**-0.5,
+                         enable_gqa=self.kv_heads != self.heads)
+        if self.context_parallel:  # a mask holds this rank's rows, window included (GPTModel); none: causal
             k, v = gather_keys_values(k, v)
-        # with cached keys is_causal would align the queries with the first keys, not the last
-        elif past or (self.sliding_window_width is not None and self.sliding_window_width < q.shape[2] - 1):
-            window = sliding_window_mask(q.shape[2], self.sliding_window_width, q.device, past)
-            mask = window if mask is None else mask & window
-        context = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=mask is None,
-            scale=self.head_dim**-0.5,
-            enable_gqa=self.kv_heads != self.heads,
-        )
+            context = (causal_chunk_attention(q, k, v, **attention) if mask is None
+                       else F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **attention))
+        else:
+            # with cached keys is_causal would align the queries with the first keys, not the last
+            if past or (self.sliding_window_width is not None and self.sliding_window_width < q.shape[2] - 1):
+                window = sliding_window_mask(q.shape[2], self.sliding_window_width, q.device, past)
+                mask = window if mask is None else mask & window
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **attention)
         b, _, s, _ = context.shape
         context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
         out, _ = self.dense(context, split)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 
 from megatron.ranks import context_parallel_rank_and_size
 
@@ -113,15 +114,39 @@ class ContextParallelSplit:
         """This rank's tokens of ``whole`` [b, s, ...] (or [s]) along the sequence."""
         return whole.index_select(1 if whole.dim() > 1 else 0, self.indices)
 
-    def query_mask(self, attention_mask: torch.Tensor | None, sliding_window_width: int | None) -> torch.Tensor:
+    def query_mask(self, attention_mask: torch.Tensor | None, sliding_window_width: int | None) -> torch.Tensor | None:
         """[b or 1, 1, s / C, s] booleans, True where this rank's query may see a key of the whole sequence:
-        at or before it, at most ``sliding_window_width`` back, and where ``attention_mask`` [b, 1, s, s] allows."""
+        at or before it, at most ``sliding_window_width`` back, and where ``attention_mask`` [b, 1, s, s] allows.
+        None where that is plain causal attention (no mask, no window shorter than the sequence): then
+        ``causal_chunk_attention`` runs it without a mask."""
+        if attention_mask is None and (sliding_window_width is None or sliding_window_width >= self.seq_len - 1):
+            return None
         distance = self.indices[:, None] - torch.arange(self.seq_len, device=self.indices.device)[None, :]
         allowed = distance >= 0
         if sliding_window_width is not None:
             allowed = allowed & (distance <= sliding_window_width)
         allowed = allowed[None, None]
         return allowed if attention_mask is None else attention_mask.index_select(2, self.indices) & allowed
+
+
+def causal_chunk_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           **attention) -> torch.Tensor:
+    """Causal attention of this rank's queries [b, h, s / C, d] (its two chunks, in its order) over the whole
+    sequence's keys and values [b, h_kv, s, d]: each chunk attends to the keys up to its own end, causal aligned
+    at the lower right, so torch's fused kernels run it without a mask of s / C x s booleans (on a CPU such a mask
+    cost 6x the memory of the whole sequence's causal attention). ``attention``: scaled_dot_product_attention's
+    other arguments."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    rank, size = context_parallel_rank_and_size()
+    chunk = queries.shape[2] // 2
+    parts = []
+    for part, index in enumerate((rank, 2 * size - 1 - rank)):
+        end = (index + 1) * chunk
+        parts.append(F.scaled_dot_product_attention(
+            queries[:, :, part * chunk:(part + 1) * chunk], keys[:, :, :end], values[:, :, :end],
+            attn_mask=causal_lower_right(chunk, end), **attention))
+    return torch.cat(parts, dim=2)
 
 
 class _SumOverRanks(torch.autograd.Function):

@@ -26,5 +26,8 @@ def test_a_ranks_query_rows_are_the_whole_sequences_rows_of_its_tokens():
         share = ContextParallelSplit(16, own_token_indices(16, 2, rank))
         rows = share.query_mask(block_causal_mask(documents), sliding_window_width=3)
         assert torch.equal(rows, whole[:, :, share.indices])
-        assert torch.equal(share.query_mask(None, None)[0, 0], torch.ones(16, 16, dtype=torch.bool).tril()[share.indices])
+        causal = torch.ones(16, 16, dtype=torch.bool).tril()
+        assert torch.equal(share.query_mask(None, 3)[0, 0], (causal & ~causal.tril(-4))[share.indices])
+        # plain causal attention needs no rows: each chunk attends to the keys up to its end (causal_chunk_attention)
+        assert share.query_mask(None, None) is None and share.query_mask(None, 15) is None
         assert torch.equal(share.own(documents), documents[:, share.indices])
