@@ -21,7 +21,7 @@ RATIO_LINE = re.compile(r"^RATIO (?P<name>.+?) = (?P<value>\S+)  \(", re.MULTILI
 
 def run_bench(script: str, *flags: str) -> dict[str, float]:
     result = subprocess.run(
-        [sys.executable, str(BENCH_DIR / script), *flags], capture_output=True, text=True, timeout=240
+        [sys.executable, str(BENCH_DIR / script), *flags], capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, f"{script} exited {result.returncode}:\n{result.stdout}\n{result.stderr[-3000:]}"
     return {match["name"]: float(match["value"]) for match in RATIO_LINE.finditer(result.stdout)}
