@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Validate GPT-NeoX style YAML configs, then start every rank through DeepSpeed's launcher.
+"""Validate GPT-NeoX style YAML configs, then start every rank of this machine (or DeepSpeed's runner).
 
     python deepy.py TRAIN_SCRIPT CONFIG [CONFIG ...] [--dry-run] [--verbose] [--eval_tasks TASK ...] [--iteration N]
 
@@ -11,10 +11,10 @@ here and in every rank. Every rank receives the validated settings in one argv f
 megatron.neox_arguments.load_args_on_rank(). GPT-NeoX's --eval_tasks, --eval_results_prefix and
 --iteration set those settings over every file.
 
-The launcher runs in its own process group: a SIGTERM or SIGINT (Ctrl-C) to deepy.py, to the launcher,
-to a rank or to all of them is passed on to the ranks, which finish their step, save a checkpoint and
-exit 0; a second one stops them at once. One before any rank exists ends deepy.py with one line and
-exit 0. No process of the run outlives deepy.py (megatron/launch/supervision.py).
+The ranks run in a process group of their own: a SIGTERM or SIGINT (Ctrl-C) to deepy.py, to a rank or
+to all of them is passed on to the ranks, which finish their step, save a checkpoint and exit 0; a
+second one stops them at once. One before any rank exists ends deepy.py with one line and exit 0. No
+process of the run outlives deepy.py (megatron/launch/supervision.py).
 """
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ from pathlib import Path
 from megatron.errors import ExpectedError
 from megatron.foreign_notices import VERBOSE_VARIABLE, hide_foreign_notices
 from megatron.launch.launcher import (
-    launch_command,
+    RankCommand,
     launcher_environment,
+    local_rank_commands,
     rendezvous_port,
+    runner_command,
     starts_only_local_ranks,
 )
 from megatron.launch.run_context import check_run_files, resolve_run_settings, settings_for_run
@@ -100,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"train script {command_line.train_script!r} not found")
         check_precision_on_cpu(args)
         if command_line.dry_run:
-            # what DeepSpeed's runner would refuse of the launcher settings (megatron/launch/launcher.py)
-            launch_command(args, command_line.train_script, [], cpu_only=accelerator_is_cpu())
+            if not starts_only_local_ranks(args):  # what DeepSpeed's runner would refuse of the launcher settings
+                runner_command(args, command_line.train_script, [], cpu_only=accelerator_is_cpu())
             report = render_dry_run(args, tokenizer_summary(args))
             check_run_files(args)  # the data files, as the start checks them
             exit_if_stopped_before_launch()
@@ -112,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         port = rendezvous_port(args)
         if port != args.master_port:
             args = args.with_values({"master_port": port}, source="deepy.py (a free port on this machine)")
-        command = launch_command(args, command_line.train_script, handover_argv(args), cpu_only=cpu_only)
+        environment = launcher_environment(dict(os.environ), cpu_only=cpu_only)
+        if starts_only_local_ranks(args):
+            processes = local_rank_commands(args, command_line.train_script, handover_argv(args), environment)
+        else:
+            command = runner_command(args, command_line.train_script, handover_argv(args), cpu_only=cpu_only)
+            processes = [RankCommand(command, environment)]
     except (ConfigError, TokenizerError) as err:
         print(f"deepy.py: config error: {err}", file=sys.stderr)
         return 2
@@ -120,10 +127,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deepy.py: error: {err}", file=sys.stderr)
         return 2
     exit_if_stopped_before_launch()
-    shown = [part if not part.startswith(HANDOVER_FLAG) else f"{HANDOVER_FLAG}=<settings>" for part in command]
-    print("deepy.py: " + " ".join(shown), file=sys.stderr, flush=True)
-    return Supervisor(command, launcher_environment(dict(os.environ), cpu_only=cpu_only),
-                      one_machine=starts_only_local_ranks(args)).run()
+    print(f"deepy.py: {launch_line(processes, starts_only_local_ranks(args))}", file=sys.stderr, flush=True)
+    return Supervisor(processes, ranks_here=starts_only_local_ranks(args)).run()
+
+
+def launch_line(processes: list[RankCommand], ranks_here: bool) -> str:
+    """What deepy.py starts, in one line: the ranks' command (the settings shortened) and world, or the runner's."""
+    shown = [part if not part.startswith(HANDOVER_FLAG) else f"{HANDOVER_FLAG}=<settings>" for part in processes[0].argv]
+    if not ranks_here:
+        return " ".join(shown)
+    env = processes[0].env
+    ranks = env["RANK"] if len(processes) == 1 else f"{env['RANK']}-{processes[-1].env['RANK']}"
+    local_rank = shown.index("--local_rank=0")
+    shown[local_rank] = "--local_rank=<0>" if len(processes) == 1 else f"--local_rank=<0-{len(processes) - 1}>"
+    return (f"ranks {ranks} of {env['WORLD_SIZE']} on this machine (MASTER_ADDR={env['MASTER_ADDR']} "
+            f"MASTER_PORT={env['MASTER_PORT']}): {' '.join(shown)}")
 
 
 if __name__ == "__main__":

@@ -17,16 +17,6 @@ def process_start_time(pid: int) -> int | None:
     return int(stat[stat.rindex(")") + 2:].split()[19])
 
 
-def blocks_signal(pid: int, signum: int) -> bool:
-    """Whether process `pid` (its main thread) has `signum` blocked; False when it is gone."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    blocked = next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:"))
-    return bool(int(blocked, 16) >> (signum - 1) & 1)
-
-
 def skip_collection_at_exit() -> None:
     """Spare a process that is about to end the interpreter's last garbage collection, which walks every
     object torch, DeepSpeed and transformers created (about 2 s of a run's end on two cores) only to hand

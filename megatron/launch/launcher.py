@@ -1,10 +1,12 @@
-"""The command that starts every rank: DeepSpeed's launcher, with our launcher settings as its flags.
+"""How deepy.py starts the ranks: this machine's ranks directly, or DeepSpeed's runner for other machines.
 
-When every rank this deepy.py starts runs on this machine, the command is DeepSpeed's per-node
-launcher (deepspeed.launcher.launch) run through our entry, handed the hosts and devices its runner
-would hand it: DeepSpeed's runner would only compute them and start that launcher in one more
-interpreter. With ranks on other machines it is DeepSpeed's runner, which starts them its own way.
-Pure functions of the settings, so the exact command is testable without starting anything.
+When every rank this deepy.py starts runs on this machine (the whole job, or this node's part of a job
+started node by node), deepy.py starts them itself, each with the command line and environment
+DeepSpeed's per-node launcher (deepspeed.launcher.launch) gives a rank: the world DeepSpeed's runner
+would hand that launcher, the rank variables, the accelerator's visible devices. Going through
+DeepSpeed's runner and launcher would only add two interpreters that import torch, and a launcher that
+polls its ranks once a second. With ranks on other machines it is DeepSpeed's runner, which starts them
+its own way. Pure functions of the settings, so the exact commands are testable without starting anything.
 """
 
 from __future__ import annotations
@@ -15,17 +17,15 @@ import os
 import random
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron.neox_arguments import ConfigError, NeoXArgs
 from megatron.neox_arguments.world import active_hosts, effective_hostfile, visible_device_ids
 
-# The entry that runs DeepSpeed's per-node launcher with the stop signals blocked (megatron/launch/entry.py),
-# importable from any working directory through PYTHONPATH.
-LAUNCH_ENTRY_MODULE = "megatron.launch.entry"
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])  # the folder holding megatron/
 
-# DeepSpeed's launcher logs the full rank command (our settings blob) with a failing rank's exit
+# DeepSpeed's runner logs the full rank command (our settings blob) with a failing rank's exit
 # code at level ERROR; the rank has already said what went wrong in one line.
 LAUNCHER_LOG_LEVEL = "critical"
 
@@ -62,8 +62,8 @@ def runner_arguments(args: NeoXArgs, user_script: str, user_args: list[str], *, 
 
 
 def launcher_environment(environ: dict[str, str], *, cpu_only: bool) -> dict[str, str]:
-    """The environment the launcher and the ranks start with: this package first on PYTHONPATH (the
-    launch entry is one of its modules). On a CPU-only machine DeepSpeed is told its accelerator up
+    """The environment the ranks (or DeepSpeed's runner) start with: this package first on PYTHONPATH, so that
+    a train script anywhere imports it. On a CPU-only machine DeepSpeed is told its accelerator up
     front; otherwise every process it starts warns that it fell back to the CPU."""
     path = [PACKAGE_PARENT, *(part for part in environ.get("PYTHONPATH", "").split(os.pathsep) if part)]
     environment = {**environ, "PYTHONPATH": os.pathsep.join(path)}
@@ -73,8 +73,7 @@ def launcher_environment(environ: dict[str, str], *, cpu_only: bool) -> dict[str
 
 
 def runner_accepts_log_level() -> bool:
-    """Whether the installed DeepSpeed runner has --log_level, asked of its parser. Releases before 0.18 lack it, and
-    the per-node launcher gained it in the same release."""
+    """Whether the installed DeepSpeed runner has --log_level, asked of its parser. Releases before 0.18 lack it."""
     from deepspeed.launcher import runner
 
     with contextlib.redirect_stderr(io.StringIO()):
@@ -130,34 +129,42 @@ def node_hosts(args: NeoXArgs) -> dict[str, list]:
     return hosts
 
 
-def node_launcher_arguments(args: NeoXArgs, user_script: str, user_args: list[str], *,
-                            launcher_takes_log_level: bool = True) -> list[str]:
-    """argv for DeepSpeed's per-node launcher (deepspeed.launcher.launch) that starts this machine's ranks,
-    as DeepSpeed's runner builds it: one machine alone, or this node of a job started node by node."""
-    from deepspeed.launcher.runner import encode_world_info
+@dataclass(frozen=True)
+class RankCommand:
+    """How one rank of this machine is started: its command line and its whole environment."""
 
-    world_info = encode_world_info(node_hosts(args))
-    if runs_on_one_machine(args):
-        flags = [f"--world_info={world_info}", "--master_addr=127.0.0.1", f"--master_port={args.master_port}"]
-    else:
-        flags = [f"--world_info={world_info}", f"--master_addr={args.master_addr}",
-                 f"--master_port={args.master_port}", f"--node_rank={args.node_rank}"]
-    if launcher_takes_log_level:
-        flags.append(f"--log_level={LAUNCHER_LOG_LEVEL}")
-    return [*flags, user_script, *user_args]
+    argv: list[str]
+    env: dict[str, str]
 
 
-def launch_command(args: NeoXArgs, user_script: str, user_args: list[str], *, cpu_only: bool,
+def local_rank_commands(args: NeoXArgs, user_script: str, user_args: list[str], environ: dict[str, str], *,
+                        python: str = sys.executable) -> list[RankCommand]:
+    """This machine's ranks as DeepSpeed's per-node launcher starts them from the world its runner hands it:
+    one machine alone, or this node (node_rank) of a job started node by node."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.constants import CROSS_RANK, CROSS_SIZE
+
+    hosts = node_hosts(args)
+    one_machine = runs_on_one_machine(args)
+    node = 0 if one_machine else args.node_rank
+    nodes = list(hosts)
+    devices = hosts[nodes[node]]
+    first_rank = sum(len(hosts[name]) for name in nodes[:node])
+    shared = {**environ, "MASTER_ADDR": "127.0.0.1" if one_machine else args.master_addr,
+              "MASTER_PORT": str(args.master_port), "WORLD_SIZE": str(sum(map(len, hosts.values()))),
+              CROSS_RANK: str(node), CROSS_SIZE: str(len(nodes)), "LOCAL_SIZE": str(len(devices))}
+    get_accelerator().set_visible_devices_envs(shared, devices)
+    return [RankCommand([python, "-u", user_script, f"--local_rank={local_rank}", *user_args],
+                        {**shared, "RANK": str(first_rank + local_rank), "LOCAL_RANK": str(local_rank)})
+            for local_rank in range(len(devices))]
+
+
+def runner_command(args: NeoXArgs, user_script: str, user_args: list[str], *, cpu_only: bool,
                    python: str = sys.executable) -> list[str]:
-    """The full command line, run by this Python (same environment as deepy). With local ranks only,
-    DeepSpeed's per-node launcher through the entry that starts it with the stop signals blocked; with
-    ranks on other machines DeepSpeed's runner as it is, so that its own handler stops them."""
-    takes_log_level = runner_accepts_log_level()
-    if starts_only_local_ranks(args):
-        launcher_argv = node_launcher_arguments(args, user_script, user_args, launcher_takes_log_level=takes_log_level)
-        return [python, "-m", LAUNCH_ENTRY_MODULE, *launcher_argv]
+    """DeepSpeed's runner as it is, run by this Python, for a job with ranks on other machines: its own signal
+    handler stops them. What its multi-node runner would refuse is refused here, in one line."""
     runner_argv = runner_arguments(args, user_script, user_args, cpu_only=cpu_only,
-                                   runner_takes_log_level=takes_log_level)
+                                   runner_takes_log_level=runner_accepts_log_level())
     check_multi_node_runner(args, runner_argv)
     return [python, "-m", "deepspeed.launcher.runner", *runner_argv]
 

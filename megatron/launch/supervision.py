@@ -1,14 +1,17 @@
-"""deepy.py's watch over a run: DeepSpeed's launcher in its own process group, SIGTERM/SIGINT passed
-on to the ranks, and no process of the run left behind when deepy.py ends.
+"""deepy.py's watch over a run: the processes it starts in a process group of their own, SIGTERM/SIGINT
+passed on to the ranks, and no process of the run left behind when deepy.py ends.
 
-Whichever processes of the run a SIGTERM or SIGINT reaches (deepy.py, DeepSpeed's launcher, a rank,
-all of them at once), the ranks learn of it: DeepSpeed's per-node launcher never acts on one and
-passes it on to deepy.py (megatron/launch/entry.py), which passes a first request on to the ranks. They finish their step, save and exit 0 (megatron/runtime/stop_signals.py). A second
-request kills the whole group at once. Before any rank exists there is nothing to save: the group
-is killed and deepy.py exits 0. When the launcher has exited, whatever is left in its group is
-killed. A small watchdog process kills the group when deepy.py itself dies without cleaning up
-(SIGKILL, a closed terminal). With ranks on other machines, a first request without local ranks
-goes to DeepSpeed's runner, started as it is there, whose own handler stops them.
+On one machine deepy.py starts the ranks itself (megatron/launch/launcher.py), with the stop signals
+blocked: each rank takes them in a thread of its own once it has started (megatron/runtime/stop_signals.py),
+so one sent while it starts waits for it. Whichever processes of the run a SIGTERM or SIGINT reaches
+(deepy.py, a rank, all of them at once), the ranks learn of it: deepy.py passes a first request on to
+every rank. They finish their step, save and exit 0. A second request kills the whole group at once.
+When a rank fails, the others get a moment to end on their own (those that only lost their connection
+to it do), then the group is killed; deepy.py exits with the status of the first rank that failed. When
+every rank has ended, whatever is left in the group (a rank's data workers) is killed. A small watchdog
+process kills the group when deepy.py itself dies without cleaning up (SIGKILL, a closed terminal).
+With ranks on other machines deepy.py starts DeepSpeed's runner as it is there; a first request goes
+to it, and its own handler stops them.
 
 A rank that fails hands its one line to deepy.py (megatron/runtime/rank_errors.py), which prints it last, once
 every process of the run has ended.
@@ -18,12 +21,16 @@ from __future__ import annotations
 
 import atexit
 import os
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
+from megatron.launch.launcher import RankCommand
 from megatron.runtime.rank_errors import RANK_ERRORS_FILE, first_rank_error
 from megatron.runtime.stop_signals import STOP_SIGNALS, StopRequests, signal_name
 
@@ -39,11 +46,11 @@ if not sys.stdin.buffer.read(1):  # end of file: deepy.py died without saying go
 """
 
 
-def _signal_that_ended_a_rank(launcher_status: int) -> int | None:
-    """The signal that killed a rank, read from the per-node launcher's exit status: it exits with the first
-    failed rank's return code, which for a rank killed by signal N is -N, an exit status of 256 - N."""
-    number = 256 - launcher_status
-    return number if 0 < launcher_status < 256 and number in set(signal.valid_signals()) else None
+def _signal_that_ended(returncode: int) -> int | None:
+    """The signal that killed a rank: its return code is -N; DeepSpeed's runner exits with a failed rank's
+    return code, which for a rank killed by signal N is an exit status of 256 - N."""
+    number = -returncode if returncode < 0 else 256 - returncode
+    return number if 0 < number < 256 and number in set(signal.valid_signals()) else None
 
 
 def _say_stopped_before_any_rank(signum: int) -> None:
@@ -81,16 +88,6 @@ def exit_if_stopped_before_launch() -> None:
         raise SystemExit(0)
 
 
-def rank_processes(launcher_pid: int) -> list[int]:
-    """Pids of the ranks DeepSpeed's per-node launcher started on this machine: its children."""
-    import psutil
-
-    try:
-        return [process.pid for process in psutil.Process(launcher_pid).children()]
-    except psutil.Error:
-        return []
-
-
 def _send(pid: int, signum: int) -> None:
     try:
         os.kill(pid, signum)
@@ -105,34 +102,39 @@ def _send_group(group: int, signum: int) -> None:
         pass
 
 
-class Supervisor:
-    """Runs one launcher command to its end; `run()` returns deepy.py's exit status."""
+# How long the other ranks have to end on their own once one failed, before the group is killed.
+FAILED_RUN_GRACE_SECONDS = 1.0
 
-    def __init__(self, command: list[str], env: dict[str, str], *, one_machine: bool = True):
-        self.command = command
-        self.env = env
-        self.one_machine = one_machine  # else the ranks are (also) on other machines, out of our reach
+
+class Supervisor:
+    """Runs the processes of one launch to their end; `run()` returns deepy.py's exit status.
+
+    `ranks` are this machine's ranks (RankCommand each), or the one command of DeepSpeed's runner when
+    `ranks_here` is False (the ranks are then, also, on other machines, out of our reach)."""
+
+    def __init__(self, ranks: list[RankCommand], *, ranks_here: bool = True):
+        self.commands = ranks
+        self.ranks_here = ranks_here
         self.requests = StopRequests()
-        self.stopped_before_ranks = False
-        self.launcher: subprocess.Popen | None = None
+        self.processes: list[subprocess.Popen] = []
+        self.running: set[int] = set()  # pids of the processes that have not ended
 
     def run(self) -> int:
-        # On one machine blocked while the launcher starts, so that it starts with them blocked (the entry
-        # keeps them so).
-        blocked = STOP_SIGNALS if self.one_machine else ()
+        # Blocked while the ranks start, so that they start with them blocked.
+        blocked = STOP_SIGNALS if self.ranks_here else ()
         signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
         previous = {signum: signal.signal(signum, self._on_signal) for signum in STOP_SIGNALS}
         rank_errors = tempfile.NamedTemporaryFile(prefix="neox-rank-errors-")
         # only the ranks of this machine can write to it; those on other machines print their own lines
-        env = {**self.env, RANK_ERRORS_FILE: rank_errors.name} if self.one_machine else self.env
+        extra_env = {RANK_ERRORS_FILE: rank_errors.name} if self.ranks_here else {}
         try:
             try:
-                self.launcher = subprocess.Popen(self.command, env=env, start_new_session=True)
+                self._start(extra_env)
             finally:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
-            if self.requests.count:  # arrived while the launcher was starting (see _on_signal)
+            if self.requests.count:  # arrived while the ranks were starting (see _on_signal)
                 self._pass_on_request(self.requests.first)
-            watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(self.launcher.pid)],
+            watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(self.group)],
                                         stdin=subprocess.PIPE, start_new_session=True)
             try:
                 returncode = self._wait_and_clean_up()
@@ -144,7 +146,7 @@ class Supervisor:
             rank_error = first_rank_error(Path(rank_errors.name))
             if rank_error is not None:
                 print(rank_error, file=sys.stderr, flush=True)
-            killer = None if self.requests.count else _signal_that_ended_a_rank(returncode)
+            killer = None if self.requests.count else _signal_that_ended(returncode)
             if killer is not None:  # the cause: the other ranks' lines (a lost connection) are its consequences
                 why = (": a process outside this run sent it, on Linux most often the out-of-memory killer (`dmesg` "
                        "names what it killed)" if killer == signal.SIGKILL else "")
@@ -156,45 +158,75 @@ class Supervisor:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
+    @property
+    def group(self) -> int:
+        return self.processes[0].pid
+
+    def _start(self, extra_env: dict[str, str]) -> None:
+        """Each process in the group of the first (a group of its own: a Ctrl-C to the terminal's group reaches
+        deepy.py alone, which passes it on)."""
+        try:
+            for command in self.commands:
+                group = self.group if self.processes else 0
+                process = subprocess.Popen(command.argv, env={**command.env, **extra_env}, process_group=group)
+                self.processes.append(process)
+                self.running.add(process.pid)
+        except BaseException:
+            if self.processes:  # none may run on without the others
+                _send_group(self.group, signal.SIGKILL)
+            raise
+
     def _wait_and_clean_up(self) -> int:
-        pid = self.launcher.pid
-        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # exited, not yet reaped: its group id stays ours
-        _send_group(pid, signal.SIGKILL)
-        return self.launcher.wait()
+        """The return code of the first process that failed (0 when none did). Each stays unreaped until the
+        group is killed, so that the group's id stays ours."""
+        ended: queue.Queue = queue.Queue()
+        for process in self.processes:
+            threading.Thread(target=_report_end, args=(process.pid, ended), daemon=True).start()
+        failed, deadline = 0, None
+        while self.running:
+            try:
+                pid, returncode = ended.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break  # the others did not end on their own after a failure
+            self.running.discard(pid)
+            if returncode != 0 and not failed:
+                failed, deadline = returncode, time.monotonic() + FAILED_RUN_GRACE_SECONDS
+        _send_group(self.group, signal.SIGKILL)
+        for process in self.processes:
+            process.wait()
+        return failed
 
     def _on_signal(self, signum: int, frame) -> None:
         if not self.requests.add(signum):
-            return  # a copy: the scheduler signalled every process, or the launcher passed it on
-        if self.launcher is None:
-            # Blocked in the main thread while the launcher starts, a signal can still reach another thread
-            # of deepy.py (one an imported library started), and Python runs this handler in the middle of
-            # Popen: it is passed on once the launcher exists.
+            return  # a copy: the scheduler signalled every process
+        if not self.processes:
+            # Blocked in the main thread while the ranks start, a signal can still reach another thread of
+            # deepy.py (one an imported library started), and Python runs this handler in the middle of
+            # Popen: it is passed on once the ranks exist.
             return
         self._pass_on_request(signum)
 
     def _pass_on_request(self, signum: int) -> None:
-        group = self.launcher.pid
         if self.requests.count > 1:
-            _send_group(group, signal.SIGKILL)
-            return
-        ranks = rank_processes(group) if self.one_machine else []
-        if ranks:
-            for pid in ranks:
+            _send_group(self.group, signal.SIGKILL)
+        elif self.ranks_here:
+            for pid in list(self.running):
                 _send(pid, signum)
-        elif self.one_machine:
-            self.stopped_before_ranks = True
-            _send_group(group, signal.SIGKILL)
         else:
-            _send_group(group, signum)  # DeepSpeed's runner stops the other machines' ranks its own way
+            _send_group(self.group, signum)  # DeepSpeed's runner stops the other machines' ranks its own way
 
     def _exit_status(self, returncode: int) -> int:
         if self.requests.count >= 2:
             print(f"deepy.py: stopped at once by a second {signal_name(self.requests.first)}; no checkpoint "
                   "was saved for the current step", file=sys.stderr, flush=True)
             return 128 + self.requests.first
-        if self.stopped_before_ranks:
-            _say_stopped_before_any_rank(self.requests.first)
-            return 0
         if returncode < 0:
             return 128 - returncode
         return returncode
+
+
+def _report_end(pid: int, ended: queue.Queue) -> None:
+    """Put (pid, return code) on `ended` once process `pid` has ended, leaving it unreaped."""
+    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+    ended.put((pid, -info.si_status if killed else info.si_status))

@@ -6,13 +6,9 @@ passes a signal it gets on to every rank. One request therefore reaches a rank a
 within moments: signals within SAME_REQUEST_SECONDS of the first are copies of it, a later one is a
 second request. A rank only notes the signal; the training loop asks `agreed_stop()` once per step
 (and once before the first), which gathers every rank's note, so every rank stops after the same step
-even when the signal reached them during different steps, or reached only one of them.
-
-One sender is not a stop request: DeepSpeed's per-node launcher, the rank's parent, sends SIGTERM to
-every rank when one of them has failed. Started by deepy.py on one machine it keeps the stop signals
-blocked (megatron/launch/entry.py), so it never passes a request on to the ranks: a SIGTERM from a parent that blocks
-SIGTERM means another rank failed, and the rank ends at once without a word (the failed rank says why;
-waiting for the step to end could mean waiting in a collective for the failed rank, for ever).
+even when the signal reached them during different steps, or reached only one of them. When a rank
+fails, deepy.py kills the others (megatron/launch/supervision.py): waiting for the step to end could
+mean waiting in a collective for the failed rank, for ever.
 """
 
 from __future__ import annotations
@@ -22,13 +18,12 @@ import signal
 import threading
 import time
 
-from megatron.processes import blocks_signal
 from megatron.ranks import global_rank
 from megatron.runtime import faults
 from megatron.runtime.collective import reported_by_ranks
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-# Copies of one request (the scheduler's own, deepy.py's, the launcher's) arrive within this of each other.
+# Copies of one request (the scheduler's own, deepy.py's) arrive within this of each other.
 SAME_REQUEST_SECONDS = 2.0
 # How long a rank held by the hold_after_iteration fault point (megatron/runtime/faults.py) waits for a stop signal.
 HELD_AFTER_ITERATION_SECONDS = 300.0
@@ -68,7 +63,7 @@ class StopSignals:
 
         Blocked also in the processes this rank starts (a compiler check, a data worker), which a
         scheduler's SIGTERM to every process of the job would otherwise kill in the middle of set-up.
-        deepy.py starts the launcher with them blocked already (megatron/launch/entry.py): one sent
+        deepy.py starts the ranks with them blocked already (megatron/launch/supervision.py): one sent
         while this rank was starting has waited and is taken now.
         """
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
@@ -78,11 +73,7 @@ class StopSignals:
 
     def _take_signals(self) -> None:
         while True:
-            taken = signal.sigwaitinfo(STOP_SIGNALS)
-            if taken.si_pid == os.getppid() and blocks_signal(taken.si_pid, taken.si_signo):
-                _kill_child_processes()
-                _die_by(taken.si_signo)  # another rank failed: see the module's docstring
-            self._handle(taken.si_signo)
+            self._handle(signal.sigwaitinfo(STOP_SIGNALS).si_signo)
 
     def _handle(self, signum: int) -> None:
         if not self.requests.add(signum):

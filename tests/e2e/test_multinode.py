@@ -1,5 +1,5 @@
 """A real 2-node x 1-rank job on this machine: two `python deepy.py` runs, each starting its own node's
-rank through DeepSpeed's launcher (`node_rank`: --no_ssh --node_rank), with one hostfile naming two host
+rank as DeepSpeed's per-node launcher would (`node_rank`: --no_ssh --node_rank), with one hostfile naming two host
 names that resolve here. It trains, both nodes are stopped by SIGTERM (every rank saves into the one save
 directory, each node exits 0, no process is left), it resumes, and it fine-tunes.
 """

@@ -183,12 +183,12 @@ cp -r {killed_in_first_save.save / "global_step2"} {save}/ && printf global_step
 {deepy} {longer} > {logs}/filled.log 2>&1 &
 run=$!
 until grep -q "iteration *3/" {logs}/filled.log; do sleep 0.05; kill -0 $run 2>/dev/null || break; done
-# the launcher's session (deepy.py starts it in its own) holds the ranks: stopped while the disk fills,
+# the ranks' process group (deepy.py starts them in their own) holds them: stopped while the disk fills,
 # so that the disk is full before the save at 12 however slow this machine is
-sessions=$(pgrep -P $run)
-for sid in $sessions; do pkill -STOP -s $sid; done
+groups=$(pgrep -P $run)
+for group in $groups; do pkill -STOP -g $group; done
 dd if=/dev/zero of={save}/filler bs=1M count=200 2>/dev/null
-for sid in $sessions; do pkill -CONT -s $sid; done
+for group in $groups; do pkill -CONT -g $group; done
 wait $run; echo "exit $?" >> {logs}/filled.log
 rm {save}/filler
 cat {save}/latest > {logs}/latest.txt; ls -a {save} > {logs}/after_filled.txt

@@ -1,11 +1,10 @@
 """SIGTERM/SIGINT to a real `python deepy.py train.py ...`: a checkpoint and exit 0, or a stop at once.
 
 The signal goes where a user or a scheduler sends it: deepy.py alone (Ctrl-C, `kill`), the process
-group a srun-like wrapper put deepy.py in, DeepSpeed's launcher processes, one rank, or every process
-of the run at once (as Slurm or systemd signal every process of a job). Every process of a run
+group a srun-like wrapper put deepy.py in, one rank, or every process of the run at once (as Slurm or systemd signal every process of a job). Every process of a run
 carries a marker in its environment, so the tests can find them and tell that none is left behind.
 
-Each run costs a start of deepy.py, DeepSpeed's launcher and the ranks (about 25 s), so each recipient
+Each run costs a start of deepy.py and the ranks (about 20 s), so each recipient
 whose signal takes a path of its own gets one run, and the recipients whose signal takes the same path
 as another's share its run (the comment above the first test says which).
 """
@@ -26,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron.launch.launcher import LAUNCH_ENTRY_MODULE
+from megatron.launch.launcher import RankCommand
 from megatron.launch.supervision import Supervisor
 from megatron.runtime import faults
 from megatron.runtime.stop_signals import SAME_REQUEST_SECONDS
@@ -111,14 +110,20 @@ class DeepyRun:
     def processes(self, *, command_has: str = "") -> list[int]:
         return [pid for pid, cmdline in processes_with_marker(self.marker).items() if command_has in cmdline]
 
+    def deepy(self) -> int:
+        """The pid of deepy.py (run.process is the wrapper's when there is one)."""
+        command = f"{sys.executable} deepy.py "
+        return next(pid for pid, cmdline in processes_with_marker(self.marker).items() if cmdline.startswith(command))
+
     def ranks(self) -> dict[int, int]:
-        """RANK -> pid of every rank of the run: the children of DeepSpeed's per-node launcher (a rank's data-loader
-        workers share its command line and environment)."""
+        """RANK -> pid of every rank of the run: the children of deepy.py that carry a RANK (its watchdog does not,
+        and a rank's data-loader workers are the rank's children)."""
         ranks = {}
-        for pid in self.processes(command_has=LAUNCH_ENTRY_MODULE):
-            for rank in psutil.Process(pid).children():
-                environ = Path(f"/proc/{rank.pid}/environ").read_bytes().split(b"\0")
-                ranks[int(next(entry for entry in environ if entry.startswith(b"RANK="))[5:])] = rank.pid
+        for rank in psutil.Process(self.deepy()).children():
+            environ = Path(f"/proc/{rank.pid}/environ").read_bytes().split(b"\0")
+            rank_entry = next((entry for entry in environ if entry.startswith(b"RANK=")), None)
+            if rank_entry is not None:
+                ranks[int(rank_entry[5:])] = rank.pid
         return ranks
 
     @property
@@ -142,8 +147,8 @@ def signal_the_job(run: DeepyRun, receivers: str, signum: int) -> None:
     """Send `signum` to the `receivers` of the run, as the test ids below name them."""
     if receivers == "the srun-like wrapper's group":
         run.process.send_signal(signum)  # the wrapper passes it on to its whole group
-    elif receivers == "DeepSpeed's launcher":
-        send(run.processes(command_has=LAUNCH_ENTRY_MODULE), signum)
+    elif receivers == "deepy.py alone":
+        send([run.deepy()], signum)
     elif receivers == "the last rank":
         ranks = run.ranks()
         send([ranks[max(ranks)]], signum)
@@ -166,14 +171,15 @@ def assert_the_wrappers_group_holds_deepy_alone(run: DeepyRun) -> None:
     assert in_the_group == [deepy], {pid: processes_with_marker(run.marker).get(pid) for pid in in_the_group}
 
 
-def assert_three_processes_deep(run: DeepyRun) -> None:
-    """deepy.py -> DeepSpeed's per-node launcher -> the ranks: no runner process between them (each costs a
-    start and an end of an interpreter that imports torch)."""
-    children = psutil.Process(run.process.pid).children()
-    launchers = [child for child in children if LAUNCH_ENTRY_MODULE in child.cmdline()]
-    assert len(launchers) == 1, [child.cmdline() for child in children]
-    ranks = launchers[0].children()
-    assert len(ranks) == 2 and all(rank.cmdline()[1:3] == ["-u", "train.py"] for rank in ranks), ranks
+def assert_two_processes_deep(run: DeepyRun) -> None:
+    """deepy.py -> the ranks: no runner and no per-node launcher between them (each would cost a start and an end
+    of an interpreter that imports torch); deepy.py's only other child is its watchdog."""
+    children = psutil.Process(run.deepy()).children()
+    ranks = run.ranks()
+    assert sorted(ranks) == [0, 1], [child.cmdline() for child in children]
+    assert all(psutil.Process(pid).cmdline()[1:3] == ["-u", "train.py"] for pid in ranks.values())
+    others = [child.cmdline()[1] for child in children if child.pid not in ranks.values()]
+    assert others == ["-c"], [child.cmdline() for child in children]  # the watchdog
 
 
 # Long enough never to end before the signal; the resume keeps the LR schedule (lr_decay_iters).
@@ -211,15 +217,14 @@ def assert_resumes_from(tmp_path: Path, save: Path, iteration: int, **settings) 
     assert (save / "latest").read_text().strip() == f"global_step{iteration + 2}"
 
 
-# Which recipients' signals take a path of their own (megatron/launch/entry.py, megatron/launch/supervision.py,
+# Which recipients' signals take a path of their own (megatron/launch/supervision.py,
 # megatron/runtime/stop_signals.py), and which run checks each:
-# - DeepSpeed's launcher: the per-node launcher (run by megatron.launch.entry) passes the signal on to deepy.py and
-#   keeps it blocked; deepy.py then passes it on to every rank as for a signal of its own. So this run also checks
-#   deepy.py alone (`kill`), whose handler takes a signal the same way whoever sent it; and the srun-like wrapper's
-#   group, which holds deepy.py alone (its launcher and watchdog start sessions of their own; the second-SIGINT
-#   test checks that the group holds no other process of the run, then signals deepy.py through it).
+# - deepy.py alone (`kill`): deepy.py passes the signal on to every rank; its handler takes a signal the same way
+#   whoever sent it. So this run also checks the srun-like wrapper's group, which holds deepy.py alone (its ranks
+#   and watchdog start process groups of their own; the second-SIGINT test checks that the group holds no other process
+#   of the run, then signals deepy.py through it).
 #   The signal is SIGINT here (Ctrl-C), SIGTERM in the other runs: every process handles both alike (STOP_SIGNALS).
-# - every process: copies from the scheduler, the runner and deepy.py reach each rank within moments and count as
+# - every process: copies from the scheduler and deepy.py reach each rank within moments and count as
 #   one request. With async_save, as the stop must also end only once its checkpoint is committed.
 # - one rank (the last): the rank's own handler notes it and the other rank learns of it only through the
 #   agreement on the step to stop at. The pipeline test below signals the last rank alone: the training loop asks
@@ -229,18 +234,18 @@ def assert_resumes_from(tmp_path: Path, save: Path, iteration: int, **settings) 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize(("receivers", "signum", "settings"), [
-    ("DeepSpeed's launcher", signal.SIGINT, {}),
+    ("deepy.py alone", signal.SIGINT, {}),
     ("every process", signal.SIGTERM, {"async_save": True}),
-], ids=["DeepSpeed's launcher", "every process, async_save"])
+], ids=["deepy.py alone", "every process, async_save"])
 def test_two_ranks_agree_on_the_step_to_stop_at_and_both_save(tmp_path, receivers, signum, settings):
     save = tmp_path / "ckpt"
     run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save, num_gpus=2, **settings)])
     run.wait_for(r"iteration\s+3/2000")
-    assert_three_processes_deep(run)
+    assert_two_processes_deep(run)
     signal_the_job(run, receivers, signum)
     iteration = assert_graceful_stop(run, save, signum, ranks=2)
     assert iteration >= 3
-    if receivers == "DeepSpeed's launcher":  # one resume is enough: the checkpoint is written alike whoever stops
+    if receivers == "deepy.py alone":  # one resume is enough: the checkpoint is written alike whoever stops
         assert_resumes_from(tmp_path, save, iteration, num_gpus=2)
 
 
@@ -265,20 +270,31 @@ def catches(pid: int, signum: int) -> bool:
     return bool(caught & (1 << (signum - 1)))
 
 
-@pytest.mark.parametrize("moment", ["while deepy.py checks the settings", "while the launcher starts"])
-def test_a_signal_before_any_rank_exists_ends_deepy_with_one_line(tmp_path, moment):
+def test_a_signal_before_any_rank_exists_ends_deepy_with_one_line(tmp_path):
     save = tmp_path / "ckpt"
     run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save)])
-    if moment == "while the launcher starts":
-        run.wait_for(r"^deepy\.py: \S+ -m ")  # deepy.py prints the launch command, then starts it
-    else:
-        while not catches(run.process.pid, signal.SIGTERM):  # deepy.py has begun: it still imports and checks
-            time.sleep(0.01)
+    while not catches(run.process.pid, signal.SIGTERM):  # deepy.py has begun: it still imports and checks
+        time.sleep(0.01)
     run.process.send_signal(signal.SIGTERM)
     assert run.finish(timeout=120) == 0, run.output[-6000:]
     assert run.output.strip().splitlines()[-1] == "deepy.py: stopped by SIGTERM before any rank started; nothing to save"
     assert "Traceback" not in run.output
     assert not save.exists()
+    run.assert_nothing_left()
+
+
+def test_a_signal_to_deepy_as_it_starts_the_ranks_stops_them_before_the_first_step(tmp_path):
+    """deepy.py prints what it starts, then starts the ranks with the stop signals blocked: a signal right then
+    waits in each rank until it can take it, and the run ends before its first step."""
+    save = tmp_path / "ckpt"
+    run = DeepyRun(["configs/tiny.yml", stop_config(tmp_path, save)])
+    run.wait_for(r"^deepy\.py: ranks ")
+    run.process.send_signal(signal.SIGTERM)
+    assert run.finish(timeout=300) == 0, run.output[-6000:]
+    assert re.search(r"stopped by SIGTERM at iteration 0, before the first step of this run; nothing to save",
+                     run.output), run.output[-6000:]
+    assert "Traceback" not in run.output and not STOPPED_LINE.search(run.output)
+    assert not save.exists() or not list(save.iterdir())
     run.assert_nothing_left()
 
 
@@ -307,23 +323,26 @@ def test_a_stop_whose_exit_a_library_swallowed_still_ends_deepy_before_the_launc
     assert done.stderr.strip().splitlines()[-1] == \
         "deepy.py: stopped by SIGTERM before any rank started; nothing to save", output[-6000:]
     assert output.count("stopped by SIGTERM") == 1 and done.stdout == "", output[-6000:]
-    assert not re.search(r"^deepy\.py: \S+ -m ", output, re.MULTILINE) and not save.exists(), output[-6000:]
+    assert not re.search(r"^deepy\.py: ranks ", output, re.MULTILINE) and not save.exists(), output[-6000:]
 
 
-def test_a_signal_taken_while_the_launcher_is_being_started_is_passed_on_once_it_exists(capfd):
-    """deepy.py blocks the stop signals in its main thread while it starts the launcher, but a signal can reach
-    another of its threads, and Python then runs the handler in the middle of Popen, before the launcher exists.
+RANK_TAKING_A_SIGNAL = """import signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # as a rank's stop-signal thread takes them
+print("the rank took", signal.Signals(signal.sigwait({signal.SIGTERM})).name)
+"""
+
+
+def test_a_signal_taken_while_the_ranks_are_being_started_is_passed_on_once_they_exist(capfd):
+    """deepy.py blocks the stop signals in its main thread while it starts the ranks, but a signal can reach
+    another of its threads, and Python then runs the handler in the middle of Popen, before the ranks exist.
     Here the handler runs at that moment for certain: before run() starts a real process group."""
-    launcher = [sys.executable, "-c", "import time; time.sleep(120)"]
-    supervisor = Supervisor(launcher, dict(os.environ))
+    supervisor = Supervisor([RankCommand([sys.executable, "-c", RANK_TAKING_A_SIGNAL], dict(os.environ))] * 2)
     supervisor._on_signal(signal.SIGTERM, None)
-    started = time.monotonic()
     assert supervisor.run() == 0
-    assert time.monotonic() - started < 60  # the launcher's group was stopped, not waited for
-    assert capfd.readouterr().err.strip() == "deepy.py: stopped by SIGTERM before any rank started; nothing to save"
+    assert capfd.readouterr().out.splitlines() == ["the rank took SIGTERM"] * 2
 
 
-# Two paths for the second request: deepy.py kills the launcher's group (Ctrl-C twice: the terminal signals the
+# Two paths for the second request: deepy.py kills the ranks' group (Ctrl-C twice: the terminal signals the
 # group, which holds deepy.py alone), or each rank ends itself by it as well (every process).
 @pytest.mark.parametrize("receivers", ["the srun-like wrapper's group", "every process"])
 @pytest.mark.slow

@@ -1,11 +1,12 @@
-"""The DeepSpeed launcher command deepy.py builds, checked against DeepSpeed's own runner parsing."""
+"""How deepy.py starts the ranks, checked against DeepSpeed: this machine's ranks as its per-node launcher starts
+them (run for real), and the runner command for several machines as its runner parses it."""
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,11 +15,12 @@ from deepspeed.launcher import runner
 from deepspeed.launcher.multinode_runner import MVAPICHRunner, OpenMPIRunner, PDSHRunner, SlurmRunner
 
 from megatron.launch.launcher import (
-    LAUNCH_ENTRY_MODULE,
     free_port,
-    launch_command,
+    local_rank_commands,
     rendezvous_port,
     runner_arguments,
+    runner_command,
+    starts_only_local_ranks,
 )
 from megatron.neox_arguments import ConfigError, NeoXArgs, load_args_on_rank
 from megatron.neox_arguments.handover import handover_argv
@@ -52,16 +54,37 @@ def parsed_by_deepspeed(args: NeoXArgs, cpu_only: bool = True):
     return runner.parse_args(argv)
 
 
-def node_launcher_parse(command: list[str], monkeypatch):
-    """DeepSpeed's per-node launcher's reading of what the launch entry hands it (its parser reads sys.argv)."""
-    from deepspeed.launcher import launch
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR",
+                      "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
+RECORD_RANK = """import json, os, sys
+names = {names!r}
+record = {{"argv": sys.argv[1:], "env": {{name: os.environ.get(name) for name in names}}}}
+open(os.path.join(os.environ["RECORD_DIR"], "rank" + os.environ["RANK"] + ".json"), "w").write(json.dumps(record))
+"""
 
-    monkeypatch.setattr(sys, "argv", ["launch.py", *command[command.index(LAUNCH_ENTRY_MODULE) + 1:]])
-    return launch.parse_args()
+
+def started_by_deepspeeds_node_launcher(tmp_path, world: dict, node_rank: int, master_addr: str, master_port: int,
+                                        script_args: list[str]) -> list[dict]:
+    """The argv and launcher variables of each rank DeepSpeed's per-node launcher starts (run for real, its ranks a
+    script that writes them down), in rank order."""
+    script, records = tmp_path / "record_rank.py", tmp_path / "records"
+    script.write_text(RECORD_RANK.format(names=LAUNCHER_VARIABLES))
+    records.mkdir()
+    world_info = runner.encode_world_info(world)
+    command = [sys.executable, "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
+               f"--node_rank={node_rank}", f"--master_addr={master_addr}", f"--master_port={master_port}",
+               str(script), *script_args]
+    subprocess.run(command, env={**os.environ, "RECORD_DIR": str(records)}, check=True, capture_output=True)
+    found = [json.loads(path.read_text()) for path in records.iterdir()]
+    return sorted(found, key=lambda record: int(record["env"]["RANK"]))
 
 
-def world_of(parsed) -> dict[str, list[int]]:
-    return json.loads(base64.urlsafe_b64decode(parsed.world_info))
+def as_started(tmp_path, args: NeoXArgs, script_args: list[str]) -> list[dict]:
+    """Each rank deepy.py starts for `args`, as the record script would write it down."""
+    commands = local_rank_commands(args, str(tmp_path / "record_rank.py"), script_args, {})
+    assert all(command.argv[:3] == [sys.executable, "-u", str(tmp_path / "record_rank.py")] for command in commands)
+    return [{"argv": command.argv[3:], "env": {name: command.env.get(name) for name in LAUNCHER_VARIABLES}}
+            for command in commands]
 
 
 def world_deepspeeds_runner_would_build(args: NeoXArgs, cpu_only: bool) -> dict[str, list[int]]:
@@ -74,24 +97,20 @@ def world_deepspeeds_runner_would_build(args: NeoXArgs, cpu_only: bool) -> dict[
 
 
 @pytest.mark.parametrize(("settings", "ranks"), [({}, 1), ({"num_gpus": 2}, 2), ({"num_gpus": 3}, 3)])
-def test_one_machine_runs_deepspeeds_node_launcher_with_the_world_its_runner_would_hand_it(monkeypatch, settings,
-                                                                                           ranks):
-    # no runner process between deepy.py and the per-node launcher: the entry runs the launcher itself
+def test_one_machine_starts_its_ranks_as_deepspeeds_node_launcher_would(tmp_path, settings, ranks):
+    # no runner and no per-node launcher process: deepy.py starts the ranks of the world the runner would build
     args = launch_args(master_port=29611, **settings)
-    command = launch_command(args, "train.py", ["--x"], cpu_only=True, python="/usr/bin/python3")
-    assert command[:3] == ["/usr/bin/python3", "-m", LAUNCH_ENTRY_MODULE]
-    parsed = node_launcher_parse(command, monkeypatch)
-    assert (parsed.training_script, parsed.training_script_args) == ("train.py", ["--x"])
-    assert (parsed.master_addr, parsed.master_port, parsed.node_rank) == ("127.0.0.1", 29611, 0)
-    assert parsed.log_level == "critical"
-    assert world_of(parsed) == {"localhost": list(range(ranks))} == world_deepspeeds_runner_would_build(args, True)
-    assert args.global_num_gpus == ranks
+    world = world_deepspeeds_runner_would_build(args, True)
+    assert world == {"localhost": list(range(ranks))} and args.global_num_gpus == ranks
+    expected = started_by_deepspeeds_node_launcher(tmp_path, world, 0, "127.0.0.1", 29611, ["--x"])
+    assert len(expected) == ranks and as_started(tmp_path, args, ["--x"]) == expected
 
 
-def test_the_ranks_get_their_settings_through_the_node_launcher(monkeypatch):
+def test_the_ranks_get_their_settings_on_their_command_line():
     args = launch_args(num_gpus=2)
-    parsed = node_launcher_parse(launch_command(args, "train.py", handover_argv(args), cpu_only=True), monkeypatch)
-    assert load_args_on_rank([*parsed.training_script_args, "--local_rank=1"]).to_dict() == args.to_dict()
+    commands = local_rank_commands(args, "train.py", handover_argv(args), {})
+    assert [load_args_on_rank(command.argv[3:]).to_dict() for command in commands] == [args.to_dict()] * 2
+    assert [command.argv[3] for command in commands] == ["--local_rank=0", "--local_rank=1"]
 
 
 @pytest.mark.parametrize(
@@ -120,7 +139,8 @@ def test_multi_node_launcher_flags(hostfile):
     parsed = parsed_by_deepspeed(args)
     assert (parsed.launcher, parsed.master_addr, parsed.master_port, parsed.num_nodes) == ("slurm", "10.0.0.1", 6000, 2)
     assert parsed.num_gpus == -1  # every slot of the two hosts
-    command = launch_command(args, "train.py", ["--x"], cpu_only=True, python="/usr/bin/python3")
+    assert not starts_only_local_ranks(args)
+    command = runner_command(args, "train.py", ["--x"], cpu_only=True, python="/usr/bin/python3")
     assert command[:3] == ["/usr/bin/python3", "-m", "deepspeed.launcher.runner"]  # its signal handler stops them
     assert command[-2:] == ["train.py", "--x"]
 
@@ -175,7 +195,8 @@ def test_deepspeed_slurm_ranks_take_rank_and_world_size_from_slurm(monkeypatch):
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("SLURM_NTASKS", raising=False)
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded, so that what the call sets is undone after the test
+        monkeypatch.delenv(name)
     args = launch_args(deepspeed_slurm=True)
     _rank_environment_from_launcher(args.deepspeed_mpi, args.deepspeed_slurm, args.master_port)
     assert (os.environ["LOCAL_RANK"], os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("1", "5", "8")
@@ -185,7 +206,7 @@ def test_a_hostfile_missing_on_a_single_node_runs_here_as_deepspeed_does(tmp_pat
     args = launch_args(hostfile=str(tmp_path / "absent"))
     assert args.hostfile is None and args.global_num_gpus == 1
     assert any("does not exist; running on this machine only" in notice for notice in args.notices)
-    assert launch_command(args, "train.py", [], cpu_only=True)[:3] == [sys.executable, "-m", LAUNCH_ENTRY_MODULE]
+    assert starts_only_local_ranks(args) and len(local_rank_commands(args, "train.py", [], {})) == 1
 
 
 # --- several nodes: DeepSpeed's multi-node runners, and each node started by itself (node_rank) -----------
@@ -254,7 +275,7 @@ def test_each_multi_node_command_deepy_builds_is_the_one_deepspeed_runs(tmp_path
 def test_what_deepspeeds_mpi_runners_refuse_stops_deepy_with_one_line(hostfile, launcher, settings):
     args = launch_args(hostfile=hostfile, launcher=launcher, master_addr="10.0.0.1", **settings)
     with pytest.raises(ConfigError, match=rf"launcher: {launcher}: DeepSpeed says: .*does not support"):
-        launch_command(args, "train.py", [], cpu_only=False)
+        runner_command(args, "train.py", [], cpu_only=False)
 
 
 def test_a_launcher_stock_deepspeed_lacks_is_a_config_error():
@@ -262,17 +283,15 @@ def test_a_launcher_stock_deepspeed_lacks_is_a_config_error():
         launch_args(launcher="jsrun")
 
 
-def test_node_rank_starts_this_nodes_ranks_through_deepspeeds_node_launcher(hostfile, monkeypatch):
+def test_node_rank_starts_this_nodes_ranks_as_deepspeeds_node_launcher_would(tmp_path, hostfile):
     args = launch_args(hostfile=hostfile, num_nodes=2, node_rank=1, master_addr="10.0.0.1", master_port=6000)
-    # this node's ranks only, all local: through the entry that blocks the stop signals, on the port given
-    command = launch_command(args, "train.py", [], cpu_only=False, python="/usr/bin/python3")
-    assert command[:3] == ["/usr/bin/python3", "-m", LAUNCH_ENTRY_MODULE]
-    parsed = node_launcher_parse(command, monkeypatch)
-    assert (parsed.node_rank, parsed.master_addr, parsed.master_port) == (1, "10.0.0.1", 6000)
-    # the whole job's nodes, in DeepSpeed's order: the launcher numbers its ranks 4-7 from them
-    assert world_of(parsed) == {"worker-0": [0, 1, 2, 3], "worker-1": [0, 1, 2, 3]}
-    assert world_of(parsed) == world_deepspeeds_runner_would_build(args, cpu_only=False)
-    assert args.global_num_gpus == 8
+    assert starts_only_local_ranks(args)  # this node's ranks only, all local, on the port given
+    # the whole job's nodes, in DeepSpeed's order: this node's ranks are 4-7 of 8
+    world = world_deepspeeds_runner_would_build(args, cpu_only=False)
+    assert world == {"worker-0": [0, 1, 2, 3], "worker-1": [0, 1, 2, 3]} and args.global_num_gpus == 8
+    expected = started_by_deepspeeds_node_launcher(tmp_path, world, 1, "10.0.0.1", 6000, [])
+    assert [record["env"]["RANK"] for record in expected] == ["4", "5", "6", "7"]
+    assert as_started(tmp_path, args, []) == expected
     assert rendezvous_port(args) == 6000
 
 
@@ -307,13 +326,13 @@ def test_dry_run_refuses_what_deepspeeds_mpi_runner_would(hostfile, tmp_path, ca
 
 
 def test_the_ranks_find_this_package_first_on_their_path():
-    # the launch entry runs as `python -m megatron.launch.entry` from any directory: PYTHONPATH must name
-    # the folder holding the megatron package, not a folder inside it (whose logging.py would shadow the stdlib's)
+    # a train script anywhere imports this package: PYTHONPATH must name the folder holding the megatron
+    # package, not a folder inside it (whose logging.py would shadow the stdlib's)
     from megatron.launch.launcher import PACKAGE_PARENT, launcher_environment
 
     first = Path(launcher_environment({}, cpu_only=True)["PYTHONPATH"].split(os.pathsep)[0])
     assert first == Path(PACKAGE_PARENT)
-    assert (first / "megatron" / "launch" / "entry.py").is_file()
+    assert (first / "megatron" / "launch" / "launcher.py").is_file()
 
 
 def test_a_picked_port_lies_below_the_ports_handed_to_outgoing_connections():

@@ -8,14 +8,13 @@ the load is part of the start-up as after a restart. The rank script is tools/be
 train.py with each phase of setup() timed where it runs. Phases, rank 0's (the slowest rank's end of
 the first step for the total):
 
-* deepy.py: its own work before it starts DeepSpeed's launcher (imports, settings, tokenizer and corpus
-  resolution), up to the line in which it shows the launcher's command;
-* launcher: the rest of the time until the rank's interpreter runs its first line (DeepSpeed's per-node
-  launcher's process, the rank's interpreter start);
+* deepy.py: its own work before it starts the ranks (imports, settings, tokenizer and corpus resolution), up
+  to the line in which it shows the ranks' command;
+* rank start: the rest of the time until the rank's interpreter runs its first line;
 * imports, process group, tokenizer, load plan, model, engine, load, data, first step: as timed in the
   rank; "other" is the time between them (seeds, checks, logging);
 * end (not in the total): from the end of the first step to deepy.py's exit: the run's closing (its last
-  evaluation batch) and the ends of the ranks, the launcher and deepy.py.
+  evaluation batch) and the ends of the ranks and deepy.py.
 
 The baseline, ``floor``: the same deepy.py launch of a rank that only imports torch and DeepSpeed and
 joins the gloo process group. ``RATIO startup/floor wall`` is the whole start-up against it;
@@ -41,7 +40,7 @@ sys.path.insert(0, str(REPO))
 from megatron.launch.launcher import free_port  # noqa: E402
 
 RANK_SCRIPT = "tools/bench/startup_rank.py"
-ORDER = ("deepy.py", "launcher", "imports", "process group", "tokenizer", "load plan", "model", "engine", "load",
+ORDER = ("deepy.py", "rank start", "imports", "process group", "tokenizer", "load plan", "model", "engine", "load",
          "data", "first step", "other")
 
 
@@ -53,7 +52,7 @@ def write_config(path: Path, ranks: int, **settings) -> Path:
 
 
 def deepy(config: Path, out_dir: Path, floor: bool = False) -> tuple[float, float, float]:
-    """Run deepy.py on configs/tiny.yml + `config`: when it started, showed the launcher's command, exited."""
+    """Run deepy.py on configs/tiny.yml + `config`: when it started, showed the ranks' command, exited."""
     env = {**os.environ, "BENCH_STARTUP_DIR": str(out_dir), "PYTHONUNBUFFERED": "1"}
     if floor:
         env["BENCH_STARTUP_FLOOR"] = "1"
@@ -63,7 +62,7 @@ def deepy(config: Path, out_dir: Path, floor: bool = False) -> tuple[float, floa
     run = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = []
     for line in run.stdout:
-        if launched is None and line.startswith(f"deepy.py: {sys.executable} "):
+        if launched is None and line.startswith("deepy.py: ranks "):
             launched = time.time()
         output.append(line)
     if run.wait(timeout=900) != 0 or launched is None:
@@ -75,7 +74,7 @@ def breakdown(start: float, launched: float, exited: float, ranks: list[dict]) -
     """Seconds per phase of rank 0, 'total' to the slowest rank's end of its first step, 'end' from there to
     deepy.py's exit."""
     rank0 = ranks[0]
-    phases = {"deepy.py": launched - start, "launcher": rank0["started"] - launched,
+    phases = {"deepy.py": launched - start, "rank start": rank0["started"] - launched,
               "imports": rank0["imported"] - rank0["started"]}
     for name, begin, end in rank0["phases"]:
         phases[name] = phases.get(name, 0.0) + end - begin
@@ -118,13 +117,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{phase:<14} {medians['startup'][phase]:>10.2f} "
                   f"{'-' if floor_value is None else f'{floor_value:.2f}':>8}")
     total, floor_total = medians["startup"]["total"], medians["floor"]["total"]
-    floor_phases = ("deepy.py", "launcher", "process group")
+    floor_phases = ("deepy.py", "rank start", "process group")
     ours = total - sum(medians["startup"][phase] for phase in floor_phases)
     spread = repeat_ratios([run["total"] for run in runs["startup"]], [run["total"] for run in runs["floor"]])
     ratios = Ratios()
     ratios.add("startup/floor wall", total, floor_total, f"per repeat {min(spread):.2f}-{max(spread):.2f}; from "
                "`python deepy.py` to the end of the first step, against a rank that only imports and joins", spread)
-    ratios.add("ours/startup wall", ours, total, "all but deepy.py, the launcher and the process group")
+    ratios.add("ours/startup wall", ours, total, "all but deepy.py, the rank's start and the process group")
     write_json(options, __doc__, ratios, load_average, medians=medians, runs=runs)
     return 0
 
