@@ -103,7 +103,7 @@ def _send_group(group: int, signum: int) -> None:
 
 
 # How long the other ranks have to end on their own once one failed, before the group is killed.
-FAILED_RUN_GRACE_SECONDS = 1.0
+FAILED_RUN_GRACE_SECONDS = 5.0
 
 
 class Supervisor:
@@ -226,7 +226,11 @@ class Supervisor:
 
 
 def _report_end(pid: int, ended: queue.Queue) -> None:
-    """Put (pid, return code) on `ended` once process `pid` has ended, leaving it unreaped."""
-    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    """Put (pid, return code) on `ended` once process `pid` has ended, leaving it unreaped; nothing when the
+    supervisor reaped it first (it stopped waiting: another process failed and the group was killed)."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:
+        return
     killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
     ended.put((pid, -info.si_status if killed else info.si_status))

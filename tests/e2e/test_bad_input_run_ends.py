@@ -34,7 +34,7 @@ pytestmark = pytest.mark.e2e
 # the fix the failed rank waited for its data-loader workers for ever.
 ENDS_WITHIN_SECONDS = 60
 # From the step after which one rank fails to the end of deepy.py: the failed rank's exit, deepy.py giving the
-# others a second to end on their own, then ending them. Without the fix a rank other than 0 kept quiet
+# others a few seconds to end on their own, then ending them. Without the fix a rank other than 0 kept quiet
 # for 30 s before it exited.
 ONE_RANK_FAILS_ENDS_WITHIN_SECONDS = 25
 

@@ -116,14 +116,13 @@ class DeepyRun:
         return next(pid for pid, cmdline in processes_with_marker(self.marker).items() if cmdline.startswith(command))
 
     def ranks(self) -> dict[int, int]:
-        """RANK -> pid of every rank of the run: the children of deepy.py that carry a RANK (its watchdog does not,
-        and a rank's data-loader workers are the rank's children)."""
+        """RANK -> pid of every rank of the run: the children of deepy.py started with a --local_rank (its watchdog
+        is not, and a rank's data-loader workers are the rank's children)."""
         ranks = {}
-        for rank in psutil.Process(self.deepy()).children():
-            environ = Path(f"/proc/{rank.pid}/environ").read_bytes().split(b"\0")
-            rank_entry = next((entry for entry in environ if entry.startswith(b"RANK=")), None)
-            if rank_entry is not None:
-                ranks[int(rank_entry[5:])] = rank.pid
+        for child in psutil.Process(self.deepy()).children():
+            if any(part.startswith("--local_rank=") for part in child.cmdline()):
+                environ = Path(f"/proc/{child.pid}/environ").read_bytes().split(b"\0")
+                ranks[int(next(entry for entry in environ if entry.startswith(b"RANK="))[5:])] = child.pid
         return ranks
 
     @property
