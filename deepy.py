@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         if port != args.master_port:
             args = args.with_values({"master_port": port}, source="deepy.py (a free port on this machine)")
         environment = launcher_environment(dict(os.environ), cpu_only=cpu_only)
-        if starts_only_local_ranks(args):
+        ranks_here = starts_only_local_ranks(args)
+        if ranks_here:
             processes = local_rank_commands(args, command_line.train_script, handover_argv(args), environment)
         else:
             command = runner_command(args, command_line.train_script, handover_argv(args), cpu_only=cpu_only)
@@ -127,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deepy.py: error: {err}", file=sys.stderr)
         return 2
     exit_if_stopped_before_launch()
-    print(f"deepy.py: {launch_line(processes, starts_only_local_ranks(args))}", file=sys.stderr, flush=True)
-    return Supervisor(processes, ranks_here=starts_only_local_ranks(args)).run()
+    print(f"deepy.py: {launch_line(processes, ranks_here)}", file=sys.stderr, flush=True)
+    return Supervisor(processes, ranks_here=ranks_here).run()
 
 
 def launch_line(processes: list[RankCommand], ranks_here: bool) -> str:

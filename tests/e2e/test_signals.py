@@ -325,9 +325,10 @@ def test_a_stop_whose_exit_a_library_swallowed_still_ends_deepy_before_the_launc
     assert not re.search(r"^deepy\.py: ranks ", output, re.MULTILINE) and not save.exists(), output[-6000:]
 
 
-RANK_TAKING_A_SIGNAL = """import signal, sys
+RANK_TAKING_A_SIGNAL = """import signal
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # as a rank's stop-signal thread takes them
-print("the rank took", signal.Signals(signal.sigwait({signal.SIGTERM})).name)
+taken = signal.sigtimedwait({signal.SIGTERM}, 60)
+print("the rank took", "nothing in 60 s" if taken is None else signal.Signals(taken.si_signo).name)
 """
 
 
@@ -339,6 +340,19 @@ def test_a_signal_taken_while_the_ranks_are_being_started_is_passed_on_once_they
     supervisor._on_signal(signal.SIGTERM, None)
     assert supervisor.run() == 0
     assert capfd.readouterr().out.splitlines() == ["the rank took SIGTERM"] * 2
+
+
+def test_when_a_rank_fails_the_others_are_ended_and_deepy_exits_with_its_status(capfd):
+    """One rank exits 3 at once, the other would run a minute: after the grace the group is killed, the status is
+    the failed rank's, and the watch over the killed rank says nothing (it found its rank reaped)."""
+    failing = RankCommand([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ))
+    running = RankCommand([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ))
+    supervisor = Supervisor([failing, running])
+    started = time.monotonic()
+    assert supervisor.run() == 3
+    assert time.monotonic() - started < 40
+    assert [process.returncode for process in supervisor.processes] == [3, -signal.SIGKILL]
+    assert "Traceback" not in capfd.readouterr().err
 
 
 # Two paths for the second request: deepy.py kills the ranks' group (Ctrl-C twice: the terminal signals the
